@@ -1,0 +1,33 @@
+"""lightning_rec: TorchRec's sharded recommendation training as an ordinary Lightning strategy.
+
+Importing the package registers the ``"recshard"`` strategy with Lightning (idempotently), so
+``L.Trainer(strategy="recshard")`` works.
+
+Example::
+
+    import lightning as L, lightning_rec
+    trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2)
+"""
+
+from lightning_rec._compat import StrategyRegistry
+from lightning_rec.batch import Batch, RowCollator, collate_rows
+from lightning_rec.module import RecLightningModule
+from lightning_rec.optim import EmbeddingOptimizer, RecOptimizer
+from lightning_rec.sharding import TableConstraints, TopologyConfig
+from lightning_rec.strategy import RecShardStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "EmbeddingOptimizer",
+    "RecLightningModule",
+    "RecOptimizer",
+    "RecShardStrategy",
+    "RowCollator",
+    "TableConstraints",
+    "TopologyConfig",
+    "collate_rows",
+]
+
+RecShardStrategy.register_strategies(StrategyRegistry)

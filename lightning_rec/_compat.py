@@ -1,0 +1,34 @@
+"""The only home of private imports and version gates.
+
+Lightning keeps several helpers that every strategy needs (process-group start-up, collective reductions,
+the script launcher, optimizer construction from ``configure_optimizers``) behind underscore names. They are
+imported here, once, so that a Lightning upgrade that moves them breaks one file with an obvious fix.
+"""
+
+from __future__ import annotations
+
+# Lightning: process-group helpers shared by its own DDP/FSDP/ModelParallel strategies. There is no public
+# equivalent; re-implementing them would fork Lightning's handling of cluster environments and timeouts.
+from lightning.fabric.utilities.distributed import (  # noqa: F401
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group  # noqa: F401
+from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
+
+# Lightning: turns `configure_optimizers()` output into optimizers + LRSchedulerConfigs (all return forms,
+# validation included). The strategy must call it itself because the embedding optimizer has to be known
+# before the tables are sharded.
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers  # noqa: F401
+
+# Lightning: the `popen` launcher that re-runs the user's script once per local rank (what `ddp` uses).
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher  # noqa: F401
+
+# Lightning's accelerator connector hands string strategies to this registry.
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: F401
+
+# TorchRec tags the per-call `nn.Parameter` views of fused (TBE) tables with this attribute: the optimizer
+# living in the backward pass owns them, so a dense optimizer must never see them.
+IN_BACKWARD_OPTIMIZER_ATTR = "_in_backward_optimizers"

@@ -1,0 +1,316 @@
+"""Embedding (fused, in-backward) optimizers and how they combine with the user's dense optimizers.
+
+TorchRec's FBGEMM kernels update embedding rows inside the backward pass. This module
+
+* describes such an optimizer (:class:`EmbeddingOptimizer`), validates it for a device and turns it into
+  TorchRec ``fused_params``;
+* derives it from the optimizer a user returned from ``configure_optimizers`` (same family, same
+  hyperparameters) or refuses with a clear error when FBGEMM has no equivalent kernel;
+* removes embedding parameters from the user's optimizer (so they are never updated twice);
+* combines both into :class:`RecOptimizer`, a TorchRec ``CombinedOptimizer`` that Lightning can drive.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Literal, Mapping, Optional, Set, Tuple
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+from torch.optim import Optimizer
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+
+from lightning_rec._compat import IN_BACKWARD_OPTIMIZER_ATTR
+
+OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"]
+
+_EMB_OPT_TYPES: Dict[str, EmbOptimType] = {
+    "sgd": EmbOptimType.EXACT_SGD,
+    "adagrad": EmbOptimType.EXACT_ADAGRAD,
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "adam": EmbOptimType.ADAM,
+    "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM,
+    "lamb": EmbOptimType.LAMB,
+    "partial_rowwise_lamb": EmbOptimType.PARTIAL_ROWWISE_LAMB,
+}
+# FBGEMM ships CPU kernels only for these; the others are CUDA-only.
+_CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+_BOUNDS_CHECK_MODES: Dict[str, BoundsCheckMode] = {
+    "error": BoundsCheckMode.FATAL,
+    "warn": BoundsCheckMode.WARNING,
+    "ignore": BoundsCheckMode.IGNORE,
+    "none": BoundsCheckMode.NONE,
+}
+
+
+def supported_optimizers(device_type: str) -> Tuple[str, ...]:
+    """Names of the fused embedding optimizers FBGEMM can run on ``device_type``.
+
+    Example::
+
+        >>> supported_optimizers("cpu")
+        ('sgd', 'adagrad', 'rowwise_adagrad')
+    """
+    return tuple(_EMB_OPT_TYPES) if device_type == "cuda" else _CPU_OPTIMIZERS
+
+
+@dataclass
+class EmbeddingOptimizer:
+    """A fused embedding optimizer: which FBGEMM update rule runs in the backward pass, and its hyperparameters.
+
+    Args:
+        name: the update rule. ``rowwise_adagrad`` keeps one accumulator per row (the usual choice for big
+            tables); ``adagrad`` one per element; ``sgd`` none. ``adam``/``lamb`` and their partial-row-wise
+            variants exist on CUDA only.
+        lr: learning rate.
+        eps: the epsilon of Adagrad/Adam style updates.
+        weight_decay: L2 weight decay (0 disables it).
+        betas: Adam/LAMB moment coefficients.
+
+    Example::
+
+        >>> EmbeddingOptimizer("rowwise_adagrad", lr=0.05).to_fused_params()["learning_rate"]
+        0.05
+    """
+
+    name: OptimizerName = "rowwise_adagrad"
+    lr: float = 0.01
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    betas: Tuple[float, float] = (0.9, 0.999)
+
+    def __post_init__(self) -> None:
+        if self.name not in _EMB_OPT_TYPES:
+            raise ValueError(
+                f"EmbeddingOptimizer: unknown optimizer {self.name!r}. Choose one of {sorted(_EMB_OPT_TYPES)}."
+            )
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ValueError(f"EmbeddingOptimizer: lr must be a finite number >= 0, got {self.lr!r}.")
+        self.betas = tuple(self.betas)  # YAML gives lists
+
+    def validate_for(self, device_type: str) -> None:
+        """Raise if FBGEMM has no kernel for this optimizer on ``device_type`` (``"cpu"`` or ``"cuda"``)."""
+        ok = supported_optimizers(device_type)
+        if self.name not in ok:
+            raise ValueError(
+                f"The fused embedding optimizer {self.name!r} has no FBGEMM kernel on {device_type.upper()}. "
+                f"Supported there: {', '.join(ok)}. HINT: use `rowwise_adagrad` (the usual choice for large "
+                "tables), declare it with `RecLightningModule.configure_embedding_optimizer()` or the strategy's "
+                "`embedding_optimizer=` argument, or train on CUDA."
+            )
+
+    def to_fused_params(self) -> Dict[str, Any]:
+        """TorchRec ``fused_params`` (FBGEMM TBE keyword arguments) for this optimizer."""
+        params: Dict[str, Any] = {
+            "optimizer": _EMB_OPT_TYPES[self.name],
+            "learning_rate": self.lr,
+            "eps": self.eps,
+            "beta1": self.betas[0],
+            "beta2": self.betas[1],
+        }
+        if self.weight_decay:
+            params["weight_decay"] = self.weight_decay
+            params["weight_decay_mode"] = WeightDecayMode.L2
+        return params
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Plain-data form, for logs and checkpoints."""
+        return asdict(self)
+
+
+def bounds_check_params(mode: str) -> Dict[str, Any]:
+    """``fused_params`` selecting FBGEMM's behaviour for ids outside a table.
+
+    Args:
+        mode: ``"error"`` (raise), ``"warn"`` (FBGEMM warns and reads row 0 instead), ``"ignore"`` (silently
+            read row 0) or ``"none"`` (no check at all: fastest, undefined on bad ids).
+    """
+    if mode not in _BOUNDS_CHECK_MODES:
+        raise ValueError(f"bounds_check must be one of {sorted(_BOUNDS_CHECK_MODES)}, got {mode!r}.")
+    return {"bounds_check_mode": _BOUNDS_CHECK_MODES[mode]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Deriving the embedding optimizer from what the user returned in `configure_optimizers`.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _torchrec_rowwise_adagrad() -> Optional[type]:
+    try:
+        from torchrec.optim import RowWiseAdagrad
+
+        return RowWiseAdagrad
+    except ImportError:  # pragma: no cover - torchrec always ships it today
+        return None
+
+
+def _require_default(optimizer: Optimizer, group: Mapping[str, Any], key: str, default: Any) -> None:
+    value = group.get(key, default)
+    if value != default:
+        raise ValueError(
+            f"The embedding tables are optimized by {type(optimizer).__name__}({key}={value!r}), but FBGEMM's "
+            f"fused {type(optimizer).__name__} only supports {key}={default!r}: the tables would be trained "
+            "differently from what you asked. HINT: declare the embedding optimizer explicitly with "
+            "`RecLightningModule.configure_embedding_optimizer()` (or the strategy's `embedding_optimizer=`), "
+            f"or give the embedding parameters their own param group without {key}."
+        )
+
+
+def embedding_optimizer_from_torch(optimizer: Optimizer, group: Mapping[str, Any]) -> EmbeddingOptimizer:
+    """The fused equivalent of ``optimizer``'s update rule for the parameters of ``group``.
+
+    Raises a ``ValueError`` naming the supported choices when FBGEMM has no equivalent (for example SGD with
+    momentum, or AdamW), instead of silently training the tables with a different rule.
+
+    Example::
+
+        >>> opt = torch.optim.Adagrad([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        >>> embedding_optimizer_from_torch(opt, opt.param_groups[0]).name
+        'adagrad'
+    """
+    kind = type(optimizer)
+    for flag in ("maximize", "differentiable"):
+        _require_default(optimizer, group, flag, False)
+    if kind is torch.optim.SGD:
+        for key in ("momentum", "dampening", "weight_decay"):
+            _require_default(optimizer, group, key, 0)
+        _require_default(optimizer, group, "nesterov", False)
+        return EmbeddingOptimizer("sgd", lr=float(group["lr"]))
+    if kind is torch.optim.Adagrad:
+        for key in ("lr_decay", "initial_accumulator_value", "weight_decay"):
+            _require_default(optimizer, group, key, 0)
+        return EmbeddingOptimizer("adagrad", lr=float(group["lr"]), eps=float(group["eps"]))
+    if kind is _torchrec_rowwise_adagrad():
+        for key in ("lr_decay", "initial_accumulator_value", "weight_decay"):
+            _require_default(optimizer, group, key, 0)
+        return EmbeddingOptimizer("rowwise_adagrad", lr=float(group["lr"]), eps=float(group["eps"]))
+    if kind is torch.optim.Adam:
+        _require_default(optimizer, group, "amsgrad", False)
+        _require_default(optimizer, group, "weight_decay", 0)
+        return EmbeddingOptimizer(
+            "adam", lr=float(group["lr"]), eps=float(group["eps"]), betas=tuple(group["betas"])
+        )
+    raise ValueError(
+        f"The embedding tables are in a {kind.__module__}.{kind.__name__} param group, and FBGEMM has no fused "
+        "(in-backward) version of it. Fused embedding optimizers: torch.optim.SGD (no momentum), "
+        "torch.optim.Adagrad, torchrec.optim.RowWiseAdagrad, torch.optim.Adam (CUDA only). HINT: use one of "
+        "those for the embedding parameters, or declare the embedding optimizer explicitly with "
+        "`RecLightningModule.configure_embedding_optimizer()` and keep any optimizer for the dense part."
+    )
+
+
+def find_embedding_group(
+    optimizers: Iterable[Optimizer], is_embedding: Callable[[torch.Tensor], bool]
+) -> Optional[Tuple[int, Dict[str, Any]]]:
+    """Locate the single (optimizer index, param group) that holds the embedding parameters.
+
+    Returns ``None`` when no optimizer holds any. Raises when they are spread over several groups (their
+    hyperparameters could differ, while a fused kernel applies one update rule per table batch).
+    """
+    found: List[Tuple[int, Dict[str, Any]]] = []
+    for idx, opt in enumerate(optimizers):
+        for group in opt.param_groups:
+            if any(is_embedding(p) for p in group["params"]):
+                found.append((idx, group))
+    if len(found) > 1:
+        raise ValueError(
+            f"The embedding parameters are spread over {len(found)} optimizer param groups. A fused embedding "
+            "optimizer needs one set of hyperparameters. HINT: put all embedding parameters in one param group, "
+            "or declare the embedding optimizer with `RecLightningModule.configure_embedding_optimizer()`."
+        )
+    return found[0] if found else None
+
+
+def strip_params(optimizer: Optimizer, is_embedding: Callable[[torch.Tensor], bool]) -> int:
+    """Remove embedding parameters (and any state created for them) from ``optimizer``, in place.
+
+    The optimizer object, its param groups (now possibly empty, but still carrying their learning rates for
+    LR schedulers) and the state of the remaining parameters are kept, so schedulers bound to it keep working.
+
+    Returns:
+        the number of parameters removed.
+    """
+    removed = 0
+    for group in optimizer.param_groups:
+        keep = []
+        for p in group["params"]:
+            if is_embedding(p):
+                optimizer.state.pop(p, None)
+                removed += 1
+            else:
+                keep.append(p)
+        group["params"] = keep
+    return removed
+
+
+def is_fused_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a view of a fused (TBE) table that TorchRec updates in the backward pass."""
+    return hasattr(param, IN_BACKWARD_OPTIMIZER_ATTR)
+
+
+class RecOptimizer(CombinedOptimizer):
+    """TorchRec's ``CombinedOptimizer`` of fused embedding optimizers and a dense optimizer, driven by Lightning.
+
+    Differences from the plain ``CombinedOptimizer`` that Lightning needs:
+
+    * ``step(closure)`` runs the closure exactly **once** (``CombinedOptimizer`` hands it to every
+      sub-optimizer; the fused ones ignore it, so Lightning's closure would run zero or several times), then
+      steps the dense optimizer. The embedding rows were already updated inside the closure's backward pass.
+    * the embedding learning rate follows ``lr_source``, the dense param group that held the embedding
+      parameters in ``configure_optimizers``: an LR scheduler that moves it moves the tables' rate too.
+
+    Args:
+        fused: the fused embedding optimizer (``DistributedModelParallel.fused_optimizer``).
+        dense: the user's optimizer over the dense parameters (embedding parameters already removed).
+        dense_params: the dense parameters by fully qualified name (keys of the checkpointed state).
+        lr_source: the param group whose ``lr`` the embedding tables follow, or ``None`` to keep the
+            fused optimizer's own learning rate.
+
+    Example::
+
+        optimizer = RecOptimizer(dmp.fused_optimizer, torch.optim.Adagrad(dense, lr=0.1), dict(dense_named))
+        loss = optimizer.step(closure)  # closure runs forward + backward once; tables update in backward
+    """
+
+    def __init__(
+        self,
+        fused: KeyedOptimizer,
+        dense: Optimizer,
+        dense_params: Mapping[str, torch.Tensor],
+        lr_source: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        self.dense = dense
+        # `KeyedOptimizerWrapper` builds its optimizer from a factory; ours already exists (schedulers are
+        # bound to it), so the factory hands it back. State and param groups are shared, not copied.
+        keyed_dense = KeyedOptimizerWrapper(dict(dense_params), lambda _params: dense)
+        # No key prefixes: optimizer state stays keyed by parameter FQN, like the model state_dict.
+        super().__init__([fused, keyed_dense])
+        self.fused = fused
+        self._lr_source = lr_source
+        self.sync_lr()
+
+    def sync_lr(self) -> None:
+        """Copy the source group's learning rate into the fused kernels (cheap; idempotent)."""
+        if self._lr_source is None:
+            return
+        lr = self._lr_source["lr"]
+        for group in self.fused.param_groups:
+            group["lr"] = lr
+        self.fused.step()  # a fused optimizer's step() only pushes param_groups' lr into the kernels
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sync_lr()
+        self.dense.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        self.sync_lr()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.dense.step()
+        return loss

@@ -1,0 +1,284 @@
+"""From tables, topology and per-table constraints to a TorchRec ``ShardingPlan``, and the plan report.
+
+The planner itself is TorchRec's ``EmbeddingShardingPlanner``; this module turns typed, YAML-friendly
+configuration into its inputs, checks them against the model and device before any distributed work, and
+renders the resulting plan as a table people can read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+# What TorchRec can shard on each device (ROW_WISE/TABLE_ROW_WISE/GRID_SHARD need CUDA kernels).
+_CPU_SHARDING_TYPES = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.DATA_PARALLEL.value,
+)
+_CUDA_SHARDING_TYPES = _CPU_SHARDING_TYPES + (
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.GRID_SHARD.value,
+)
+# Kernels that train (the quantised ones are inference-only); UVM kernels need CUDA.
+_CPU_KERNELS = (EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value)
+_CUDA_KERNELS = _CPU_KERNELS + (
+    EmbeddingComputeKernel.FUSED_UVM.value,
+    EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
+)
+
+
+def supported_sharding_types(device_type: str) -> Tuple[str, ...]:
+    """Sharding types TorchRec can train with on ``device_type``.
+
+    Example::
+
+        >>> supported_sharding_types("cpu")
+        ('table_wise', 'column_wise', 'table_column_wise', 'data_parallel')
+    """
+    return _CUDA_SHARDING_TYPES if device_type == "cuda" else _CPU_SHARDING_TYPES
+
+
+@dataclass
+class TableConstraints:
+    """What the planner may do with one table (a YAML-friendly ``ParameterConstraints``).
+
+    Args:
+        sharding_types: allowed sharding types, e.g. ``["table_wise", "column_wise"]`` (names of
+            ``torchrec.distributed.types.ShardingType`` values, case-insensitive).
+        compute_kernels: allowed compute kernels, e.g. ``["fused"]``.
+        min_partition: smallest column block when sharding column-wise.
+        pooling_factors: expected ids per sample for each feature of the table (helps the cost model).
+
+    Example::
+
+        RecShardStrategy(constraints={"item_id": TableConstraints(sharding_types=["column_wise"])})
+    """
+
+    sharding_types: Optional[List[str]] = None
+    compute_kernels: Optional[List[str]] = None
+    min_partition: Optional[int] = None
+    pooling_factors: Optional[List[float]] = None
+
+    def __post_init__(self) -> None:
+        if self.sharding_types is not None:
+            self.sharding_types = [s.lower() for s in self.sharding_types]
+        if self.compute_kernels is not None:
+            self.compute_kernels = [k.lower() for k in self.compute_kernels]
+
+    def to_torchrec(self) -> ParameterConstraints:
+        """The equivalent ``torchrec.distributed.planner.ParameterConstraints``."""
+        kwargs = dict(
+            sharding_types=self.sharding_types,
+            compute_kernels=self.compute_kernels,
+            min_partition=self.min_partition,
+        )
+        if self.pooling_factors is not None:
+            kwargs["pooling_factors"] = list(self.pooling_factors)
+        return ParameterConstraints(**kwargs)
+
+
+@dataclass
+class TopologyConfig:
+    """Overrides for the planner's view of the machines (everything else is detected).
+
+    Args:
+        hbm_cap: device (GPU) memory per rank in bytes the planner may fill.
+        ddr_cap: host memory per rank in bytes (the table memory on CPU training).
+        local_world_size: ranks per host (affects intra- vs inter-host communication costs).
+        batch_size: per-rank batch size the planner assumes for its cost model.
+
+    Example::
+
+        RecShardStrategy(topology=TopologyConfig(ddr_cap=8 * 1024**3, batch_size=4096))
+    """
+
+    hbm_cap: Optional[int] = None
+    ddr_cap: Optional[int] = None
+    local_world_size: Optional[int] = None
+    batch_size: Optional[int] = None
+
+
+def embedding_tables(module: nn.Module, module_types: Sequence[Type[nn.Module]]) -> Dict[str, BaseEmbeddingConfig]:
+    """Every table of every shardable embedding module in ``module``, by table name.
+
+    Raises:
+        ValueError: if two modules declare a table of the same name (the plan and checkpoints key by it).
+    """
+    tables: Dict[str, BaseEmbeddingConfig] = {}
+    owners: Dict[str, str] = {}
+    for path, sub in embedding_modules(module, module_types).items():
+        configs = sub.embedding_bag_configs() if hasattr(sub, "embedding_bag_configs") else sub.embedding_configs()
+        for config in configs:
+            if config.name in tables:
+                raise ValueError(
+                    f"Table name {config.name!r} is used by both {owners[config.name]!r} and {path!r}. "
+                    "HINT: give every EmbeddingBagConfig/EmbeddingConfig a unique `name`."
+                )
+            tables[config.name] = config
+            owners[config.name] = path
+    return tables
+
+
+def embedding_modules(module: nn.Module, module_types: Sequence[Type[nn.Module]]) -> Dict[str, nn.Module]:
+    """The outermost submodules of ``module`` that a sharder can shard, by module path."""
+    found: Dict[str, nn.Module] = {}
+    types = tuple(module_types)
+
+    def visit(mod: nn.Module, path: str) -> None:
+        if isinstance(mod, types):
+            found[path] = mod
+            return
+        for name, child in mod.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(module, "")
+    return found
+
+
+def validate_constraints(
+    constraints: Mapping[str, TableConstraints], table_names: Iterable[str], device_type: str
+) -> None:
+    """Check per-table constraints against the model's tables and what ``device_type`` can run.
+
+    Raises:
+        ValueError: naming every unknown table, sharding type or kernel, and what is allowed instead.
+    """
+    names = set(table_names)
+    problems: List[str] = []
+    unknown = sorted(set(constraints) - names)
+    if unknown:
+        problems.append(f"constraints name unknown tables {unknown}; the model's tables are {sorted(names)}")
+    types_ok = supported_sharding_types(device_type)
+    kernels_ok = _CUDA_KERNELS if device_type == "cuda" else _CPU_KERNELS
+    for table, c in sorted(constraints.items()):
+        for st in c.sharding_types or []:
+            if st not in types_ok:
+                problems.append(
+                    f"table {table!r}: sharding type {st!r} cannot run on {device_type.upper()}; "
+                    f"supported there: {', '.join(types_ok)}"
+                )
+        for k in c.compute_kernels or []:
+            if k not in kernels_ok:
+                problems.append(
+                    f"table {table!r}: compute kernel {k!r} cannot train on {device_type.upper()}; "
+                    f"supported there: {', '.join(kernels_ok)}"
+                )
+    if problems:
+        raise ValueError("Invalid sharding constraints:\n  - " + "\n  - ".join(problems))
+
+
+def default_constraints(table_names: Iterable[str], device_type: str) -> Dict[str, TableConstraints]:
+    """Constraints that keep the planner to what ``device_type`` can run (TorchRec's planner would otherwise
+    propose CUDA-only row-wise shardings on a CPU job)."""
+    allowed = list(supported_sharding_types(device_type))
+    return {name: TableConstraints(sharding_types=allowed) for name in table_names}
+
+
+def make_planner(
+    *,
+    world_size: int,
+    device_type: str,
+    topology: Optional[TopologyConfig],
+    constraints: Mapping[str, TableConstraints],
+) -> EmbeddingShardingPlanner:
+    """TorchRec's planner for this job: topology (detected, with ``topology`` overrides) and constraints."""
+    topo = topology or TopologyConfig()
+    local_world_size = topo.local_world_size
+    if local_world_size is None:
+        local_world_size = int(_env_int("LOCAL_WORLD_SIZE") or min(world_size, torch.cuda.device_count() or world_size))
+    planner_topology = Topology(
+        world_size=world_size,
+        compute_device=device_type,
+        local_world_size=local_world_size,
+        hbm_cap=topo.hbm_cap,
+        ddr_cap=topo.ddr_cap,
+    )
+    return EmbeddingShardingPlanner(
+        topology=planner_topology,
+        batch_size=topo.batch_size,
+        constraints={name: c.to_torchrec() for name, c in constraints.items()},
+        debug=False,
+    )
+
+
+def _env_int(name: str) -> Optional[int]:
+    import os
+
+    value = os.environ.get(name)
+    return int(value) if value and value.isdigit() else None
+
+
+def plan_sharding(
+    module: nn.Module,
+    sharders: List[ModuleSharder[nn.Module]],
+    planner: EmbeddingShardingPlanner,
+    pg: Optional[dist.ProcessGroup],
+) -> ShardingPlan:
+    """Plan on rank 0 and broadcast the result, so every rank shards identically."""
+    if pg is not None and dist.is_initialized():
+        return planner.collective_plan(module, sharders, pg)
+    return planner.plan(module, sharders)
+
+
+@dataclass
+class PlanRow:
+    """One table of a plan, flattened for display."""
+
+    module: str
+    table: str
+    sharding_type: str
+    compute_kernel: str
+    ranks: List[int]
+    shard_sizes: List[List[int]]
+
+
+def plan_rows(plan: ShardingPlan) -> List[PlanRow]:
+    """The plan as one :class:`PlanRow` per table, in module then table order."""
+    rows = []
+    for module_path, module_plan in plan.plan.items():
+        for table, ps in module_plan.items():  # type: ignore[union-attr]
+            shards = getattr(ps.sharding_spec, "shards", None) or []
+            rows.append(
+                PlanRow(
+                    module=module_path,
+                    table=table,
+                    sharding_type=ps.sharding_type,
+                    compute_kernel=ps.compute_kernel,
+                    ranks=list(ps.ranks or []),
+                    shard_sizes=[list(s.shard_sizes) for s in shards],
+                )
+            )
+    return rows
+
+
+def format_plan(plan: ShardingPlan, world_size: int) -> str:
+    """The plan as a fixed-width text table.
+
+    Example::
+
+        module  table    sharding     ranks  kernel  shards
+        ebc     t_user   table_wise   0      fused   [100, 16]
+        ebc     t_item   column_wise  0,1    fused   [200, 8] [200, 8]
+    """
+    header = ("module", "table", "sharding", "ranks", "kernel", "shards")
+    body = []
+    for r in plan_rows(plan):
+        ranks = ",".join(map(str, r.ranks)) if r.ranks else f"all {world_size}"
+        shards = " ".join(str(s) for s in r.shard_sizes) if r.shard_sizes else "replicated"
+        body.append((r.module or "<root>", r.table, r.sharding_type, ranks, r.compute_kernel, shards))
+    if not body:
+        return "(no embedding tables: the model is trained as plain data parallel)"
+    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in [header, *body]]
+    return "\n".join(lines)

@@ -1,0 +1,568 @@
+"""``RecShardStrategy``: Lightning's hooks for TorchRec's sharded training.
+
+The strategy owns the whole lifecycle of the sharded model, because Lightning's generic one (move the
+module to the device, wrap it in DDP, ``.cpu()`` it at teardown) breaks on tables that live on ``meta`` or
+are split across ranks:
+
+1. ``connect``: checks the model and the configuration (tables, constraints) before any distributed work.
+2. ``setup_environment``: checks what the device can run, then starts the process group (gloo on CPU,
+   nccl on CUDA).
+3. ``setup``: materialises the dense layers, builds the user's optimizers, derives the fused embedding
+   optimizer from them, plans the sharding on rank 0 (TorchRec's planner, broadcast), wraps the module in
+   ``DistributedModelParallel`` (tables sharded in place, dense part data-parallel) and combines fused and
+   dense optimizers into one :class:`~lightning_rec.optim.RecOptimizer`.
+4. ``teardown``: leaves the sharded module where it is, so later ``validate``/``test``/``predict`` calls reuse
+   it.
+
+The mechanics live in :mod:`lightning_rec.sharding`, :mod:`lightning_rec.optim` and
+:mod:`lightning_rec.checkpoint`; this file is the list of Lightning hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from typing_extensions import override
+
+from lightning_rec import _compat
+from lightning_rec import checkpoint as _ckpt
+from lightning_rec.optim import (
+    EmbeddingOptimizer,
+    RecOptimizer,
+    bounds_check_params,
+    embedding_optimizer_from_torch,
+    find_embedding_group,
+    is_fused_parameter,
+    strip_params,
+)
+from lightning_rec.sharding import (
+    TableConstraints,
+    TopologyConfig,
+    default_constraints,
+    embedding_modules,
+    embedding_tables,
+    format_plan,
+    make_planner,
+    plan_sharding,
+    validate_constraints,
+)
+
+log = logging.getLogger(__name__)
+
+_SHARDED_STATE_ATTR = "_lightning_rec_sharded"
+
+
+@dataclass
+class _ShardedState:
+    """What a sharded module remembers across trainers: its DMP wrapper and how it was sharded."""
+
+    dmp: DistributedModelParallel
+    plan: ShardingPlan
+    embedding_optimizer: EmbeddingOptimizer
+
+
+class RecShardStrategy(ParallelStrategy):
+    """Train a LightningModule with TorchRec-sharded embedding tables and data-parallel dense layers.
+
+    Args:
+        constraints: per-table planner constraints, by table name (allowed sharding types, compute kernels).
+            Plain dicts work too (from YAML). Tables without constraints may use any sharding type the device
+            can run.
+        topology: overrides for the planner's view of the machine (memory per rank, local world size, the
+            per-rank batch size it assumes).
+        sharders: extra TorchRec sharders (e.g. for custom embedding modules); they replace the built-in ones
+            for the same module type.
+        plan: a precomputed ``ShardingPlan`` to use instead of running the planner.
+        embedding_optimizer: the fused embedding optimizer when the module does not declare one with
+            ``configure_embedding_optimizer()``. ``None`` (default): derive it from ``configure_optimizers``.
+        fused_params: extra FBGEMM table-batched-embedding arguments for every table (e.g.
+            ``{"stochastic_rounding": False}``).
+        bounds_check: what to do with ids outside a table: ``"error"``, ``"warn"`` (FBGEMM's default: warn
+            and read row 0), ``"ignore"`` or ``"none"``.
+        process_group_backend: ``"gloo"``/``"nccl"``; default: nccl on CUDA, gloo on CPU.
+        timeout: collective timeout.
+        static_graph: passed to the DDP wrapper of the dense part (TorchRec's default: ``True``).
+        find_unused_parameters: passed to the DDP wrapper of the dense part.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the
+            Trainer, as for any Lightning strategy.
+
+    Example::
+
+        trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2)
+        trainer = L.Trainer(
+            strategy=RecShardStrategy(constraints={"item": TableConstraints(sharding_types=["column_wise"])}),
+            devices=2,
+        )
+    """
+
+    strategy_name = "recshard"
+
+    def __init__(
+        self,
+        constraints: Optional[Mapping[str, Union[TableConstraints, Mapping[str, Any]]]] = None,
+        topology: Optional[Union[TopologyConfig, Mapping[str, Any]]] = None,
+        sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
+        plan: Optional[ShardingPlan] = None,
+        embedding_optimizer: Optional[Union[EmbeddingOptimizer, Mapping[str, Any]]] = None,
+        fused_params: Optional[Mapping[str, Any]] = None,
+        bounds_check: str = "warn",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        static_graph: bool = True,
+        find_unused_parameters: bool = False,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.constraints: Dict[str, TableConstraints] = {
+            name: c if isinstance(c, TableConstraints) else TableConstraints(**c)
+            for name, c in (constraints or {}).items()
+        }
+        self.topology = topology if topology is None or isinstance(topology, TopologyConfig) else TopologyConfig(**topology)
+        self._extra_sharders = list(sharders or [])
+        self._plan = plan
+        self.embedding_optimizer = (
+            embedding_optimizer
+            if embedding_optimizer is None or isinstance(embedding_optimizer, EmbeddingOptimizer)
+            else EmbeddingOptimizer(**embedding_optimizer)
+        )
+        self.fused_params = {**bounds_check_params(bounds_check), **dict(fused_params or {})}
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._static_graph = static_graph
+        self._find_unused_parameters = find_unused_parameters
+        self.num_nodes = 1
+        self._rec_optimizer: Optional[RecOptimizer] = None
+
+    # ---------------------------------------------------------------------------------------------------
+    # Properties Lightning asks for
+    # ---------------------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Sharded state can only be loaded into the sharded model.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # `load_checkpoint` restores the optimizer in place, shard by shard
+
+    @property
+    def sharded_model(self) -> DistributedModelParallel:
+        """The ``DistributedModelParallel`` wrapper (available after setup)."""
+        state = _sharded_state(self.lightning_module)
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__}: the model is not sharded yet; call this after setup.")
+        return state.dmp
+
+    @property
+    def sharding_plan(self) -> ShardingPlan:
+        """The ``ShardingPlan`` the model was sharded with (available after setup)."""
+        return self.sharded_model.plan
+
+    # ---------------------------------------------------------------------------------------------------
+    # Lifecycle, in Lightning's order
+    # ---------------------------------------------------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _compat._SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    @override
+    def connect(self, model: "pl.LightningModule") -> None:
+        super().connect(model)
+        if _sharded_state(model) is not None:
+            return
+        tables = embedding_tables(model, self._module_types())
+        if not tables:
+            rank_zero_warn(
+                f"{type(self).__name__}: {type(model).__name__} has no EmbeddingBagCollection or "
+                "EmbeddingCollection, so there is nothing to shard; it will be trained as plain data parallel. "
+                "HINT: use `strategy='ddp'` for models without embedding tables."
+            )
+        if self._plan is None:
+            validate_constraints(self.constraints, tables, self.root_device.type)
+
+    @override
+    def setup_environment(self) -> None:
+        self._check_precision()
+        if self.embedding_optimizer is not None:
+            self.embedding_optimizer.validate_for(self.root_device.type)
+        super().setup_environment()
+        self._setup_distributed()
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_trainer_flags(trainer)
+
+        state = _sharded_state(module)
+        optimizers: List[Optimizer] = []
+        lr_scheduler_configs: List[Any] = []
+        embedding_param_ids: Set[int] = set()
+        if state is None:
+            emb_modules = embedding_modules(module, self._module_types())
+            embedding_param_ids = {id(p) for m in emb_modules.values() for p in m.parameters()}
+            _materialize_dense(module, self.root_device, skip=list(emb_modules.values()))
+        # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
+        if fitting or (state is None and pl.utilities.model_helpers.is_overridden("configure_optimizers", module)):
+            optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
+        is_embedding = lambda p: id(p) in embedding_param_ids or is_fused_parameter(p)  # noqa: E731
+        emb_opt, lr_source = self._resolve_embedding_optimizer(module, optimizers, is_embedding)
+
+        if state is None:
+            state = self._shard(module, emb_opt)
+        elif emb_opt != state.embedding_optimizer and fitting:
+            raise RuntimeError(
+                f"{type(self).__name__}: the model was sharded earlier with embedding optimizer "
+                f"{state.embedding_optimizer}, but now asks for {emb_opt}. The fused optimizer is part of the "
+                "sharded kernels. HINT: declare it with `configure_embedding_optimizer()` so that every run "
+                "uses the same one, or build a fresh model."
+            )
+        self.model = state.dmp
+
+        if fitting:
+            self._combine_optimizers(state, optimizers, lr_scheduler_configs, is_embedding, lr_source)
+        self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        # Devices are handled in `setup`: dense layers are materialised/moved there, tables by DMP.
+        pass
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # An LR scheduler may have moved the dense learning rate since the last step; the tables follow it
+        # before this step's backward pass (where their update happens).
+        if self._rec_optimizer is not None:
+            self._rec_optimizer.sync_lr()
+
+    @override
+    def teardown(self) -> None:
+        # Unlike Lightning's default, never `.cpu()` the module: its tables are sharded (and on CUDA, moving
+        # them would break the kernels). The sharded module is kept for later validate/test/predict calls.
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # ---------------------------------------------------------------------------------------------------
+    # Collectives
+    # ---------------------------------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _compat._distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _compat._distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=_compat._group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        """Reduce ``tensor`` over all ranks with ``reduce_op`` (``"mean"``/``"avg"``, ``"sum"``, ``"max"``,
+        ``"min"`` or a ``ReduceOp``); non-tensors are returned unchanged."""
+        if isinstance(tensor, Tensor):
+            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---------------------------------------------------------------------------------------------------
+    # Checkpoints (torch.distributed.checkpoint; see lightning_rec.checkpoint)
+    # ---------------------------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        return optimizer.state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in place by `load_checkpoint`
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in place by `load_checkpoint`
+
+    @override
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        path = Path(self.broadcast(str(filepath)))
+        _ckpt.save(checkpoint, path, is_global_zero=self.is_global_zero, barrier=self.barrier)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        return _ckpt.load(path, self.lightning_module, [getattr(o, "_optimizer", o) for o in self.optimizers])
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            _ckpt.remove(Path(filepath))
+
+    # ---------------------------------------------------------------------------------------------------
+    # Registration
+    # ---------------------------------------------------------------------------------------------------
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="TorchRec sharded embedding tables (DMP + FBGEMM fused optimizers) with data-parallel dense layers",
+            override=True,
+        )
+
+    # ---------------------------------------------------------------------------------------------------
+    # Private helpers
+    # ---------------------------------------------------------------------------------------------------
+
+    def _setup_distributed(self) -> None:
+        _compat.reset_seed()
+        self._set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _compat._get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        kwargs: Dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def _module_types(self) -> List[type]:
+        return [s.module_type for s in self._sharders(EmbeddingOptimizer("sgd"))]
+
+    def _sharders(self, emb_opt: EmbeddingOptimizer) -> List[ModuleSharder[nn.Module]]:
+        fused = {**emb_opt.to_fused_params(), **self.fused_params}
+        by_type: Dict[type, ModuleSharder[nn.Module]] = {
+            s.module_type: s
+            for s in (EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused))
+        }
+        by_type.update({s.module_type: s for s in self._extra_sharders})
+        return list(by_type.values())
+
+    def _check_precision(self) -> None:
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if precision in ("32-true", "32", "bf16-mixed"):
+            return
+        if precision == "16-mixed":
+            raise ValueError(
+                f"{type(self).__name__} does not support precision='16-mixed': its gradient scaler skips steps "
+                "whose gradients overflow, but embedding rows are already updated inside the backward pass, so "
+                "skipped steps would silently half-apply. HINT: use precision='bf16-mixed' (no loss scaling) "
+                "or '32-true'."
+            )
+        raise ValueError(
+            f"{type(self).__name__} supports precision='32-true' and 'bf16-mixed', got {precision!r}. "
+            "HINT: for lower-precision tables set `fused_params={'weights_precision': ...}` instead of "
+            "converting the whole module."
+        )
+
+    def _check_trainer_flags(self, trainer: "pl.Trainer") -> None:
+        if trainer.accumulate_grad_batches != 1 and embedding_tables(self.lightning_module, self._module_types()):
+            raise ValueError(
+                f"{type(self).__name__} does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: "
+                "embedding rows are updated inside every backward pass (FBGEMM fused optimizers), so their "
+                "gradients cannot be accumulated. HINT: increase the batch size instead."
+            )
+        if trainer.gradient_clip_val:
+            rank_zero_warn(
+                f"{type(self).__name__}: gradient_clip_val applies to the dense parameters only; embedding "
+                "gradients are consumed inside the backward pass by the fused optimizer and never materialised."
+            )
+
+    def _resolve_embedding_optimizer(
+        self, module: nn.Module, optimizers: List[Optimizer], is_embedding: Callable[[Tensor], bool]
+    ) -> "tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]":
+        """The fused optimizer and the param group whose learning rate it follows (None: its own)."""
+        found = find_embedding_group(optimizers, is_embedding)
+        declared = getattr(module, "configure_embedding_optimizer", lambda: None)() or self.embedding_optimizer
+        if declared is not None:
+            emb_opt, lr_source = declared, None
+        elif found is not None:
+            emb_opt, lr_source = embedding_optimizer_from_torch(optimizers[found[0]], found[1]), found[1]
+        elif optimizers and embedding_tables(module, self._module_types()):
+            raise ValueError(
+                f"{type(self).__name__}: no optimizer returned by `configure_optimizers` holds the embedding "
+                "parameters, so their update rule is unknown. HINT: include them (e.g. "
+                "`torch.optim.Adagrad(self.parameters(), lr=0.1)`), or declare the embedding optimizer with "
+                "`configure_embedding_optimizer()`."
+            )
+        else:
+            emb_opt, lr_source = EmbeddingOptimizer("sgd", lr=0.0), None  # evaluation only: no update happens
+        emb_opt.validate_for(self.root_device.type)
+        return emb_opt, lr_source
+
+    def _shard(self, module: "pl.LightningModule", emb_opt: EmbeddingOptimizer) -> _ShardedState:
+        sharders = self._sharders(emb_opt)
+        pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
+        plan = self._plan
+        if plan is None:
+            tables = embedding_tables(module, self._module_types())
+            constraints = {**default_constraints(tables, self.root_device.type), **self.constraints}
+            planner = make_planner(
+                world_size=self.world_size,
+                device_type=self.root_device.type,
+                topology=self.topology,
+                constraints=constraints,
+            )
+            plan = plan_sharding(module, sharders, planner, pg)
+        rank_zero_info(f"{type(self).__name__}: sharding plan over {self.world_size} rank(s)\n{format_plan(plan, self.world_size)}")
+        dmp = DistributedModelParallel(
+            module,
+            env=ShardingEnv.from_process_group(pg) if pg is not None else None,
+            device=self.root_device,
+            plan=plan,
+            sharders=sharders,
+            data_parallel_wrapper=DefaultDataParallelWrapper(
+                static_graph=self._static_graph, find_unused_parameters=self._find_unused_parameters
+            ),
+        )
+        state = _ShardedState(dmp=dmp, plan=plan, embedding_optimizer=emb_opt)
+        # A plain attribute (not a submodule): the module stays the root of its own state_dict.
+        object.__setattr__(module, _SHARDED_STATE_ATTR, state)
+        return state
+
+    def _combine_optimizers(
+        self,
+        state: _ShardedState,
+        optimizers: List[Optimizer],
+        lr_scheduler_configs: List[Any],
+        is_embedding: Callable[[Tensor], bool],
+        lr_source: Optional[Dict[str, Any]],
+    ) -> None:
+        for opt in optimizers:
+            strip_params(opt, is_embedding)
+        module = self.lightning_module
+        names = {id(p): n for n, p in module.named_parameters() if not is_fused_parameter(p)}
+        if not optimizers:
+            optimizers = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(0))], lr=0.0)]  # fused-only training
+        # The fused optimizer joins the optimizer whose group held the tables (or the first one).
+        host = 0
+        if lr_source is not None:
+            host = next(i for i, o in enumerate(optimizers) if any(g is lr_source for g in o.param_groups))
+        dense = optimizers[host]
+        dense_named = {names.get(id(p), f"param_{i}"): p for i, p in enumerate(p for g in dense.param_groups for p in g["params"])}
+        self._rec_optimizer = RecOptimizer(state.dmp.fused_optimizer, dense, dense_named, lr_source=lr_source)
+        optimizers[host] = self._rec_optimizer
+        self.optimizers = optimizers
+        self.lr_scheduler_configs = lr_scheduler_configs
+
+
+def _sharded_state(module: Optional[nn.Module]) -> Optional[_ShardedState]:
+    return getattr(module, _SHARDED_STATE_ATTR, None) if module is not None else None
+
+
+@torch.no_grad()
+def _materialize_dense(module: nn.Module, device: torch.device, skip: Sequence[nn.Module]) -> None:
+    """Allocate dense parameters still on ``meta`` and move all dense tensors to ``device``.
+
+    Embedding modules (``skip``) are left alone: DMP allocates only the local shards of their tables. Doing
+    this before ``configure_optimizers`` keeps parameter identities stable through sharding, so the user's
+    optimizer keeps pointing at the parameters that are trained.
+    """
+    skip_ids = {id(m) for m in skip}
+
+    def visit(mod: nn.Module) -> None:
+        if id(mod) in skip_ids:
+            return
+        params = list(mod.named_parameters(recurse=False))
+        if any(p.is_meta for _, p in params):
+            mod.to_empty(device=device, recurse=False)
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+        else:
+            for _, p in params:
+                if p.device != device:
+                    p.data = p.data.to(device)
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if buf is not None and buf.device != device:
+                setattr(mod, name, torch.zeros_like(buf, device=device) if buf.is_meta else buf.to(device))
+        for child in mod.children():
+            visit(child)
+
+    visit(module)
