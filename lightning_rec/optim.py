@@ -117,6 +117,25 @@ class EmbeddingOptimizer:
             params["weight_decay_mode"] = WeightDecayMode.L2
         return params
 
+    def torch_optimizer(self, params: Iterable[torch.Tensor]) -> Optimizer:
+        """The same update rule as an ordinary torch optimizer, for tables TorchRec keeps on a non-fused
+        (``dense``) kernel, e.g. ``data_parallel`` tables on CPU."""
+        params = list(params)
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
+        if self.name == "adagrad":
+            return torch.optim.Adagrad(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+        if self.name == "rowwise_adagrad":
+            from torchrec.optim import RowWiseAdagrad
+
+            return RowWiseAdagrad(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+        if self.name == "adam":
+            return torch.optim.Adam(params, lr=self.lr, eps=self.eps, betas=self.betas, weight_decay=self.weight_decay)
+        raise ValueError(
+            f"EmbeddingOptimizer {self.name!r} exists only as a fused kernel; a table on a non-fused kernel "
+            "needs sgd, adagrad, rowwise_adagrad or adam. HINT: constrain that table to the 'fused' compute kernel."
+        )
+
     def as_dict(self) -> Dict[str, Any]:
         """Plain-data form, for logs and checkpoints."""
         return asdict(self)
@@ -269,6 +288,8 @@ class RecOptimizer(CombinedOptimizer):
         dense_params: the dense parameters by fully qualified name (keys of the checkpointed state).
         lr_source: the param group whose ``lr`` the embedding tables follow, or ``None`` to keep the
             fused optimizer's own learning rate.
+        table_optimizer: an ordinary optimizer (same rule as the fused one) for table parameters that TorchRec
+            keeps on a non-fused kernel (``data_parallel`` tables on CPU), with ``table_params`` by name.
 
     Example::
 
@@ -282,29 +303,47 @@ class RecOptimizer(CombinedOptimizer):
         dense: Optimizer,
         dense_params: Mapping[str, torch.Tensor],
         lr_source: Optional[Dict[str, Any]] = None,
+        table_optimizer: Optional[Optimizer] = None,
+        table_params: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> None:
         self.dense = dense
+        self.table_optimizer = table_optimizer
         # `KeyedOptimizerWrapper` builds its optimizer from a factory; ours already exists (schedulers are
         # bound to it), so the factory hands it back. State and param groups are shared, not copied.
-        keyed_dense = KeyedOptimizerWrapper(dict(dense_params), lambda _params: dense)
+        keyed: List[KeyedOptimizer] = [fused, KeyedOptimizerWrapper(dict(dense_params), lambda _params: dense)]
+        if table_optimizer is not None:
+            keyed.append(KeyedOptimizerWrapper(dict(table_params or {}), lambda _params: table_optimizer))
         # No key prefixes: optimizer state stays keyed by parameter FQN, like the model state_dict.
-        super().__init__([fused, keyed_dense])
+        super().__init__(keyed)
         self.fused = fused
         self._lr_source = lr_source
         self.sync_lr()
+
+    def _follower_groups(self) -> List[Dict[str, Any]]:
+        groups = list(self.fused.param_groups)
+        if self.table_optimizer is not None:
+            groups += self.table_optimizer.param_groups
+        return groups
+
+    @property
+    def embedding_lrs(self) -> List[float]:
+        """The learning rates the embedding tables are trained with right now (one per kernel group)."""
+        return [float(g["lr"]) for g in self._follower_groups()]
 
     def sync_lr(self) -> None:
         """Copy the source group's learning rate into the fused kernels (cheap; idempotent)."""
         if self._lr_source is None:
             return
         lr = self._lr_source["lr"]
-        for group in self.fused.param_groups:
+        for group in self._follower_groups():
             group["lr"] = lr
         self.fused.step()  # a fused optimizer's step() only pushes param_groups' lr into the kernels
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sync_lr()
         self.dense.zero_grad(set_to_none=set_to_none)
+        if self.table_optimizer is not None:
+            self.table_optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         self.sync_lr()
@@ -313,4 +352,6 @@ class RecOptimizer(CombinedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self.dense.step()
+        if self.table_optimizer is not None:
+            self.table_optimizer.step()
         return loss

@@ -7,13 +7,16 @@ renders the resulting plan as a table people can read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -197,24 +200,26 @@ def make_planner(
     local_world_size = topo.local_world_size
     if local_world_size is None:
         local_world_size = int(_env_int("LOCAL_WORLD_SIZE") or min(world_size, torch.cuda.device_count() or world_size))
-    planner_topology = Topology(
-        world_size=world_size,
-        compute_device=device_type,
-        local_world_size=local_world_size,
-        hbm_cap=topo.hbm_cap,
-        ddr_cap=topo.ddr_cap,
+    planner_topology = TopologyFactory.create_topology(
+        TrainerConfig(
+            world_size=world_size,
+            local_world_size=local_world_size,
+            hbm_cap_bytes=topo.hbm_cap,
+            ddr_cap_bytes=topo.ddr_cap,
+        ),
+        kernel_config=KernelConfig(compute_device=device_type),
     )
     return EmbeddingShardingPlanner(
         topology=planner_topology,
         batch_size=topo.batch_size,
+        # TorchRec's recommended reservation (its heuristic default warns that it over-estimates dense size).
+        storage_reservation=FixedPercentageStorageReservation(percentage=0.15),
         constraints={name: c.to_torchrec() for name, c in constraints.items()},
         debug=False,
     )
 
 
 def _env_int(name: str) -> Optional[int]:
-    import os
-
     value = os.environ.get(name)
     return int(value) if value and value.isdigit() else None
 

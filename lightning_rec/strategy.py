@@ -518,7 +518,12 @@ class RecShardStrategy(ParallelStrategy):
         for opt in optimizers:
             strip_params(opt, is_embedding)
         module = self.lightning_module
-        names = {id(p): n for n, p in module.named_parameters() if not is_fused_parameter(p)}
+        table_paths = tuple(state.plan.plan)  # module paths of the sharded modules
+        in_table = lambda name: any(name.startswith(f"{p}.") if p else True for p in table_paths)  # noqa: E731
+        named = [(n, p) for n, p in module.named_parameters() if not is_fused_parameter(p)]
+        # Tables TorchRec keeps on a non-fused kernel (data_parallel on CPU) got new parameters when sharded.
+        table_params = {n: p for n, p in named if in_table(n)}
+        names = {id(p): n for n, p in named}
         if not optimizers:
             optimizers = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(0))], lr=0.0)]  # fused-only training
         # The fused optimizer joins the optimizer whose group held the tables (or the first one).
@@ -527,7 +532,14 @@ class RecShardStrategy(ParallelStrategy):
             host = next(i for i, o in enumerate(optimizers) if any(g is lr_source for g in o.param_groups))
         dense = optimizers[host]
         dense_named = {names.get(id(p), f"param_{i}"): p for i, p in enumerate(p for g in dense.param_groups for p in g["params"])}
-        self._rec_optimizer = RecOptimizer(state.dmp.fused_optimizer, dense, dense_named, lr_source=lr_source)
+        self._rec_optimizer = RecOptimizer(
+            state.dmp.fused_optimizer,
+            dense,
+            dense_named,
+            lr_source=lr_source,
+            table_optimizer=state.embedding_optimizer.torch_optimizer(table_params.values()) if table_params else None,
+            table_params=table_params,
+        )
         optimizers[host] = self._rec_optimizer
         self.optimizers = optimizers
         self.lr_scheduler_configs = lr_scheduler_configs

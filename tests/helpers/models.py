@@ -1,0 +1,235 @@
+"""Small models, data and weight utilities shared by the tests."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import lightning_rec
+from lightning_rec import Batch
+
+USERS, ITEMS, GENRES, TAGS = 60, 80, 12, 20
+FEATURES = ["user", "item", "genre"]
+
+
+def tables(dim: int = 8) -> List[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="t_user", embedding_dim=dim, num_embeddings=USERS, feature_names=["user"]),
+        EmbeddingBagConfig(name="t_item", embedding_dim=dim, num_embeddings=ITEMS, feature_names=["item"]),
+        EmbeddingBagConfig(name="t_genre", embedding_dim=dim, num_embeddings=GENRES, feature_names=["genre"]),
+    ]
+
+
+class Towers(nn.Module):
+    """A nested sparse part (an EmbeddingCollection two levels down), to test sharding at any depth."""
+
+    def __init__(self, device: torch.device, dim: int = 8) -> None:
+        super().__init__()
+        self.inner = nn.ModuleDict(
+            {"ec": EmbeddingCollection(
+                tables=[EmbeddingConfig(name="t_tag", embedding_dim=dim, num_embeddings=TAGS, feature_names=["tag"])],
+                device=device,
+            )}
+        )
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        jt = self.inner["ec"](kjt)["tag"]
+        return jt.to_padded_dense(desired_length=3).sum(1)
+
+
+class RecModel(lightning_rec.RecLightningModule):
+    """An EBC (3 tables) + optional nested EC + a small MLP; a binary classifier."""
+
+    def __init__(
+        self,
+        optimizer: str = "adagrad",
+        lr: float = 0.1,
+        table_device: str = "meta",
+        with_ec: bool = False,
+        scheduler: Optional[Dict[str, Any]] = None,
+        emb_optimizer: Optional[Dict[str, Any]] = None,
+        manual: bool = False,
+        batch_format: str = "batch",
+    ) -> None:
+        super().__init__()
+        device = torch.device(table_device)
+        self.ebc = EmbeddingBagCollection(tables=tables(), device=device)
+        self.towers = Towers(device) if with_ec else None
+        width = 3 * 8 + (8 if with_ec else 0) + 2
+        self.mlp = nn.Sequential(nn.Linear(width, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.optimizer_name, self.lr, self.scheduler_cfg = optimizer, lr, scheduler
+        self.emb_optimizer = emb_optimizer
+        self.automatic_optimization = not manual
+        self.batch_format = batch_format
+        self.losses: List[float] = []
+        self.closure_calls = 0
+        self.fused_lrs: List[float] = []
+
+    # -- the batch contract: Batch, dict or tuple holding a KJT -----------------------------------------
+    def _unpack(self, batch: Any):
+        if isinstance(batch, dict):
+            return batch["dense"], batch["kjt"], batch["labels"]
+        if isinstance(batch, (tuple, list)):
+            return batch
+        return batch.dense_features, batch.sparse_features, batch.labels
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        dense, kjt, _ = self._unpack(batch)
+        parts = [self.ebc(kjt).values()]
+        if self.towers is not None:
+            parts.append(self.towers(kjt))
+        return self.mlp(torch.cat([*parts, dense], dim=1)).squeeze(1)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        return F.binary_cross_entropy_with_logits(self(batch).float(), self._unpack(batch)[2])
+
+    def training_step(self, batch: Any, batch_idx: int):
+        self.closure_calls += 1
+        rec = self.trainer.strategy._rec_optimizer
+        if rec is not None:
+            lrs = rec.embedding_lrs
+            assert len(set(lrs)) == 1, lrs
+            self.fused_lrs.append(lrs[0])
+        if self.automatic_optimization:
+            loss = self.loss(batch)
+            self.losses.append(float(loss))
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        opt.step()
+        self.losses.append(float(loss))
+
+    def validation_step(self, batch: Any, batch_idx: int):
+        loss = self.loss(batch)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int):
+        loss = self.loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int):
+        return torch.sigmoid(self(batch))
+
+    def configure_embedding_optimizer(self):
+        return lightning_rec.EmbeddingOptimizer(**self.emb_optimizer) if self.emb_optimizer else None
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adagrad":
+            opt = torch.optim.Adagrad(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "adam":
+            opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "sgd_momentum":
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        elif self.optimizer_name == "rowwise_adagrad":
+            from torchrec.optim import RowWiseAdagrad
+
+            opt = RowWiseAdagrad(self.parameters(), lr=self.lr)
+        else:
+            raise ValueError(self.optimizer_name)
+        if self.scheduler_cfg:
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.scheduler_cfg["gamma"])
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return opt
+
+
+def make_batches(n_batches: int, batch_size: int, seed: int, with_ec: bool = False) -> List[Batch]:
+    """Learnable synthetic data: hidden per-user and per-item scores decide the label."""
+    g = torch.Generator().manual_seed(1234)
+    user_score, item_score = torch.randn(USERS, generator=g), torch.randn(ITEMS, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        users = torch.randint(0, USERS, (batch_size,), generator=g)
+        items = torch.randint(0, ITEMS, (batch_size,), generator=g)
+        n_genres = torch.randint(0, 4, (batch_size,), generator=g)
+        genres = torch.randint(0, GENRES, (int(n_genres.sum()),), generator=g)
+        keys, values, lengths = ["user", "item", "genre"], [users, items, genres], [torch.ones(batch_size), torch.ones(batch_size), n_genres]
+        if with_ec:
+            n_tags = torch.randint(1, 4, (batch_size,), generator=g)
+            keys.append("tag")
+            values.append(torch.randint(0, TAGS, (int(n_tags.sum()),), generator=g))
+            lengths.append(n_tags)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.cat(values).long(), lengths=torch.cat(lengths).int()
+        )
+        dense = torch.rand(batch_size, 2, generator=g)
+        labels = (user_score[users] + item_score[items] > 0).float()
+        out.append(Batch(dense_features=dense, sparse_features=kjt, labels=labels))
+    return out
+
+
+def as_format(batch: Batch, fmt: str) -> Any:
+    if fmt == "dict":
+        return {"dense": batch.dense_features, "kjt": batch.sparse_features, "labels": batch.labels}
+    if fmt == "tuple":
+        return (batch.dense_features, batch.sparse_features, batch.labels)
+    return batch
+
+
+def _pattern(name: str, shape: torch.Size, offsets: List[int]) -> torch.Tensor:
+    """A deterministic value for every global element: depends on the tensor name and global index only."""
+    phase = sum(map(ord, name)) % 97
+    idx = [torch.arange(o, o + s, dtype=torch.float64) for o, s in zip(offsets, shape)]
+    if len(idx) == 1:
+        grid = idx[0] * 0.37
+    else:
+        grid = idx[0][:, None] * 0.37 + idx[1][None, :] * 0.11
+    return (0.1 * torch.sin(grid + phase)).float()
+
+
+@torch.no_grad()
+def deterministic_init(module: nn.Module) -> None:
+    """Overwrite every parameter (sharded or not) with values that depend only on name and global index,
+    so runs with different plans, world sizes or RNG histories start from the same weights."""
+    for name, t in module.state_dict().items():
+        if isinstance(t, ShardedTensor):
+            for shard in t.local_shards():
+                off = list(shard.metadata.shard_offsets)
+                shard.tensor.copy_(_pattern(name, shard.tensor.shape, off))
+        elif t.is_floating_point():
+            t.copy_(_pattern(name, t.shape, [0] * t.dim()))
+
+
+def local_weights(module: nn.Module) -> Dict[str, List]:
+    """Every tensor this rank holds, with its global offsets: ``{name: [(offsets, tensor), ...]}``."""
+    out: Dict[str, List] = {}
+    for name, t in module.state_dict().items():
+        if isinstance(t, ShardedTensor):
+            out[name] = [(list(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in t.local_shards()]
+        elif isinstance(t, torch.Tensor):
+            out[name] = [([0] * t.dim(), t.detach().clone())]
+    return out
+
+
+def assemble(per_rank: List[Dict[str, List]]) -> Dict[str, torch.Tensor]:
+    """Global tensors from every rank's :func:`local_weights` (replicated tensors must agree)."""
+    pieces: Dict[str, List] = {}
+    for weights in per_rank:
+        for name, shards in weights.items():
+            pieces.setdefault(name, []).extend(shards)
+    out = {}
+    for name, shards in pieces.items():
+        shape = [max(o[d] + t.shape[d] for o, t in shards) for d in range(shards[0][1].dim())]
+        full = torch.full(shape, math.nan)
+        for off, t in shards:
+            region = full[tuple(slice(o, o + s) for o, s in zip(off, t.shape))]
+            if not torch.isnan(region).all():
+                assert torch.allclose(region, t, atol=1e-6), f"replicas of {name} disagree"
+            region.copy_(t)
+        assert not torch.isnan(full).any(), f"{name} is not fully covered by the shards"
+        out[name] = full
+    return out

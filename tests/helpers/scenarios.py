@@ -1,0 +1,168 @@
+"""What one rank does in a multi-process test. Each function returns a JSON-serialisable dict."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from lightning_rec import RecShardStrategy
+from lightning_rec.optim import is_fused_parameter
+from lightning_rec.sharding import plan_rows
+from tests.helpers.models import RecModel, as_format, deterministic_init, local_weights, make_batches
+
+
+class DeterministicInit(L.Callback):
+    """Start every run from the same weights, whatever the plan or RNG history (see models._pattern)."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        deterministic_init(pl_module)
+
+
+# A plan with a column-wise, a table-wise and a replicated table (the planner alone would replicate tables
+# this small).
+MIXED_PLAN = {
+    "t_user": {"sharding_types": ["column_wise"]},
+    "t_item": {"sharding_types": ["table_wise"]},
+    "t_genre": {"sharding_types": ["data_parallel"]},
+}
+
+
+def _trainer(world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = None, det_init: bool = True, **kwargs: Any) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=world_size, max_steps=steps, use_distributed_sampler=False, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(
+        strategy=RecShardStrategy(**{"constraints": MIXED_PLAN, **(strategy or {})}),
+        callbacks=[DeterministicInit()] if det_init else [],
+        **defaults,
+    )
+
+
+def _loader(rank: int, steps: int, batch_size: int, model: Dict[str, Any], num_workers: int = 0, seed: int = 100) -> DataLoader:
+    fmt = model.get("batch_format", "batch")
+    batches = [as_format(b, fmt) for b in make_batches(steps, batch_size, seed=seed + rank, with_ec=model.get("with_ec", False))]
+    return DataLoader(batches, batch_size=None, num_workers=num_workers)
+
+
+def train(
+    rank: int, world_size: int, out_dir: Path, tag: str = "train", steps: int = 8, batch_size: int = 32,
+    model: Optional[Dict[str, Any]] = None, strategy: Optional[Dict[str, Any]] = None,
+    trainer: Optional[Dict[str, Any]] = None, num_workers: int = 0, epochs: int = 1,
+) -> Dict[str, Any]:
+    """Fit a RecModel with recshard; report losses, closure calls, learning rates, plan; save local weights."""
+    model = model or {}
+    L.seed_everything(0)
+    m = RecModel(**model)
+    tr = _trainer(world_size, steps * epochs, strategy, **(trainer or {}))
+    tr.fit(m, _loader(rank, steps, batch_size, model, num_workers))
+    torch.save(local_weights(m), out_dir / f"{tag}.weights{rank}.pt")
+    plan = tr.strategy.sharding_plan
+    if rank == 0:
+        torch.save(plan, out_dir / f"{tag}.plan.pt")
+    rec = tr.strategy._rec_optimizer
+    dense_params = [p for g in rec.dense.param_groups for p in g["params"]]
+    emb_names = {n for n, p in m.named_parameters() if is_fused_parameter(p)}
+    return {
+        "losses": m.losses,
+        "closure_calls": m.closure_calls,
+        "global_step": tr.global_step,
+        "fused_lrs": m.fused_lrs,
+        "dense_lr": rec.dense.param_groups[0]["lr"],
+        "plan": [dataclasses.asdict(r) for r in plan_rows(plan)],
+        "dense_param_count": len(dense_params),
+        "dense_has_fused": any(is_fused_parameter(p) for p in dense_params),
+        "num_model_params": sum(1 for n, p in m.named_parameters() if n not in emb_names),
+        "train_loss_logged": float(tr.callback_metrics["train_loss"]) if "train_loss" in tr.callback_metrics else None,
+    }
+
+
+def fit_error(rank: int, world_size: int, out_dir: Path, **kwargs: Any) -> Dict[str, Any]:
+    """Like :func:`train`, but report the exception instead of failing."""
+    try:
+        train(rank, world_size, out_dir, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"error": None}
+
+
+def reference(
+    rank: int, world_size: int, out_dir: Path, plan_from: str, tag: str = "reference", steps: int = 8,
+    batch_size: int = 32, lr: float = 0.1, model: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
+    """The hand-written TorchRec loop a TorchRec user would write: DMP + CombinedOptimizer, same plan and data."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    model = model or {}
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    m = RecModel(**model)
+    plan = torch.load(out_dir / f"{plan_from}.plan.pt", weights_only=False)
+    fused = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": lr, "eps": 1e-10}  # torch Adagrad's eps
+    sharders = [EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
+    dmp = DistributedModelParallel(m, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    deterministic_init(dmp.module)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.Adagrad(ps, lr=lr)
+    )
+    opt = CombinedOptimizer([dmp.fused_optimizer, dense])
+    losses: List[float] = []
+    for b in _loader(rank, steps, batch_size, model):
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(dmp(b), b.labels)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    torch.save(local_weights(dmp.module), out_dir / f"{tag}.weights{rank}.pt")
+    kernels = sorted({ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()})
+    dist.destroy_process_group()
+    return {"losses": losses, "kernels": kernels}
+
+
+def loops(rank: int, world_size: int, out_dir: Path, steps: int = 4, batch_size: int = 16) -> Dict[str, Any]:
+    """fit (with validation), then validate, test and predict on the sharded model; plus the collectives."""
+    L.seed_everything(0)
+    m = RecModel()
+    tr = _trainer(world_size, steps, limit_val_batches=2)
+    train_loader = _loader(rank, steps, batch_size, {})
+    val_loader = _loader(rank, 2, batch_size, {}, seed=500)
+    tr.fit(m, train_loader, val_loader)
+    calls_after_fit = m.closure_calls
+    before = local_weights(m)
+    local_val = [float(m.loss(b)) for b in val_loader]
+    val = tr.validate(m, val_loader, verbose=False)[0]
+    test = tr.test(m, val_loader, verbose=False)[0]
+    preds = tr.predict(m, val_loader)
+    after = local_weights(m)
+    unchanged = all(torch.equal(a[1], b[1]) for k in before for a, b in zip(before[k], after[k]))
+
+    s = tr.strategy
+    x = torch.tensor([float(rank + 1)])
+    return {
+        "val_loss": val["val_loss"],
+        "test_loss": test["test_loss"],
+        "local_val_mean": sum(local_val) / len(local_val),
+        "closure_calls_after_fit": calls_after_fit,
+        "closure_calls_end": m.closure_calls,
+        "weights_unchanged_by_eval": unchanged,
+        "num_predictions": sum(p.numel() for p in preds),
+        "predictions_in_range": all(bool(((p >= 0) & (p <= 1)).all()) for p in preds),
+        "reduce": {op: float(s.reduce(x.clone(), reduce_op=op)) for op in ("sum", "mean", "max", "min")},
+        "all_gather": s.all_gather(torch.tensor([rank * 10])).reshape(-1).tolist(),
+        "broadcast_from_last": s.broadcast({"from": rank}, src=world_size - 1),
+        "is_global_zero": s.is_global_zero,
+    }

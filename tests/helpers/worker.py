@@ -1,0 +1,25 @@
+"""Entry point of one rank: ``python -m tests.helpers.worker SCENARIO CONFIG_JSON OUT_DIR``."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tests.helpers import scenarios
+
+
+def main() -> None:
+    name, config, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    result = getattr(scenarios, name)(rank=rank, world_size=world_size, out_dir=out_dir, **config)
+    (out_dir / f"{name}.rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        # No rank may exit (closing its sockets) while another still reads from it.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
