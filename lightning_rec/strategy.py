@@ -174,6 +174,12 @@ class RecShardStrategy(ParallelStrategy):
         return self.parallel_devices[self.local_rank]
 
     @property
+    def is_distributed(self) -> bool:
+        """Always ``True``: Lightning reads this to decide whether ``self.log(..., sync_dist=True)`` reduces
+        across ranks (it only knows its own strategies otherwise)."""
+        return True
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
