@@ -26,6 +26,10 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers 
 # Lightning: the `popen` launcher that re-runs the user's script once per local rank (what `ddp` uses).
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher  # noqa: F401
 
+# Lightning: reroutes `training_step` through the wrapper's forward (so DDP sees it); its hooks let a strategy
+# stop DDP's reducer during a manual-optimization forward, as Lightning's own DDPStrategy does.
+from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: F401
+
 # Lightning's accelerator connector hands string strategies to this registry.
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: F401
 

@@ -19,7 +19,7 @@ from torchrec.distributed.planner.storage_reservations import FixedPercentageSto
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
 
 # What TorchRec can shard on each device (ROW_WISE/TABLE_ROW_WISE/GRID_SHARD need CUDA kernels).
 _CPU_SHARDING_TYPES = (
@@ -41,15 +41,23 @@ _CUDA_KERNELS = _CPU_KERNELS + (
 )
 
 
-def supported_sharding_types(device_type: str) -> Tuple[str, ...]:
+def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[str, ...]:
     """Sharding types TorchRec can train with on ``device_type``.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``.
+        sequence: for a table of an ``EmbeddingCollection`` (unpooled). TorchRec 1.8's data-parallel
+            ``EmbeddingCollection`` fails on CPU (its output lengths do not match its values), so it is left out.
 
     Example::
 
         >>> supported_sharding_types("cpu")
         ('table_wise', 'column_wise', 'table_column_wise', 'data_parallel')
     """
-    return _CUDA_SHARDING_TYPES if device_type == "cuda" else _CPU_SHARDING_TYPES
+    types = _CUDA_SHARDING_TYPES if device_type == "cuda" else _CPU_SHARDING_TYPES
+    if sequence and device_type != "cuda":
+        types = tuple(t for t in types if t != ShardingType.DATA_PARALLEL.value)
+    return types
 
 
 @dataclass
@@ -150,21 +158,26 @@ def embedding_modules(module: nn.Module, module_types: Sequence[Type[nn.Module]]
 
 
 def validate_constraints(
-    constraints: Mapping[str, TableConstraints], table_names: Iterable[str], device_type: str
+    constraints: Mapping[str, TableConstraints], tables: Mapping[str, BaseEmbeddingConfig], device_type: str
 ) -> None:
     """Check per-table constraints against the model's tables and what ``device_type`` can run.
+
+    Args:
+        constraints: by table name.
+        tables: the model's tables by name (see :func:`embedding_tables`).
+        device_type: ``"cpu"`` or ``"cuda"``.
 
     Raises:
         ValueError: naming every unknown table, sharding type or kernel, and what is allowed instead.
     """
-    names = set(table_names)
+    names = set(tables)
     problems: List[str] = []
     unknown = sorted(set(constraints) - names)
     if unknown:
         problems.append(f"constraints name unknown tables {unknown}; the model's tables are {sorted(names)}")
-    types_ok = supported_sharding_types(device_type)
     kernels_ok = _CUDA_KERNELS if device_type == "cuda" else _CPU_KERNELS
     for table, c in sorted(constraints.items()):
+        types_ok = supported_sharding_types(device_type, isinstance(tables.get(table), EmbeddingConfig))
         for st in c.sharding_types or []:
             if st not in types_ok:
                 problems.append(
@@ -181,11 +194,13 @@ def validate_constraints(
         raise ValueError("Invalid sharding constraints:\n  - " + "\n  - ".join(problems))
 
 
-def default_constraints(table_names: Iterable[str], device_type: str) -> Dict[str, TableConstraints]:
+def default_constraints(tables: Mapping[str, BaseEmbeddingConfig], device_type: str) -> Dict[str, TableConstraints]:
     """Constraints that keep the planner to what ``device_type`` can run (TorchRec's planner would otherwise
     propose CUDA-only row-wise shardings on a CPU job)."""
-    allowed = list(supported_sharding_types(device_type))
-    return {name: TableConstraints(sharding_types=allowed) for name in table_names}
+    return {
+        name: TableConstraints(sharding_types=list(supported_sharding_types(device_type, isinstance(c, EmbeddingConfig))))
+        for name, c in tables.items()
+    }
 
 
 def make_planner(

@@ -32,11 +32,13 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -162,6 +164,7 @@ class RecShardStrategy(ParallelStrategy):
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
         self._rec_optimizer: Optional[RecOptimizer] = None
+        self._forward_redirection = _ManualOptimizationRedirection()
 
     # ---------------------------------------------------------------------------------------------------
     # Properties Lightning asks for
@@ -289,6 +292,14 @@ class RecShardStrategy(ParallelStrategy):
         if fitting:
             self._combine_optimizers(state, optimizers, lr_scheduler_configs, is_embedding, lr_source)
         self.setup_precision_plugin()
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Manual optimization calls backward inside training_step, i.e. inside DDP's forward; DDP's reducer was
+        # kept out of that forward (see _ManualOptimizationRedirection) and is prepared here instead.
+        ddp = _dense_ddp(self.model)
+        if ddp is not None and not self.lightning_module.automatic_optimization:
+            prepare_for_backward(ddp, closure_loss)
 
     @override
     def model_to_device(self) -> None:
@@ -505,7 +516,10 @@ class RecShardStrategy(ParallelStrategy):
             plan=plan,
             sharders=sharders,
             data_parallel_wrapper=DefaultDataParallelWrapper(
-                static_graph=self._static_graph, find_unused_parameters=self._find_unused_parameters
+                # DDP's static-graph first step assumes backward runs after forward returns, which manual
+                # optimization breaks.
+                static_graph=self._static_graph and module.automatic_optimization,
+                find_unused_parameters=self._find_unused_parameters,
             ),
         )
         state = _ShardedState(dmp=dmp, plan=plan, embedding_optimizer=emb_opt)
@@ -549,6 +563,29 @@ class RecShardStrategy(ParallelStrategy):
         optimizers[host] = self._rec_optimizer
         self.optimizers = optimizers
         self.lr_scheduler_configs = lr_scheduler_configs
+
+
+class _ManualOptimizationRedirection(_compat._ForwardRedirection):
+    """Forward redirection through DMP that, like Lightning's DDPStrategy, keeps the dense part's DDP reducer out
+    of a manual-optimization ``training_step`` (whose backward runs inside the forward)."""
+
+    @override
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: "pl.LightningModule") -> None:
+        ddp = _dense_ddp(wrapper_module)
+        if ddp is not None and not original_module.automatic_optimization:
+            ddp.require_backward_grad_sync = False
+
+    @override
+    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: "pl.LightningModule") -> None:
+        ddp = _dense_ddp(wrapper_module)
+        if ddp is not None and not original_module.automatic_optimization:
+            ddp.require_backward_grad_sync = True
+
+
+def _dense_ddp(model: Optional[nn.Module]) -> Optional[DistributedDataParallel]:
+    """The DDP wrapper DMP puts around the dense part, if any."""
+    inner = getattr(model, "_dmp_wrapped_module", None) if isinstance(model, DistributedModelParallel) else None
+    return inner if isinstance(inner, DistributedDataParallel) else None
 
 
 def _sharded_state(module: Optional[nn.Module]) -> Optional[_ShardedState]:

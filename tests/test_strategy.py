@@ -73,3 +73,56 @@ def test_all_loops_and_collectives(tmp_path):
     assert res[0]["val_loss"] == pytest.approx(expected, abs=1e-5)
     assert res[1]["val_loss"] == pytest.approx(expected, abs=1e-5)
     assert res[0]["test_loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_manual_optimization_matches_automatic(tmp_path):
+    auto = run_ranks("train", 2, tmp_path, tag="auto", steps=6)
+    manual = run_ranks("train", 2, tmp_path, tag="manual", steps=6, model={"manual": True})
+    for a, m in zip(auto, manual):
+        assert m["global_step"] == 6
+        assert m["losses"] == pytest.approx(a["losses"], abs=1e-6)
+
+
+def test_batch_formats_workers_nested_ec_and_cpu_tables(tmp_path):
+    """A dict batch from DataLoader workers, tables built on CPU, an EmbeddingCollection two levels down:
+    same numbers as Batch objects with meta tables."""
+    base = run_ranks("train", 2, tmp_path, tag="base", steps=5, model={"with_ec": True})
+    other = run_ranks(
+        "train", 2, tmp_path, tag="other", steps=5, num_workers=2,
+        model={"with_ec": True, "batch_format": "dict", "table_device": "cpu"},
+    )
+    assert {r["table"] for r in base[0]["plan"]} == {"t_user", "t_item", "t_genre", "t_tag"}
+    assert {r["module"] for r in base[0]["plan"]} == {"ebc", "towers.inner.ec"}
+    for b, o in zip(base, other):
+        assert o["losses"] == pytest.approx(b["losses"], abs=1e-6)
+    tup = run_ranks("train", 1, tmp_path, tag="tuple", steps=3, model={"batch_format": "tuple"})
+    assert len(tup[0]["losses"]) == 3
+
+
+def test_bf16_mixed_trains(tmp_path):
+    res = run_ranks("train", 1, tmp_path, steps=30, batch_size=64, model={"lr": 0.2}, trainer={"precision": "bf16-mixed"})
+    losses = res[0]["losses"]
+    assert all(l == l for l in losses)  # no NaN
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+def test_clear_errors_for_what_cannot_run_on_cpu(tmp_path):
+    cases = [
+        {"model": {"optimizer": "adam"}},  # Adam has no fused CPU kernel
+        {"model": {"optimizer": "sgd_momentum"}},  # FBGEMM's SGD has no momentum
+        {"model": {"emb_optimizer": {"name": "lamb"}}},  # declared, CUDA-only
+        {"trainer": {"accumulate_grad_batches": 2}},
+    ]
+    errors = run_ranks("fit_errors", 1, tmp_path, cases=cases)[0]["errors"]
+    assert "'adam' has no FBGEMM kernel on CPU" in errors[0] and "sgd, adagrad, rowwise_adagrad" in errors[0]
+    assert "momentum" in errors[1] and "configure_embedding_optimizer" in errors[1]
+    assert "'lamb' has no FBGEMM kernel on CPU" in errors[2]
+    assert "accumulate_grad_batches=2" in errors[3]
+
+
+def test_model_without_tables_falls_back_to_data_parallel(tmp_path):
+    res = run_ranks("dense_only", 2, tmp_path)
+    assert res[0]["warned"]  # rank_zero_warn: said once, by rank 0
+    assert res[0]["global_step"] == 20
+    assert res[0]["weights"] == pytest.approx(res[1]["weights"])  # replicas stay in sync
+    assert res[0]["weights"][0] > 0.5  # learned that feature 0 decides the label

@@ -82,9 +82,11 @@ class RecModel(lightning_rec.RecLightningModule):
 
     def forward(self, batch: Any) -> torch.Tensor:
         dense, kjt, _ = self._unpack(batch)
-        parts = [self.ebc(kjt).values()]
-        if self.towers is not None:
-            parts.append(self.towers(kjt))
+        if self.towers is None:
+            parts = [self.ebc(kjt).values()]
+        else:  # each sharded module gets exactly its own features
+            ebc_kjt, ec_kjt = kjt.split([3, 1])
+            parts = [self.ebc(ebc_kjt).values(), self.towers(ec_kjt)]
         return self.mlp(torch.cat([*parts, dense], dim=1)).squeeze(1)
 
     def loss(self, batch: Any) -> torch.Tensor:

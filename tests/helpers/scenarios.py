@@ -166,3 +166,37 @@ def loops(rank: int, world_size: int, out_dir: Path, steps: int = 4, batch_size:
         "broadcast_from_last": s.broadcast({"from": rank}, src=world_size - 1),
         "is_global_zero": s.is_global_zero,
     }
+
+
+def fit_errors(rank: int, world_size: int, out_dir: Path, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Run several misconfigured fits in one process; report each one's error (or None)."""
+    return {"errors": [fit_error(rank, world_size, out_dir, **case)["error"] for case in cases]}
+
+
+def dense_only(rank: int, world_size: int, out_dir: Path, steps: int = 20) -> Dict[str, Any]:
+    """A model without embedding tables falls back to plain data parallel (with a warning) and trains."""
+    import warnings
+
+    class Dense(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return F.binary_cross_entropy_with_logits(self.net(batch.dense_features).squeeze(1), batch.labels)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    L.seed_everything(0)
+    m = Dense()
+    batches = make_batches(steps, 64, seed=rank)
+    for b in batches:  # a learnable dense task
+        b.labels = (b.dense_features[:, 0] > 0.5).float()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = _trainer(world_size, steps, strategy={"constraints": {}}, det_init=False)
+        tr.fit(m, DataLoader(batches, batch_size=None))
+    weights = [float(v) for v in m.net.weight.detach().reshape(-1)]
+    return {"warned": any("nothing to shard" in str(w.message) for w in caught), "weights": weights,
+            "global_step": tr.global_step}

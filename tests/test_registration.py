@@ -1,0 +1,67 @@
+"""Registration, construction, and errors raised before any distributed work starts (in-process)."""
+
+from __future__ import annotations
+
+import importlib
+
+import lightning as L
+import pytest
+from torch.utils.data import DataLoader
+
+import lightning_rec
+from lightning_rec import RecShardStrategy, TableConstraints
+from tests.helpers.models import RecModel, make_batches
+
+
+def test_recshard_is_registered_idempotently():
+    assert "recshard" in L.pytorch.strategies.StrategyRegistry
+    importlib.reload(lightning_rec)
+    importlib.reload(lightning_rec)
+    assert "recshard" in L.pytorch.strategies.StrategyRegistry
+    trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy).__name__ == "RecShardStrategy"
+
+
+def test_strategy_object_takes_yaml_shaped_arguments():
+    s = RecShardStrategy(
+        constraints={"t_user": {"sharding_types": ["COLUMN_WISE"]}},
+        topology={"ddr_cap": 2**30, "batch_size": 512},
+        embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05},
+        bounds_check="error",
+    )
+    assert s.constraints["t_user"] == TableConstraints(sharding_types=["column_wise"])
+    assert s.topology.batch_size == 512 and s.embedding_optimizer.lr == 0.05
+    assert s.fused_params["bounds_check_mode"].name == "FATAL"
+    with pytest.raises(ValueError, match="bounds_check must be one of"):
+        RecShardStrategy(bounds_check="sometimes")
+
+
+def _fit(**kwargs):
+    strategy = kwargs.pop("strategy", RecShardStrategy())
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, max_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, **kwargs)
+    trainer.fit(RecModel(), DataLoader(make_batches(1, 4, seed=0), batch_size=None))
+
+
+def test_row_wise_on_cpu_fails_before_distributed_start():
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="'row_wise' cannot run on CPU"):
+        _fit(strategy=RecShardStrategy(constraints={"t_user": TableConstraints(sharding_types=["row_wise"])}))
+    assert not dist.is_initialized()
+
+
+def test_16_mixed_is_refused_with_a_reason():
+    """On CPU Lightning itself swaps 16-mixed for bf16-mixed; on CUDA the strategy must refuse it."""
+    import warnings
+
+    import torch.distributed as dist
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GradScaler warns that CUDA is absent here
+        plugin = MixedPrecision("16-mixed", device="cuda")
+    strategy = RecShardStrategy(precision_plugin=plugin)
+    with pytest.raises(ValueError, match="16-mixed.*skipped steps would silently half-apply.*bf16-mixed"):
+        strategy.setup_environment()
+    assert not dist.is_initialized()
