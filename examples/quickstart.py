@@ -60,14 +60,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-epochs", type=int, default=3)
+    parser.add_argument("--root-dir", default="lightning_logs/quickstart")
     args = parser.parse_args()
     L.seed_everything(0)
     loader = DataLoader(make_rows(), batch_size=128, shuffle=True, collate_fn=RowCollator(FEATURES))
     trainer = L.Trainer(
         strategy="recshard", accelerator="cpu", devices=args.devices, max_epochs=args.max_epochs,
-        enable_checkpointing=False, logger=False,
+        default_root_dir=args.root_dir, logger=False,  # checkpoints: sharded, under root-dir/checkpoints
     )
     trainer.fit(Model(), loader)
+    if trainer.is_global_zero:
+        print(f"final train_loss={float(trainer.callback_metrics['train_loss']):.4f}")
+        print(f"checkpoint={trainer.checkpoint_callback.best_model_path}")
 
 
 if __name__ == "__main__":
