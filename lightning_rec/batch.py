@@ -8,7 +8,7 @@ dicts and tuples holding a ``KeyedJaggedTensor`` transfer the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import torch
 from torchrec.datasets.utils import Batch

@@ -13,8 +13,8 @@ TorchRec's FBGEMM kernels update embedding rows inside the backward pass. This m
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Literal, Mapping, Optional, Set, Tuple
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, Iterable, List, Literal, Mapping, Optional, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType

@@ -20,11 +20,10 @@ The mechanics live in :mod:`lightning_rec.sharding`, :mod:`lightning_rec.optim` 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -36,6 +35,7 @@ from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
@@ -68,8 +68,6 @@ from lightning_rec.sharding import (
     plan_sharding,
     validate_constraints,
 )
-
-log = logging.getLogger(__name__)
 
 _SHARDED_STATE_ATTR = "_lightning_rec_sharded"
 
@@ -272,8 +270,10 @@ class RecShardStrategy(ParallelStrategy):
             emb_modules = embedding_modules(module, self._module_types())
             embedding_param_ids = {id(p) for m in emb_modules.values() for p in m.parameters()}
             _materialize_dense(module, self.root_device, skip=list(emb_modules.values()))
+        else:  # already sharded (e.g. validate, then fit): its tables are the modules the plan names
+            embedding_param_ids = {id(p) for _, p in _table_parameters(module, state.plan)}
         # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
-        if fitting or (state is None and pl.utilities.model_helpers.is_overridden("configure_optimizers", module)):
+        if fitting or (state is None and is_overridden("configure_optimizers", module)):
             optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
         is_embedding = lambda p: id(p) in embedding_param_ids or is_fused_parameter(p)  # noqa: E731
         emb_opt, lr_source = self._resolve_embedding_optimizer(module, optimizers, is_embedding)
@@ -474,7 +474,7 @@ class RecShardStrategy(ParallelStrategy):
 
     def _resolve_embedding_optimizer(
         self, module: nn.Module, optimizers: List[Optimizer], is_embedding: Callable[[Tensor], bool]
-    ) -> "tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]":
+    ) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]:
         """The fused optimizer and the param group whose learning rate it follows (None: its own)."""
         found = find_embedding_group(optimizers, is_embedding)
         declared = getattr(module, "configure_embedding_optimizer", lambda: None)() or self.embedding_optimizer
@@ -538,12 +538,9 @@ class RecShardStrategy(ParallelStrategy):
         for opt in optimizers:
             strip_params(opt, is_embedding)
         module = self.lightning_module
-        table_paths = tuple(state.plan.plan)  # module paths of the sharded modules
-        in_table = lambda name: any(name.startswith(f"{p}.") if p else True for p in table_paths)  # noqa: E731
-        named = [(n, p) for n, p in module.named_parameters() if not is_fused_parameter(p)]
         # Tables TorchRec keeps on a non-fused kernel (data_parallel on CPU) got new parameters when sharded.
-        table_params = {n: p for n, p in named if in_table(n)}
-        names = {id(p): n for n, p in named}
+        table_params = {n: p for n, p in _table_parameters(module, state.plan) if not is_fused_parameter(p)}
+        names = {id(p): n for n, p in module.named_parameters() if not is_fused_parameter(p)}
         if not optimizers:
             optimizers = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(0))], lr=0.0)]  # fused-only training
         # The fused optimizer joins the optimizer whose group held the tables (or the first one).
@@ -586,6 +583,15 @@ def _dense_ddp(model: Optional[nn.Module]) -> Optional[DistributedDataParallel]:
     """The DDP wrapper DMP puts around the dense part, if any."""
     inner = getattr(model, "_dmp_wrapped_module", None) if isinstance(model, DistributedModelParallel) else None
     return inner if isinstance(inner, DistributedDataParallel) else None
+
+
+def _table_parameters(module: nn.Module, plan: ShardingPlan) -> List[Tuple[str, nn.Parameter]]:
+    """Parameters (by FQN) of the modules ``plan`` sharded."""
+    paths = tuple(plan.plan)
+    return [
+        (n, p) for n, p in module.named_parameters()
+        if any(n.startswith(f"{path}.") if path else True for path in paths)
+    ]
 
 
 def _sharded_state(module: Optional[nn.Module]) -> Optional[_ShardedState]:

@@ -25,9 +25,10 @@ FIND=()
 [ -d /opt/wheels ] && FIND=(--find-links /opt/wheels)
 
 "${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" torch
-"${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" --no-deps torchrec
 "${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" -r requirements/torchrec-deps.txt "$FBGEMM"
 "${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" -e ".[test]"
+# Last, so that pip's resolver does not report torchrec's undeclarable CUDA requirement as a conflict.
+"${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" --no-deps torchrec
 # If anything above pulled the CUDA fbgemm-gpu (it shares the fbgemm_gpu import package with the CPU
 # build), remove it and restore the CPU build's files.
 if [ "$FBGEMM" = fbgemm-gpu-cpu ] && .venv/bin/python -m pip show -q fbgemm-gpu >/dev/null 2>&1; then

@@ -126,3 +126,11 @@ def test_model_without_tables_falls_back_to_data_parallel(tmp_path):
     assert res[0]["global_step"] == 20
     assert res[0]["weights"] == pytest.approx(res[1]["weights"])  # replicas stay in sync
     assert res[0]["weights"][0] > 0.5  # learned that feature 0 decides the label
+
+
+def test_validate_before_fit_shards_once_with_the_derived_optimizer(tmp_path):
+    res = run_ranks("validate_then_fit", 2, tmp_path)
+    for r in res:
+        assert r["steps"] == 4
+        assert r["fused_lrs"] == pytest.approx([0.3] * 4)  # derived from configure_optimizers at validate time
+        assert r["after"] < r["before"]

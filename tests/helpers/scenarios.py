@@ -200,3 +200,15 @@ def dense_only(rank: int, world_size: int, out_dir: Path, steps: int = 20) -> Di
     weights = [float(v) for v in m.net.weight.detach().reshape(-1)]
     return {"warned": any("nothing to shard" in str(w.message) for w in caught), "weights": weights,
             "global_step": tr.global_step}
+
+
+def validate_then_fit(rank: int, world_size: int, out_dir: Path, steps: int = 4) -> Dict[str, Any]:
+    """A common sanity pattern: validate a fresh model first (shards it), then fit the same model."""
+    L.seed_everything(0)
+    m = RecModel(lr=0.3)
+    tr = _trainer(world_size, steps, det_init=False)  # keep the weights `before` was measured on
+    loader = _loader(rank, steps, 16, {})
+    before = tr.validate(m, loader, verbose=False)[0]["val_loss"]
+    tr.fit(m, loader)
+    after = tr.validate(m, loader, verbose=False)[0]["val_loss"]
+    return {"before": before, "after": after, "steps": tr.global_step, "fused_lrs": m.fused_lrs}
