@@ -38,7 +38,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -48,6 +47,7 @@ from typing_extensions import override
 
 from lightning_rec import _compat
 from lightning_rec import checkpoint as _ckpt
+from lightning_rec.dmp import ManualOptimizationRedirection, dense_ddp, materialize_dense, table_parameters
 from lightning_rec.optim import (
     EmbeddingOptimizer,
     RecOptimizer,
@@ -162,7 +162,7 @@ class RecShardStrategy(ParallelStrategy):
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
         self._rec_optimizer: Optional[RecOptimizer] = None
-        self._forward_redirection = _ManualOptimizationRedirection()
+        self._forward_redirection = ManualOptimizationRedirection()
 
     # ---------------------------------------------------------------------------------------------------
     # Properties Lightning asks for
@@ -269,9 +269,9 @@ class RecShardStrategy(ParallelStrategy):
         if state is None:
             emb_modules = embedding_modules(module, self._module_types())
             embedding_param_ids = {id(p) for m in emb_modules.values() for p in m.parameters()}
-            _materialize_dense(module, self.root_device, skip=list(emb_modules.values()))
+            materialize_dense(module, self.root_device, skip=list(emb_modules.values()))
         else:  # already sharded (e.g. validate, then fit): its tables are the modules the plan names
-            embedding_param_ids = {id(p) for _, p in _table_parameters(module, state.plan)}
+            embedding_param_ids = {id(p) for _, p in table_parameters(module, state.plan)}
         # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
         if fitting or (state is None and is_overridden("configure_optimizers", module)):
             optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
@@ -296,8 +296,8 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         # Manual optimization calls backward inside training_step, i.e. inside DDP's forward; DDP's reducer was
-        # kept out of that forward (see _ManualOptimizationRedirection) and is prepared here instead.
-        ddp = _dense_ddp(self.model)
+        # kept out of that forward (see dmp.ManualOptimizationRedirection) and is prepared here instead.
+        ddp = dense_ddp(self.model)
         if ddp is not None and not self.lightning_module.automatic_optimization:
             prepare_for_backward(ddp, closure_loss)
 
@@ -539,7 +539,7 @@ class RecShardStrategy(ParallelStrategy):
             strip_params(opt, is_embedding)
         module = self.lightning_module
         # Tables TorchRec keeps on a non-fused kernel (data_parallel on CPU) got new parameters when sharded.
-        table_params = {n: p for n, p in _table_parameters(module, state.plan) if not is_fused_parameter(p)}
+        table_params = {n: p for n, p in table_parameters(module, state.plan) if not is_fused_parameter(p)}
         names = {id(p): n for n, p in module.named_parameters() if not is_fused_parameter(p)}
         if not optimizers:
             optimizers = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(0))], lr=0.0)]  # fused-only training
@@ -562,68 +562,5 @@ class RecShardStrategy(ParallelStrategy):
         self.lr_scheduler_configs = lr_scheduler_configs
 
 
-class _ManualOptimizationRedirection(_compat._ForwardRedirection):
-    """Forward redirection through DMP that, like Lightning's DDPStrategy, keeps the dense part's DDP reducer out
-    of a manual-optimization ``training_step`` (whose backward runs inside the forward)."""
-
-    @override
-    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: "pl.LightningModule") -> None:
-        ddp = _dense_ddp(wrapper_module)
-        if ddp is not None and not original_module.automatic_optimization:
-            ddp.require_backward_grad_sync = False
-
-    @override
-    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: "pl.LightningModule") -> None:
-        ddp = _dense_ddp(wrapper_module)
-        if ddp is not None and not original_module.automatic_optimization:
-            ddp.require_backward_grad_sync = True
-
-
-def _dense_ddp(model: Optional[nn.Module]) -> Optional[DistributedDataParallel]:
-    """The DDP wrapper DMP puts around the dense part, if any."""
-    inner = getattr(model, "_dmp_wrapped_module", None) if isinstance(model, DistributedModelParallel) else None
-    return inner if isinstance(inner, DistributedDataParallel) else None
-
-
-def _table_parameters(module: nn.Module, plan: ShardingPlan) -> List[Tuple[str, nn.Parameter]]:
-    """Parameters (by FQN) of the modules ``plan`` sharded."""
-    paths = tuple(plan.plan)
-    return [
-        (n, p) for n, p in module.named_parameters()
-        if any(n.startswith(f"{path}.") if path else True for path in paths)
-    ]
-
-
 def _sharded_state(module: Optional[nn.Module]) -> Optional[_ShardedState]:
     return getattr(module, _SHARDED_STATE_ATTR, None) if module is not None else None
-
-
-@torch.no_grad()
-def _materialize_dense(module: nn.Module, device: torch.device, skip: Sequence[nn.Module]) -> None:
-    """Allocate dense parameters still on ``meta`` and move all dense tensors to ``device``.
-
-    Embedding modules (``skip``) are left alone: DMP allocates only the local shards of their tables. Doing
-    this before ``configure_optimizers`` keeps parameter identities stable through sharding, so the user's
-    optimizer keeps pointing at the parameters that are trained.
-    """
-    skip_ids = {id(m) for m in skip}
-
-    def visit(mod: nn.Module) -> None:
-        if id(mod) in skip_ids:
-            return
-        params = list(mod.named_parameters(recurse=False))
-        if any(p.is_meta for _, p in params):
-            mod.to_empty(device=device, recurse=False)
-            if hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
-        else:
-            for _, p in params:
-                if p.device != device:
-                    p.data = p.data.to(device)
-        for name, buf in list(mod.named_buffers(recurse=False)):
-            if buf is not None and buf.device != device:
-                setattr(mod, name, torch.zeros_like(buf, device=device) if buf.is_meta else buf.to(device))
-        for child in mod.children():
-            visit(child)
-
-    visit(module)

@@ -51,7 +51,9 @@ def _trainer(world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = N
 def _loader(rank: int, steps: int, batch_size: int, model: Dict[str, Any], num_workers: int = 0, seed: int = 100) -> DataLoader:
     fmt = model.get("batch_format", "batch")
     batches = [as_format(b, fmt) for b in make_batches(steps, batch_size, seed=seed + rank, with_ec=model.get("with_ec", False))]
-    return DataLoader(batches, batch_size=None, num_workers=num_workers)
+    # spawn, not fork: forking a process whose gloo threads are running can deadlock the child.
+    context = "spawn" if num_workers > 0 else None
+    return DataLoader(batches, batch_size=None, num_workers=num_workers, multiprocessing_context=context)
 
 
 def train(
