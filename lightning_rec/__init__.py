@@ -9,7 +9,7 @@ Example::
     trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2)
 """
 
-from lightning_rec._compat import StrategyRegistry
+from lightning_rec import _compat
 from lightning_rec.batch import Batch, RowCollator, collate_rows
 from lightning_rec.module import RecLightningModule
 from lightning_rec.optim import EmbeddingOptimizer, RecOptimizer
@@ -30,4 +30,4 @@ __all__ = [
     "collate_rows",
 ]
 
-RecShardStrategy.register_strategies(StrategyRegistry)
+RecShardStrategy.register_strategies(_compat.StrategyRegistry)

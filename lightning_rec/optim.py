@@ -23,7 +23,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMo
 from torch.optim import Optimizer
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
-from lightning_rec._compat import IN_BACKWARD_OPTIMIZER_ATTR
+from lightning_rec import _compat
 
 OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"]
 
@@ -268,7 +268,7 @@ def strip_params(optimizer: Optimizer, is_embedding: Callable[[torch.Tensor], bo
 
 def is_fused_parameter(param: torch.Tensor) -> bool:
     """Whether ``param`` is a view of a fused (TBE) table that TorchRec updates in the backward pass."""
-    return hasattr(param, IN_BACKWARD_OPTIMIZER_ATTR)
+    return hasattr(param, _compat.IN_BACKWARD_OPTIMIZER_ATTR)
 
 
 class RecOptimizer(CombinedOptimizer):
