@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
@@ -431,7 +432,8 @@ class RecShardStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     def _module_types(self) -> List[type]:
-        return [s.module_type for s in self._sharders(EmbeddingOptimizer("sgd"))]
+        """Module types that get sharded: TorchRec's two collections plus any extra sharder's."""
+        return list(dict.fromkeys([EmbeddingBagCollection, EmbeddingCollection] + [s.module_type for s in self._extra_sharders]))
 
     def _sharders(self, emb_opt: EmbeddingOptimizer) -> List[ModuleSharder[nn.Module]]:
         fused = {**emb_opt.to_fused_params(), **self.fused_params}
