@@ -1,5 +1,10 @@
-"""Entry point of one rank: ``python -m tests.helpers.worker SCENARIO CONFIG_JSON OUT_DIR``."""
+"""Entry point of one rank: ``python -m tests.helpers.worker SCENARIO CONFIG_JSON OUT_DIR``.
 
+SCENARIO is a function name in ``tests.helpers.scenarios``, or ``module:function`` for scenarios kept
+elsewhere (e.g. ``tests.helpers.metric_scenarios:auroc``).
+"""
+
+import importlib
 import json
 import os
 import sys
@@ -13,7 +18,9 @@ from tests.helpers import scenarios
 def main() -> None:
     name, config, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    result = getattr(scenarios, name)(rank=rank, world_size=world_size, out_dir=out_dir, **config)
+    module, _, func = name.rpartition(":")
+    scenario = getattr(importlib.import_module(module) if module else scenarios, func)
+    result = scenario(rank=rank, world_size=world_size, out_dir=out_dir, **config)
     (out_dir / f"{name}.rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         # No rank may exit (closing its sockets) while another still reads from it.

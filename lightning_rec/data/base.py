@@ -1,0 +1,289 @@
+"""What every DataModule here shares: feature specs, columnar in-memory rows, and rank-aware batching.
+
+Sharded embedding lookups are collectives: every rank must run the same number of batches, or the rank
+with one batch more waits forever for the others. :class:`DistributedBatchSampler` guarantees that (and
+covers every row exactly once, so metrics summed over ranks equal the single-process ones), while batch
+sizes may differ by one row between ranks, which TorchRec's input distribution handles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_rec.batch import Batch
+
+__all__ = [
+    "DistributedBatchSampler",
+    "Jagged",
+    "RecDataModule",
+    "RecDataset",
+    "SparseFeature",
+    "batch_loader",
+    "rank_batches",
+]
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    """A categorical feature and the number of rows its embedding table needs.
+
+    DataModules publish their features as a list of these; models build one table per feature from it (the
+    CLI links ``data.sparse_features`` to ``model.sparse_features``).
+
+    Args:
+        name: the feature's key in the ``KeyedJaggedTensor`` (and the table's name, prefixed ``t_``).
+        num_embeddings: ids run from 0 to ``num_embeddings - 1``.
+        multi_hot: whether a sample may carry several ids (or none), e.g. a movie's genres.
+
+    Example::
+
+        >>> SparseFeature("user_id", 944)
+        SparseFeature(name='user_id', num_embeddings=944, multi_hot=False)
+    """
+
+    name: str
+    num_embeddings: int
+    multi_hot: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_embeddings < 1:
+            raise ValueError(f"SparseFeature {self.name!r}: num_embeddings must be >= 1, got {self.num_embeddings}.")
+
+
+@dataclass(frozen=True)
+class Jagged:
+    """A multi-hot column: the ids of sample ``i`` are ``values[offsets[i]:offsets[i + 1]]``.
+
+    Example::
+
+        >>> j = Jagged.from_lists([[3, 5], [], [7]])
+        >>> j.values.tolist(), j.offsets.tolist()
+        ([3, 5, 7], [0, 2, 2, 3])
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+
+    @staticmethod
+    def from_lists(rows: Sequence[Sequence[int]]) -> "Jagged":
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        values = torch.tensor([v for r in rows for v in r], dtype=torch.long)
+        return Jagged(values, offsets)
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def take(self, index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The ``(values, lengths)`` of the rows ``index``, in that order (vectorised, no Python loop)."""
+        starts = self.offsets[index]
+        lengths = self.offsets[index + 1] - starts
+        total = int(lengths.sum())
+        # position of each output value = its row's start + its rank inside the row
+        row_starts = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths)
+        return self.values[row_starts + torch.arange(total)], lengths
+
+
+Column = Union[torch.Tensor, Jagged]
+
+
+class RecDataset(Dataset):
+    """Rows held as columns (dense matrix, labels, one column per sparse feature), indexed a batch at a time.
+
+    ``dataset[index_tensor]`` returns a whole :class:`~lightning_rec.batch.Batch` built with tensor ops, which
+    is what makes a Python-free input path on CPU; ``dataset[i]`` returns a batch of one.
+
+    Args:
+        dense: ``(N, D)`` float dense features (``D`` may be 0).
+        labels: ``(N,)`` float labels.
+        sparse: feature name -> ``(N,)`` long ids (one per sample) or a :class:`Jagged` column (multi-hot).
+            The ``KeyedJaggedTensor`` keys keep this order.
+
+    Example::
+
+        >>> ds = RecDataset(torch.zeros(3, 1), torch.tensor([1., 0., 1.]),
+        ...                 {"user": torch.tensor([4, 2, 9]), "genre": Jagged.from_lists([[1, 2], [], [3]])})
+        >>> b = ds[torch.tensor([2, 0])]
+        >>> b.sparse_features.keys(), b.sparse_features.lengths().tolist(), b.sparse_features.values().tolist()
+        (['user', 'genre'], [1, 1, 1, 2], [9, 4, 3, 1, 2])
+    """
+
+    def __init__(self, dense: torch.Tensor, labels: torch.Tensor, sparse: Mapping[str, Column]) -> None:
+        n = labels.shape[0]
+        if dense.dim() != 2 or dense.shape[0] != n:
+            raise ValueError(f"RecDataset: dense must be ({n}, D) like the labels, got {tuple(dense.shape)}.")
+        for name, col in sparse.items():
+            if len(col) != n:
+                raise ValueError(f"RecDataset: sparse feature {name!r} has {len(col)} rows, the labels {n}.")
+        self.dense = dense.float()
+        self.labels = labels.float()
+        self.sparse: Dict[str, Column] = dict(sparse)
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    def __getitem__(self, index: Union[int, Sequence[int], torch.Tensor]) -> Batch:
+        index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        values: List[torch.Tensor] = []
+        lengths: List[torch.Tensor] = []
+        for col in self.sparse.values():
+            if isinstance(col, Jagged):
+                v, l = col.take(index)
+            else:
+                v, l = col[index], torch.ones(index.numel(), dtype=torch.long)
+            values.append(v)
+            lengths.append(l)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=list(self.sparse), values=torch.cat(values).long(), lengths=torch.cat(lengths).int()
+        )
+        return Batch(dense_features=self.dense[index], sparse_features=kjt, labels=self.labels[index])
+
+    def subset(self, index: torch.Tensor) -> "RecDataset":
+        """The rows ``index`` as a new dataset (e.g. a train/validation split)."""
+        sparse: Dict[str, Column] = {}
+        for name, col in self.sparse.items():
+            if isinstance(col, Jagged):
+                v, l = col.take(index)
+                offsets = torch.zeros(index.numel() + 1, dtype=torch.long)
+                torch.cumsum(l, 0, out=offsets[1:])
+                sparse[name] = Jagged(v, offsets)
+            else:
+                sparse[name] = col[index]
+        return RecDataset(self.dense[index], self.labels[index], sparse)
+
+
+def rank_batches(
+    num_rows: int, batch_size: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = False, seed: int = 0,
+    epoch: int = 0,
+) -> List[torch.Tensor]:
+    """Split ``num_rows`` rows into this rank's batches; every rank gets the same number of batches.
+
+    The (optionally shuffled, by ``seed + epoch``) rows are cut into ``world_size`` contiguous parts whose
+    sizes differ by at most one; each part is cut into ``ceil(ceil(num_rows / world_size) / batch_size)``
+    batches whose sizes differ by at most one. So every row is used exactly once per epoch, no batch exceeds
+    ``batch_size``, and all ranks step together.
+
+    Example::
+
+        >>> [b.tolist() for b in rank_batches(7, 2, rank=1, world_size=2)]
+        [[4, 5], [6]]
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if num_rows < world_size:
+        raise ValueError(
+            f"Cannot give each of {world_size} ranks at least one of {num_rows} rows; use fewer processes or more data."
+        )
+    if shuffle:
+        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    else:
+        order = torch.arange(num_rows)
+    mine = torch.tensor_split(order, world_size)[rank]
+    num_batches = math.ceil(math.ceil(num_rows / world_size) / batch_size)
+    return list(torch.tensor_split(mine, num_batches))
+
+
+class DistributedBatchSampler(DistributedSampler):
+    """Yields this rank's batches of row indices (see :func:`rank_batches`); use with ``batch_size=None``.
+
+    It is a ``DistributedSampler`` so that Lightning keeps it (instead of injecting its own, which would pad
+    with repeated rows) and calls :meth:`set_epoch` on it, which reshuffles each epoch.
+
+    Example::
+
+        sampler = DistributedBatchSampler(dataset, batch_size=512, num_replicas=2, rank=0, shuffle=True)
+        loader = DataLoader(dataset, sampler=sampler, batch_size=None)   # dataset[indices] -> Batch
+    """
+
+    def __init__(
+        self, dataset: Any, batch_size: int, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.batch_size = batch_size
+        self._num_batches = len(self._batches())
+
+    def _batches(self) -> List[torch.Tensor]:
+        return rank_batches(
+            len(self.dataset), self.batch_size, rank=self.rank, world_size=self.num_replicas, shuffle=self.shuffle,
+            seed=self.seed, epoch=self.epoch,
+        )
+
+    def __iter__(self) -> Iterator[torch.Tensor]:  # type: ignore[override]
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        return self._num_batches
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def batch_loader(
+    dataset: Any, batch_size: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = False, seed: int = 0,
+    num_workers: int = 0,
+) -> DataLoader:
+    """A ``DataLoader`` over a dataset indexed by batches of row indices (``dataset[indices] -> Batch``).
+
+    Worker processes are started with ``spawn``: forking a process whose gloo threads run can deadlock.
+
+    Example::
+
+        loader = batch_loader(RecDataset(...), 512, rank=trainer.global_rank, world_size=trainer.world_size)
+    """
+    sampler = DistributedBatchSampler(
+        dataset, batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
+    )
+    return DataLoader(
+        dataset, sampler=sampler, batch_size=None, collate_fn=_identity, num_workers=num_workers,
+        multiprocessing_context="spawn" if num_workers > 0 else None, persistent_workers=num_workers > 0,
+    )
+
+
+class RecDataModule(pl.LightningDataModule):
+    """Base of the DataModules here: publishes the features a model needs and builds rank-aware loaders.
+
+    Subclasses set :attr:`sparse_features` and :attr:`num_dense_features` (the CLI links both to the model) and
+    call :meth:`loader` in their ``*_dataloader`` hooks.
+
+    Args:
+        batch_size: rows per batch on each rank.
+        num_workers: DataLoader worker processes per rank.
+        seed: shuffling seed (reshuffled every epoch).
+    """
+
+    def __init__(self, batch_size: int = 512, num_workers: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"{type(self).__name__}: batch_size must be >= 1, got {batch_size}.")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+
+    @property
+    def sparse_features(self) -> List[SparseFeature]:
+        """The categorical features, in ``KeyedJaggedTensor`` key order."""
+        raise NotImplementedError
+
+    @property
+    def num_dense_features(self) -> int:
+        """The width of ``Batch.dense_features``."""
+        raise NotImplementedError
+
+    def loader(self, dataset: Any, shuffle: bool, batch_size: Optional[int] = None) -> DataLoader:
+        """A :func:`batch_loader` for this rank (rank and world size come from the attached trainer)."""
+        trainer = self.trainer
+        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return batch_loader(
+            dataset, batch_size or self.batch_size, rank=rank, world_size=world_size, shuffle=shuffle,
+            seed=self.seed, num_workers=self.num_workers,
+        )
