@@ -9,8 +9,16 @@ from lightning_rec.data.base import (
     batch_loader,
     rank_batches,
 )
+from lightning_rec.data.movielens import MovieLensDataModule, load_movielens, prepare_movielens
+from lightning_rec.data.synthetic import SyntheticDataModule, SyntheticTable, make_synthetic_dataset
 
 __all__ = [
+    "MovieLensDataModule",
+    "SyntheticDataModule",
+    "SyntheticTable",
+    "make_synthetic_dataset",
+    "load_movielens",
+    "prepare_movielens",
     "DistributedBatchSampler",
     "Jagged",
     "RecDataModule",

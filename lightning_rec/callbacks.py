@@ -1,0 +1,56 @@
+"""Callbacks the CLI adds by default."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+
+from lightning_rec.batch import Batch
+
+__all__ = ["Throughput"]
+
+
+def _batch_rows(batch: Any) -> Optional[int]:
+    if isinstance(batch, Batch):
+        return int(batch.labels.shape[0])
+    labels = batch.get("labels", batch.get("label")) if isinstance(batch, dict) else None
+    return int(labels.shape[0]) if labels is not None else None
+
+
+class Throughput(pl.Callback):
+    """Shows training throughput (samples/s over all ranks) on the progress bar and logs it.
+
+    Measured over the current epoch from the end of its first batch (so start-up is excluded), counting
+    this rank's rows times the world size (ranks step together, with batch sizes differing by at most one
+    row). Logged as ``train/samples_per_s`` every ``log_every_n_steps``, like any metric.
+
+    Args:
+        name: the logged key.
+
+    Example::
+
+        trainer = L.Trainer(strategy="recshard", devices=2, callbacks=[Throughput()])
+    """
+
+    def __init__(self, name: str = "train/samples_per_s") -> None:
+        self.name = name
+        self._start: Optional[float] = None
+        self._rows = 0
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._start, self._rows = None, 0
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        rows = _batch_rows(batch)
+        if rows is None:
+            return
+        now = time.perf_counter()
+        if self._start is None:
+            self._start = now
+            return
+        self._rows += rows * trainer.world_size
+        pl_module.log(self.name, self._rows / max(now - self._start, 1e-9), prog_bar=True, rank_zero_only=True)

@@ -1,0 +1,380 @@
+"""MovieLens-100K as a click-style task: does a user rate a movie 4 stars or more?
+
+Two on-disk layouts of the same data are read:
+
+* GroupLens' own release (``u.data``, ``u.user``, ``u.item``; https://grouplens.org/datasets/movielens/100k/),
+* RecBole's atomic files (``ml-100k.inter``, ``ml-100k.user``, ``ml-100k.item``).
+
+When neither is present, :func:`prepare_movielens` obtains the atomic files through the package registry
+alone: the ``recbole==1.2.1`` wheel on PyPI ships them (``recbole/dataset_example/ml-100k/``). The wheel is
+downloaded with pip (your pip configuration, index and proxy apply), never installed, checked against a
+pinned SHA-256, and only those three files are extracted (each checked too). Nothing is fetched when the
+files are already there.
+
+Features of one sample (a rating)::
+
+    sparse  user_id, item_id, age (7 buckets), gender, occupation, zip (first 3 characters),
+            genres (multi-hot: 1 to 6 per movie -- a jagged feature)
+    dense   release year (centred, /10), release year unknown (0/1)
+    label   rating >= 4
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from lightning_rec.data.base import Jagged, RecDataModule, RecDataset, SparseFeature
+
+__all__ = ["MovieLensDataModule", "load_movielens", "prepare_movielens"]
+
+log = logging.getLogger(__name__)
+
+RECBOLE_WHEEL = "recbole-1.2.1-py3-none-any.whl"
+RECBOLE_WHEEL_SHA256 = "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"
+_WHEEL_DIR = "recbole/dataset_example/ml-100k/"
+ATOMIC_FILES = {
+    "ml-100k.inter": "4edb74e2a81178c2ba9ff381495f754f996c4aea351b1272ca36b43da0935eff",
+    "ml-100k.user": "4f670007d9cfbeb9807e757209af1555b9bcc186bde25e767f67cb67c6dd5972",
+    "ml-100k.item": "51d7cdf777ce5c0f5b32c1d947a4a81fe07d75e78abbe761e0cd4d0756064532",
+}
+GROUPLENS_FILES = ("u.data", "u.user", "u.item")
+# u.item's 19 genre flags, in GroupLens' order (u.genre).
+GROUPLENS_GENRES = (
+    "unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
+    "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller", "War", "Western",
+)
+# MovieLens' own age groups (as in ml-1m): under 18, 18-24, 25-34, 35-44, 45-49, 50-55, 56+.
+AGE_BOUNDARIES = (18, 25, 35, 45, 50, 56)
+SPARSE_NAMES = ("user_id", "item_id", "age", "gender", "occupation", "zip", "genres")
+_YEAR_CENTRE = 1990.0
+
+
+def find_layout(root: Path) -> Optional[str]:
+    """``"grouplens"`` or ``"atomic"`` if ``root`` holds that layout's three files, else ``None``."""
+    if all((root / f).is_file() for f in GROUPLENS_FILES):
+        return "grouplens"
+    if all((root / f).is_file() for f in ATOMIC_FILES):
+        return "atomic"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock file, so ranks started together (torchrun) download once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare_movielens(root: os.PathLike | str, wheel: Optional[os.PathLike | str] = None) -> Path:
+    """Make sure ``root`` holds MovieLens-100K (either layout); fetch the atomic files if it does not.
+
+    Args:
+        root: the data directory.
+        wheel: a ``recbole-1.2.1`` wheel already on disk to extract from, instead of downloading it.
+
+    Returns:
+        ``root`` as a ``Path``.
+
+    Raises:
+        RuntimeError: if the wheel cannot be downloaded or its checksum (or a file's) does not match.
+
+    Example::
+
+        prepare_movielens("data/ml-100k")     # downloads ~2 MB once; later calls return at once
+    """
+    root = Path(root)
+    if find_layout(root):
+        return root
+    with _locked(root.parent / f".{root.name}.lock"):
+        if find_layout(root):  # another process fetched it while we waited
+            return root
+        with tempfile.TemporaryDirectory(prefix="ml-100k-") as tmp:
+            wheel_path = Path(wheel) if wheel is not None else _download_wheel(Path(tmp))
+            if _sha256(wheel_path) != RECBOLE_WHEEL_SHA256:
+                raise RuntimeError(
+                    f"{wheel_path} does not have the expected SHA-256 {RECBOLE_WHEEL_SHA256}; refusing to use it. "
+                    f"HINT: delete it, or download MovieLens-100K from GroupLens and pass its directory."
+                )
+            staging = Path(tmp) / "extracted"
+            staging.mkdir()
+            with zipfile.ZipFile(wheel_path) as zf:
+                for name, sha in ATOMIC_FILES.items():
+                    target = staging / name
+                    with zf.open(_WHEEL_DIR + name) as src, open(target, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                    if _sha256(target) != sha:
+                        raise RuntimeError(f"{name} extracted from {wheel_path.name} has an unexpected SHA-256.")
+            root.mkdir(parents=True, exist_ok=True)
+            for name in ATOMIC_FILES:  # each file appears whole or not at all
+                os.replace(staging / name, root / name)
+    log.info("MovieLens-100K (atomic files) prepared in %s", root)
+    return root
+
+
+def _download_wheel(dest: Path) -> Path:
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+        "-q", "-d", str(dest), "recbole==1.2.1",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = dest / RECBOLE_WHEEL
+    if proc.returncode != 0 or not path.is_file():
+        raise RuntimeError(
+            f"Could not download {RECBOLE_WHEEL} from the package index ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n"
+            "HINT: download MovieLens-100K (u.data, u.user, u.item) yourself and set data_dir to its directory."
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading both layouts into one raw form
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Raw:
+    ratings: List[Tuple[str, str, float]]              # (user, item, rating)
+    users: Dict[str, Tuple[int, str, str, str]]        # user -> (age, gender, occupation, zip)
+    items: Dict[str, Tuple[Optional[int], List[str]]]  # item -> (release year, genres)
+
+
+def _read_grouplens(root: Path) -> _Raw:
+    ratings = []
+    for line in (root / "u.data").read_text().splitlines():
+        if line.strip():
+            user, item, rating, _ = line.split("\t")
+            ratings.append((user, item, float(rating)))
+    users = {}
+    for line in (root / "u.user").read_text().splitlines():
+        if line.strip():
+            user, age, gender, occupation, zipcode = line.split("|")
+            users[user] = (int(age), gender, occupation, zipcode)
+    items = {}
+    for line in (root / "u.item").read_text(encoding="latin-1").splitlines():
+        if line.strip():
+            fields = line.split("|")
+            date, flags = fields[2], fields[5:]
+            year = int(date[-4:]) if len(date) >= 4 and date[-4:].isdigit() else None
+            items[fields[0]] = (year, [g for g, flag in zip(GROUPLENS_GENRES, flags) if flag == "1"])
+    return _Raw(ratings, users, items)
+
+
+def _atomic_rows(path: Path) -> Iterator[Dict[str, str]]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    header = [h.split(":")[0] for h in lines[0].split("\t")]
+    for line in lines[1:]:
+        if line.strip():
+            yield dict(zip(header, line.split("\t")))
+
+
+def _read_atomic(root: Path) -> _Raw:
+    ratings = [(r["user_id"], r["item_id"], float(r["rating"])) for r in _atomic_rows(root / "ml-100k.inter")]
+    users = {
+        r["user_id"]: (int(r["age"]), r["gender"], r["occupation"], r["zip_code"])
+        for r in _atomic_rows(root / "ml-100k.user")
+    }
+    items = {}
+    for r in _atomic_rows(root / "ml-100k.item"):
+        year = r.get("release_year", "")
+        items[r["item_id"]] = (int(year) if year.isdigit() else None, r.get("class", "").split())
+    return _Raw(ratings, users, items)
+
+
+def _vocab(values: Sequence[str]) -> Dict[str, int]:
+    """Sorted distinct values -> ids from 1; id 0 is left for values never seen (e.g. a rating's unknown user)."""
+    return {v: i + 1 for i, v in enumerate(sorted(set(values)))}
+
+
+def _age_bucket(age: int) -> int:
+    return 1 + sum(age >= b for b in AGE_BOUNDARIES)
+
+
+def load_movielens(root: os.PathLike | str, positive_threshold: float = 4.0) -> Tuple[RecDataset, List[SparseFeature]]:
+    """Read MovieLens-100K from ``root`` (either layout) into one :class:`RecDataset` of all ratings.
+
+    Args:
+        root: a directory holding ``u.data/u.user/u.item`` or ``ml-100k.inter/.user/.item``.
+        positive_threshold: ratings at or above it are positives (label 1).
+
+    Returns:
+        the dataset (one row per rating, in file order) and its sparse features (table sizes).
+
+    Example::
+
+        >>> ds, features = load_movielens("data/ml-100k")          # doctest: +SKIP
+        >>> len(ds), [f.name for f in features]                      # doctest: +SKIP
+        (100000, ['user_id', 'item_id', 'age', 'gender', 'occupation', 'zip', 'genres'])
+    """
+    root = Path(root)
+    layout = find_layout(root)
+    if layout is None:
+        raise FileNotFoundError(
+            f"{root} holds neither {', '.join(GROUPLENS_FILES)} (GroupLens) nor {', '.join(ATOMIC_FILES)} (atomic "
+            "files). HINT: call prepare_movielens(root) or set download=True."
+        )
+    raw = _read_grouplens(root) if layout == "grouplens" else _read_atomic(root)
+    user_ids, item_ids = _vocab(list(raw.users)), _vocab(list(raw.items))
+    occupations = _vocab([u[2] for u in raw.users.values()])
+    genders = _vocab([u[1] for u in raw.users.values()])
+    zips = _vocab([u[3][:3] for u in raw.users.values()])
+    genres = _vocab([g for _, gs in raw.items.values() for g in gs])
+    unknown_user = (0, "", "", "")
+
+    columns: Dict[str, List[int]] = {name: [] for name in SPARSE_NAMES[:-1]}
+    genre_rows: List[List[int]] = []
+    dense: List[Tuple[float, float]] = []
+    labels: List[float] = []
+    for user, item, rating in raw.ratings:
+        age, gender, occupation, zipcode = raw.users.get(user, unknown_user)
+        year, item_genres = raw.items.get(item, (None, []))
+        columns["user_id"].append(user_ids.get(user, 0))
+        columns["item_id"].append(item_ids.get(item, 0))
+        columns["age"].append(_age_bucket(age) if user in raw.users else 0)
+        columns["gender"].append(genders.get(gender, 0))
+        columns["occupation"].append(occupations.get(occupation, 0))
+        columns["zip"].append(zips.get(zipcode[:3], 0))
+        genre_rows.append([genres[g] for g in item_genres] or [0])
+        dense.append(((year - _YEAR_CENTRE) / 10.0, 0.0) if year is not None else (0.0, 1.0))
+        labels.append(float(rating >= positive_threshold))
+
+    sizes = {
+        "user_id": len(user_ids) + 1, "item_id": len(item_ids) + 1, "age": len(AGE_BOUNDARIES) + 2,
+        "gender": len(genders) + 1, "occupation": len(occupations) + 1, "zip": len(zips) + 1, "genres": len(genres) + 1,
+    }
+    sparse = {name: torch.tensor(values, dtype=torch.long) for name, values in columns.items()}
+    sparse["genres"] = Jagged.from_lists(genre_rows)
+    features = [SparseFeature(name, sizes[name], multi_hot=name == "genres") for name in SPARSE_NAMES]
+    return RecDataset(torch.tensor(dense), torch.tensor(labels), sparse), features
+
+
+def holdout_split(num_rows: int, fraction: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A seeded random ``(keep, holdout)`` split of ``range(num_rows)``; both sorted.
+
+    Example::
+
+        >>> keep, held = holdout_split(10, 0.2, seed=0)
+        >>> len(keep), len(held), sorted(keep.tolist() + held.tolist()) == list(range(10))
+        (8, 2, True)
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"holdout fraction must be in [0, 1), got {fraction}.")
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
+    n_held = int(round(num_rows * fraction))
+    return order[n_held:].sort().values, order[:n_held].sort().values
+
+
+class MovieLensDataModule(RecDataModule):
+    """MovieLens-100K ratings as a binary task (rating >= 4), with sparse, multi-hot and dense features.
+
+    Default split: a seeded random 10% of the ratings held out for validation (and test, unless
+    ``test_fraction`` carves a separate test holdout). ``predict`` runs over the validation rows.
+
+    Args:
+        data_dir: directory with either layout (see the module docstring); fetched there if absent and
+            ``download`` is true.
+        download: fetch the data when ``data_dir`` lacks it (from the ``recbole==1.2.1`` wheel on PyPI).
+        val_fraction: share of ratings held out for validation.
+        test_fraction: share held out for test; 0 means test on the validation holdout.
+        split_seed: seed of the random holdout (fixed, so runs compare).
+        positive_threshold: ratings at or above it are positives.
+        batch_size, num_workers, seed: see :class:`~lightning_rec.data.base.RecDataModule`.
+
+    Example::
+
+        dm = MovieLensDataModule("data/ml-100k", batch_size=1024)
+        model = DLRMModule(sparse_features=dm.sparse_features, num_dense_features=dm.num_dense_features)
+        L.Trainer(strategy="recshard", devices=2, max_epochs=4).fit(model, dm)
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data/ml-100k",
+        download: bool = True,
+        val_fraction: float = 0.1,
+        test_fraction: float = 0.0,
+        split_seed: int = 42,
+        positive_threshold: float = 4.0,
+        batch_size: int = 512,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        if val_fraction + test_fraction >= 1.0:
+            raise ValueError(f"val_fraction + test_fraction must be < 1, got {val_fraction} + {test_fraction}.")
+        self.data_dir = Path(data_dir)
+        self.download = download
+        self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
+        self.split_seed = split_seed
+        self.positive_threshold = positive_threshold
+        self._all: Optional[RecDataset] = None
+        self._features: Optional[List[SparseFeature]] = None
+        self._splits: Dict[str, RecDataset] = {}
+
+    def prepare_data(self) -> None:
+        if self.download:
+            prepare_movielens(self.data_dir)
+
+    def _load(self) -> RecDataset:
+        if self._all is None:
+            self.prepare_data()
+            self._all, self._features = load_movielens(self.data_dir, self.positive_threshold)
+        return self._all
+
+    @property
+    def sparse_features(self) -> List[SparseFeature]:
+        self._load()
+        assert self._features is not None
+        return list(self._features)
+
+    @property
+    def num_dense_features(self) -> int:
+        return 2
+
+    def setup(self, stage: str) -> None:
+        if self._splits:
+            return
+        data = self._load()
+        rest, test = holdout_split(len(data), self.test_fraction, self.split_seed + 1)
+        train, val = holdout_split(len(rest), self.val_fraction / (1.0 - self.test_fraction), self.split_seed)
+        self._splits = {"train": data.subset(rest[train]), "val": data.subset(rest[val])}
+        self._splits["test"] = data.subset(test) if len(test) else self._splits["val"]
+
+    def train_dataloader(self):
+        return self.loader(self._splits["train"], shuffle=True)
+
+    def val_dataloader(self):
+        return self.loader(self._splits["val"], shuffle=False)
+
+    def test_dataloader(self):
+        return self.loader(self._splits["test"], shuffle=False)
+
+    def predict_dataloader(self):
+        return self.loader(self._splits["val"], shuffle=False)
