@@ -96,3 +96,19 @@ def test_prepare_subcommand(tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )
     assert out.returncode == 0 and str(data) in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_evaluation_subcommands(subcommand: str, tmp_path: Path) -> None:
+    cli = run([
+        subcommand, "--config", str(REPO / "examples/configs/synthetic_dlrm.yaml"), "--trainer.devices=1",
+        f"--trainer.default_root_dir={tmp_path}", "--data.init_args.train_rows=1024", "--data.init_args.val_rows=700",
+        "--data.init_args.batch_size=256",
+    ])
+    if subcommand == "predict":
+        predictions = cli.trainer.predict_loop.predictions
+        assert sum(p["probability"].numel() for p in predictions) == 700
+        assert all(((p["probability"] >= 0) & (p["probability"] <= 1)).all() for p in predictions)
+    else:
+        prefix = "val" if subcommand == "validate" else "test"
+        assert {f"{prefix}/auroc", f"{prefix}/ne"} <= set(cli.trainer.callback_metrics)
