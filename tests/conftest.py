@@ -1,0 +1,21 @@
+"""Test isolation for runs inside the pytest process (e.g. the CLI tests' ``run([...])``).
+
+Lightning's launcher writes MASTER_ADDR/MASTER_PORT/... into ``os.environ`` and leaves the process group (and
+its TCP store, holding that port) alive. A later test that starts processes of its own would inherit that
+port and fail with EADDRINUSE; so every test gets its environment back and no process group outlives it.
+"""
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(autouse=True)
+def _isolate_distributed_state():
+    saved = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
