@@ -60,16 +60,20 @@ def _prepare(argv: List[str]) -> None:
     print(f"MovieLens-100K ready in {prepare_movielens(args.data_dir)}")
 
 
-def run(args: List[str]) -> Optional[RecCLI]:
+def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:
     """Run one ``lightning-rec`` command in this process and return the CLI (``None`` for ``prepare``).
+
+    Args:
+        args: the command line without the program name; ``None`` reads ``sys.argv``.
 
     Example::
 
         cli = run(["fit", "--config", "examples/configs/synthetic_dlrm.yaml", "--trainer.max_steps=5"])
         cli.trainer.callback_metrics["val/auroc"]
     """
-    if args[:1] == ["prepare"]:
-        _prepare(args[1:])
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["prepare"]:
+        _prepare(argv[1:])
         return None
     return RecCLI(
         LightningModule,
@@ -84,7 +88,7 @@ def run(args: List[str]) -> Optional[RecCLI]:
 
 def main() -> None:
     """The ``lightning-rec`` console script (arguments from ``sys.argv``)."""
-    run(sys.argv[1:])
+    run()
 
 
 if __name__ == "__main__":
