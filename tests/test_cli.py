@@ -85,6 +85,7 @@ def test_criteo_fit_on_a_generated_file(tmp_path: Path) -> None:
     last = _fit([
         "--config", str(REPO / "examples/configs/criteo_dlrm.yaml"), "--trainer.max_epochs=1",
         f"--data.init_args.train=[{train}]", f"--data.init_args.val=[{val}]", "--data.init_args.num_embeddings=1000",
+        "--data.init_args.batch_size=256", "--trainer.log_every_n_steps=2",
     ], tmp_path)
     assert "val/auroc" in last and "train/loss" in last
 

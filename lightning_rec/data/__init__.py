@@ -9,10 +9,13 @@ from lightning_rec.data.base import (
     batch_loader,
     rank_batches,
 )
+from lightning_rec.data.criteo import CriteoDataModule, write_criteo_tsv
 from lightning_rec.data.movielens import MovieLensDataModule, load_movielens, prepare_movielens
 from lightning_rec.data.synthetic import SyntheticDataModule, SyntheticTable, make_synthetic_dataset
 
 __all__ = [
+    "CriteoDataModule",
+    "write_criteo_tsv",
     "MovieLensDataModule",
     "SyntheticDataModule",
     "SyntheticTable",
