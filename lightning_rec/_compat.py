@@ -7,6 +7,8 @@ imported here, once, so that a Lightning upgrade that moves them breaks one file
 
 from __future__ import annotations
 
+from typing import Optional
+
 # Lightning: process-group helpers shared by its own DDP/FSDP/ModelParallel strategies. There is no public
 # equivalent; re-implementing them would fork Lightning's handling of cluster environments and timeouts.
 from lightning.fabric.utilities.distributed import (  # noqa: F401
@@ -36,3 +38,10 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: F401
 # TorchRec tags the per-call `nn.Parameter` views of fused (TBE) tables with this attribute: the optimizer
 # living in the backward pass owns them, so a dense optimizer must never see them.
 IN_BACKWARD_OPTIMIZER_ATTR = "_in_backward_optimizers"
+
+
+def planner_sharding_options(planner: object) -> "Optional[list]":
+    """The ``ShardingOption``s the TorchRec planner chose in its last ``plan()``, with per-shard storage and perf
+    estimates, or ``None``. TorchRec keeps them only in the private ``_best_plan`` (its stats printer reads
+    them there); the returned ``ShardingPlan`` drops the estimates, and the plan report needs them."""
+    return getattr(planner, "_best_plan", None)

@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
 from lightning_rec import _compat
@@ -78,3 +78,25 @@ def materialize_dense(module: nn.Module, device: torch.device, skip: Sequence[nn
             visit(child)
 
     visit(module)
+
+
+def shard_with_dmp(
+    module: nn.Module,
+    plan: ShardingPlan,
+    sharders: List[ModuleSharder[nn.Module]],
+    device: torch.device,
+    pg: Optional["torch.distributed.ProcessGroup"],
+    static_graph: bool,
+    find_unused_parameters: bool,
+) -> DistributedModelParallel:
+    """Wrap ``module`` in DMP: its tables sharded in place by ``plan``, its dense part in DMP's own DDP."""
+    return DistributedModelParallel(
+        module,
+        env=ShardingEnv.from_process_group(pg) if pg is not None else None,
+        device=device,
+        plan=plan,
+        sharders=sharders,
+        data_parallel_wrapper=DefaultDataParallelWrapper(
+            static_graph=static_graph, find_unused_parameters=find_unused_parameters
+        ),
+    )

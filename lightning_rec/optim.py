@@ -355,3 +355,78 @@ class RecOptimizer(CombinedOptimizer):
         if self.table_optimizer is not None:
             self.table_optimizer.step()
         return loss
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the strategy does with them at set-up.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def resolve_embedding_optimizer(
+    optimizers: List[Optimizer],
+    is_embedding: Callable[[torch.Tensor], bool],
+    *,
+    declared: Optional[EmbeddingOptimizer],
+    has_tables: bool,
+    device_type: str,
+    owner: str = "RecShardStrategy",
+) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]:
+    """The fused optimizer, and the param group whose learning rate it follows (``None``: its own).
+
+    An explicitly ``declared`` optimizer wins; otherwise it is derived from the param group holding the
+    tables; with optimizers but no such group the update rule is unknown (an error); with no optimizers at
+    all (evaluation) a zero-lr SGD stands in, since no update happens.
+    """
+    found = find_embedding_group(optimizers, is_embedding)
+    if declared is not None:
+        emb_opt, lr_source = declared, None
+    elif found is not None:
+        emb_opt, lr_source = embedding_optimizer_from_torch(optimizers[found[0]], found[1]), found[1]
+    elif optimizers and has_tables:
+        raise ValueError(
+            f"{owner}: no optimizer returned by `configure_optimizers` holds the embedding "
+            "parameters, so their update rule is unknown. HINT: include them (e.g. "
+            "`torch.optim.Adagrad(self.parameters(), lr=0.1)`), or declare the embedding optimizer with "
+            "`configure_embedding_optimizer()`."
+        )
+    else:
+        emb_opt, lr_source = EmbeddingOptimizer("sgd", lr=0.0), None  # evaluation only: no update happens
+    emb_opt.validate_for(device_type)
+    return emb_opt, lr_source
+
+
+def combine_optimizers(
+    fused: KeyedOptimizer,
+    optimizers: List[Optimizer],
+    named_parameters: Mapping[str, torch.nn.Parameter],
+    is_embedding: Callable[[torch.Tensor], bool],
+    lr_source: Optional[Dict[str, Any]],
+    table_params: Mapping[str, torch.nn.Parameter],
+    embedding_optimizer: EmbeddingOptimizer,
+) -> Tuple["RecOptimizer", List[Optimizer]]:
+    """Strip the tables from the user's optimizers and put the fused one beside the right dense optimizer.
+
+    Returns:
+        the :class:`RecOptimizer` and the optimizer list Lightning should drive (the RecOptimizer replaces the
+        optimizer whose param group held the tables, or the first one).
+    """
+    for opt in optimizers:
+        strip_params(opt, is_embedding)
+    names = {id(p): n for n, p in named_parameters.items() if not is_fused_parameter(p)}
+    optimizers = list(optimizers) or [torch.optim.SGD([torch.nn.Parameter(torch.zeros(0))], lr=0.0)]  # fused only
+    host = 0
+    if lr_source is not None:
+        host = next(i for i, o in enumerate(optimizers) if any(g is lr_source for g in o.param_groups))
+    dense = optimizers[host]
+    dense_params = (p for g in dense.param_groups for p in g["params"])
+    dense_named = {names.get(id(p), f"param_{i}"): p for i, p in enumerate(dense_params)}
+    rec = RecOptimizer(
+        fused,
+        dense,
+        dense_named,
+        lr_source=lr_source,
+        table_optimizer=embedding_optimizer.torch_optimizer(table_params.values()) if table_params else None,
+        table_params=dict(table_params),
+    )
+    optimizers[host] = rec
+    return rec, optimizers

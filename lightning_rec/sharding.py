@@ -8,7 +8,7 @@ renders the resulting plan as a table people can read.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
@@ -18,8 +18,12 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
+
+from lightning_rec import _compat
 
 # What TorchRec can shard on each device (ROW_WISE/TABLE_ROW_WISE/GRID_SHARD need CUDA kernels).
 _CPU_SHARDING_TYPES = (
@@ -251,6 +255,45 @@ def plan_sharding(
     return planner.plan(module, sharders)
 
 
+def make_sharders(
+    fused_params: Mapping[str, object], extra: Sequence[ModuleSharder[nn.Module]] = ()
+) -> List[ModuleSharder[nn.Module]]:
+    """TorchRec's EBC and EC sharders with ``fused_params``; an ``extra`` sharder replaces the one for its type."""
+    by_type: Dict[type, ModuleSharder[nn.Module]] = {
+        s.module_type: s
+        for s in (
+            EmbeddingBagCollectionSharder(fused_params=dict(fused_params)),
+            EmbeddingCollectionSharder(fused_params=dict(fused_params)),
+        )
+    }
+    by_type.update({s.module_type: s for s in extra})
+    return list(by_type.values())
+
+
+def plan_module(
+    module: nn.Module,
+    module_types: Sequence[Type[nn.Module]],
+    sharders: List[ModuleSharder[nn.Module]],
+    constraints: Mapping[str, TableConstraints],
+    topology: Optional[TopologyConfig],
+    world_size: int,
+    device_type: str,
+    pg: Optional[dist.ProcessGroup],
+) -> Tuple[ShardingPlan, Optional[list]]:
+    """Plan every table of ``module`` (user constraints over the device defaults), on rank 0 when distributed.
+
+    Returns:
+        the plan, and the planner's chosen sharding options with its estimates (``None`` where it did not plan).
+    """
+    tables = embedding_tables(module, module_types)
+    planner = make_planner(
+        world_size=world_size, device_type=device_type, topology=topology,
+        constraints={**default_constraints(tables, device_type), **constraints},
+    )
+    plan = plan_sharding(module, sharders, planner, pg)
+    return plan, _compat.planner_sharding_options(planner)
+
+
 @dataclass
 class PlanRow:
     """One table of a plan, flattened for display."""
@@ -261,6 +304,7 @@ class PlanRow:
     compute_kernel: str
     ranks: List[int]
     shard_sizes: List[List[int]]
+    shard_offsets: List[List[int]] = field(default_factory=list)
 
 
 def plan_rows(plan: ShardingPlan) -> List[PlanRow]:
@@ -277,6 +321,7 @@ def plan_rows(plan: ShardingPlan) -> List[PlanRow]:
                     compute_kernel=ps.compute_kernel,
                     ranks=list(ps.ranks or []),
                     shard_sizes=[list(s.shard_sizes) for s in shards],
+                    shard_offsets=[list(s.shard_offsets) for s in shards],
                 )
             )
     return rows
@@ -291,9 +336,14 @@ def format_plan(plan: ShardingPlan, world_size: int) -> str:
         ebc     t_user   table_wise   0      fused   [100, 16]
         ebc     t_item   column_wise  0,1    fused   [200, 8] [200, 8]
     """
+    return format_rows(plan_rows(plan), world_size)
+
+
+def format_rows(rows: Sequence[PlanRow], world_size: int) -> str:
+    """:class:`PlanRow`\ s as the fixed-width text table of :func:`format_plan`."""
     header = ("module", "table", "sharding", "ranks", "kernel", "shards")
     body = []
-    for r in plan_rows(plan):
+    for r in rows:
         ranks = ",".join(map(str, r.ranks)) if r.ranks else f"all {world_size}"
         shards = " ".join(str(s) for s in r.shard_sizes) if r.shard_sizes else "replicated"
         body.append((r.module or "<root>", r.table, r.sharding_type, ranks, r.compute_kernel, shards))

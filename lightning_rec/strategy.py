@@ -40,33 +40,36 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.distributed.embedding import EmbeddingCollectionSharder
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
-from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
 from lightning_rec import _compat
 from lightning_rec import checkpoint as _ckpt
-from lightning_rec.dmp import ManualOptimizationRedirection, dense_ddp, materialize_dense, table_parameters
+from lightning_rec.dmp import (
+    ManualOptimizationRedirection,
+    dense_ddp,
+    materialize_dense,
+    shard_with_dmp,
+    table_parameters,
+)
 from lightning_rec.optim import (
     EmbeddingOptimizer,
     RecOptimizer,
     bounds_check_params,
-    embedding_optimizer_from_torch,
-    find_embedding_group,
+    combine_optimizers,
     is_fused_parameter,
-    strip_params,
+    resolve_embedding_optimizer,
 )
+from lightning_rec.plan_report import PlanReport, write_plan_report
+from lightning_rec.settings import check_precision, check_trainer_flags
 from lightning_rec.sharding import (
     TableConstraints,
     TopologyConfig,
-    default_constraints,
     embedding_modules,
     embedding_tables,
-    format_plan,
-    make_planner,
-    plan_sharding,
+    make_sharders,
+    plan_module,
     validate_constraints,
 )
 
@@ -104,6 +107,9 @@ class RecShardStrategy(ParallelStrategy):
         timeout: collective timeout.
         static_graph: passed to the DDP wrapper of the dense part (TorchRec's default: ``True``).
         find_unused_parameters: passed to the DDP wrapper of the dense part.
+        plan_report: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
+            the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``
+            (``default_root_dir`` without a logger); see :mod:`lightning_rec.plan_report`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the
             Trainer, as for any Lightning strategy.
 
@@ -131,6 +137,7 @@ class RecShardStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         static_graph: bool = True,
         find_unused_parameters: bool = False,
+        plan_report: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -162,6 +169,8 @@ class RecShardStrategy(ParallelStrategy):
         self._static_graph = static_graph
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
+        self._write_plan_report = plan_report
+        self._plan_report: Optional[PlanReport] = None
         self._rec_optimizer: Optional[RecOptimizer] = None
         self._forward_redirection = ManualOptimizationRedirection()
 
@@ -247,7 +256,7 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._check_precision()
+        check_precision(getattr(self.precision_plugin, "precision", "32-true"), type(self).__name__)
         if self.embedding_optimizer is not None:
             self.embedding_optimizer.validate_for(self.root_device.type)
         super().setup_environment()
@@ -261,7 +270,9 @@ class RecShardStrategy(ParallelStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._check_trainer_flags(trainer)
+            check_trainer_flags(
+                trainer, bool(embedding_tables(module, self._module_types())), type(self).__name__
+            )
 
         state = _sharded_state(module)
         optimizers: List[Optimizer] = []
@@ -292,6 +303,11 @@ class RecShardStrategy(ParallelStrategy):
 
         if fitting:
             self._combine_optimizers(state, optimizers, lr_scheduler_configs, is_embedding, lr_source)
+            if self._write_plan_report and self._plan_report is not None:
+                # `trainer.log_dir` broadcasts from rank 0: every rank must ask, only rank 0 writes.
+                log_dir = (trainer.log_dir if trainer.logger is not None else None) or trainer.default_root_dir
+                if self.global_rank == 0:
+                    write_plan_report(self._plan_report, log_dir)
         self.setup_precision_plugin()
 
     @override
@@ -436,93 +452,35 @@ class RecShardStrategy(ParallelStrategy):
         return list(dict.fromkeys([EmbeddingBagCollection, EmbeddingCollection] + [s.module_type for s in self._extra_sharders]))
 
     def _sharders(self, emb_opt: EmbeddingOptimizer) -> List[ModuleSharder[nn.Module]]:
-        fused = {**emb_opt.to_fused_params(), **self.fused_params}
-        by_type: Dict[type, ModuleSharder[nn.Module]] = {
-            s.module_type: s
-            for s in (EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused))
-        }
-        by_type.update({s.module_type: s for s in self._extra_sharders})
-        return list(by_type.values())
-
-    def _check_precision(self) -> None:
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if precision in ("32-true", "32", "bf16-mixed"):
-            return
-        if precision == "16-mixed":
-            raise ValueError(
-                f"{type(self).__name__} does not support precision='16-mixed': its gradient scaler skips steps "
-                "whose gradients overflow, but embedding rows are already updated inside the backward pass, so "
-                "skipped steps would silently half-apply. HINT: use precision='bf16-mixed' (no loss scaling) "
-                "or '32-true'."
-            )
-        raise ValueError(
-            f"{type(self).__name__} supports precision='32-true' and 'bf16-mixed', got {precision!r}. "
-            "HINT: for lower-precision tables set `fused_params={'weights_precision': ...}` instead of "
-            "converting the whole module."
-        )
-
-    def _check_trainer_flags(self, trainer: "pl.Trainer") -> None:
-        if trainer.accumulate_grad_batches != 1 and embedding_tables(self.lightning_module, self._module_types()):
-            raise ValueError(
-                f"{type(self).__name__} does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: "
-                "embedding rows are updated inside every backward pass (FBGEMM fused optimizers), so their "
-                "gradients cannot be accumulated. HINT: increase the batch size instead."
-            )
-        if trainer.gradient_clip_val:
-            rank_zero_warn(
-                f"{type(self).__name__}: gradient_clip_val applies to the dense parameters only; embedding "
-                "gradients are consumed inside the backward pass by the fused optimizer and never materialised."
-            )
+        return make_sharders({**emb_opt.to_fused_params(), **self.fused_params}, self._extra_sharders)
 
     def _resolve_embedding_optimizer(
         self, module: nn.Module, optimizers: List[Optimizer], is_embedding: Callable[[Tensor], bool]
     ) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]:
         """The fused optimizer and the param group whose learning rate it follows (None: its own)."""
-        found = find_embedding_group(optimizers, is_embedding)
         declared = getattr(module, "configure_embedding_optimizer", lambda: None)() or self.embedding_optimizer
-        if declared is not None:
-            emb_opt, lr_source = declared, None
-        elif found is not None:
-            emb_opt, lr_source = embedding_optimizer_from_torch(optimizers[found[0]], found[1]), found[1]
-        elif optimizers and embedding_tables(module, self._module_types()):
-            raise ValueError(
-                f"{type(self).__name__}: no optimizer returned by `configure_optimizers` holds the embedding "
-                "parameters, so their update rule is unknown. HINT: include them (e.g. "
-                "`torch.optim.Adagrad(self.parameters(), lr=0.1)`), or declare the embedding optimizer with "
-                "`configure_embedding_optimizer()`."
-            )
-        else:
-            emb_opt, lr_source = EmbeddingOptimizer("sgd", lr=0.0), None  # evaluation only: no update happens
-        emb_opt.validate_for(self.root_device.type)
-        return emb_opt, lr_source
+        return resolve_embedding_optimizer(
+            optimizers, is_embedding, declared=declared,
+            has_tables=bool(embedding_tables(module, self._module_types())), device_type=self.root_device.type,
+            owner=type(self).__name__,
+        )
 
     def _shard(self, module: "pl.LightningModule", emb_opt: EmbeddingOptimizer) -> _ShardedState:
         sharders = self._sharders(emb_opt)
         pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
-        plan = self._plan
+        plan, options = self._plan, None
         if plan is None:
-            tables = embedding_tables(module, self._module_types())
-            constraints = {**default_constraints(tables, self.root_device.type), **self.constraints}
-            planner = make_planner(
-                world_size=self.world_size,
-                device_type=self.root_device.type,
-                topology=self.topology,
-                constraints=constraints,
+            plan, options = plan_module(
+                module, self._module_types(), sharders, self.constraints, self.topology, self.world_size,
+                self.root_device.type, pg,
             )
-            plan = plan_sharding(module, sharders, planner, pg)
-        rank_zero_info(f"{type(self).__name__}: sharding plan over {self.world_size} rank(s)\n{format_plan(plan, self.world_size)}")
-        dmp = DistributedModelParallel(
-            module,
-            env=ShardingEnv.from_process_group(pg) if pg is not None else None,
-            device=self.root_device,
-            plan=plan,
-            sharders=sharders,
-            data_parallel_wrapper=DefaultDataParallelWrapper(
-                # DDP's static-graph first step assumes backward runs after forward returns, which manual
-                # optimization breaks.
-                static_graph=self._static_graph and module.automatic_optimization,
-                find_unused_parameters=self._find_unused_parameters,
-            ),
+        self._plan_report = PlanReport.from_plan(plan, self.world_size, self.root_device.type, options)
+        rank_zero_info(f"{type(self).__name__}: sharding plan over {self.world_size} rank(s)\n{self._plan_report.format_table()}")
+        dmp = shard_with_dmp(
+            module, plan, sharders, self.root_device, pg,
+            # DDP's static-graph first step assumes backward runs after forward returns; manual optimization breaks that.
+            static_graph=self._static_graph and module.automatic_optimization,
+            find_unused_parameters=self._find_unused_parameters,
         )
         state = _ShardedState(dmp=dmp, plan=plan, embedding_optimizer=emb_opt)
         # A plain attribute (not a submodule): the module stays the root of its own state_dict.
@@ -537,30 +495,13 @@ class RecShardStrategy(ParallelStrategy):
         is_embedding: Callable[[Tensor], bool],
         lr_source: Optional[Dict[str, Any]],
     ) -> None:
-        for opt in optimizers:
-            strip_params(opt, is_embedding)
         module = self.lightning_module
         # Tables TorchRec keeps on a non-fused kernel (data_parallel on CPU) got new parameters when sharded.
         table_params = {n: p for n, p in table_parameters(module, state.plan) if not is_fused_parameter(p)}
-        names = {id(p): n for n, p in module.named_parameters() if not is_fused_parameter(p)}
-        if not optimizers:
-            optimizers = [torch.optim.SGD([torch.nn.Parameter(torch.zeros(0))], lr=0.0)]  # fused-only training
-        # The fused optimizer joins the optimizer whose group held the tables (or the first one).
-        host = 0
-        if lr_source is not None:
-            host = next(i for i, o in enumerate(optimizers) if any(g is lr_source for g in o.param_groups))
-        dense = optimizers[host]
-        dense_named = {names.get(id(p), f"param_{i}"): p for i, p in enumerate(p for g in dense.param_groups for p in g["params"])}
-        self._rec_optimizer = RecOptimizer(
-            state.dmp.fused_optimizer,
-            dense,
-            dense_named,
-            lr_source=lr_source,
-            table_optimizer=state.embedding_optimizer.torch_optimizer(table_params.values()) if table_params else None,
-            table_params=table_params,
+        self._rec_optimizer, self.optimizers = combine_optimizers(
+            state.dmp.fused_optimizer, optimizers, dict(module.named_parameters()), is_embedding, lr_source,
+            table_params, state.embedding_optimizer,
         )
-        optimizers[host] = self._rec_optimizer
-        self.optimizers = optimizers
         self.lr_scheduler_configs = lr_scheduler_configs
 
 

@@ -4,6 +4,7 @@ on 2 CPU processes, real MovieLens-100K. It must reach validation AUROC >= 0.78 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +39,13 @@ def test_movielens_main_job_reaches_auroc_078_in_under_5_minutes(tmp_path: Path)
     assert len(aurocs) == 6, "one validation per epoch"
     assert aurocs[-1] >= 0.78, f"final validation AUROC {aurocs[-1]:.4f} (per epoch: {aurocs})"
     assert aurocs[-1] > aurocs[0], "it learned"
+    # The plan report: written once (rank 0), next to the metrics, matching the config's constraints.
+    reports = sorted(tmp_path.rglob("sharding_plan.*"))
+    assert reports == [logs[0] / "sharding_plan.json", logs[0] / "sharding_plan.png"], reports
+    report = json.loads((logs[0] / "sharding_plan.json").read_text())
+    kinds = {t["name"]: t["sharding_type"] for t in report["tables"]}
+    assert kinds["t_user_id"] == "column_wise" and kinds["t_item_id"] == "table_wise"
+    assert len(report["ranks"]) == 2 and report["imbalance"]["memory"] >= 1.0
     throughput = [float(r["train/samples_per_s"]) for r in rows if r.get("train/samples_per_s")]
     assert throughput and min(throughput) > 0
     print(f"main job: {elapsed:.0f}s, val AUROC per epoch {aurocs}, ~{throughput[-1]:.0f} samples/s")

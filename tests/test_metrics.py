@@ -1,4 +1,4 @@
-"""CTR metrics: formulas, agreement with TorchRec's NE, and exactness across ranks."""
+"""CTR metrics: formulas, agreement with TorchRec's NE, input checks, and exactness across ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ from torchrec.metrics.ne import compute_ne, get_ne_states
 
 from lightning_rec.metrics import LogLoss, NormalizedEntropy, ctr_metrics
 from tests.helpers.dist import run_ranks
-from tests.helpers.metric_scenarios import fixed_data
+from tests.helpers.metric_scenarios import fixed_data, rank_slices
+
+
+def _values(metrics) -> dict:
+    return {k: float(v) for k, v in metrics.compute().items()}
 
 
 def test_log_loss_and_ne_formulas() -> None:
@@ -26,33 +30,75 @@ def test_log_loss_and_ne_formulas() -> None:
     assert ne.compute().item() == pytest.approx(expected / -(p * math.log(p) + (1 - p) * math.log(1 - p)), rel=1e-9)
 
 
+def test_auroc_and_accuracy_formulas() -> None:
+    preds, target = fixed_data(300, seed=5)
+    m = ctr_metrics("val/")
+    for chunk in torch.arange(300).split(64):
+        m.update(preds[chunk], target[chunk])
+    got = _values(m)
+    assert set(got) == {"val/auroc", "val/log_loss", "val/ne", "val/accuracy"}
+    pos, neg = preds[target == 1].double(), preds[target == 0].double()
+    # AUROC = P(a positive scores above a negative), ties counting half (Mann-Whitney U)
+    diff = pos[:, None] - neg[None, :]
+    auroc = ((diff > 0).double() + 0.5 * (diff == 0).double()).mean().item()
+    assert got["val/auroc"] == pytest.approx(auroc, abs=1e-6)
+    assert got["val/accuracy"] == pytest.approx(((preds >= 0.5).long() == target).double().mean().item(), abs=1e-7)
+    assert 0.6 < auroc < 0.95, "the fixed data carries signal, so the checks above are not trivial"
+
+
 def test_ne_matches_torchrec() -> None:
     preds, target = fixed_data(777, seed=3)
     ours = NormalizedEntropy()
-    ours.update(preds, target)
+    for chunk in torch.arange(777).split(100):
+        ours.update(preds[chunk], target[chunk])
     states = get_ne_states(target.double(), preds.double(), torch.ones(777, dtype=torch.float64), eta=1e-12)
     theirs = compute_ne(states["cross_entropy_sum"], states["weighted_num_samples"], states["pos_labels"],
                         states["neg_labels"], eta=1e-12)
     assert ours.compute().item() == pytest.approx(theirs.item(), rel=1e-9)
 
 
-def test_base_rate_prediction_has_ne_one_and_mismatched_shapes_fail() -> None:
+def test_base_rate_prediction_has_ne_one_and_better_is_lower() -> None:
+    target = torch.tensor([1, 1, 1, 0, 0, 0, 0, 0, 0, 0])
     ne = NormalizedEntropy()
-    ne.update(torch.full((10,), 0.3), torch.tensor([1, 1, 1, 0, 0, 0, 0, 0, 0, 0]))
+    ne.update(torch.full((10,), 0.3), target)
     assert ne.compute().item() == pytest.approx(1.0, rel=1e-9)
-    with pytest.raises(ValueError, match="one shape"):
+    better = NormalizedEntropy()
+    better.update(torch.where(target == 1, 0.8, 0.1), target)
+    assert better.compute().item() < 0.5
+
+
+def test_confident_mistakes_are_finite() -> None:
+    ll = LogLoss(eps=1e-7)
+    ll.update(torch.tensor([0.0, 1.0]), torch.tensor([1, 0]))
+    assert ll.compute().item() == pytest.approx(-math.log(1e-7), rel=1e-6)
+
+
+def test_bad_inputs_say_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="LogLoss.*one shape"):
         LogLoss().update(torch.rand(3), torch.ones(4))
+    with pytest.raises(ValueError, match=r"NormalizedEntropy.*\[0, 1\].*HINT: pass torch.sigmoid"):
+        NormalizedEntropy().update(torch.tensor([-2.0, 3.0]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="LogLoss.*probabilities"):
+        ctr_metrics().update(torch.tensor([0.5, float("nan")]), torch.tensor([0, 1]))
+    unchecked = LogLoss(validate_args=False)
+    unchecked.update(torch.tensor([-2.0, 3.0]), torch.tensor([0, 1]))  # clamped, as documented
+    assert math.isfinite(unchecked.compute().item())
 
 
 def test_two_processes_equal_one_process(tmp_path: Path) -> None:
-    preds, target = fixed_data(1001)
+    rows = 1001
+    shares = [s.stop - s.start for s in rank_slices(rows, 2)]
+    assert sum(shares) == rows and shares[0] != shares[1], "an uneven split is what this test is about"
+    preds, target = fixed_data(rows)
     single = ctr_metrics()
     single.update(preds, target)
-    expected = {k: float(v) for k, v in single.compute().items()}
-    ranks = run_ranks("tests.helpers.metric_scenarios:ctr", 2, tmp_path, rows=1001)
+    expected = _values(single)
+    ranks = run_ranks("tests.helpers.metric_scenarios:ctr", world_size=2, out_dir=tmp_path, rows=rows)
     for r in ranks:
-        assert r == pytest.approx(expected, abs=1e-6)
-    # a rank's own share alone gives different numbers: the sync is what makes them equal
-    alone = ctr_metrics()
-    alone.update(preds[:333], target[:333])
-    assert {k: float(v) for k, v in alone.compute().items()} != pytest.approx(expected, abs=1e-6)
+        assert r["metrics"] == pytest.approx(expected, abs=1e-6)
+    assert [r["rows"] for r in ranks] == shares
+    # A rank's own share alone gives other numbers: the sync is what makes them equal.
+    for share in rank_slices(rows, 2):
+        alone = ctr_metrics()
+        alone.update(preds[share], target[share])
+        assert _values(alone) != pytest.approx(expected, abs=1e-4)
