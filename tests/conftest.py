@@ -3,6 +3,7 @@
 Lightning's launcher writes MASTER_ADDR/MASTER_PORT/... into ``os.environ`` and leaves the process group (and
 its TCP store, holding that port) alive. A later test that starts processes of its own would inherit that
 port and fail with EADDRINUSE; so every test gets its environment back and no process group outlives it.
+Each test also runs in its own temporary working directory.
 """
 
 import os
@@ -12,7 +13,9 @@ import torch.distributed as dist
 
 
 @pytest.fixture(autouse=True)
-def _isolate_distributed_state():
+def _isolate_distributed_state(tmp_path, monkeypatch):
+    # Runs with logger=False write into default_root_dir (the cwd): keep that out of the checkout.
+    monkeypatch.chdir(tmp_path)
     saved = dict(os.environ)
     yield
     if dist.is_available() and dist.is_initialized():

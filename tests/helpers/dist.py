@@ -51,13 +51,15 @@ def run_ranks(scenario: str, world_size: int, out_dir: Path, timeout: float = 30
             "NODE_RANK": "0",
             "OMP_NUM_THREADS": "1",
             "PYTHONWARNINGS": "ignore",
+            # Each rank works in the test's directory (anything written to the cwd lands there).
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }
         log = open(out_dir / f"{scenario}.rank{rank}.log", "w")
         logs.append(log)
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "tests.helpers.worker", scenario, json.dumps(config), str(out_dir)],
-                env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                env=env, cwd=out_dir, stdout=log, stderr=subprocess.STDOUT,
             )
         )
     deadline = time.monotonic() + timeout
