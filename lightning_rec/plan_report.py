@@ -1,16 +1,24 @@
 """The sharding-plan report: which table went where, and what the planner expects each rank to carry.
 
 At fit start rank 0 logs it as a table and writes ``sharding_plan.json`` and ``sharding_plan.png`` next to the
-logs. Per table: sharding type, compute kernel, ranks, shard sizes and offsets (from the ``ShardingPlan``). Per
-rank: the planner's estimates of memory (HBM = device, DDR = host bytes) and cost (``Perf.total``, its
-modelled time per step), summed over the shards placed there, plus the imbalance between ranks, defined as
-``max / mean`` over ranks (1.0 = perfectly even; 2.0 on two ranks = one rank does everything).
-Estimates exist only on the rank that ran the planner and only when it ran (not with a fixed ``plan=``).
+logs (see :func:`write_for_trainer`).
+
+- Per table (from the ``ShardingPlan``): sharding type, compute kernel, ranks, and each shard's rank, sizes
+  ``[rows, cols]`` and offsets ``[row, col]``. A ``data_parallel`` table has no shards: every rank holds a copy.
+- Per rank (the planner's estimates, summed over the table shards placed on that rank, as TorchRec's own
+  ``EmbeddingStats`` does): memory in bytes, HBM (device) and DDR (host; what CPU training uses), and cost,
+  ``Perf.total``: the modelled milliseconds per step of those shards' lookups and communication. Dense layers
+  and input buffers are not included.
+- Imbalance, for memory and for cost: ``max / mean`` over ranks. 1.0 is perfectly even; on ``N`` ranks it is
+  at most ``N`` (one rank carries everything). ``null`` when there are no estimates or they are all zero.
+
+The estimates exist only where the planner ran: on rank 0 (TorchRec's ``collective_plan`` plans there and
+broadcasts the plan, without its estimates), and not at all with a fixed ``plan=``. Without them the per-rank
+numbers and the imbalance are ``null`` and ``estimates_available`` is ``false``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -20,167 +28,278 @@ from torchrec.distributed.types import ShardingPlan
 
 from lightning_rec.sharding import PlanRow, format_rows, plan_rows
 
-__all__ = ["PlanReport", "RankEstimate", "write_plan_report"]
+__all__ = ["PlanReport", "RankEstimate", "write_for_trainer", "write_plan_report"]
+
+JSON_NAME = "sharding_plan.json"
+PNG_NAME = "sharding_plan.png"
 
 
 @dataclass
 class RankEstimate:
-    """The planner's totals for one rank."""
+    """The planner's totals for one rank (``None``: no estimate).
+
+    Args:
+        rank: the global rank.
+        hbm_bytes: device memory of the table shards placed there.
+        ddr_bytes: host memory of the table shards placed there.
+        cost: modelled milliseconds per step (``Perf.total``) of those shards.
+
+    Example::
+
+        >>> RankEstimate(rank=0, hbm_bytes=0, ddr_bytes=4096, cost=0.2).memory_bytes
+        4096
+    """
 
     rank: int
-    hbm_bytes: int
-    ddr_bytes: int
-    cost: float
+    hbm_bytes: Optional[int] = None
+    ddr_bytes: Optional[int] = None
+    cost: Optional[float] = None
 
     @property
-    def memory_bytes(self) -> int:
+    def memory_bytes(self) -> Optional[int]:
+        """HBM plus DDR bytes, or ``None`` without an estimate."""
+        if self.hbm_bytes is None or self.ddr_bytes is None:
+            return None
         return self.hbm_bytes + self.ddr_bytes
 
+    def to_dict(self) -> Dict[str, Any]:
+        """``{"rank", "hbm_bytes", "ddr_bytes", "memory_bytes", "cost"}``."""
+        return {
+            "rank": self.rank, "hbm_bytes": self.hbm_bytes, "ddr_bytes": self.ddr_bytes,
+            "memory_bytes": self.memory_bytes, "cost": self.cost,
+        }
 
-def _imbalance(values: Sequence[float]) -> Optional[float]:
-    mean = sum(values) / len(values) if values else 0.0
-    return max(values) / mean if mean > 0 else None
+
+def imbalance(values: Sequence[Optional[float]]) -> Optional[float]:
+    """``max / mean`` of per-rank ``values``: 1.0 is even, ``len(values)`` is one rank carrying everything.
+
+    Returns:
+        ``None`` if any value is missing or the mean is not positive.
+
+    Example::
+
+        >>> imbalance([3.0, 1.0])
+        1.5
+        >>> imbalance([2.0, 2.0]), imbalance([None, 1.0]), imbalance([0, 0])
+        (1.0, None, None)
+    """
+    if not values or any(v is None for v in values):
+        return None
+    mean = sum(values) / len(values)  # type: ignore[arg-type]
+    return max(values) / mean if mean > 0 else None  # type: ignore[type-var]
 
 
 @dataclass
 class PlanReport:
-    """A sharding plan with the planner's per-rank estimates.
+    """A sharding plan with the planner's per-rank estimates, as JSON, a PNG chart and a log table.
+
+    Args:
+        world_size: number of ranks.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        tables: one :class:`~lightning_rec.sharding.PlanRow` per table.
+        ranks: one :class:`RankEstimate` per rank (its numbers ``None`` without estimates).
+        estimates_available: whether ``ranks`` carries the planner's estimates.
 
     Example::
 
-        report = PlanReport.from_plan(strategy.sharding_plan, world_size=2, device_type="cpu",
-                                      sharding_options=chosen_options)   # options: optional
+        planner = make_planner(world_size=2, device_type="cpu", topology=None, constraints={})
+        plan = planner.plan(ebc, make_sharders({}))
+        report = PlanReport.from_plan(plan, 2, "cpu", _compat.planner_sharding_options(planner))
         print(report.format_table())
-        report.write_json("sharding_plan.json"); report.write_png("sharding_plan.png")
+        report.write_json("sharding_plan.json")
+        report.write_png("sharding_plan.png")
     """
 
     world_size: int
     device_type: str
     tables: List[PlanRow]
-    ranks: Optional[List[RankEstimate]] = None
+    ranks: List[RankEstimate]
+    estimates_available: bool = False
 
     @classmethod
     def from_plan(
         cls, plan: ShardingPlan, world_size: int, device_type: str, sharding_options: Optional[Sequence[Any]] = None
     ) -> "PlanReport":
-        """Build the report; ``sharding_options`` are the planner's chosen ``ShardingOption``s (with estimates)."""
-        ranks = None
-        if sharding_options:
-            totals = {r: RankEstimate(r, 0, 0, 0.0) for r in range(world_size)}
-            for option in sharding_options:
-                for shard in option.shards:
-                    if shard.rank is None or shard.rank not in totals:
-                        continue
-                    t = totals[shard.rank]
-                    if shard.storage is not None:
-                        t.hbm_bytes += int(shard.storage.hbm)
-                        t.ddr_bytes += int(shard.storage.ddr)
-                    if shard.perf is not None:
-                        t.cost += float(shard.perf.total)
-            ranks = [totals[r] for r in range(world_size)]
-        return cls(world_size=world_size, device_type=device_type, tables=plan_rows(plan), ranks=ranks)
+        """Build the report from ``plan`` and, when the planner ran here, its chosen ``ShardingOption``\\ s.
+
+        Args:
+            plan: the plan the model is sharded with.
+            world_size: number of ranks.
+            device_type: ``"cpu"`` or ``"cuda"``.
+            sharding_options: the planner's chosen options, whose shards carry ``rank``, ``storage`` and
+                ``perf`` (see ``lightning_rec._compat.planner_sharding_options``); ``None``: no estimates.
+        """
+        if not sharding_options:
+            ranks = [RankEstimate(r) for r in range(world_size)]
+            return cls(world_size, device_type, plan_rows(plan), ranks, estimates_available=False)
+        ranks = [RankEstimate(r, 0, 0, 0.0) for r in range(world_size)]
+        for option in sharding_options:
+            for shard in option.shards:
+                if shard.rank is None or not 0 <= shard.rank < world_size:
+                    continue
+                total = ranks[shard.rank]
+                if shard.storage is not None:
+                    total.hbm_bytes += int(shard.storage.hbm)  # type: ignore[operator]
+                    total.ddr_bytes += int(shard.storage.ddr)  # type: ignore[operator]
+                if shard.perf is not None:
+                    total.cost += float(shard.perf.total)  # type: ignore[operator]
+        return cls(world_size, device_type, plan_rows(plan), ranks, estimates_available=True)
 
     @property
     def imbalance(self) -> Dict[str, Optional[float]]:
-        """``{"memory": max/mean, "cost": max/mean}`` over ranks (``None`` without estimates)."""
-        if not self.ranks:
-            return {"memory": None, "cost": None}
+        """``{"memory": max/mean, "cost": max/mean}`` over ranks (see :func:`imbalance`)."""
         return {
-            "memory": _imbalance([r.memory_bytes for r in self.ranks]),
-            "cost": _imbalance([r.cost for r in self.ranks]),
+            "memory": imbalance([r.memory_bytes for r in self.ranks]),
+            "cost": imbalance([r.cost for r in self.ranks]),
         }
 
     def to_dict(self) -> Dict[str, Any]:
-        """The JSON document: world_size, device_type, tables, ranks (or null), imbalance."""
+        """The JSON document.
+
+        Example::
+
+            {"world_size": 2, "device_type": "cpu", "estimates_available": true,
+             "tables": [{"name": "t_user", "module": "ebc", "sharding_type": "column_wise",
+                         "compute_kernel": "fused", "ranks": [0, 1],
+                         "shards": [{"rank": 0, "sizes": [60, 4], "offsets": [0, 0]},
+                                    {"rank": 1, "sizes": [60, 4], "offsets": [0, 4]}]}, ...],
+             "ranks": [{"rank": 0, "hbm_bytes": 0, "ddr_bytes": 5376, "memory_bytes": 5376, "cost": 0.08}, ...],
+             "imbalance": {"memory": 1.2, "cost": 1.0}, "imbalance_definition": "max / mean over ranks"}
+
+        ``cost`` is in milliseconds per step (the planner's ``Perf.total``); byte counts are integers.
+        """
         return {
             "world_size": self.world_size,
             "device_type": self.device_type,
+            "estimates_available": self.estimates_available,
             "tables": [
                 {
                     "name": t.table, "module": t.module, "sharding_type": t.sharding_type,
                     "compute_kernel": t.compute_kernel, "ranks": t.ranks,
-                    "shards": [{"sizes": s, "offsets": o} for s, o in zip(t.shard_sizes, t.shard_offsets)],
+                    "shards": [
+                        {"rank": r, "sizes": s, "offsets": o}
+                        for r, s, o in zip(t.shard_ranks, t.shard_sizes, t.shard_offsets)
+                    ],
                 }
                 for t in self.tables
             ],
-            "ranks": [dict(dataclasses.asdict(r), memory_bytes=r.memory_bytes) for r in self.ranks] if self.ranks else None,
+            "ranks": [r.to_dict() for r in self.ranks],
             "imbalance": self.imbalance,
+            "imbalance_definition": "max / mean over ranks",
         }
 
     def write_json(self, path: "os.PathLike[str] | str") -> None:
+        """Write :meth:`to_dict` to ``path`` (indented JSON)."""
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
 
     def format_table(self) -> str:
-        """The per-table plan, then the per-rank estimates, as fixed-width text (for the log)."""
+        """The per-table plan, then the per-rank estimates and imbalance, as fixed-width text (for the log).
+
+        Example::
+
+            module  table   sharding       ranks  kernel  shards
+            ebc     t_user  column_wise    0,1    fused   [60, 4] [60, 4]
+            ebc     t_item  table_wise     1      fused   [80, 8]
+            ebc     t_genre data_parallel  0,1    dense   replicated
+            rank  memory (MB)  HBM (MB)  DDR (MB)  cost (ms)
+               0         0.01      0.00      0.01      0.08
+               1         0.01      0.00      0.01      0.08
+            imbalance (max/mean over ranks): memory 1.20, cost 1.00
+        """
         lines = [format_rows(self.tables, self.world_size)]
-        if self.ranks:
-            lines.append(f"{'rank':>4}  {'memory (MB)':>12}  {'HBM (MB)':>9}  {'DDR (MB)':>9}  {'cost':>10}")
-            for r in self.ranks:
-                lines.append(
-                    f"{r.rank:>4}  {r.memory_bytes / 2**20:>12.2f}  {r.hbm_bytes / 2**20:>9.2f}  "
-                    f"{r.ddr_bytes / 2**20:>9.2f}  {r.cost:>10.4g}"
-                )
-            imb = self.imbalance
-            lines.append(f"imbalance (max/mean): memory {_fmt(imb['memory'])}, cost {_fmt(imb['cost'])}")
-        else:
-            lines.append("(no planner estimates: the plan was given, or this rank did not plan)")
+        if not self.estimates_available:
+            lines.append("(planner estimates unavailable: the plan was given, or this rank did not plan)")
+            return "\n".join(lines)
+        lines.append(f"{'rank':>4}  {'memory (MB)':>11}  {'HBM (MB)':>8}  {'DDR (MB)':>8}  {'cost (ms)':>9}")
+        for r in self.ranks:
+            lines.append(
+                f"{r.rank:>4}  {(r.memory_bytes or 0) / 2**20:>11.2f}  {(r.hbm_bytes or 0) / 2**20:>8.2f}  "
+                f"{(r.ddr_bytes or 0) / 2**20:>8.2f}  {r.cost or 0.0:>9.4g}"
+            )
+        lines.append(f"imbalance (max/mean over ranks): {self._imbalance_text()}")
         return "\n".join(lines)
 
     def write_png(self, path: "os.PathLike[str] | str") -> None:
-        """A bar chart of memory and cost per rank (needs matplotlib; drawn off-screen)."""
-        import matplotlib
+        """Draw memory and cost per rank as grouped bars on twin axes, titled with the imbalance.
 
-        matplotlib.use("Agg", force=False)
+        Needs matplotlib (imported here, drawn off-screen with the Agg canvas, so no display is touched).
+        Without estimates it draws the number of table shards per rank instead.
+        """
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(max(4.0, 1.2 * self.world_size + 2), 3.5), dpi=100)
+        fig = Figure(figsize=(max(5.0, 0.9 * self.world_size + 3.0), 3.8), dpi=100)
+        FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        ranks = list(range(self.world_size))
-        if self.ranks:
+        xs = list(range(self.world_size))
+        if self.estimates_available:
             width = 0.38
-            mem = [r.memory_bytes / 2**20 for r in self.ranks]
-            ax.bar([x - width / 2 for x in ranks], mem, width, label="memory (MB)", color="tab:blue")
+            mem_mb = [(r.memory_bytes or 0) / 2**20 for r in self.ranks]
+            cost = [r.cost or 0.0 for r in self.ranks]
+            bars = ax.bar([x - width / 2 for x in xs], mem_mb, width, label="memory (MB)", color="tab:blue")
             twin = ax.twinx()
-            twin.bar([x + width / 2 for x in ranks], [r.cost for r in self.ranks], width, label="cost (planner)",
-                     color="tab:orange")
+            bars2 = twin.bar([x + width / 2 for x in xs], cost, width, label="cost (ms/step)", color="tab:orange")
+            # Headroom above the bars for the legend.
+            ax.set_ylim(0, 1.3 * max(mem_mb + [1e-9]))
+            twin.set_ylim(0, 1.3 * max(cost + [1e-9]))
             ax.set_ylabel("memory (MB)")
-            twin.set_ylabel("estimated cost")
-            imb = self.imbalance
-            ax.set_title(f"imbalance max/mean: memory {_fmt(imb['memory'])}, cost {_fmt(imb['cost'])}", fontsize=9)
-            handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-            ax.legend(handles=handles, loc="lower center", fontsize=8, framealpha=0.9)
+            twin.set_ylabel("planner cost (ms/step)")
+            ax.legend(handles=[bars, bars2], loc="upper center", ncol=2, fontsize=8, framealpha=0.9)
+            subtitle = f"imbalance (max/mean over ranks): {self._imbalance_text()}"
         else:
-            shards = [sum(1 for t in self.tables for rk in t.ranks if rk == r) for r in ranks]
-            ax.bar(ranks, shards, color="tab:blue")
-            ax.set_ylabel("table shards")
-            ax.set_title("no planner estimates: shards per rank", fontsize=9)
-        ax.set_xticks(ranks)
+            shards = [sum(r in t.shard_ranks or (not t.shard_ranks and r in t.ranks) for t in self.tables) for r in xs]
+            ax.bar(xs, shards, color="tab:blue")
+            ax.set_ylabel("tables with a shard here")
+            ax.yaxis.get_major_locator().set_params(integer=True)
+            subtitle = "planner estimates unavailable: tables per rank"
+        ax.set_title(f"Sharding plan: {self.world_size} rank(s), {self.device_type}\n{subtitle}", fontsize=9)
+        ax.set_xticks(xs)
         ax.set_xlabel("rank")
         fig.tight_layout()
         fig.savefig(path, format="png")
 
-
-def _fmt(x: Optional[float]) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
+    def _imbalance_text(self) -> str:
+        imb = self.imbalance
+        return ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in imb.items())
 
 
 def write_plan_report(report: PlanReport, directory: "os.PathLike[str] | str") -> Optional[str]:
-    """Write ``sharding_plan.json`` and ``sharding_plan.png`` into ``directory`` (the strategy passes the
-    logger's ``log_dir``, e.g. ``lightning_logs/version_0``, or ``default_root_dir`` without a logger). Call it on
-    rank 0 only. A failure (read-only directory, matplotlib missing) warns and never stops training.
+    """Write ``sharding_plan.json`` and ``sharding_plan.png`` into ``directory`` (created if missing).
+
+    A failure (read-only directory, matplotlib missing) warns and never stops training.
 
     Returns:
         the directory written to, or ``None`` if writing failed.
+
+    Example::
+
+        write_plan_report(report, "lightning_logs/version_0")
     """
     from lightning.pytorch.utilities import rank_zero_warn
 
     out = os.fspath(directory)
     try:
         os.makedirs(out, exist_ok=True)
-        report.write_json(os.path.join(out, "sharding_plan.json"))
-        report.write_png(os.path.join(out, "sharding_plan.png"))
+        report.write_json(os.path.join(out, JSON_NAME))
+        report.write_png(os.path.join(out, PNG_NAME))
     except Exception as e:  # noqa: BLE001 - a report must never cost a training run
-        rank_zero_warn(f"Could not write the sharding-plan report to {out}: {type(e).__name__}: {e}")
+        rank_zero_warn(
+            f"RecShardStrategy could not write the sharding-plan report to {out!r}: {type(e).__name__}: {e}. "
+            "Training goes on. HINT: make the log directory writable and `pip install matplotlib`, or pass "
+            "`RecShardStrategy(plan_report=False)`."
+        )
         return None
     return out
+
+
+def write_for_trainer(report: PlanReport, trainer: Any, global_rank: int) -> Optional[str]:
+    """Write the report next to ``trainer``'s logs: the logger's ``log_dir`` (e.g. ``lightning_logs/version_0``),
+    or ``default_root_dir`` without a logger. Call it on every rank: ``trainer.log_dir`` broadcasts from rank 0,
+    so every rank must ask; only rank 0 writes.
+
+    Returns:
+        the directory rank 0 wrote to (``None`` on other ranks or if writing failed).
+    """
+    log_dir = (trainer.log_dir if trainer.logger is not None else None) or trainer.default_root_dir
+    return write_plan_report(report, log_dir) if global_rank == 0 else None

@@ -296,7 +296,18 @@ def plan_module(
 
 @dataclass
 class PlanRow:
-    """One table of a plan, flattened for display."""
+    """One table of a plan, flattened for display.
+
+    Args:
+        module: path of the embedding module holding the table (``""``: the root module).
+        table: the table name.
+        sharding_type: e.g. ``"column_wise"``.
+        compute_kernel: e.g. ``"fused"``.
+        ranks: ranks holding (part of) the table.
+        shard_sizes: ``[rows, cols]`` of each shard (empty for a replicated, ``data_parallel`` table).
+        shard_offsets: ``[row, col]`` where each shard starts in the whole table.
+        shard_ranks: the rank each shard is placed on (``None`` if the plan does not say).
+    """
 
     module: str
     table: str
@@ -305,6 +316,7 @@ class PlanRow:
     ranks: List[int]
     shard_sizes: List[List[int]]
     shard_offsets: List[List[int]] = field(default_factory=list)
+    shard_ranks: List[Optional[int]] = field(default_factory=list)
 
 
 def plan_rows(plan: ShardingPlan) -> List[PlanRow]:
@@ -322,6 +334,7 @@ def plan_rows(plan: ShardingPlan) -> List[PlanRow]:
                     ranks=list(ps.ranks or []),
                     shard_sizes=[list(s.shard_sizes) for s in shards],
                     shard_offsets=[list(s.shard_offsets) for s in shards],
+                    shard_ranks=[s.placement.rank() if s.placement is not None else None for s in shards],
                 )
             )
     return rows
@@ -340,7 +353,7 @@ def format_plan(plan: ShardingPlan, world_size: int) -> str:
 
 
 def format_rows(rows: Sequence[PlanRow], world_size: int) -> str:
-    """:class:`PlanRow`\ s as the fixed-width text table of :func:`format_plan`."""
+    """Rows (:class:`PlanRow`) as the fixed-width text table of :func:`format_plan`."""
     header = ("module", "table", "sharding", "ranks", "kernel", "shards")
     body = []
     for r in rows:

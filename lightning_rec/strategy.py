@@ -14,16 +14,15 @@ are split across ranks:
 4. ``teardown``: leaves the sharded module where it is, so later ``validate``/``test``/``predict`` calls reuse
    it.
 
-The mechanics live in :mod:`lightning_rec.sharding`, :mod:`lightning_rec.optim` and
-:mod:`lightning_rec.checkpoint`; this file is the list of Lightning hooks.
+The mechanics live in :mod:`lightning_rec.sharding`, :mod:`lightning_rec.dmp`, :mod:`lightning_rec.optim`,
+:mod:`lightning_rec.plan_report` and :mod:`lightning_rec.checkpoint`; this file is the list of Lightning hooks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -48,41 +47,30 @@ from lightning_rec import _compat
 from lightning_rec import checkpoint as _ckpt
 from lightning_rec.dmp import (
     ManualOptimizationRedirection,
+    ShardedState,
     dense_ddp,
-    materialize_dense,
-    shard_with_dmp,
-    table_parameters,
+    prepare_for_optimizers,
+    shard_module,
+    sharded_state,
+    unfused_table_parameters,
 )
 from lightning_rec.optim import (
     EmbeddingOptimizer,
     RecOptimizer,
     bounds_check_params,
     combine_optimizers,
-    is_fused_parameter,
     resolve_embedding_optimizer,
 )
-from lightning_rec.plan_report import PlanReport, write_plan_report
+from lightning_rec.plan_report import PlanReport, write_for_trainer
 from lightning_rec.settings import check_precision, check_trainer_flags
 from lightning_rec.sharding import (
     TableConstraints,
     TopologyConfig,
-    embedding_modules,
     embedding_tables,
     make_sharders,
     plan_module,
     validate_constraints,
 )
-
-_SHARDED_STATE_ATTR = "_lightning_rec_sharded"
-
-
-@dataclass
-class _ShardedState:
-    """What a sharded module remembers across trainers: its DMP wrapper and how it was sharded."""
-
-    dmp: DistributedModelParallel
-    plan: ShardingPlan
-    embedding_optimizer: EmbeddingOptimizer
 
 
 class RecShardStrategy(ParallelStrategy):
@@ -109,7 +97,8 @@ class RecShardStrategy(ParallelStrategy):
         find_unused_parameters: passed to the DDP wrapper of the dense part.
         plan_report: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
             the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``
-            (``default_root_dir`` without a logger); see :mod:`lightning_rec.plan_report`.
+            (``default_root_dir`` without a logger); see :mod:`lightning_rec.plan_report`. The plan is logged as
+            a table either way. A report that cannot be written only warns.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the
             Trainer, as for any Lightning strategy.
 
@@ -170,7 +159,6 @@ class RecShardStrategy(ParallelStrategy):
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
         self._write_plan_report = plan_report
-        self._plan_report: Optional[PlanReport] = None
         self._rec_optimizer: Optional[RecOptimizer] = None
         self._forward_redirection = ManualOptimizationRedirection()
 
@@ -217,7 +205,7 @@ class RecShardStrategy(ParallelStrategy):
     @property
     def sharded_model(self) -> DistributedModelParallel:
         """The ``DistributedModelParallel`` wrapper (available after setup)."""
-        state = _sharded_state(self.lightning_module)
+        state = sharded_state(self.lightning_module)
         if state is None:
             raise RuntimeError(f"{type(self).__name__}: the model is not sharded yet; call this after setup.")
         return state.dmp
@@ -242,7 +230,7 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def connect(self, model: "pl.LightningModule") -> None:
         super().connect(model)
-        if _sharded_state(model) is not None:
+        if sharded_state(model) is not None:
             return
         tables = embedding_tables(model, self._module_types())
         if not tables:
@@ -274,20 +262,13 @@ class RecShardStrategy(ParallelStrategy):
                 trainer, bool(embedding_tables(module, self._module_types())), type(self).__name__
             )
 
-        state = _sharded_state(module)
+        state = sharded_state(module)
+        is_embedding = prepare_for_optimizers(module, self._module_types(), self.root_device, state)
         optimizers: List[Optimizer] = []
         lr_scheduler_configs: List[Any] = []
-        embedding_param_ids: Set[int] = set()
-        if state is None:
-            emb_modules = embedding_modules(module, self._module_types())
-            embedding_param_ids = {id(p) for m in emb_modules.values() for p in m.parameters()}
-            materialize_dense(module, self.root_device, skip=list(emb_modules.values()))
-        else:  # already sharded (e.g. validate, then fit): its tables are the modules the plan names
-            embedding_param_ids = {id(p) for _, p in table_parameters(module, state.plan)}
         # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
         if fitting or (state is None and is_overridden("configure_optimizers", module)):
             optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
-        is_embedding = lambda p: id(p) in embedding_param_ids or is_fused_parameter(p)  # noqa: E731
         emb_opt, lr_source = self._resolve_embedding_optimizer(module, optimizers, is_embedding)
 
         if state is None:
@@ -302,12 +283,13 @@ class RecShardStrategy(ParallelStrategy):
         self.model = state.dmp
 
         if fitting:
-            self._combine_optimizers(state, optimizers, lr_scheduler_configs, is_embedding, lr_source)
-            if self._write_plan_report and self._plan_report is not None:
-                # `trainer.log_dir` broadcasts from rank 0: every rank must ask, only rank 0 writes.
-                log_dir = (trainer.log_dir if trainer.logger is not None else None) or trainer.default_root_dir
-                if self.global_rank == 0:
-                    write_plan_report(self._plan_report, log_dir)
+            self._rec_optimizer, self.optimizers = combine_optimizers(
+                state.dmp.fused_optimizer, optimizers, dict(module.named_parameters()), is_embedding, lr_source,
+                unfused_table_parameters(module, state.plan), state.embedding_optimizer,
+            )
+            self.lr_scheduler_configs = lr_scheduler_configs
+            if self._write_plan_report and state.report is not None:
+                write_for_trainer(state.report, trainer, self.global_rank)  # every rank: it may broadcast
         self.setup_precision_plugin()
 
     @override
@@ -465,7 +447,7 @@ class RecShardStrategy(ParallelStrategy):
             owner=type(self).__name__,
         )
 
-    def _shard(self, module: "pl.LightningModule", emb_opt: EmbeddingOptimizer) -> _ShardedState:
+    def _shard(self, module: "pl.LightningModule", emb_opt: EmbeddingOptimizer) -> ShardedState:
         sharders = self._sharders(emb_opt)
         pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
         plan, options = self._plan, None
@@ -474,36 +456,9 @@ class RecShardStrategy(ParallelStrategy):
                 module, self._module_types(), sharders, self.constraints, self.topology, self.world_size,
                 self.root_device.type, pg,
             )
-        self._plan_report = PlanReport.from_plan(plan, self.world_size, self.root_device.type, options)
-        rank_zero_info(f"{type(self).__name__}: sharding plan over {self.world_size} rank(s)\n{self._plan_report.format_table()}")
-        dmp = shard_with_dmp(
-            module, plan, sharders, self.root_device, pg,
-            # DDP's static-graph first step assumes backward runs after forward returns; manual optimization breaks that.
-            static_graph=self._static_graph and module.automatic_optimization,
-            find_unused_parameters=self._find_unused_parameters,
+        report = PlanReport.from_plan(plan, self.world_size, self.root_device.type, options)
+        rank_zero_info(f"{type(self).__name__}: sharding plan over {self.world_size} rank(s)\n{report.format_table()}")
+        return shard_module(
+            module, plan, sharders, self.root_device, pg, embedding_optimizer=emb_opt, report=report,
+            static_graph=self._static_graph, find_unused_parameters=self._find_unused_parameters,
         )
-        state = _ShardedState(dmp=dmp, plan=plan, embedding_optimizer=emb_opt)
-        # A plain attribute (not a submodule): the module stays the root of its own state_dict.
-        object.__setattr__(module, _SHARDED_STATE_ATTR, state)
-        return state
-
-    def _combine_optimizers(
-        self,
-        state: _ShardedState,
-        optimizers: List[Optimizer],
-        lr_scheduler_configs: List[Any],
-        is_embedding: Callable[[Tensor], bool],
-        lr_source: Optional[Dict[str, Any]],
-    ) -> None:
-        module = self.lightning_module
-        # Tables TorchRec keeps on a non-fused kernel (data_parallel on CPU) got new parameters when sharded.
-        table_params = {n: p for n, p in table_parameters(module, state.plan) if not is_fused_parameter(p)}
-        self._rec_optimizer, self.optimizers = combine_optimizers(
-            state.dmp.fused_optimizer, optimizers, dict(module.named_parameters()), is_embedding, lr_source,
-            table_params, state.embedding_optimizer,
-        )
-        self.lr_scheduler_configs = lr_scheduler_configs
-
-
-def _sharded_state(module: Optional[nn.Module]) -> Optional[_ShardedState]:
-    return getattr(module, _SHARDED_STATE_ATTR, None) if module is not None else None

@@ -1,0 +1,71 @@
+"""Per-rank scenarios for the sharding-plan report (run through tests.helpers.dist.run_ranks as
+``tests.helpers.report_scenarios:<function>``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_rec import plan_report
+from lightning_rec.sharding import plan_rows
+from tests.helpers.models import RecModel
+from tests.helpers.scenarios import _loader, _trainer
+
+
+def _record_writes() -> List[str]:
+    """Record, in this process, every directory the report is written to (every write goes through
+    ``plan_report.write_plan_report``), so a test can tell which rank wrote."""
+    calls: List[str] = []
+    original = plan_report.write_plan_report
+
+    def recording(report: plan_report.PlanReport, directory: Any) -> Any:
+        calls.append(str(directory))
+        return original(report, directory)
+
+    plan_report.write_plan_report = recording  # this worker process only
+    return calls
+
+
+def fit_report(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dict[str, Any]:
+    """Fit with a CSV logger (MIXED_PLAN constraints); report where this rank wrote and the plan it sharded with."""
+    calls = _record_writes()
+    L.seed_everything(0)
+    tr = _trainer(world_size, steps, logger=CSVLogger(out_dir, name="logs"), default_root_dir=str(out_dir / "root"))
+    tr.fit(RecModel(), _loader(rank, steps, 16, {}))
+    return {
+        "writes": calls,
+        "log_dir": tr.log_dir,
+        "plan": [dataclasses.asdict(r) for r in plan_rows(tr.strategy.sharding_plan)],
+        "global_step": tr.global_step,
+    }
+
+
+def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dict[str, Any]:
+    """Three fits: no logger (report in default_root_dir), a fixed ``plan=`` (no estimates), ``plan_report=False``;
+    then one whose report directory cannot be created (warns, trains)."""
+    calls = _record_writes()
+    results: Dict[str, Any] = {}
+
+    def fit(tag: str, strategy: Dict[str, Any], root: Path) -> L.Trainer:
+        L.seed_everything(0)
+        tr = _trainer(world_size, steps, strategy=strategy, default_root_dir=str(root))
+        tr.fit(RecModel(), _loader(rank, steps, 16, {}))
+        results[tag] = {"global_step": tr.global_step, "writes": list(calls)}
+        calls.clear()
+        return tr
+
+    planned = fit("no_logger", {}, out_dir / "no_logger")
+    fit("fixed_plan", {"plan": planned.strategy.sharding_plan}, out_dir / "fixed_plan")
+    fit("disabled", {"plan_report": False}, out_dir / "disabled")
+    blocked = out_dir / "blocked"
+    blocked.write_text("a file where the report directory should go")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit("unwritable", {}, blocked / "root")
+    results["unwritable"]["warnings"] = [str(w.message) for w in caught if "sharding-plan report" in str(w.message)]
+    return results
