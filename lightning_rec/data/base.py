@@ -253,7 +253,8 @@ class RecDataModule(pl.LightningDataModule):
     """Base of the DataModules here: publishes the features a model needs and builds rank-aware loaders.
 
     Subclasses set :attr:`sparse_features` and :attr:`num_dense_features` (the CLI links both to the model) and
-    call :meth:`loader` in their ``*_dataloader`` hooks.
+    implement :meth:`split` (an in-memory dataset per split name), or override :meth:`dataloader` (e.g. to
+    stream); the four ``*_dataloader`` hooks call :meth:`dataloader`.
 
     Args:
         batch_size: rows per batch on each rank.
@@ -287,3 +288,23 @@ class RecDataModule(pl.LightningDataModule):
             dataset, batch_size or self.batch_size, rank=rank, world_size=world_size, shuffle=shuffle,
             seed=self.seed, num_workers=self.num_workers,
         )
+
+    def split(self, name: str) -> Any:
+        """The dataset of split ``name`` (``"train"``, ``"val"``, ``"test"`` or ``"predict"``), indexed by batches."""
+        raise NotImplementedError(f"{type(self).__name__} must implement split() or dataloader().")
+
+    def dataloader(self, name: str) -> Any:
+        """The loader of split ``name``: :meth:`loader` over :meth:`split`, shuffled for training only."""
+        return self.loader(self.split(name), shuffle=name == "train")
+
+    def train_dataloader(self) -> Any:
+        return self.dataloader("train")
+
+    def val_dataloader(self) -> Any:
+        return self.dataloader("val")
+
+    def test_dataloader(self) -> Any:
+        return self.dataloader("test")
+
+    def predict_dataloader(self) -> Any:
+        return self.dataloader("predict")

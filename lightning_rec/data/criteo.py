@@ -406,7 +406,8 @@ class CriteoDataModule(RecDataModule):
         """13: the Criteo integer features."""
         return INT_FEATURE_COUNT
 
-    def _dataloader(self, split: str) -> Union[DataLoader, List[DataLoader]]:
+    def dataloader(self, split: str) -> Union[DataLoader, List[DataLoader]]:
+        """TSV: a rank-exact stream; ``.npy``: the memory-mapped rows through :meth:`loader`."""
         if not self.splits[split]:
             if split == "val":
                 return []  # fit without validation: Lightning runs no batches from an empty list
@@ -422,17 +423,6 @@ class CriteoDataModule(RecDataModule):
             multiprocessing_context="spawn" if self.num_workers > 0 else None,
         )
 
-    def train_dataloader(self) -> Union[DataLoader, List[DataLoader]]:
-        return self._dataloader("train")
-
-    def val_dataloader(self) -> Union[DataLoader, List[DataLoader]]:
-        return self._dataloader("val")
-
-    def test_dataloader(self) -> Union[DataLoader, List[DataLoader]]:
-        return self._dataloader("test")
-
-    def predict_dataloader(self) -> Union[DataLoader, List[DataLoader]]:
-        return self._dataloader("predict")
 
 
 def write_criteo_tsv(path: Union[str, Path], num_rows: int, seed: int = 0, with_label: bool = True) -> Path:

@@ -367,14 +367,6 @@ class MovieLensDataModule(RecDataModule):
         self._splits = {"train": data.subset(rest[train]), "val": data.subset(rest[val])}
         self._splits["test"] = data.subset(test) if len(test) else self._splits["val"]
 
-    def train_dataloader(self):
-        return self.loader(self._splits["train"], shuffle=True)
-
-    def val_dataloader(self):
-        return self.loader(self._splits["val"], shuffle=False)
-
-    def test_dataloader(self):
-        return self.loader(self._splits["test"], shuffle=False)
-
-    def predict_dataloader(self):
-        return self.loader(self._splits["val"], shuffle=False)
+    def split(self, name: str) -> RecDataset:
+        """The rows of split ``name`` (after :meth:`setup`); ``predict`` runs over the validation rows."""
+        return self._splits["val" if name == "predict" else name]

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset, SparseFeature
 
@@ -242,20 +241,8 @@ class SyntheticDataModule(RecDataModule):
         if not self.rows["test"]:
             self._splits["test"] = self._splits["val"]
 
-    def split(self, name: Literal["train", "val", "test"]) -> RecDataset:
-        """The rows of split ``name`` (after :meth:`setup`)."""
+    def split(self, name: Literal["train", "val", "test", "predict"]) -> RecDataset:
+        """The rows of split ``name`` (after :meth:`setup`); ``predict`` runs over the validation rows."""
         if self._splits is None:
             raise RuntimeError("SyntheticDataModule: no data yet. HINT: call setup() first (the Trainer does).")
-        return self._splits[name]
-
-    def train_dataloader(self) -> DataLoader:
-        return self.loader(self.split("train"), shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.loader(self.split("val"), shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.loader(self.split("test"), shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self.loader(self.split("val"), shuffle=False)
+        return self._splits["val" if name == "predict" else name]
