@@ -280,10 +280,15 @@ class RecDataModule(pl.LightningDataModule):
         """The width of ``Batch.dense_features``."""
         raise NotImplementedError
 
+    @property
+    def rank_and_world_size(self) -> Tuple[int, int]:
+        """``(global rank, world size)`` of the attached trainer; ``(0, 1)`` without one."""
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
     def loader(self, dataset: Any, shuffle: bool, batch_size: Optional[int] = None) -> DataLoader:
         """A :func:`batch_loader` for this rank (rank and world size come from the attached trainer)."""
-        trainer = self.trainer
-        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rank, world_size = self.rank_and_world_size
         return batch_loader(
             dataset, batch_size or self.batch_size, rank=rank, world_size=world_size, shuffle=shuffle,
             seed=self.seed, num_workers=self.num_workers,

@@ -415,8 +415,7 @@ class CriteoDataModule(RecDataModule):
         layout, files = _resolve(self.splits[split], self.layout, split)
         if layout == "npy":
             return self.loader(CriteoNpyDataset(files, self.sizes), shuffle=split == "train")
-        trainer = self.trainer
-        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rank, world_size = self.rank_and_world_size
         stream = CriteoTSVStream(files, self.batch_size, self.sizes, rank=rank, world_size=world_size)
         return DataLoader(
             stream, batch_size=None, num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
