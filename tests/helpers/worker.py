@@ -23,9 +23,13 @@ def main() -> None:
     result = scenario(rank=rank, world_size=world_size, out_dir=out_dir, **config)
     (out_dir / f"{name}.rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
-        # No rank may exit (closing its sockets) while another still reads from it.
+        # No rank may leave while another still reads from it. Then leave without tearing gloo down: a rank that
+        # destroys its process group while a peer is still closing the last collective can make that peer abort
+        # ("terminate called without an active exception"), which failed CI once. The result file is written.
         dist.barrier()
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
