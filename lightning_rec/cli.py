@@ -1,11 +1,13 @@
 """``lightning-rec``: LightningCLI for recommendation models, with the ``recshard`` strategy registered.
 
 Subcommands are LightningCLI's (``fit``, ``validate``, ``test``, ``predict``; ``--print_config``, ``--config``)
-plus ``prepare``, which fetches a dataset ahead of time (the DataModules also fetch on first use)::
+plus ``prepare``, which fetches a dataset ahead of time (the DataModules also fetch on first use), and
+``export``, which turns a sharded checkpoint into one unsharded state dict file::
 
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml --trainer.max_epochs=2 --data.batch_size=1024
     lightning-rec prepare movielens --data_dir data/ml-100k
+    lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model.safetensors
 
 DataModules publish ``sparse_features`` and ``num_dense_features``; they are linked into the model's
 arguments of the same names, so a model config never repeats table sizes. By default, metrics go to a CSV
@@ -60,8 +62,24 @@ def _prepare(argv: List[str]) -> None:
     print(f"MovieLens-100K ready in {prepare_movielens(args.data_dir)}")
 
 
+def _export(argv: List[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-rec export",
+        description="Write the weights of a sharded checkpoint (any world size, any plan) as one unsharded state "
+        "dict: safetensors for *.safetensors, else a torch.save file that loads with weights_only=True.",
+    )
+    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. lightning_logs/version_0/checkpoints/last.ckpt")
+    parser.add_argument("output", help="e.g. model.safetensors or model.pt")
+    parser.add_argument("--prefix", default="", help='export only the weights under this prefix, without it (e.g. "model.")')
+    args = parser.parse_args(argv)
+    from lightning_rec.checkpoint import export
+
+    shapes = export(args.checkpoint, args.output, prefix=args.prefix)
+    print(f"wrote {len(shapes)} tensors ({sum(s.numel() for s in shapes.values()):,} values) to {args.output}")
+
+
 def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:
-    """Run one ``lightning-rec`` command in this process and return the CLI (``None`` for ``prepare``).
+    """Run one ``lightning-rec`` command in this process and return the CLI (``None`` for ``prepare``/``export``).
 
     Args:
         args: the command line without the program name; ``None`` reads ``sys.argv``.
@@ -74,6 +92,9 @@ def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["prepare"]:
         _prepare(argv[1:])
+        return None
+    if argv[:1] == ["export"]:
+        _export(argv[1:])
         return None
     return RecCLI(
         LightningModule,

@@ -32,8 +32,9 @@ class RecLightningModule(pl.LightningModule):
                 self.over = torch.nn.Linear(32, 1)
 
             def training_step(self, batch, batch_idx):
-                pooled = self.ebc(batch.sparse_features).values()
-                return F.binary_cross_entropy_with_logits(self.over(pooled).squeeze(1), batch.labels)
+                pooled = self.ebc(batch.sparse_features).to_dict()  # by name: sharding reorders `.values()`
+                x = torch.cat([pooled["user"], pooled["item"]], dim=1)
+                return F.binary_cross_entropy_with_logits(self.over(x).squeeze(1), batch.labels)
 
             def configure_optimizers(self):
                 return torch.optim.Adagrad(self.parameters(), lr=0.1)   # tables: fused Adagrad, lr=0.1

@@ -308,6 +308,8 @@ class RecOptimizer(CombinedOptimizer):
     ) -> None:
         self.dense = dense
         self.table_optimizer = table_optimizer
+        self.dense_params: Dict[str, torch.Tensor] = dict(dense_params)
+        self.table_params: Dict[str, torch.Tensor] = dict(table_params or {})
         # `KeyedOptimizerWrapper` builds its optimizer from a factory; ours already exists (schedulers are
         # bound to it), so the factory hands it back. State and param groups are shared, not copied.
         keyed: List[KeyedOptimizer] = [fused, KeyedOptimizerWrapper(dict(dense_params), lambda _params: dense)]

@@ -365,8 +365,8 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        return optimizer.state_dict()
+        assert self.lightning_module is not None
+        return _ckpt.canonical_state(optimizer, dict(self.lightning_module.named_parameters()))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -378,16 +378,36 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` as a sharded checkpoint directory at ``filepath`` (every rank writes its own shards;
+        see :mod:`lightning_rec.checkpoint`)."""
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
         path = Path(self.broadcast(str(filepath)))
-        _ckpt.save(checkpoint, path, is_global_zero=self.is_global_zero, barrier=self.barrier)
+        state = sharded_state(self.lightning_module)
+        info: Dict[str, Any] = {}
+        if state is not None:
+            info = {"embedding_optimizer": state.embedding_optimizer.as_dict()}
+            if state.report is not None:
+                info["plan"] = state.report.to_dict()
+        _ckpt.save(checkpoint, path, info=info)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Load a checkpoint directory (from any world size or plan) into the sharded model and its optimizers, in
+        place; checks everything first (see :func:`lightning_rec.checkpoint.load`)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.lightning_module is not None
-        return _ckpt.load(path, self.lightning_module, [getattr(o, "_optimizer", o) for o in self.optimizers])
+        module = self.lightning_module
+        assert module is not None
+        meta = _ckpt.load(
+            path, module, [getattr(o, "_optimizer", o) for o in self.optimizers],
+            strict=getattr(module, "strict_loading", True), weights_only=weights_only,
+        )
+        saved = meta.get("lightning_rec", {})
+        if saved.get("world_size") not in (None, self.world_size):
+            rank_zero_info(
+                f"{type(self).__name__}: resharded checkpoint {path} from {saved['world_size']} rank(s) onto {self.world_size}."
+            )
+        return meta
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

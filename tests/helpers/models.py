@@ -82,11 +82,14 @@ class RecModel(lightning_rec.RecLightningModule):
 
     def forward(self, batch: Any) -> torch.Tensor:
         dense, kjt, _ = self._unpack(batch)
+        # Pooled embeddings by feature name: a sharded EBC's KeyedTensor orders its keys by shard, not by table.
         if self.towers is None:
-            parts = [self.ebc(kjt).values()]
+            pooled = self.ebc(kjt).to_dict()
+            parts = [pooled[f] for f in FEATURES]
         else:  # each sharded module gets exactly its own features
             ebc_kjt, ec_kjt = kjt.split([3, 1])
-            parts = [self.ebc(ebc_kjt).values(), self.towers(ec_kjt)]
+            pooled = self.ebc(ebc_kjt).to_dict()
+            parts = [pooled[f] for f in FEATURES] + [self.towers(ec_kjt)]
         return self.mlp(torch.cat([*parts, dense], dim=1)).squeeze(1)
 
     def loss(self, batch: Any) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""Reading a checkpoint without unpickling arbitrary objects.
+
+A checkpoint directory has two pickled files: DCP's ``.metadata`` (its index of tensor chunks, which
+``torch.distributed.checkpoint`` reads with a bare ``pickle.load``) and ``meta.pt`` (Lightning's loop,
+callback and scheduler state). Both are read here with allow-lists, so a checkpoint from an untrusted
+source can at worst fail to load, never run code.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from typing_extensions import override
+
+# Classes DCP's metadata pickle refers to (module -> names). Anything else is refused.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "_MEM_FORMAT_ENCODING", "StorageMeta", "MetadataIndex",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint._extension": {"StreamTransformExtension"},
+    "torch": {"Size"},
+    "torch._utils": {"_get_layout"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file refers to a Python object that loading will not create."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f"the checkpoint's .metadata refers to {module}.{name}, which is not part of DCP's metadata format; "
+            "refusing to unpickle it."
+        )
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's ``.metadata`` of the checkpoint directory ``path``, unpickled with an allow-list.
+
+    Raises:
+        UnsafeCheckpointError: the file refers to anything but DCP's metadata classes, tensor sizes and dtypes.
+    """
+    with open(Path(path) / ".metadata", "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{path}/.metadata holds a {type(metadata).__name__}, not DCP Metadata.")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` with :func:`read_metadata`'s allow-list instead of ``pickle.load``.
+
+    Example::
+
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader("epoch=0-step=10.ckpt"))
+    """
+
+    @override
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # per-rank metadata files are not a format this package writes
+            raise UnsafeCheckpointError("per-rank DCP metadata files are not supported")
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_meta(path: Path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+    """Lightning's tensor-free checkpoint part (``meta.pt``), loaded with ``torch.load(weights_only=True)``.
+
+    Lightning's own containers (``AttributeDict`` hyperparameters) are allowed. Anything else (a custom class
+    in ``save_hyperparameters()``, say) is refused unless the caller passes ``weights_only=False`` (Lightning's
+    ``trainer.fit(..., weights_only=False)``): only do that for checkpoints you trust.
+    """
+    from lightning.fabric.utilities.data import AttributeDict
+
+    if weights_only is False:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        with torch.serialization.safe_globals([AttributeDict]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(
+            f"{path} holds objects that are not plain data, so it was not unpickled: {str(err).splitlines()[0]}\n"
+            "HINT: keep hyperparameters plain (numbers, strings, lists, dicts), or, for a checkpoint you trust, "
+            "pass `weights_only=False` to `trainer.fit/validate/test/predict`."
+        ) from None
+
+
+def dumps_meta(meta: Dict[str, Any]) -> bytes:
+    """Serialise ``meta`` (for ``meta.pt``) and return the bytes."""
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    return buffer.getvalue()
