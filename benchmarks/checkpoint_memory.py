@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.utils.data import DataLoader
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -102,7 +104,7 @@ class MeasuredStrategy(RecShardStrategy):
         return self._measure("load", lambda: super(MeasuredStrategy, self).load_checkpoint(checkpoint_path, weights_only))
 
 
-def batches(tables: int, rows: int, n: int, batch_size: int = 256) -> List[Batch]:
+def batches(tables: int, rows: int, n: int, batch_size: int = 256) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
@@ -112,7 +114,7 @@ def batches(tables: int, rows: int, n: int, batch_size: int = 256) -> List[Batch
             lengths=torch.ones(tables * batch_size, dtype=torch.int32),
         )
         out.append(Batch(dense_features=torch.zeros(batch_size, 0), sparse_features=kjt, labels=torch.rand(batch_size, generator=g).round()))
-    return out
+    return DataLoader(out, batch_size=None)
 
 
 def local_state_bytes(model: torch.nn.Module, trainer: L.Trainer) -> int:
@@ -171,7 +173,10 @@ def main() -> None:
             "load_peak_over_local_state": round(worst_load / biggest_local, 3),
             "save_peak_over_full_model": round(worst_save / result["full_model_state_mb"], 3),
             "load_peak_over_full_model": round(worst_load / result["full_model_state_mb"], 3),
+            "largest_tensor_mb": args.rows * args.dim * 4 / 2**20,
         }), flush=True)
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -48,4 +48,33 @@ def test_movielens_main_job_reaches_auroc_078_in_under_5_minutes(tmp_path: Path)
     assert len(report["ranks"]) == 2 and report["imbalance"]["memory"] >= 1.0
     throughput = [float(r["train/samples_per_s"]) for r in rows if r.get("train/samples_per_s")]
     assert throughput and min(throughput) > 0
+    _export_reproduces_the_final_validation(logs[0], data, aurocs[-1])
     print(f"main job: {elapsed:.0f}s, val AUROC per epoch {aurocs}, ~{throughput[-1]:.0f} samples/s")
+
+
+def _export_reproduces_the_final_validation(log_dir: Path, data: Path, logged_auroc: float) -> None:
+    """The job's `last.ckpt` (2 ranks, sharded), exported with the CLI and loaded into the plain DLRMModule on this
+    one process, scores exactly the AUROC the job logged for its last epoch."""
+    import torch
+    from torchmetrics.classification import BinaryAUROC
+
+    from lightning_rec.checkpoint import is_checkpoint, load_exported
+    from lightning_rec.checkpoint.safe_io import load_meta
+    from lightning_rec.data import MovieLensDataModule
+    from lightning_rec.models import DLRMModule
+
+    last = log_dir / "checkpoints" / "last.ckpt"
+    assert is_checkpoint(last)
+    script = Path(sys.executable).with_name("lightning-rec")
+    out = subprocess.run([str(script), "export", str(last), str(log_dir / "model.safetensors")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    hparams = {k: v for k, v in load_meta(last / "meta.pt")["hyper_parameters"].items() if not k.startswith("_")}
+    model = DLRMModule(**hparams).eval()
+    model.load_state_dict(load_exported(log_dir / "model.safetensors"), assign=True)
+    dm = MovieLensDataModule(data_dir=str(data), val_fraction=0.1, split_seed=42, batch_size=512)
+    dm.setup("fit")
+    auroc = BinaryAUROC()
+    with torch.no_grad():
+        for batch in dm.val_dataloader():
+            auroc.update(torch.sigmoid(model(batch)), batch.labels.long())
+    assert abs(float(auroc.compute()) - logged_auroc) < 1e-5, (float(auroc.compute()), logged_auroc)

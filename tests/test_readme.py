@@ -32,4 +32,4 @@ def test_quickstart_trains_on_two_processes_and_saves_a_sharded_checkpoint(tmp_p
     assert loss < 0.4  # starts at ~0.69
     ckpt = tmp_path / "run" / "checkpoints" / re.search(r"checkpoint=.*/(.*)", proc.stdout).group(1)
     assert is_checkpoint(ckpt)
-    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # one per rank
+    assert {p.name.split("_")[2] for p in ckpt.glob("*.distcp")} == {"0", "1"}  # both ranks wrote their shards

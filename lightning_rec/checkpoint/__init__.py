@@ -121,7 +121,10 @@ def save(checkpoint: Mapping[str, Any], path: Path, info: Optional[Mapping[str, 
     comm.barrier()
     tensors, meta = _split(checkpoint)
     meta["lightning_rec"] = {**(info or {}), "world_size": comm.world_size}
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True), no_dist=not comm.on)
+    # One file per tensor chunk: DCP keeps every tensor it writes to a file alive until that file is closed
+    # (and clones views of the kernels' flat weight buffers), so one file per rank would peak at the whole local state.
+    writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, sync_files=True)
+    dcp.save(tensors, storage_writer=writer, no_dist=not comm.on)
     files = {p.name: layout.file_digest(p) for p in layout.own_files(staging, comm.rank)}
     all_files = {k: v for rank_files in comm.all_gather(files) for k, v in rank_files.items()}
     if comm.rank == 0:

@@ -86,23 +86,35 @@ class SafeFileSystemReader(FileSystemReader):
 def load_meta(path: Path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
     """Lightning's tensor-free checkpoint part (``meta.pt``), loaded with ``torch.load(weights_only=True)``.
 
-    Lightning's own containers (``AttributeDict`` hyperparameters) are allowed. Anything else (a custom class
-    in ``save_hyperparameters()``, say) is refused unless the caller passes ``weights_only=False`` (Lightning's
+    Lightning's ``AttributeDict`` and this package's plain configuration dataclasses (``SparseFeature``,
+    ``EmbeddingOptimizer``, ...: what ``save_hyperparameters()`` records for the shipped models) are allowed.
+    Anything else (a custom class in ``save_hyperparameters()``, say) is refused unless the caller passes ``weights_only=False`` (Lightning's
     ``trainer.fit(..., weights_only=False)``): only do that for checkpoints you trust.
     """
-    from lightning.fabric.utilities.data import AttributeDict
-
     if weights_only is False:
         return torch.load(path, map_location="cpu", weights_only=False)
     try:
-        with torch.serialization.safe_globals([AttributeDict]):
+        with torch.serialization.safe_globals(_plain_classes()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        reason = next((line.strip() for line in str(err).splitlines() if "Unsupported global" in line), str(err).splitlines()[0])
         raise UnsafeCheckpointError(
-            f"{path} holds objects that are not plain data, so it was not unpickled: {str(err).splitlines()[0]}\n"
+            f"{path} holds objects that are not plain data, so it was not unpickled ({reason}).\n"
             "HINT: keep hyperparameters plain (numbers, strings, lists, dicts), or, for a checkpoint you trust, "
             "pass `weights_only=False` to `trainer.fit/validate/test/predict`."
         ) from None
+
+
+def _plain_classes() -> list:
+    """Classes ``meta.pt`` may contain: data holders whose unpickling runs no code of theirs."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    from lightning_rec.data.base import SparseFeature
+    from lightning_rec.data.synthetic import SyntheticTable
+    from lightning_rec.optim import EmbeddingOptimizer
+    from lightning_rec.sharding import TableConstraints, TopologyConfig
+
+    return [AttributeDict, SparseFeature, SyntheticTable, EmbeddingOptimizer, TableConstraints, TopologyConfig]
 
 
 def dumps_meta(meta: Dict[str, Any]) -> bytes:
