@@ -34,3 +34,40 @@ def test_fused_adam_is_available_on_cuda(tmp_path):
     res = run_ranks("train", 1, tmp_path, steps=10, model={"optimizer": "adam", "lr": 0.01},
                     trainer={"accelerator": "gpu"})
     assert len(res[0]["losses"]) == 10
+
+
+def test_checkpoint_saved_on_gpu_loads_on_cpu_and_exports(tmp_path):
+    """A row-wise (CUDA-only) checkpoint reloads on the GPU under other plans, on the CPU under the three CPU plans,
+    and exports; predictions agree across devices (different kernels: to 1e-5)."""
+    from lightning_rec.checkpoint import export, load_exported
+    from tests.helpers.checkpoint_scenarios import fixed_batch
+    from tests.helpers.models import RecModel
+
+    S = "tests.helpers.checkpoint_scenarios:reshard"
+    gpu = run_ranks(S, 1, tmp_path, save_plan="row_wise_mixed", load_plans=["row_wise_mixed", "table_wise"], accelerator="gpu")[0]
+    cpu = run_ranks(S, 1, tmp_path, save_plan=None, load_plans=["table_wise", "column_wise", "data_parallel"])[0]
+    expected = torch.tensor(gpu["saved"])
+    for key, predictions in {**gpu["loaded"], **cpu["loaded"]}.items():
+        torch.testing.assert_close(torch.tensor(predictions), expected, rtol=0, atol=1e-5, msg=key)
+    export(tmp_path / "saved_1.ckpt", tmp_path / "m.safetensors")
+    plain = RecModel()
+    plain.load_state_dict(load_exported(tmp_path / "m.safetensors"), assign=True)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.sigmoid(plain(fixed_batch())), expected, rtol=0, atol=1e-5)
+
+
+def test_exact_resume_on_gpu_with_row_wise_tables(tmp_path):
+    """Row-wise Adagrad on row-wise/table-wise/replicated CUDA tables: 3 epochs straight == 1 epoch + resume."""
+    from tests.helpers.models import assemble
+
+    S = "tests.helpers.checkpoint_scenarios:fit_epochs"
+    common = dict(plan="row_wise_mixed", accelerator="gpu", emb_optimizer={"name": "rowwise_adagrad", "lr": 0.1})
+    straight = run_ranks(S, 1, tmp_path / "straight", tag="w", epochs=3, **common)[0]
+    first = run_ranks(S, 1, tmp_path / "split", tag="first", epochs=1, **common)[0]
+    resumed = run_ranks(S, 1, tmp_path / "split", tag="resumed", epochs=3, ckpt_path=first["last"], **common)[0]
+    assert first["losses"] + resumed["losses"] == pytest.approx(straight["losses"], abs=1e-6)
+    assert resumed["restored_sums"] == pytest.approx(first["final_sums"], rel=1e-6)
+    a = assemble([torch.load(tmp_path / "straight" / "w.weights0.pt")])
+    b = assemble([torch.load(tmp_path / "split" / "resumed.weights0.pt")])
+    for name in a:
+        torch.testing.assert_close(a[name].cpu(), b[name].cpu(), rtol=0, atol=1e-6, msg=name)

@@ -20,6 +20,11 @@ PLANS = {
     "table_wise": {t: {"sharding_types": ["table_wise"]} for t in ("t_user", "t_item", "t_genre")},
     "column_wise": {t: {"sharding_types": ["column_wise"], "min_partition": 4} for t in ("t_user", "t_item", "t_genre")},
     "data_parallel": {t: {"sharding_types": ["data_parallel"]} for t in ("t_user", "t_item", "t_genre")},
+    "row_wise_mixed": {  # CUDA only
+        "t_user": {"sharding_types": ["row_wise"]},
+        "t_item": {"sharding_types": ["table_wise"]},
+        "t_genre": {"sharding_types": ["data_parallel"]},
+    },
     "mixed": {
         "t_user": {"sharding_types": ["column_wise"], "min_partition": 4},
         "t_item": {"sharding_types": ["table_wise"]},
@@ -63,7 +68,7 @@ class RecordRestoredState(L.Callback):
 def fit_epochs(
     rank: int, world_size: int, out_dir: Path, tag: str, epochs: int, plan: str = "mixed", steps: int = 4,
     ckpt_path: Optional[str] = None, optimizer: str = "adagrad", emb_optimizer: Optional[Dict[str, Any]] = None,
-    save_every_n_epochs: int = 1,
+    save_every_n_epochs: int = 1, accelerator: str = "cpu",
 ) -> Dict[str, Any]:
     """Fit ``epochs`` epochs (resuming from ``ckpt_path`` if given) with ModelCheckpoint(save_last, every epoch)."""
     L.seed_everything(0)
@@ -72,7 +77,7 @@ def fit_epochs(
     restored = RecordRestoredState()
     trainer = _trainer(
         world_size, -1, {"constraints": PLANS[plan]}, det_init=ckpt_path is None, max_epochs=epochs,
-        enable_checkpointing=True,
+        enable_checkpointing=True, accelerator=accelerator,
     )
     trainer.callbacks += [ckpt_cb, restored]
     trainer.fit(model, _loader(rank, steps, 16, {}), ckpt_path=ckpt_path)
@@ -91,15 +96,16 @@ def fixed_batch():
     return make_batches(1, 64, seed=999)[0]
 
 
-def predict_with(world_size: int, plan: str, ckpt: str) -> List[float]:
+def predict_with(world_size: int, plan: str, ckpt: str, accelerator: str = "cpu") -> List[float]:
     """Predictions on :func:`fixed_batch` of a fresh model loaded from ``ckpt`` under ``plan``."""
-    trainer = _trainer(world_size, 1, {"constraints": PLANS[plan]}, det_init=False)
+    trainer = _trainer(world_size, 1, {"constraints": PLANS[plan]}, det_init=False, accelerator=accelerator)
     out = trainer.predict(RecModel(), DataLoader([fixed_batch()], batch_size=None), ckpt_path=ckpt)
     return [float(x) for x in out[0]]
 
 
 def reshard(
     rank: int, world_size: int, out_dir: Path, save_plan: Optional[str], load_plans: List[str], steps: int = 3,
+    accelerator: str = "cpu",
 ) -> Dict[str, Any]:
     """Optionally train + save a checkpoint under ``save_plan`` (predictions recorded), then predict from the
     checkpoint at ``out_dir/saved_<world>.ckpt`` under each of ``load_plans``."""
@@ -107,14 +113,16 @@ def reshard(
     if save_plan is not None:
         L.seed_everything(0)
         model = RecModel()
-        trainer = _trainer(world_size, steps, {"constraints": PLANS[save_plan]})
+        trainer = _trainer(world_size, steps, {"constraints": PLANS[save_plan]}, accelerator=accelerator)
         trainer.fit(model, _loader(rank, steps, 16, {}))
         path = out_dir / f"saved_{world_size}.ckpt"
         trainer.save_checkpoint(path)
         out["saved"] = [float(x) for x in trainer.predict(model, DataLoader([fixed_batch()], batch_size=None))[0]]
         out["saved_sums"] = optimizer_sums(trainer, model)
     sources = sorted(out_dir.glob("saved_*.ckpt"))
-    out["loaded"] = {f"{src.name}:{plan}": predict_with(world_size, plan, str(src)) for src in sources for plan in load_plans}
+    out["loaded"] = {
+        f"{src.name}:{plan}": predict_with(world_size, plan, str(src), accelerator) for src in sources for plan in load_plans
+    }
     return out
 
 

@@ -100,7 +100,7 @@ class RecModel(lightning_rec.RecLightningModule):
         rec = self.trainer.strategy._rec_optimizer
         if rec is not None:
             lrs = rec.embedding_lrs
-            assert len(set(lrs)) == 1, lrs
+            assert max(lrs) - min(lrs) <= 1e-6 * max(lrs), lrs  # CUDA kernels hold their rate in float32
             self.fused_lrs.append(lrs[0])
         if self.automatic_optimization:
             loss = self.loss(batch)
