@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterable, List, Literal, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -331,6 +331,15 @@ class RecOptimizer(CombinedOptimizer):
     def embedding_lrs(self) -> List[float]:
         """The learning rates the embedding tables are trained with right now (one per kernel group)."""
         return [float(g["lr"]) for g in self._follower_groups()]
+
+    def restore_embedding_lrs(self, lrs: Sequence[float]) -> None:
+        """Set the tables' learning rates to ``lrs`` (as :attr:`embedding_lrs` listed them; a list of another
+        length, from another plan, sets them all to its first rate), then follow the source group again."""
+        groups = self._follower_groups()
+        for i, group in enumerate(groups):
+            group["lr"] = lrs[i] if len(lrs) == len(groups) else lrs[0]
+        self.fused.step()  # pushes the rates into the kernels
+        self.sync_lr()
 
     def sync_lr(self) -> None:
         """Copy the source group's learning rate into the fused kernels (cheap; idempotent)."""

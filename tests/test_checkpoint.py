@@ -79,6 +79,10 @@ def test_reshard_across_world_sizes_and_plans_and_export(tmp_path):
         assert resumed[plan]["losses"] == pytest.approx(resumed["table_wise"]["losses"], abs=1e-6), plan
         assert resumed[plan]["global_step"] == 6
 
+    # A mismatching model on 2 ranks: both ranks raise the same complete error (and nobody hangs).
+    errors = [r["error"] for r in run_ranks(S + "load_mismatching", 2, tmp_path / "bad", ckpt=str(tmp_path / "saved_2.ckpt"))]
+    assert errors[0] == errors[1] and "t_genre.weight: shape (12, 8) in the checkpoint, (13, 8) in the model" in errors[0]
+
     # Export: one file per format, loaded into the plain, unsharded model (tables on meta) on this process.
     for name in ("model.safetensors", "model.pt"):
         shapes = export(tmp_path / "saved_2.ckpt", tmp_path / name)

@@ -247,7 +247,8 @@ def load(
             named = dict(module.named_parameters())
             for i, opt in enumerate(optimizers):
                 target = OptimizerTarget(
-                    opt, named, live, saved_optim.get(i, {}), saved_opt_meta[i].get("param_groups", []), widths
+                    opt, named, live, saved_optim.get(i, {}), saved_opt_meta[i].get("param_groups", []), widths,
+                    saved_extra=saved_opt_meta[i].get("extra"),
                 )
                 problems += [f"optimizer {i}: {p}" for p in target.problems]
                 targets.update({f"{OPTIM_PREFIX}{i}/{fqn}/{name}": t for (fqn, name), t in target.tensors.items()})

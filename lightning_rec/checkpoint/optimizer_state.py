@@ -102,11 +102,13 @@ class OptimizerTarget:
         saved: Mapping[str, Mapping[str, Tuple[torch.Size, torch.dtype]]],
         saved_groups: Sequence[Mapping[str, Any]],
         table_widths: Mapping[str, List[int]],
+        saved_extra: Optional[Mapping[str, Mapping[str, Any]]] = None,
     ) -> None:
         self.optimizer = getattr(optimizer, "_optimizer", optimizer)
         self.tensors: Dict[Tuple[str, str], Tensor] = {}  # (fqn, name) -> what DCP loads into
         self.problems: List[str] = []
         self._saved_groups = saved_groups
+        self._extra = saved_extra or {}  # non-tensor state values (kept in meta.pt)
         self._convert: Dict[Tuple[str, str], ShardedTensor] = {}  # row-wise accumulators to re-split
         self._table_widths = table_widths
         self._torch: List[Tuple[Optimizer, Dict[int, str]]] = []  # torch optimizers fed by load_state_dict
@@ -183,22 +185,18 @@ class OptimizerTarget:
         """Install the loaded state (after DCP filled :attr:`tensors`)."""
         for (fqn, name), target in self._convert.items():
             self._split_rowwise(fqn, self.tensors[(fqn, name)], target)
-        for i, (optimizer, names) in enumerate(self._torch):
-            is_table = isinstance(self.optimizer, RecOptimizer) and optimizer is self.optimizer.table_optimizer
-            self._load_torch(optimizer, names, is_table, global_step, saved_groups=None if is_table or i else self._saved_groups)
+        (dense, dense_names), *tables = self._torch  # the dense optimizer, then the data-parallel tables' one
+        self._load_torch(dense, dense_names, False, global_step, saved_groups=self._saved_groups)
+        for optimizer, names in tables:
+            self._load_torch(optimizer, names, True, global_step, saved_groups=None)
         if isinstance(self.optimizer, RecOptimizer) and embedding_lrs:
-            groups = self.optimizer._follower_groups()
-            if len(groups) == len(embedding_lrs):
-                for group, lr in zip(groups, embedding_lrs):
-                    group["lr"] = lr
-            self.optimizer.fused.step()  # pushes the rates into the kernels
-            self.optimizer.sync_lr()
+            self.optimizer.restore_embedding_lrs(embedding_lrs)
 
     def _load_torch(
         self, optimizer: Optimizer, names: Mapping[int, str], is_table: bool, global_step: int,
         saved_groups: Optional[Sequence[Mapping[str, Any]]],
     ) -> None:
-        by_name = {fqn: {} for fqn in names.values()}
+        by_name: Dict[str, Dict[str, Any]] = {fqn: dict(self._extra.get(fqn, {})) for fqn in names.values()}
         for (fqn, name), value in self.tensors.items():
             if fqn in by_name:
                 by_name[fqn][name] = value
@@ -217,7 +215,8 @@ class OptimizerTarget:
                 optimizer.state.pop(param, None)
                 if entries:
                     optimizer.state[param] = {
-                        k: v if k == "step" else v.to(dtype=param.dtype, device=param.device) for k, v in entries.items()
+                        k: v.to(dtype=param.dtype, device=param.device) if isinstance(v, Tensor) and k != "step" else v
+                        for k, v in entries.items()
                     }
 
     def _table_state_from_canonical(self, optimizer: Optimizer, fqn: str, entries: Dict[str, Tensor], global_step: int) -> Dict[str, Tensor]:

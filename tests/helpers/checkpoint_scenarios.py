@@ -138,3 +138,24 @@ def resume_on_plans(rank: int, world_size: int, out_dir: Path, ckpt: str, plans:
         trainer.fit(model, _loader(rank, max_steps, 16, {}, seed=500), ckpt_path=ckpt)
         out[plan] = {"losses": model.losses, "restored_sums": restored.sums, "global_step": trainer.global_step}
     return out
+
+
+def load_mismatching(rank: int, world_size: int, out_dir: Path, ckpt: str) -> Dict[str, Any]:
+    """Validate a model whose t_genre table has 13 rows (the checkpoint's has 12) from ``ckpt``: every rank must
+    raise the same error, none may hang waiting for the others."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    from lightning_rec.checkpoint import CheckpointError
+    from tests.helpers.models import tables
+
+    model = RecModel()
+    model.ebc = EmbeddingBagCollection(
+        tables=[*tables()[:2], EmbeddingBagConfig(name="t_genre", embedding_dim=8, num_embeddings=13, feature_names=["genre"])],
+        device=torch.device("meta"),
+    )
+    trainer = _trainer(world_size, 1, {"constraints": PLANS["mixed"]}, det_init=False)
+    try:
+        trainer.validate(model, DataLoader([fixed_batch()], batch_size=None), ckpt_path=ckpt)
+    except CheckpointError as err:
+        return {"error": str(err)}
+    return {"error": None}
