@@ -45,3 +45,27 @@ def planner_sharding_options(planner: object) -> "Optional[list]":
     estimates, or ``None``. TorchRec keeps them only in the private ``_best_plan`` (its stats printer reads
     them there); the returned ``ShardingPlan`` drops the estimates, and the plan report needs them."""
     return getattr(planner, "_best_plan", None)
+
+
+# TorchRec: `TrainPipelineSparseDist.progress()` runs forward, backward and the optimizer itself. To keep
+# Lightning's step, lightning_rec.pipeline drives the pipeline's parts from Lightning's hooks; three of the parts
+# it needs have no public name in TorchRec 1.8 (its own `progress()` calls them).
+def pipeline_rewrite(pipeline: object) -> None:
+    """Rewrite the sharded modules' forwards to read pre-distributed inputs, and start the head batch's input
+    distribution (first time, or again after ``detach()``)."""
+    if getattr(pipeline, "_pipelined_modules"):
+        pipeline.attach()  # type: ignore[attr-defined]  # re-rewrites with batches[0]
+    else:
+        pipeline._init_pipelined_modules(  # type: ignore[attr-defined]
+            pipeline.batches[0], pipeline.contexts[0], pipeline._pipelined_forward_type  # type: ignore[attr-defined]
+        )
+
+
+def pipeline_set_context(pipeline: object, context: object) -> None:
+    """Point the pipelined forwards at ``context`` (the batch about to run)."""
+    pipeline._set_module_context(context)  # type: ignore[attr-defined]
+
+
+def pipeline_wait_for_batch(pipeline: object) -> None:
+    """Make the compute stream wait for the head batch's host-to-device copy."""
+    pipeline._wait_for_batch()  # type: ignore[attr-defined]

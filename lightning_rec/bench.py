@@ -6,6 +6,7 @@ Variants (same model, data, plan, kernels and optimizer):
 * ``raw``: a hand-written TorchRec loop: ``DistributedModelParallel`` + ``CombinedOptimizer``, fused tables;
 * ``raw_pipeline``: TorchRec's ``TrainPipelineSparseDist`` driven by hand;
 * ``recshard``: ``L.Trainer(strategy=RecShardStrategy(...))``;
+* ``recshard_pipelined``: the same with ``RecShardStrategy(pipeline=True)``;
 * ``lightning_ddp``: what a Lightning user writes without this package: ``nn.EmbeddingBag`` tables and the same
   optimizer under Lightning's default strategy (DDP with several processes).
 
@@ -17,9 +18,6 @@ and, last, one JSON line with the ratios (medians over repeats)::
 
     python -m lightning_rec.bench --quick          # < 5 minutes on 2 CPU cores
     python -m lightning_rec.bench --repeats 5 --sizes realistic
-
-The pipelined recshard variant (TorchRec's input-distribution pipelining inside Lightning's loop) is not
-built yet; ``pipelined_vs_raw_pipeline`` is ``null`` until it is.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional
 
-VARIANTS = ("raw", "raw_pipeline", "recshard", "lightning_ddp")
+VARIANTS = ("raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp")
 _RESULT = "BENCH_RESULT "
 
 
@@ -53,6 +51,7 @@ class Size:
         pooling: ids per sample and feature.
         world_size: processes (gloo on CPU, nccl on CUDA).
         steps: timed steps; ``warmup`` untimed steps run first.
+        sharding: the sharding type of every table (``row_wise`` needs CUDA).
     """
 
     name: str
@@ -64,6 +63,7 @@ class Size:
     world_size: int = 1
     steps: int = 20
     warmup: int = 5
+    sharding: str = "table_wise"
 
 
 SIZES = {
@@ -173,7 +173,7 @@ def _pattern_init(module) -> None:
 
 
 def _constraints(size: Size) -> Dict[str, Dict[str, Any]]:
-    return {f"t_f{i}": {"sharding_types": ["table_wise"], "compute_kernels": ["fused"]} for i in range(size.tables)}
+    return {f"t_f{i}": {"sharding_types": [size.sharding], "compute_kernels": ["fused"]} for i in range(size.tables)}
 
 
 def _plan_rows(plan) -> Dict[str, Any]:
@@ -242,8 +242,11 @@ def _lightning_module(size: Size, lr: float, plain_tables: bool):
             self.model = _BenchModel.build(size, plain_tables)
             self.losses: List[float] = []
 
+        def forward(self, batch):
+            return self.model(batch)
+
         def training_step(self, batch, batch_idx):
-            loss, _ = self.model(batch)
+            loss, _ = self(batch)
             self.losses.append(float(loss))
             return loss
 
@@ -253,7 +256,7 @@ def _lightning_module(size: Size, lr: float, plain_tables: bool):
     return Module()
 
 
-def _run_lightning(size: Size, lr: float, device, plain_tables: bool) -> Dict[str, Any]:
+def _run_lightning(size: Size, lr: float, device, plain_tables: bool, pipeline: bool = False) -> Dict[str, Any]:
     import lightning as L
     import torch
 
@@ -274,7 +277,7 @@ def _run_lightning(size: Size, lr: float, device, plain_tables: bool) -> Dict[st
         _pattern_init(module.model)
         strategy: Any = "ddp" if size.world_size > 1 else "auto"
     else:
-        strategy = RecShardStrategy(constraints=_constraints(size), plan_report=False)
+        strategy = RecShardStrategy(constraints=_constraints(size), plan_report=False, pipeline=pipeline)
     trainer = L.Trainer(
         accelerator=device.type if device.type == "cpu" else "gpu", devices=size.world_size, strategy=strategy,
         max_steps=size.warmup + size.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -297,7 +300,7 @@ def _worker(variant: str, size: Size, lr: float) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         out = _run_raw(size, lr, device, pipelined=variant == "raw_pipeline")
     else:
-        out = _run_lightning(size, lr, device, plain_tables=variant == "lightning_ddp")
+        out = _run_lightning(size, lr, device, plain_tables=variant == "lightning_ddp", pipeline=variant == "recshard_pipelined")
     steps = [b - a for a, b in zip(out["stamps"][size.warmup - 1:], out["stamps"][size.warmup:])]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     record = {
@@ -370,6 +373,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--sizes", default="tiny,realistic,realistic_2proc")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--sharding", default="table_wise", help="every table's sharding type (row_wise: CUDA only)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -380,7 +384,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     variants = [v for v in args.variants.split(",") if v]
     results: Dict[str, Dict[str, Dict[str, List[float]]]] = {}
     for size_name in args.sizes.split(","):
-        size = SIZES[size_name]
+        size = replace(SIZES[size_name], sharding=args.sharding)
         if args.quick:
             size = replace(size, steps=max(10, size.steps // 4), warmup=max(3, size.warmup // 2))
         per_variant: Dict[str, Dict[str, List[float]]] = {}
@@ -396,6 +400,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         if "raw" in first and "recshard" in first:
             check_identical(first["raw"], first["recshard"])
             print(f"{size.name}: raw and recshard trained identically (losses, plan, kernels)", flush=True)
+        if "raw" in first and "recshard_pipelined" in first:
+            check_identical(first["raw"], first["recshard_pipelined"])
+            print(f"{size.name}: raw and recshard_pipelined trained identically (losses, plan, kernels)", flush=True)
         results[size.name] = per_variant
     print(f"\n{'size':16s} {'variant':14s} {'ms/step':>9s} {'samples/s':>11s} {'peak RSS MB':>12s}")
     for size_name, per_variant in results.items():
@@ -408,7 +415,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         overhead = round(statistics.median(tiny["recshard"]["ms_per_step"]) - statistics.median(tiny["raw"]["ms_per_step"]), 4)
     final = {
         "recshard_vs_raw": _ratio(results, "realistic", "recshard", "raw"),
-        "pipelined_vs_raw_pipeline": None,  # the pipelined recshard variant is not built yet
+        "pipelined_vs_raw_pipeline": _ratio(results, "realistic", "recshard_pipelined", "raw_pipeline"),
+        "pipelined_vs_raw_pipeline_2proc": _ratio(results, "realistic_2proc", "recshard_pipelined", "raw_pipeline"),
         "overhead_ms": overhead,
         "recshard_vs_raw_2proc": _ratio(results, "realistic_2proc", "recshard", "raw"),
         "recshard_vs_lightning_ddp": _ratio(results, "realistic", "recshard", "lightning_ddp"),

@@ -61,6 +61,7 @@ from lightning_rec.optim import (
     combine_optimizers,
     resolve_embedding_optimizer,
 )
+from lightning_rec.pipeline import SparseDistPipeline
 from lightning_rec.plan_report import PlanReport, write_for_trainer
 from lightning_rec.settings import check_precision, check_trainer_flags
 from lightning_rec.sharding import (
@@ -95,6 +96,9 @@ class RecShardStrategy(ParallelStrategy):
         timeout: collective timeout.
         static_graph: passed to the DDP wrapper of the dense part (TorchRec's default: ``True``).
         find_unused_parameters: passed to the DDP wrapper of the dense part.
+        pipeline: overlap the next batch's host-to-device copy and input distribution (all-to-all) with the
+            current batch's forward/backward, as TorchRec's ``TrainPipelineSparseDist`` does, inside Lightning's
+            loop (see :mod:`lightning_rec.pipeline`). Training only; same losses as without.
         plan_report: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
             the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``
             (``default_root_dir`` without a logger); see :mod:`lightning_rec.plan_report`. The plan is logged as
@@ -127,6 +131,7 @@ class RecShardStrategy(ParallelStrategy):
         static_graph: bool = True,
         find_unused_parameters: bool = False,
         plan_report: bool = True,
+        pipeline: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -159,6 +164,8 @@ class RecShardStrategy(ParallelStrategy):
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
         self._write_plan_report = plan_report
+        self.pipeline = pipeline
+        self._pipeline: Optional[SparseDistPipeline] = None
         self._rec_optimizer: Optional[RecOptimizer] = None
         self._forward_redirection = ManualOptimizationRedirection()
 
@@ -290,10 +297,37 @@ class RecShardStrategy(ParallelStrategy):
             self.lr_scheduler_configs = lr_scheduler_configs
             if self._write_plan_report and state.report is not None:
                 write_for_trainer(state.report, trainer, self.global_rank)  # every rank: it may broadcast
+            self._pipeline = SparseDistPipeline(state.dmp, self.root_device) if self.pipeline else None
         self.setup_precision_plugin()
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if self._pipeline is not None and self.lightning_module.trainer.training:
+            return self._pipeline.wrap(dataloader)  # batches are copied and queued as Lightning fetches them
+        return dataloader
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        if self._pipeline is not None and self.lightning_module.trainer.training:
+            return self._pipeline.begin_step()  # already on the device, its inputs distributed
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def on_validation_start(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.detach()  # evaluation runs the sharded modules' own forwards
+
+    on_test_start = on_predict_start = on_validation_start
+
+    @override
+    def on_train_end(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.reset()
+
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._pipeline is not None:
+            self._pipeline.before_backward()  # the next batch's input all-to-all overlapped this forward
         # Manual optimization calls backward inside training_step, i.e. inside DDP's forward; DDP's reducer was
         # kept out of that forward (see dmp.ManualOptimizationRedirection) and is prepared here instead.
         ddp = dense_ddp(self.model)

@@ -288,8 +288,7 @@ def test_model_checkpoint_top_k_pruning_and_last(tmp_path):
     """save_top_k + every_n_train_steps + save_last: pruned directories are gone, the best and the newest remain,
     `last` is complete and loads; `ckpt_path="last"` resumes from it."""
     callback = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="train_loss", mode="max", save_top_k=2, every_n_train_steps=2, save_last="link")
-    trainer = _trainer(1, 8, enable_checkpointing=True)
-    trainer.callbacks.append(callback)
+    trainer = _trainer(1, 8, callbacks=[callback])
     trainer.fit(RecModel(), _loader(0, 8, 8, {}))
     entries = {p.name: p for p in (tmp_path / "ck").iterdir()}
     assert len([n for n in entries if n.startswith("epoch")]) == 2
@@ -297,7 +296,6 @@ def test_model_checkpoint_top_k_pruning_and_last(tmp_path):
     kept = sorted((n for n in entries if n.startswith("epoch")), key=lambda n: int(n.split("step=")[1].split(".")[0]))
     assert os.path.realpath(entries["last.ckpt"]) == os.path.realpath(entries[kept[-1]])  # the newest saved one
     assert all(is_checkpoint(p) for p in entries.values()) and not any(n.startswith(".") for n in entries)
-    resumed = _trainer(1, 10, enable_checkpointing=True)
-    resumed.callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ck"))
+    resumed = _trainer(1, 10, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck")])
     resumed.fit(RecModel(), _loader(0, 10, 8, {}), ckpt_path="last")
     assert resumed.global_step == 10

@@ -77,9 +77,8 @@ def fit_epochs(
     restored = RecordRestoredState()
     trainer = _trainer(
         world_size, -1, {"constraints": PLANS[plan]}, det_init=ckpt_path is None, max_epochs=epochs,
-        enable_checkpointing=True, accelerator=accelerator,
+        accelerator=accelerator, callbacks=[ckpt_cb, restored],
     )
-    trainer.callbacks += [ckpt_cb, restored]
     trainer.fit(model, _loader(rank, steps, 16, {}), ckpt_path=ckpt_path)
     torch.save(local_weights(model), out_dir / f"{tag}.weights{rank}.pt")
     return {

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -40,10 +41,13 @@ def _trainer(world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = N
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    extra_callbacks = kwargs.pop("callbacks", [])
+    if any(isinstance(c, ModelCheckpoint) for c in extra_callbacks):
+        kwargs["enable_checkpointing"] = True
     defaults.update(kwargs)
     return L.Trainer(
         strategy=RecShardStrategy(**{"constraints": MIXED_PLAN, **(strategy or {})}),
-        callbacks=[DeterministicInit()] if det_init else [],
+        callbacks=([DeterministicInit()] if det_init else []) + list(extra_callbacks),
         **defaults,
     )
 

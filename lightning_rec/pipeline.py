@@ -1,0 +1,164 @@
+"""Pipelined input distribution inside Lightning's training loop (``RecShardStrategy(pipeline=True)``).
+
+TorchRec's ``TrainPipelineSparseDist`` overlaps the next batch's host-to-device copy and its KJT input
+distribution (the all-to-alls that send each id to the rank holding its table shard) with the current batch's
+forward and backward. Its ``progress()`` runs the whole step itself (forward, backward, optimizer), which would
+bypass Lightning's closure, hooks, precision and logging. Here the same machinery (the pipeline object's own
+queue, contexts, streams and model rewrite) is driven from Lightning's hooks instead, so the step stays
+Lightning's:
+
+* the train DataLoader is wrapped (:class:`PipelinedLoader`): batches are copied to the device on TorchRec's
+  copy stream and queued with their contexts one batch ahead of what Lightning has taken, so while batch *i*
+  runs, batch *i+1* is already queued;
+* at the start of step *i* (:meth:`SparseDistPipeline.begin_step`): the finished batch *i-1* leaves the queue,
+  batch *i*'s input distribution is completed, and batch *i+1*'s is started (its splits all-to-all);
+* before step *i*'s backward (:meth:`SparseDistPipeline.before_backward`): batch *i+1*'s data all-to-all is
+  waited for, so it overlaps the forward;
+* validation, test and predict run the original (un-rewritten) forwards: the model is detached from the
+  pipeline for them and re-attached at the next training step. They never run training steps.
+
+The sharded modules' forwards read their inputs from the pipeline's context rather than their arguments, so a
+pipelined ``training_step`` must call each sharded module once, on the batch it was given (as any
+``forward`` that TorchRec can trace does). Per-step losses equal the non-pipelined ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Deque, Iterator, Optional
+
+import torch
+from torch import nn
+
+from lightning_rec import _compat
+
+
+class _NoStepOptimizer(torch.optim.Optimizer):
+    """TorchRec's pipeline wants an optimizer; Lightning's loop owns the real one and steps it."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.zeros(0, requires_grad=True)], {})
+
+    def step(self, closure: Any = None) -> None:  # pragma: no cover - never called
+        raise RuntimeError("the pipelined strategy never lets TorchRec's pipeline step the optimizer")
+
+
+class SparseDistPipeline:
+    """TorchRec's ``TrainPipelineSparseDist`` queue, contexts and model rewrite, driven by Lightning's hooks.
+
+    Args:
+        model: the ``DistributedModelParallel`` wrapper.
+        device: the training device.
+
+    Example::
+
+        pipeline = SparseDistPipeline(dmp, torch.device("cpu"))
+        loader = pipeline.wrap(train_loader)      # Lightning iterates this
+        # per step: pipeline.begin_step() before training_step; pipeline.before_backward() before backward
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        self.engine = TrainPipelineSparseDist(model, _NoStepOptimizer(), device, execute_all_batches=True)
+        self._running = False  # a step whose batch is still at the head of the queue
+        self._rewritten = False  # sharded modules run the pipelined forward
+
+    def wrap(self, dataloader: Any) -> "PipelinedLoader":
+        """The DataLoader Lightning should iterate for training."""
+        return PipelinedLoader(dataloader, self)
+
+    def reset(self) -> None:
+        """Forget queued batches (a new epoch's iterator, or the end of fitting)."""
+        self.detach()
+        self.engine.reset()
+        self._running = False
+
+    def enqueue(self, iterator: Iterator[Any]) -> Any:
+        """Fetch the next batch, copy it to the device on the copy stream, queue it; ``StopIteration`` at the end."""
+        if not self.engine.enqueue_batch(iterator):
+            raise StopIteration
+        return self.engine.batches[-1]
+
+    def begin_step(self) -> Any:
+        """Make the head of the queue the current batch, with its inputs distributed; start the next one's.
+
+        Returns:
+            the current batch, on the device.
+        """
+        engine = self.engine
+        if self._running:
+            engine.dequeue_batch()  # the previous step is done
+        if not engine.batches:
+            raise RuntimeError("the pipelined strategy has no queued batch for this training step")
+        if not self._rewritten:
+            try:
+                _compat.pipeline_rewrite(engine)  # rewrites the forwards, starts batch 0's input dist
+            except Exception as err:
+                raise RuntimeError(
+                    "RecShardStrategy(pipeline=True): TorchRec could not trace your LightningModule's `forward` to find "
+                    f"how each batch reaches the sharded embedding modules ({type(err).__name__}: {err}). HINT: define "
+                    "`forward(self, batch)` that calls the embedding modules (once each) and call it from "
+                    "`training_step` (e.g. `loss = F.bce(self(batch), batch.labels)`), or turn pipelining off."
+                ) from err
+            self._rewritten = True
+        engine.wait_sparse_data_dist(engine.contexts[0])  # no-op if it was completed before the backward
+        _compat.pipeline_set_context(engine, engine.contexts[0])
+        _compat.pipeline_wait_for_batch(engine)
+        if len(engine.batches) >= 2:
+            engine.start_sparse_data_dist(engine.batches[1], engine.contexts[1])
+        self._running = True
+        return engine.batches[0]
+
+    def before_backward(self) -> None:
+        """Complete the next batch's input distribution (overlapping the current forward)."""
+        if self._running and len(self.engine.batches) >= 2:
+            self.engine.wait_sparse_data_dist(self.engine.contexts[1])
+
+    def detach(self) -> None:
+        """Give the sharded modules their own forwards back (for validation, test, predict); the next training
+        step rewrites them again."""
+        if self._rewritten:
+            self.engine.detach()
+            self._rewritten = False
+
+
+class PipelinedLoader:
+    """A training DataLoader whose batches go through :class:`SparseDistPipeline`'s queue.
+
+    Attribute access (``sampler``, ``batch_size``, ``dataset``, ...) and ``len()`` go to the wrapped loader, so
+    Lightning's epoch handling (``set_epoch``, batch counts) is unchanged.
+    """
+
+    def __init__(self, dataloader: Any, pipeline: SparseDistPipeline) -> None:
+        self.dataloader = dataloader
+        self.pipeline = pipeline
+
+    def __iter__(self) -> Iterator[Any]:
+        self.pipeline.reset()
+        iterator = iter(self.dataloader)
+        ahead: Deque[Any] = deque()  # queued in the pipeline, not yet handed to Lightning
+        exhausted = False
+        while True:
+            # Keep one batch queued beyond the one handed out: its input distribution overlaps this step.
+            while len(ahead) < 2 and not exhausted:
+                try:
+                    ahead.append(self.pipeline.enqueue(iterator))
+                except StopIteration:
+                    exhausted = True
+            if not ahead:
+                return
+            yield ahead.popleft()
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataloader", "pipeline"):
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+
+def is_pipelined_loader(obj: Optional[Any]) -> bool:
+    """Whether ``obj`` is a :class:`PipelinedLoader`."""
+    return isinstance(obj, PipelinedLoader)
