@@ -319,6 +319,7 @@ class RecOptimizer(CombinedOptimizer):
         super().__init__(keyed)
         self.fused = fused
         self._lr_source = lr_source
+        self._pushed_lr: Optional[float] = None  # the rate last pushed into the kernels by `sync_lr`
         self.sync_lr()
 
     def _follower_groups(self) -> List[Dict[str, Any]]:
@@ -342,13 +343,18 @@ class RecOptimizer(CombinedOptimizer):
         self.sync_lr()
 
     def sync_lr(self) -> None:
-        """Copy the source group's learning rate into the fused kernels (cheap; idempotent)."""
+        """Copy the source group's learning rate into the fused kernels (idempotent; called every step, so
+        it returns at once unless a rate moved)."""
         if self._lr_source is None:
             return
         lr = self._lr_source["lr"]
-        for group in self._follower_groups():
+        groups = self._follower_groups()
+        if lr == self._pushed_lr and all(group["lr"] == lr for group in groups):
+            return
+        for group in groups:
             group["lr"] = lr
         self.fused.step()  # a fused optimizer's step() only pushes param_groups' lr into the kernels
+        self._pushed_lr = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sync_lr()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lightning_rec.bench import check_identical
+from lightning_rec.bench import check_identical, final_record, main, plot_batch_sweep
 from tests.helpers.dist import REPO
 
 
@@ -33,3 +33,40 @@ def test_check_identical_refuses_different_training():
         check_identical([record], [{**record, "losses": [0.7, 0.61]}])
     with pytest.raises(AssertionError, match="plans differ"):
         check_identical([record], [{**record, "plan": {"t_f0": ["column_wise", "fused", [0]]}}])
+
+
+def _values(ms, rss, batch=4096):
+    return {"ms_per_step": [ms], "samples_per_s": [1000 * batch / ms], "peak_rss_mb": [rss]}
+
+
+def test_final_record_ratios_and_the_size_where_tables_dominate():
+    results = {
+        "tiny": {"raw": _values(1.5, 400, 64), "recshard": _values(1.9, 400, 64)},
+        "realistic": {"raw": _values(40, 900), "recshard": _values(44, 918), "lightning_ddp": _values(160, 1260)},
+    }
+    final = final_record(results, repeats=1)
+    assert final["overhead_ms"] == 0.4
+    assert final["recshard_vs_raw"] == round(40 / 44, 4) and final["rss_recshard_vs_raw"] == 1.02
+    assert final["tables_dominate_size"] == "realistic" and final["rss_recshard_vs_lightning_ddp"] == round(918 / 1260, 4)
+    results["large"] = {"recshard": _values(50, 2400), "lightning_ddp": _values(600, 4800)}
+    final = final_record(results, repeats=1)
+    assert final["tables_dominate_size"] == "large"
+    assert final["recshard_vs_lightning_ddp"] == 12.0 and final["rss_recshard_vs_lightning_ddp"] == 0.5
+    assert final["recshard_vs_raw_2proc"] is None  # not measured: None, never a made-up number
+
+
+def test_plot_batch_sweep_writes_a_png(tmp_path):
+    results = {f"realistic@{b}": {"raw": _values(b / 100, 900, b), "recshard": _values(b / 95, 910, b)} for b in (512, 1024, 2048)}
+    results["tiny"] = {"raw": _values(1.5, 400, 64)}  # not a sweep: left out of the plot
+    path = tmp_path / "sweep.png"
+    plot_batch_sweep(results, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_bench_refuses_unknown_names_and_a_plot_without_a_sweep(capsys):
+    with pytest.raises(SystemExit):
+        main(["--sizes", "huge"])
+    assert "unknown variant/size ['huge']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--plot", "x.png"])
+    assert "give --batch-sizes" in capsys.readouterr().err
