@@ -1,0 +1,218 @@
+"""The orchestrator: fresh processes per (variant, size, repeat), the identity check, the ratios, the plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from typing import Any, Dict, List, Optional
+
+from lightning_rec.bench.worker import _RESULT, _worker
+from lightning_rec.bench.workload import SIZES, VARIANTS, Size
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# glibc's default heap trimming is adaptive: whether a process hands ~10 MB back to the OS and page-faults it in
+# again every step depends on the order of its allocations, so two equivalent loops can differ by several percent
+# for that reason alone (see BENCHMARKS.md: page faults per step). "steady" keeps freed memory in the heap, the
+# same for every variant, so that ratios measure the code; "default" leaves glibc as it is. Variables the user
+# already set win.
+MALLOC_SETTINGS = {
+    "steady": {"MALLOC_TRIM_THRESHOLD_": str(512 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TOP_PAD_": str(64 << 20)},
+    "default": {},
+}
+
+
+def run_variant(variant: str, size: Size, lr: float = 0.01, timeout: float = 600, malloc: str = "steady") -> List[Dict[str, Any]]:
+    """Run ``variant`` at ``size`` on ``size.world_size`` fresh processes; every rank's record.
+
+    Args:
+        malloc: ``"steady"`` (glibc keeps freed memory: no per-step page faults, in every variant) or
+            ``"default"`` (glibc as configured); see :data:`MALLOC_SETTINGS`.
+    """
+    port, procs = _free_port(), []
+    for rank in range(size.world_size):
+        # Every variant gets the thread count Lightning's launcher would pick (cores / processes): two processes
+        # with a full set of threads each would fight over the cores, more in some variants than in others.
+        threads = str(max(1, (os.cpu_count() or 1) // size.world_size))
+        env = {**MALLOC_SETTINGS[malloc], "OMP_NUM_THREADS": threads, **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size.world_size),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size.world_size), "NODE_RANK": "0",
+               "PYTHONWARNINGS": "ignore"}
+        cmd = [sys.executable, "-m", "lightning_rec.bench", "--worker", variant, "--size-json", json.dumps(asdict(size)), "--lr", str(lr)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    records, logs = [], []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        logs.append(out)
+        records += [json.loads(line[len(_RESULT):]) for line in out.splitlines() if line.startswith(_RESULT)]
+    if any(p.returncode for p in procs) or len(records) != size.world_size:
+        raise RuntimeError(f"bench variant {variant} at {size.name} failed:\n" + "\n".join(log[-3000:] for log in logs))
+    return sorted(records, key=lambda r: r["rank"])
+
+
+def _summary(records: List[Dict[str, Any]], size: Size) -> Dict[str, float]:
+    ms = max(r["ms_per_step"] for r in records)  # ranks step together; the slowest sets the pace
+    return {"ms_per_step": ms, "samples_per_s": 1000 * size.batch_size * size.world_size / ms,
+            "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
+            "page_faults_per_step": max(r["page_faults_per_step"] for r in records)}
+
+
+def check_identical(a: List[Dict[str, Any]], c: List[Dict[str, Any]], atol: float = 1e-5) -> None:
+    """Raise unless ``raw`` and ``recshard`` trained identically: same plan and kernels, same per-step losses."""
+    for ra, rc in zip(a, c):
+        if ra["plan"] != rc["plan"]:
+            raise AssertionError(f"plans differ: raw {ra['plan']} vs recshard {rc['plan']}")
+        diffs = [abs(x - y) for x, y in zip(ra["losses"], rc["losses"])]
+        if len(ra["losses"]) != len(rc["losses"]) or max(diffs) > atol:
+            raise AssertionError(f"per-step losses differ (max {max(diffs):.2e}): raw {ra['losses'][:5]} vs recshard {rc['losses'][:5]}")
+
+
+def _ratio(results, size: str, num: str, den: str, key: str = "samples_per_s") -> Optional[float]:
+    try:
+        return round(statistics.median(results[size][num][key]) / statistics.median(results[size][den][key]), 4)
+    except (KeyError, statistics.StatisticsError, ZeroDivisionError):
+        return None
+
+
+Results = Dict[str, Dict[str, Dict[str, List[float]]]]  # size label -> variant -> metric -> one value per repeat
+
+
+def measure(size: Size, variants: List[str], repeats: int, lr: float = 0.01, malloc: str = "steady") -> Dict[str, Dict[str, List[float]]]:
+    """Run every variant ``repeats`` times at ``size`` (order rotating), check that ``raw``, ``recshard`` and
+    ``recshard_pipelined`` trained identically, and return variant -> metric -> values."""
+    per_variant: Dict[str, Dict[str, List[float]]] = {}
+    first: Dict[str, List[Dict[str, Any]]] = {}
+    for rep in range(repeats):
+        order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+        for variant in order:
+            records = run_variant(variant, size, lr, malloc=malloc)
+            first.setdefault(variant, records)
+            for key, value in _summary(records, size).items():
+                per_variant.setdefault(variant, {}).setdefault(key, []).append(value)
+            print(f"{size.name:16s} b{size.batch_size:<6d} rep {rep} {variant:18s} {records[0]['ms_per_step']:9.2f} ms/step "
+                  f"{records[0]['page_faults_per_step']:8.0f} page faults/step",
+                  flush=True)
+    for other in ("recshard", "recshard_pipelined"):
+        if "raw" in first and other in first:
+            check_identical(first["raw"], first[other])
+            print(f"{size.name}: raw and {other} trained identically (losses, plan, kernels)", flush=True)
+    return per_variant
+
+
+def final_record(results: Results, repeats: int) -> Dict[str, Any]:
+    """The ratios the issue asks for (medians over repeats; samples/s unless named ``rss_``).
+
+    Against plain Lightning the comparison uses ``large`` (tables dominate memory) when it was measured,
+    else ``realistic``; ``tables_dominate_size`` says which.
+    """
+    tiny = results.get("tiny", {})
+    overhead = None
+    if "recshard" in tiny and "raw" in tiny:
+        overhead = round(statistics.median(tiny["recshard"]["ms_per_step"]) - statistics.median(tiny["raw"]["ms_per_step"]), 4)
+    big = "large" if "lightning_ddp" in results.get("large", {}) else "realistic"
+    return {
+        "recshard_vs_raw": _ratio(results, "realistic", "recshard", "raw"),
+        "pipelined_vs_raw_pipeline": _ratio(results, "realistic", "recshard_pipelined", "raw_pipeline"),
+        "pipelined_vs_raw_pipeline_2proc": _ratio(results, "realistic_2proc", "recshard_pipelined", "raw_pipeline"),
+        "overhead_ms": overhead,
+        "recshard_vs_raw_2proc": _ratio(results, "realistic_2proc", "recshard", "raw"),
+        "recshard_vs_lightning_ddp": _ratio(results, big, "recshard", "lightning_ddp"),
+        "rss_recshard_vs_raw": _ratio(results, "realistic", "recshard", "raw", "peak_rss_mb"),
+        "rss_recshard_vs_lightning_ddp": _ratio(results, big, "recshard", "lightning_ddp", "peak_rss_mb"),
+        "tables_dominate_size": big,
+        "raw_pipeline_vs_raw": _ratio(results, "realistic", "raw_pipeline", "raw"),
+        "repeats": repeats,
+    }
+
+
+def plot_batch_sweep(results: Results, path: str) -> None:
+    """Write a PNG of median samples/s against batch size, one line per variant, for every swept size.
+
+    ``results`` labels are ``"<size>@<batch>"`` (see :func:`main`'s ``--batch-sizes``). Needs matplotlib.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    sweeps: Dict[str, Dict[str, List[Any]]] = {}
+    for label, per_variant in results.items():
+        name, _, batch = label.partition("@")
+        if not batch:
+            continue
+        for variant, values in per_variant.items():
+            sweeps.setdefault(name, {}).setdefault(variant, []).append((int(batch), statistics.median(values["samples_per_s"])))
+    fig = Figure(figsize=(6.5 * max(1, len(sweeps)), 4.5))
+    FigureCanvasAgg(fig)
+    for i, (name, per_variant) in enumerate(sorted(sweeps.items())):
+        ax = fig.add_subplot(1, max(1, len(sweeps)), i + 1)
+        for variant in VARIANTS:
+            if variant in per_variant:
+                xs, ys = zip(*sorted(per_variant[variant]))
+                ax.plot(xs, ys, marker="o", label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (per process)")
+        ax.set_ylabel("samples/s (median over repeats)")
+        ax.set_title(f"{name}: {SIZES[name].tables} tables x {SIZES[name].rows:,} x {SIZES[name].dim}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Run the benchmark (see the module docstring); returns the final JSON record."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_rec.bench", description="recshard vs hand-written TorchRec vs plain Lightning, A/B alternated")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 5 minutes on 2 cores)")
+    parser.add_argument("--repeats", type=int, default=None, help="alternated repeats per variant (default 3, quick 2)")
+    parser.add_argument("--sizes", default="tiny,realistic,realistic_2proc", help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--batch-sizes", default=None, help="comma-separated: sweep every size over these batch sizes")
+    parser.add_argument("--plot", default=None, help="PNG path: samples/s against batch size (with --batch-sizes)")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--malloc", choices=sorted(MALLOC_SETTINGS), default="steady",
+                        help="glibc heap settings of every variant's processes (default: steady; see BENCHMARKS.md)")
+    parser.add_argument("--sharding", default="table_wise", help="every table's sharding type (row_wise: CUDA only)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--size-json", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args.worker, Size(**json.loads(args.size_json)), args.lr)
+        return {}
+    if args.plot and not args.batch_sizes:
+        parser.error("--plot draws a batch-size sweep: give --batch-sizes too")
+    repeats = args.repeats or (2 if args.quick else 3)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS)) + sorted(set(args.sizes.split(",")) - set(SIZES))
+    if unknown:
+        parser.error(f"unknown variant/size {unknown}; variants are {list(VARIANTS)}, sizes {list(SIZES)}")
+    results: Results = {}
+    for size_name in args.sizes.split(","):
+        size = replace(SIZES[size_name], sharding=args.sharding)
+        if args.quick:
+            size = replace(size, steps=max(10, size.steps // 4), warmup=max(3, size.warmup // 2))
+        batches = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [size.batch_size]
+        for batch in batches:
+            label = f"{size.name}@{batch}" if args.batch_sizes else size.name
+            results[label] = measure(replace(size, batch_size=batch), variants, repeats, args.lr, args.malloc)
+    print(f"\n{'size':22s} {'variant':18s} {'ms/step':>9s} {'samples/s':>11s} {'peak RSS MB':>12s} {'faults/step':>12s}")
+    for label, per_variant in results.items():
+        for variant, values in per_variant.items():
+            print(f"{label:22s} {variant:18s} {statistics.median(values['ms_per_step']):9.2f} "
+                  f"{statistics.median(values['samples_per_s']):11.0f} {statistics.median(values['peak_rss_mb']):12.0f} "
+                  f"{statistics.median(values['page_faults_per_step']):12.0f}")
+    if args.plot:
+        plot_batch_sweep(results, args.plot)
+        print(f"plot: {args.plot}")
+    final = {**final_record(results, repeats), "malloc": args.malloc}
+    print(json.dumps(final), flush=True)
+    return final
+

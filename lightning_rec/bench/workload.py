@@ -1,0 +1,151 @@
+"""What every benchmark variant trains: sizes, the model, the batches, the starting weights, the plan constraints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict
+
+VARIANTS = ("raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp")
+
+
+@dataclass
+class Size:
+    """One benchmark size.
+
+    Args:
+        name: label in the report.
+        tables: number of tables (one feature each).
+        rows: rows per table.
+        dim: embedding dimension.
+        batch_size: samples per step and process.
+        pooling: ids per sample and feature.
+        world_size: processes (gloo on CPU, nccl on CUDA).
+        steps: timed steps; ``warmup`` untimed steps run first.
+        sharding: the sharding type of every table (``row_wise`` needs CUDA).
+    """
+
+    name: str
+    tables: int
+    rows: int
+    dim: int
+    batch_size: int
+    pooling: int = 4
+    world_size: int = 1
+    steps: int = 20
+    warmup: int = 5
+    sharding: str = "table_wise"
+
+
+SIZES = {
+    "tiny": Size("tiny", tables=4, rows=1000, dim=16, batch_size=64, pooling=2, steps=200, warmup=20),
+    "realistic": Size("realistic", tables=8, rows=200_000, dim=64, batch_size=4096, steps=60),
+    "realistic_2proc": Size("realistic_2proc", tables=8, rows=200_000, dim=64, batch_size=4096, world_size=2, steps=40),
+    # Tables dominate memory (2 GB of fp32 rows): where plain nn.EmbeddingBag's dense gradients cost the most.
+    "large": Size("large", tables=8, rows=1_000_000, dim=64, batch_size=4096, steps=8, warmup=3),
+}
+
+
+
+
+
+def _model_parts(size: Size, plain_tables: bool):
+    import torch
+    from torch import nn
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    features = [f"f{i}" for i in range(size.tables)]
+    if plain_tables:
+        tables = nn.ModuleDict({f: nn.EmbeddingBag(size.rows, size.dim, mode="sum", include_last_offset=True) for f in features})
+    else:
+        tables = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=f"t_{f}", embedding_dim=size.dim, num_embeddings=size.rows, feature_names=[f])
+                    for f in features],
+            device=torch.device("meta"),
+        )
+    mlp = nn.Sequential(nn.Linear(size.tables * size.dim + 4, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 1))
+    return features, tables, mlp
+
+
+class _BenchModel:
+    """Factory of the benchmark model: forward(batch) -> (loss, (loss, logits)), the form TorchRec's pipeline expects."""
+
+    @staticmethod
+    def build(size: Size, plain_tables: bool = False):
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+
+        features, tables, mlp = _model_parts(size, plain_tables)
+
+        class BenchModel(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.tables, self.mlp, self.features = tables, mlp, features
+
+            def pooled(self, kjt):
+                if isinstance(self.tables, nn.ModuleDict):
+                    jts = kjt.to_dict()
+                    return [self.tables[f](jts[f].values(), jts[f].offsets()) for f in self.features]
+                out = self.tables(kjt).to_dict()
+                return [out[f] for f in self.features]
+
+            def forward(self, batch):
+                logits = self.mlp(torch.cat([*self.pooled(batch.sparse_features), batch.dense_features], dim=1)).squeeze(1)
+                loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+                return loss, (loss.detach(), logits.detach())  # TorchRec's pipeline returns the second part
+
+        return BenchModel()
+
+
+def _batches(size: Size, rank: int, n: int):
+    import torch
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(n):
+        count = size.tables * size.batch_size * size.pooling
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{i}" for i in range(size.tables)],
+            values=torch.randint(0, size.rows, (count,), generator=g),
+            lengths=torch.full((size.tables * size.batch_size,), size.pooling, dtype=torch.int32),
+        )
+        out.append(Batch(dense_features=torch.rand(size.batch_size, 4, generator=g), sparse_features=kjt,
+                         labels=torch.randint(0, 2, (size.batch_size,), generator=g).float()))
+    return out
+
+
+def _pattern_init(module) -> None:
+    """Same starting weights in every variant, whatever the plan: a value per (name, global index)."""
+    import torch
+
+    def fill(out, name, offsets, block=8192):
+        # Row blocks, so that the float64 temporaries stay a few MB and do not set the peak RSS of the run.
+        phase = sum(map(ord, name.replace("tables.", "").replace(".weight", ""))) % 97
+        for start in range(0, out.shape[0], block):
+            rows = out[start:start + block]
+            idx = [torch.arange(o, o + s, dtype=torch.float64) for o, s in zip([offsets[0] + start, *offsets[1:]], rows.shape)]
+            grid = idx[0] * 0.37 if len(idx) == 1 else idx[0][:, None] * 0.37 + idx[1][None, :] * 0.11
+            rows.copy_((0.05 * torch.sin(grid + phase)).float())
+
+    with torch.no_grad():
+        for name, t in module.state_dict().items():
+            key = name.replace("embedding_bags.t_", "").replace("tables.", "")
+            if hasattr(t, "local_shards"):  # a sharded table (torch's ShardedTensor): fill this rank's shards
+                for shard in t.local_shards():
+                    fill(shard.tensor, key, list(shard.metadata.shard_offsets))
+            elif t.is_floating_point():
+                fill(t, key, [0] * t.dim())
+
+
+
+def _constraints(size: Size) -> Dict[str, Dict[str, Any]]:
+    return {f"t_f{i}": {"sharding_types": [size.sharding], "compute_kernels": ["fused"]} for i in range(size.tables)}
+
+
+def _plan_rows(plan) -> Dict[str, Any]:
+    from lightning_rec.sharding import plan_rows
+
+    return {r.table: [r.sharding_type, r.compute_kernel, r.ranks] for r in plan_rows(plan)}
+
