@@ -35,6 +35,10 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: F
 # Lightning's accelerator connector hands string strategies to this registry.
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: F401
 
+# torch: sharded tables' weights and fused-optimizer state are ShardedTensors, a type torch still keeps under a
+# private path (TorchRec imports it from there too); checkpointing has to recognise them.
+from torch.distributed._shard.sharded_tensor import ShardedTensor  # noqa: F401
+
 # TorchRec tags the per-call `nn.Parameter` views of fused (TBE) tables with this attribute: the optimizer
 # living in the backward pass owns them, so a dense optimizer must never see them.
 IN_BACKWARD_OPTIMIZER_ATTR = "_in_backward_optimizers"

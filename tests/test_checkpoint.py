@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_rec import cli
 from lightning_rec.checkpoint import CheckpointError, UnsafeCheckpointError, export, is_checkpoint, layout, load_exported
-from tests.helpers.checkpoint_scenarios import PLANS, fixed_batch
+from tests.helpers.checkpoint_scenarios import fixed_batch
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import RecModel, assemble, local_weights
 from tests.helpers.scenarios import _loader, _trainer

@@ -22,9 +22,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.optim import Optimizer
 
+from lightning_rec._compat import ShardedTensor
 from lightning_rec.optim import RecOptimizer
 
 # torch optimizer state name -> fused (FBGEMM) state name, for tables on a non-fused kernel.

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any, Dict
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
