@@ -18,15 +18,14 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict
 
 import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from lightning_rec._compat import ShardedTensor
 from torch.utils.data import DataLoader
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor

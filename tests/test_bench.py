@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from lightning_rec.bench import check_identical, final_record, main, plot_batch_sweep
+from lightning_rec.bench.runner import _free_port
 from tests.helpers.dist import REPO
 
 
@@ -70,3 +72,17 @@ def test_bench_refuses_unknown_names_and_a_plot_without_a_sweep(capsys):
     with pytest.raises(SystemExit):
         main(["--plot", "x.png"])
     assert "give --batch-sizes" in capsys.readouterr().err
+
+
+def test_profile_step_times_the_phases_and_lightnings_hooks():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/profile_step.py", "recshard", "--size", "tiny", "--steps", "30", "--hooks"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(_free_port())},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    phases = record["phases_ms"]
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["rest"] > 0
+    assert phases["cycle"] >= phases["forward"] + phases["backward"]
+    assert "on_before_optimizer_step -> on_train_batch_end" in record["timeline_ms"]
+    assert record["ops_ms"] and record["all_ops_ms"] >= max(record["ops_ms"].values()) > 0
