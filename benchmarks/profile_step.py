@@ -6,11 +6,13 @@ CPU time under ``torch.profiler``, and (``--cprofile``) the Python functions, to
     .venv/bin/python benchmarks/profile_step.py recshard --size realistic
     .venv/bin/python benchmarks/profile_step.py recshard --size tiny --steps 1000 --cprofile
     .venv/bin/python benchmarks/profile_step.py recshard --size realistic --steps 60 --hooks
+    .venv/bin/torchrun --nproc-per-node 2 benchmarks/profile_step.py recshard --size realistic_2proc
 
 Each prints one JSON line: ``phases_ms`` (medians per step: forward, backward, the gaps between them, everything
 but forward and backward, the whole cycle), ``ops_ms`` (the 12 ops with the most self CPU time over all steps, with ``all_ops_ms`` their total over
 every op) or, with ``--cprofile``, the top functions by cumulative time; with ``--hooks``, ``timeline_ms``: the
-median time from each of Lightning's per-step hooks to the next.
+median time from each of Lightning's per-step hooks to the next; ``broadcast_ms``: the per-step
+``torch.distributed.broadcast`` calls (under torchrun, one line per rank).
 """
 
 from __future__ import annotations
@@ -114,6 +116,22 @@ def _timeline(events: List[Tuple[str, float]], skip: int) -> Dict[str, float]:
     return {k: round(statistics.median(v), 3) for k, v in gaps.items()}
 
 
+def _instrument_broadcast(durations: List[float]) -> None:
+    """Time every ``torch.distributed.broadcast`` (Lightning broadcasts a SIGTERM flag from rank 0 at every
+    training step when there are several ranks; nothing else broadcasts per step)."""
+    import torch.distributed as dist
+
+    broadcast = dist.broadcast
+
+    def timed_broadcast(*args, **kwargs):
+        start = time.perf_counter()
+        out = broadcast(*args, **kwargs)
+        durations.append(time.perf_counter() - start)
+        return out
+
+    dist.broadcast = timed_broadcast
+
+
 def _phases(events: List[Tuple[str, float]], skip: int) -> Dict[str, float]:
     steps: List[Dict[str, float]] = []
     for name, t in events:
@@ -143,10 +161,14 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true", help="Python functions instead of torch ops")
     parser.add_argument("--hooks", action="store_true", help="recshard variants: time between Lightning's per-step hooks")
     args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29571"), WORLD_SIZE="1",
-                      RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK="0")
-    size = replace(SIZES[args.size], world_size=1, steps=args.steps, warmup=args.warmup)
+    if "RANK" not in os.environ:  # one process; under torchrun, its environment wins
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29571"), WORLD_SIZE="1",
+                          RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK="0")
+    world_size = int(os.environ["WORLD_SIZE"])
+    size = replace(SIZES[args.size], world_size=world_size, steps=args.steps, warmup=args.warmup)
     events: List[Tuple[str, float]] = []
+    broadcasts: List[float] = []
+    _instrument_broadcast(broadcasts)
     _instrument(events)
     if args.hooks:
         _instrument_lightning(events)
@@ -164,6 +186,11 @@ def main() -> None:
         record["ops_ms"] = {e.key: round(e.self_cpu_time_total / 1000, 1) for e in ops[:12]}
         record["all_ops_ms"] = round(sum(e.self_cpu_time_total for e in ops) / 1000, 1)
     record["phases_ms"] = _phases(events, args.warmup)
+    record["rank"], record["world_size"] = int(os.environ["RANK"]), world_size
+    timed = broadcasts[-args.steps:]
+    if timed:
+        record["broadcast_ms"] = {"calls": len(broadcasts), "median": round(1000 * statistics.median(timed), 3),
+                                  "mean": round(1000 * statistics.mean(timed), 3)}
     if args.hooks:
         record["timeline_ms"] = _timeline(events, args.warmup)
     print(json.dumps(record))
