@@ -25,7 +25,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning_rec._compat import ShardedTensor
+from lightning_rec import _compat
 from torch.utils.data import DataLoader
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -120,11 +120,11 @@ def local_state_bytes(model: torch.nn.Module, trainer: L.Trainer) -> int:
     """Bytes of the table shards and fused optimizer state this rank holds."""
     total = 0
     for value in model.state_dict().values():
-        if isinstance(value, ShardedTensor):
+        if isinstance(value, _compat.ShardedTensor):
             total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
     for entries in trainer.strategy._rec_optimizer.fused.state_dict()["state"].values():
         for value in entries.values():
-            if isinstance(value, ShardedTensor):
+            if isinstance(value, _compat.ShardedTensor):
                 total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
     return total
 

@@ -120,7 +120,7 @@ def _pattern_init(module) -> None:
     """Same starting weights in every variant, whatever the plan: a value per (name, global index)."""
     import torch
 
-    from lightning_rec._compat import ShardedTensor
+    from lightning_rec import _compat
 
     def fill(out, name, offsets, block=8192):
         # Row blocks, so that the float64 temporaries stay a few MB and do not set the peak RSS of the run.
@@ -134,7 +134,7 @@ def _pattern_init(module) -> None:
     with torch.no_grad():
         for name, t in module.state_dict().items():
             key = name.replace("embedding_bags.t_", "").replace("tables.", "")
-            if isinstance(t, ShardedTensor):  # a sharded table: fill this rank's shards
+            if isinstance(t, _compat.ShardedTensor):  # a sharded table: fill this rank's shards
                 for shard in t.local_shards():
                     fill(shard.tensor, key, list(shard.metadata.shard_offsets))
             elif t.is_floating_point():

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_rec._compat import ShardedTensor
+from lightning_rec import _compat
 from lightning_rec.optim import RecOptimizer
 
 # torch optimizer state name -> fused (FBGEMM) state name, for tables on a non-fused kernel.
@@ -39,7 +39,7 @@ _ROWWISE = "momentum1"
 
 def is_tensor(value: Any) -> bool:
     """Tensors and ShardedTensors (what goes through DCP)."""
-    return isinstance(value, (Tensor, ShardedTensor))
+    return isinstance(value, (Tensor, _compat.ShardedTensor))
 
 
 def _torch_state_by_fqn(optimizer: Optimizer, names: Mapping[int, str]) -> Dict[str, Dict[str, Any]]:
@@ -109,7 +109,7 @@ class OptimizerTarget:
         self.problems: List[str] = []
         self._saved_groups = saved_groups
         self._extra = saved_extra or {}  # non-tensor state values (kept in meta.pt)
-        self._convert: Dict[Tuple[str, str], ShardedTensor] = {}  # row-wise accumulators to re-split
+        self._convert: Dict[Tuple[str, str], _compat.ShardedTensor] = {}  # row-wise accumulators to re-split
         self._table_widths = table_widths
         self._torch: List[Tuple[Optimizer, Dict[int, str]]] = []  # torch optimizers fed by load_state_dict
         self._rows: Dict[str, int] = {}
@@ -119,7 +119,7 @@ class OptimizerTarget:
             live = canonical_state(self.optimizer, named_parameters)["state"]
             live = {fqn: e for fqn, e in live.items() if fqn not in self.optimizer.dense_params and fqn not in self.optimizer.table_params}
             # Every sharded table is the fused optimizer's, also on ranks that hold none of it (no local state).
-            owners.update({fqn: "fused" for fqn, v in model_state.items() if isinstance(v, ShardedTensor)})
+            owners.update({fqn: "fused" for fqn, v in model_state.items() if isinstance(v, _compat.ShardedTensor)})
             owners.update({fqn: "fused" for fqn in live})
             owners.update({fqn: "dense" for fqn in self.optimizer.dense_params})
             owners.update({fqn: "table" for fqn in self.optimizer.table_params})
@@ -242,7 +242,7 @@ class OptimizerTarget:
         )
         return (blocks * weights[:, None]).sum(0) / weights.sum()
 
-    def _split_rowwise(self, fqn: str, source: Tensor, target: ShardedTensor) -> None:
+    def _split_rowwise(self, fqn: str, source: Tensor, target: _compat.ShardedTensor) -> None:
         rows = self._rows[fqn]
         per_row = self._rowwise_mean(fqn, source)
         for shard in target.local_shards():
