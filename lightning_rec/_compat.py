@@ -73,3 +73,16 @@ def pipeline_set_context(pipeline: object, context: object) -> None:
 def pipeline_wait_for_batch(pipeline: object) -> None:
     """Make the compute stream wait for the head batch's host-to-device copy."""
     pipeline._wait_for_batch()  # type: ignore[attr-defined]
+
+
+def default_store() -> "Optional[object]":
+    """The default process group's key-value store, or ``None`` without a process group. torch keeps it private
+    (``_get_default_store``); :mod:`lightning_rec.faults` uses it so that a failing rank can tell the others why,
+    without opening a second rendezvous."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()

@@ -4,7 +4,7 @@ parameters and DMP's inner DDP, and the forward redirection that manual optimiza
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import lightning.pytorch as pl
@@ -16,6 +16,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
 from lightning_rec import _compat
+from lightning_rec.inputs import ModuleInputs
 from lightning_rec.optim import EmbeddingOptimizer, is_fused_parameter
 from lightning_rec.plan_report import PlanReport
 from lightning_rec.sharding import embedding_modules
@@ -33,12 +34,15 @@ class ShardedState:
         plan: the plan it was sharded with.
         embedding_optimizer: the fused optimizer baked into its kernels.
         report: the sharding-plan report built when it was sharded.
+        inputs: what each sharded embedding module expects of its input, by module path (what the input checks
+            of :mod:`lightning_rec.inputs` compare batches with; the sharded modules no longer expose their configs).
     """
 
     dmp: DistributedModelParallel
     plan: ShardingPlan
     embedding_optimizer: EmbeddingOptimizer
     report: Optional[PlanReport] = None
+    inputs: Dict[str, ModuleInputs] = field(default_factory=dict)
 
 
 def sharded_state(module: Optional[nn.Module]) -> Optional[ShardedState]:
@@ -146,6 +150,7 @@ def shard_module(
     *,
     embedding_optimizer: EmbeddingOptimizer,
     report: Optional[PlanReport],
+    inputs: Optional[Dict[str, ModuleInputs]] = None,
     static_graph: bool,
     find_unused_parameters: bool,
 ) -> ShardedState:
@@ -156,7 +161,9 @@ def shard_module(
         static_graph=static_graph and module.automatic_optimization,
         find_unused_parameters=find_unused_parameters,
     )
-    state = ShardedState(dmp=dmp, plan=plan, embedding_optimizer=embedding_optimizer, report=report)
+    state = ShardedState(
+        dmp=dmp, plan=plan, embedding_optimizer=embedding_optimizer, report=report, inputs=dict(inputs or {})
+    )
     # A plain attribute (not a submodule): the module stays the root of its own state_dict.
     object.__setattr__(module, _SHARDED_STATE_ATTR, state)
     return state

@@ -24,6 +24,7 @@ pipelined ``training_step`` must call each sharded module once, on the batch it 
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import Any, Deque, Iterator, Optional
 
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from lightning_rec import _compat
+from lightning_rec.inputs import InputChecks, InputError
 
 
 class _NoStepOptimizer(torch.optim.Optimizer):
@@ -49,6 +51,7 @@ class SparseDistPipeline:
     Args:
         model: the ``DistributedModelParallel`` wrapper.
         device: the training device.
+        input_checks: the strategy's input checks, told when the inputs they check belong to the next batch.
 
     Example::
 
@@ -57,9 +60,10 @@ class SparseDistPipeline:
         # per step: pipeline.begin_step() before training_step; pipeline.before_backward() before backward
     """
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, input_checks: Optional[InputChecks] = None) -> None:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+        self._input_checks = input_checks
         self.engine = TrainPipelineSparseDist(model, _NoStepOptimizer(), device, execute_all_batches=True)
         self._running = False  # a step whose batch is still at the head of the queue
         self._rewritten = False  # sharded modules run the pipelined forward
@@ -94,6 +98,8 @@ class SparseDistPipeline:
         if not self._rewritten:
             try:
                 _compat.pipeline_rewrite(engine)  # rewrites the forwards, starts batch 0's input dist
+            except InputError:
+                raise  # the batch, not the model, is at fault
             except Exception as err:
                 raise RuntimeError(
                     "RecShardStrategy(pipeline=True): TorchRec could not trace your LightningModule's `forward` to find "
@@ -106,7 +112,8 @@ class SparseDistPipeline:
         _compat.pipeline_set_context(engine, engine.contexts[0])
         _compat.pipeline_wait_for_batch(engine)
         if len(engine.batches) >= 2:
-            engine.start_sparse_data_dist(engine.batches[1], engine.contexts[1])
+            with self._input_checks.ahead(1) if self._input_checks is not None else contextlib.nullcontext():
+                engine.start_sparse_data_dist(engine.batches[1], engine.contexts[1])
         self._running = True
         return engine.batches[0]
 

@@ -99,6 +99,7 @@ class PlanReport:
         tables: one :class:`~lightning_rec.sharding.PlanRow` per table.
         ranks: one :class:`RankEstimate` per rank (its numbers ``None`` without estimates).
         estimates_available: whether ``ranks`` carries the planner's estimates.
+        local_world_size: ranks per host the planner assumed (``None``: not recorded).
 
     Example::
 
@@ -115,10 +116,12 @@ class PlanReport:
     tables: List[PlanRow]
     ranks: List[RankEstimate]
     estimates_available: bool = False
+    local_world_size: Optional[int] = None
 
     @classmethod
     def from_plan(
-        cls, plan: ShardingPlan, world_size: int, device_type: str, sharding_options: Optional[Sequence[Any]] = None
+        cls, plan: ShardingPlan, world_size: int, device_type: str, sharding_options: Optional[Sequence[Any]] = None,
+        local_world_size: Optional[int] = None,
     ) -> "PlanReport":
         """Build the report from ``plan`` and, when the planner ran here, its chosen ``ShardingOption``\\ s.
 
@@ -128,10 +131,11 @@ class PlanReport:
             device_type: ``"cpu"`` or ``"cuda"``.
             sharding_options: the planner's chosen options, whose shards carry ``rank``, ``storage`` and
                 ``perf`` (see ``lightning_rec._compat.planner_sharding_options``); ``None``: no estimates.
+            local_world_size: ranks per host the planner was told.
         """
         if not sharding_options:
             ranks = [RankEstimate(r) for r in range(world_size)]
-            return cls(world_size, device_type, plan_rows(plan), ranks, estimates_available=False)
+            return cls(world_size, device_type, plan_rows(plan), ranks, False, local_world_size)
         ranks = [RankEstimate(r, 0, 0, 0.0) for r in range(world_size)]
         for option in sharding_options:
             for shard in option.shards:
@@ -143,7 +147,12 @@ class PlanReport:
                     total.ddr_bytes += int(shard.storage.ddr)  # type: ignore[operator]
                 if shard.perf is not None:
                     total.cost += float(shard.perf.total)  # type: ignore[operator]
-        return cls(world_size, device_type, plan_rows(plan), ranks, estimates_available=True)
+        return cls(world_size, device_type, plan_rows(plan), ranks, True, local_world_size)
+
+    @property
+    def num_hosts(self) -> Optional[int]:
+        """Hosts (nodes) the ranks are spread over, as the planner saw them."""
+        return -(-self.world_size // self.local_world_size) if self.local_world_size else None
 
     @property
     def imbalance(self) -> Dict[str, Optional[float]]:
@@ -158,7 +167,7 @@ class PlanReport:
 
         Example::
 
-            {"world_size": 2, "device_type": "cpu", "estimates_available": true,
+            {"world_size": 2, "local_world_size": 2, "num_hosts": 1, "device_type": "cpu", "estimates_available": true,
              "tables": [{"name": "t_user", "module": "ebc", "sharding_type": "column_wise",
                          "compute_kernel": "fused", "ranks": [0, 1],
                          "shards": [{"rank": 0, "sizes": [60, 4], "offsets": [0, 0]},
@@ -170,6 +179,8 @@ class PlanReport:
         """
         return {
             "world_size": self.world_size,
+            "local_world_size": self.local_world_size,
+            "num_hosts": self.num_hosts,
             "device_type": self.device_type,
             "estimates_available": self.estimates_available,
             "tables": [

@@ -7,11 +7,9 @@ renders the resulting plan as a table people can read.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
@@ -213,12 +211,17 @@ def make_planner(
     device_type: str,
     topology: Optional[TopologyConfig],
     constraints: Mapping[str, TableConstraints],
+    local_world_size: Optional[int] = None,
 ) -> EmbeddingShardingPlanner:
-    """TorchRec's planner for this job: topology (detected, with ``topology`` overrides) and constraints."""
+    """TorchRec's planner for this job: its topology (``world_size`` ranks, ``local_world_size`` of them per host,
+    with ``topology`` overrides) and constraints.
+
+    Args:
+        local_world_size: ranks per host, as the launcher started them (the strategy passes its devices per
+            node); ``topology.local_world_size`` overrides it; default: all ranks on one host.
+    """
     topo = topology or TopologyConfig()
-    local_world_size = topo.local_world_size
-    if local_world_size is None:
-        local_world_size = int(_env_int("LOCAL_WORLD_SIZE") or min(world_size, torch.cuda.device_count() or world_size))
+    local_world_size = topo.local_world_size or local_world_size or world_size
     planner_topology = TopologyFactory.create_topology(
         TrainerConfig(
             world_size=world_size,
@@ -236,11 +239,6 @@ def make_planner(
         constraints={name: c.to_torchrec() for name, c in constraints.items()},
         debug=False,
     )
-
-
-def _env_int(name: str) -> Optional[int]:
-    value = os.environ.get(name)
-    return int(value) if value and value.isdigit() else None
 
 
 def plan_sharding(
@@ -277,17 +275,19 @@ def plan_module(
     constraints: Mapping[str, TableConstraints],
     topology: Optional[TopologyConfig],
     world_size: int,
+    local_world_size: int,
     device_type: str,
     pg: Optional[dist.ProcessGroup],
 ) -> Tuple[ShardingPlan, Optional[list]]:
     """Plan every table of ``module`` (user constraints over the device defaults), on rank 0 when distributed.
+    ``local_world_size``: ranks per host (the planner's intra- vs inter-host costs depend on it).
 
     Returns:
         the plan, and the planner's chosen sharding options with its estimates (``None`` where it did not plan).
     """
     tables = embedding_tables(module, module_types)
     planner = make_planner(
-        world_size=world_size, device_type=device_type, topology=topology,
+        world_size=world_size, device_type=device_type, topology=topology, local_world_size=local_world_size,
         constraints={**default_constraints(tables, device_type), **constraints},
     )
     plan = plan_sharding(module, sharders, planner, pg)

@@ -20,6 +20,8 @@ The mechanics live in :mod:`lightning_rec.sharding`, :mod:`lightning_rec.dmp`, :
 
 from __future__ import annotations
 
+import logging
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -28,7 +30,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
@@ -61,6 +62,8 @@ from lightning_rec.optim import (
     combine_optimizers,
     resolve_embedding_optimizer,
 )
+from lightning_rec.faults import FailureBoard, describe_position, explain, is_communication_error
+from lightning_rec.inputs import InputChecks, NonFinitePolicy, input_specs
 from lightning_rec.pipeline import SparseDistPipeline
 from lightning_rec.plan_report import PlanReport, write_for_trainer
 from lightning_rec.settings import check_precision, check_trainer_flags
@@ -72,6 +75,12 @@ from lightning_rec.sharding import (
     plan_module,
     validate_constraints,
 )
+
+
+_log = logging.getLogger(__name__)
+
+# How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 class RecShardStrategy(ParallelStrategy):
@@ -90,10 +99,19 @@ class RecShardStrategy(ParallelStrategy):
             ``configure_embedding_optimizer()``. ``None`` (default): derive it from ``configure_optimizers``.
         fused_params: extra FBGEMM table-batched-embedding arguments for every table (e.g.
             ``{"stochastic_rounding": False}``).
-        bounds_check: what to do with ids outside a table: ``"error"``, ``"warn"`` (FBGEMM's default: warn
-            and read row 0), ``"ignore"`` or ``"none"``.
+        bounds_check: what to do with ids outside a table: ``"error"`` (default: an :class:`~lightning_rec.inputs.InputError`
+            naming the feature, table, id and table size, raised before anything is updated), ``"warn"`` (TorchRec's
+            default: warn and read row 0 instead), ``"ignore"`` (silently read row 0) or ``"none"`` (no check: undefined
+            on bad ids). The structure of every ``KeyedJaggedTensor`` (features, lengths, dtypes) is checked in every
+            mode; see :mod:`lightning_rec.inputs`.
+        nonfinite: NaN or infinity in a dense input or in the loss: ``"error"`` (default: a
+            :class:`~lightning_rec.inputs.NonFiniteError` naming the step, before the backward pass could write it
+            into the tables), ``"warn"`` or ``"ignore"``.
         process_group_backend: ``"gloo"``/``"nccl"``; default: nccl on CUDA, gloo on CPU.
-        timeout: collective timeout.
+        timeout: how long a collective waits for the other ranks before failing (a ``timedelta`` or seconds). When a
+            rank dies or raises, the others fail at once; this bounds the wait for one that hangs. Default: 5
+            minutes (Lightning's default is 30). Raise it if a rank legitimately works alone for longer (e.g. planning
+            thousands of tables, or very large checkpoints on a slow filesystem). See :mod:`lightning_rec.faults`.
         static_graph: passed to the DDP wrapper of the dense part (TorchRec's default: ``True``).
         find_unused_parameters: passed to the DDP wrapper of the dense part.
         pipeline: overlap the next batch's host-to-device copy and input distribution (all-to-all) with the
@@ -125,9 +143,10 @@ class RecShardStrategy(ParallelStrategy):
         plan: Optional[ShardingPlan] = None,
         embedding_optimizer: Optional[Union[EmbeddingOptimizer, Mapping[str, Any]]] = None,
         fused_params: Optional[Mapping[str, Any]] = None,
-        bounds_check: str = "warn",
+        bounds_check: str = "error",
+        nonfinite: NonFinitePolicy = "error",
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[timedelta, float]] = DEFAULT_TIMEOUT,
         static_graph: bool = True,
         find_unused_parameters: bool = False,
         plan_report: bool = True,
@@ -158,8 +177,12 @@ class RecShardStrategy(ParallelStrategy):
             else EmbeddingOptimizer(**embedding_optimizer)
         )
         self.fused_params = {**bounds_check_params(bounds_check), **dict(fused_params or {})}
+        self._input_checks = InputChecks(
+            check_ids=bounds_check == "error", nonfinite=nonfinite, position=self._describe_position
+        )
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        self._failures: Optional[FailureBoard] = None
         self._static_graph = static_graph
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
@@ -222,6 +245,12 @@ class RecShardStrategy(ParallelStrategy):
         """The ``ShardingPlan`` the model was sharded with (available after setup)."""
         return self.sharded_model.plan
 
+    @property
+    def plan_report(self) -> Optional[PlanReport]:
+        """The sharding-plan report (tables, shards, topology, planner estimates; available after setup)."""
+        state = sharded_state(self.lightning_module)
+        return state.report if state is not None else None
+
     # ---------------------------------------------------------------------------------------------------
     # Lifecycle, in Lightning's order
     # ---------------------------------------------------------------------------------------------------
@@ -256,6 +285,8 @@ class RecShardStrategy(ParallelStrategy):
             self.embedding_optimizer.validate_for(self.root_device.type)
         super().setup_environment()
         self._setup_distributed()
+        # A prefix shared by every rank of this run, under which a failing rank leaves its error for the others.
+        self._failures = FailureBoard.for_default_group(self.broadcast(uuid.uuid4().hex), self.global_rank)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -288,6 +319,7 @@ class RecShardStrategy(ParallelStrategy):
                 "uses the same one, or build a fresh model."
             )
         self.model = state.dmp
+        self._input_checks.install(state.dmp.module, state.inputs)
 
         if fitting:
             self._rec_optimizer, self.optimizers = combine_optimizers(
@@ -297,7 +329,9 @@ class RecShardStrategy(ParallelStrategy):
             self.lr_scheduler_configs = lr_scheduler_configs
             if self._write_plan_report and state.report is not None:
                 write_for_trainer(state.report, trainer, self.global_rank)  # every rank: it may broadcast
-            self._pipeline = SparseDistPipeline(state.dmp, self.root_device) if self.pipeline else None
+            self._pipeline = (
+                SparseDistPipeline(state.dmp, self.root_device, self._input_checks) if self.pipeline else None
+            )
         self.setup_precision_plugin()
 
     @override
@@ -309,8 +343,11 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         if self._pipeline is not None and self.lightning_module.trainer.training:
-            return self._pipeline.begin_step()  # already on the device, its inputs distributed
-        return super().batch_to_device(batch, device, dataloader_idx)
+            batch = self._pipeline.begin_step()  # already on the device, its inputs checked and distributed
+        else:
+            batch = super().batch_to_device(batch, device, dataloader_idx)
+        self._input_checks.check_batch(batch)
+        return batch
 
     @override
     def on_validation_start(self) -> None:
@@ -326,6 +363,7 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
+        self._input_checks.check_loss(closure_loss)  # the backward pass would write a NaN into the tables
         if self._pipeline is not None:
             self._pipeline.before_backward()  # the next batch's input all-to-all overlapped this forward
         # Manual optimization calls backward inside training_step, i.e. inside DDP's forward; DDP's reducer was
@@ -345,6 +383,24 @@ class RecShardStrategy(ParallelStrategy):
         # before this step's backward pass (where their update happens).
         if self._rec_optimizer is not None:
             self._rec_optimizer.sync_lr()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks why this one stops, or, if a collective failed because another rank stopped, say
+        which rank and why (see :mod:`lightning_rec.faults`)."""
+        if self._failures is None:
+            return
+        position = self._describe_position(0)
+        if not is_communication_error(exception):
+            where = f" at {position}" if position else ""
+            self._failures.publish(f"{type(exception).__name__}{where}: {exception}")
+            return
+        message = explain(
+            self.global_rank, self.world_size, position, self._failures.first(), self._timeout, type(self).__name__
+        )
+        _log.error(message)
+        if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the transport error's own message
+            exception.add_note(message)
 
     @override
     def teardown(self) -> None:
@@ -483,6 +539,11 @@ class RecShardStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
+    def _describe_position(self, ahead: int) -> str:
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return describe_position(trainer, ahead) if trainer is not None else ""
+
     def _module_types(self) -> List[type]:
         """Module types that get sharded: TorchRec's two collections plus any extra sharder's."""
         return list(dict.fromkeys([EmbeddingBagCollection, EmbeddingCollection] + [s.module_type for s in self._extra_sharders]))
@@ -505,14 +566,19 @@ class RecShardStrategy(ParallelStrategy):
         sharders = self._sharders(emb_opt)
         pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
         plan, options = self._plan, None
+        local_world_size = (self.topology.local_world_size if self.topology else None) or self.num_processes
         if plan is None:
             plan, options = plan_module(
                 module, self._module_types(), sharders, self.constraints, self.topology, self.world_size,
-                self.root_device.type, pg,
+                local_world_size, self.root_device.type, pg,
             )
-        report = PlanReport.from_plan(plan, self.world_size, self.root_device.type, options)
-        rank_zero_info(f"{type(self).__name__}: sharding plan over {self.world_size} rank(s)\n{report.format_table()}")
+        report = PlanReport.from_plan(plan, self.world_size, self.root_device.type, options, local_world_size)
+        rank_zero_info(
+            f"{type(self).__name__}: sharding plan over {self.world_size} rank(s), {local_world_size} per host\n"
+            f"{report.format_table()}"
+        )
         return shard_module(
             module, plan, sharders, self.root_device, pg, embedding_optimizer=emb_opt, report=report,
+            inputs=input_specs(module, self._module_types()),
             static_graph=self._static_graph, find_unused_parameters=self._find_unused_parameters,
         )

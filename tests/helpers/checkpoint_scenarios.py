@@ -68,16 +68,21 @@ class RecordRestoredState(L.Callback):
 def fit_epochs(
     rank: int, world_size: int, out_dir: Path, tag: str, epochs: int, plan: str = "mixed", steps: int = 4,
     ckpt_path: Optional[str] = None, optimizer: str = "adagrad", emb_optimizer: Optional[Dict[str, Any]] = None,
-    save_every_n_epochs: int = 1, accelerator: str = "cpu",
+    save_every_n_epochs: int = 1, accelerator: str = "cpu", fail: Optional[Dict[str, Any]] = None,
+    strategy: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
-    """Fit ``epochs`` epochs (resuming from ``ckpt_path`` if given) with ModelCheckpoint(save_last, every epoch)."""
+    """Fit ``epochs`` epochs (resuming from ``ckpt_path`` if given) with ModelCheckpoint(save_last, every epoch).
+    ``fail``: arguments of a :class:`~tests.helpers.fault_scenarios.FailAt` callback (a rank fails mid-fit)."""
+    from tests.helpers.fault_scenarios import FailAt
+
     L.seed_everything(0)
     model = RecModel(optimizer=optimizer, scheduler=SCHEDULER, emb_optimizer=emb_optimizer)
     ckpt_cb = ModelCheckpoint(dirpath=out_dir / "ckpts", save_last=True, save_top_k=-1, every_n_epochs=save_every_n_epochs)
     restored = RecordRestoredState()
     trainer = _trainer(
-        world_size, -1, {"constraints": PLANS[plan]}, det_init=ckpt_path is None, max_epochs=epochs,
-        accelerator=accelerator, callbacks=[ckpt_cb, restored],
+        world_size, -1, {"constraints": PLANS[plan], **(strategy or {})}, det_init=ckpt_path is None,
+        max_epochs=epochs, accelerator=accelerator,
+        callbacks=[ckpt_cb, restored] + ([FailAt(out_dir=str(out_dir), **fail)] if fail else []),
     )
     trainer.fit(model, _loader(rank, steps, 16, {}), ckpt_path=ckpt_path)
     torch.save(local_weights(model), out_dir / f"{tag}.weights{rank}.pt")

@@ -36,8 +36,9 @@ MIXED_PLAN = {
 
 
 def _trainer(world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = None, det_init: bool = True, **kwargs: Any) -> L.Trainer:
+    num_nodes = kwargs.pop("num_nodes", 1)
     defaults = dict(
-        accelerator="cpu", devices=world_size, max_steps=steps, use_distributed_sampler=False, logger=False,
+        accelerator="cpu", devices=world_size // num_nodes, num_nodes=num_nodes, max_steps=steps, use_distributed_sampler=False, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0,
     )

@@ -17,7 +17,10 @@ from tests.helpers import scenarios
 
 def main() -> None:
     name, config, out_dir = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if "RANK" in os.environ:  # torchrun and torchrun-like launchers
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:  # srun
+        rank, world_size = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
     module, _, func = name.rpartition(":")
     scenario = getattr(importlib.import_module(module) if module else scenarios, func)
     result = scenario(rank=rank, world_size=world_size, out_dir=out_dir, **config)
