@@ -150,17 +150,24 @@ def explain(
     )
 
 
-def describe_position(trainer: Any, ahead: int = 0) -> str:
+def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False) -> str:
     """Where ``trainer`` is, for error messages: ``"training step 12 (epoch 0, batch 12)"``,
-    ``"validation batch 3"``, ... ``ahead``: the batch in question is that many batches after the current one.
+    ``"validation batch 3"``, ...
 
-    The step is Lightning's ``global_step`` (optimizer steps done before this one: the ``step`` its loggers use).
+    Args:
+        trainer: the Lightning Trainer.
+        ahead: the batch in question is that many batches after the current one.
+        transferring: called while the batch is moved to the device, before Lightning counts it.
+
+    The step is Lightning's ``global_step`` (optimizer steps done before this one: the ``step`` its loggers use);
+    batches count from 0 in their epoch or loop.
     """
+    ahead_batches = ahead + int(transferring)
     from lightning.pytorch.trainer.states import RunningStage
 
     stage = trainer.state.stage
     if stage == RunningStage.TRAINING:
-        batch = trainer.fit_loop.epoch_loop.batch_idx + ahead
+        batch = trainer.fit_loop.epoch_loop.batch_idx + ahead_batches
         return f"training step {trainer.global_step + ahead} (epoch {trainer.current_epoch}, batch {batch})"
     loops = {
         RunningStage.SANITY_CHECKING: ("sanity-check validation", trainer.fit_loop.epoch_loop.val_loop),
@@ -174,4 +181,4 @@ def describe_position(trainer: Any, ahead: int = 0) -> str:
     if stage not in loops:
         return f"{stage.value}" if stage is not None else ""
     name, loop = loops[stage]
-    return f"{name} batch {loop.batch_progress.current.ready - 1 + ahead}"
+    return f"{name} batch {loop.batch_progress.current.ready - 1 + ahead_batches}"

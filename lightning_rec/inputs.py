@@ -114,7 +114,8 @@ def check_features(kjt: Any, spec: ModuleInputs, *, check_ids: bool = True, wher
     Checked, in this order, each failure an :class:`InputError`: it is a KJT; its keys are unique and are
     exactly the module's features (none missing, none unknown); values are 1-D ``int32``/``int64`` ids; lengths
     (or offsets) are 1-D integers, one per sample and feature, non-negative, adding up to the number of values;
-    the batch has at least one sample; a weighted module's weights are floating, one per id and finite; with
+    the batch has at least one sample; a weighted module's weights are floating, one per id and finite (an
+    unweighted module gets none); with
     ``check_ids``, every id lies in ``[0, num_embeddings)`` of its feature's table. Features in another order
     than the module's are put in its order (TorchRec would otherwise pair them with the wrong tables).
 
@@ -265,19 +266,25 @@ def _sample(keys: List[str], per_key: List[int], position: int) -> str:
 def _check_weights(
     weights: Optional[torch.Tensor], values: torch.Tensor, weighted: bool, fail: Callable[[str], InputError]
 ) -> None:
-    """Weights travel with the ids through the input distribution, so their shape matters even where the tables
-    ignore them; a weighted module needs them, finite."""
+    """A weighted module needs one finite weight per id. An unweighted one must get none: sharded TorchRec would
+    apply them (the unsharded module ignores them), silently training something else than the model says."""
     if weights is None:
         if weighted:
             raise fail("its tables are weighted (is_weighted=True) but the KeyedJaggedTensor carries no weights.")
         return
+    if not weighted:
+        raise fail(
+            "the KeyedJaggedTensor carries per-id weights but the module's tables are unweighted (is_weighted=False); "
+            "sharded TorchRec would pool with them, unsharded TorchRec ignores them. HINT: build the KJT without "
+            "`weights`, or make the module weighted (e.g. `EmbeddingBagCollection(..., is_weighted=True)`)."
+        )
     _tensor(weights, "weights", fail)
     if not weights.is_floating_point() or weights.shape != values.shape:
         raise fail(
             f"weights must be a floating tensor with one weight per id ({values.numel()}), got {weights.dtype} "
             f"of shape {tuple(weights.shape)}."
         )
-    if weighted and not bool(torch.isfinite(weights).all()):
+    if not bool(torch.isfinite(weights).all()):
         i = int((~torch.isfinite(weights)).nonzero()[0])
         raise fail(f"weights must be finite, got {float(weights[i])} at position {i}.")
 
@@ -414,8 +421,7 @@ class InputChecks:
         for path, tensor in floating_tensors(batch):
             message = check_finite(tensor, f"the dense input {path}", self.where())
             if message is not None:
-                self._report(message + " HINT: clean or impute the data (e.g. `torch.nan_to_num`), or pass "
-                             "`RecShardStrategy(nonfinite='warn')` to only warn.")
+                self._report(message, "HINT: clean or impute the data (e.g. `torch.nan_to_num`).")
 
     def check_loss(self, loss: torch.Tensor) -> None:
         """Check the loss before the backward pass (which would write NaN into the tables)."""
@@ -424,11 +430,14 @@ class InputChecks:
         message = check_finite(loss.detach(), "the loss", self.where())
         if message is not None:
             self._report(
-                message + " Nothing was updated with this batch. HINT: lower the learning rate, clip dense gradients "
-                "(`gradient_clip_val`), check the inputs and labels, or resume from the last checkpoint."
+                message, "HINT: lower the learning rate, clip dense gradients (`gradient_clip_val`), check the inputs "
+                "and labels, and resume from the last checkpoint."
             )
 
-    def _report(self, message: str) -> None:
+    def _report(self, message: str, hint: str) -> None:
         if self.nonfinite == "error":
-            raise NonFiniteError(message)
-        warnings.warn(message, stacklevel=2)
+            raise NonFiniteError(
+                f"{message} Nothing was updated with this batch. {hint} "
+                "`RecShardStrategy(nonfinite='warn')` only warns (and trains on)."
+            )
+        warnings.warn(f"{message} Training goes on (nonfinite='warn').", stacklevel=3)

@@ -183,6 +183,7 @@ class RecShardStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._failures: Optional[FailureBoard] = None
+        self._transferring = False
         self._static_graph = static_graph
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
@@ -342,11 +343,15 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        if self._pipeline is not None and self.lightning_module.trainer.training:
-            batch = self._pipeline.begin_step()  # already on the device, its inputs checked and distributed
-        else:
-            batch = super().batch_to_device(batch, device, dataloader_idx)
-        self._input_checks.check_batch(batch)
+        self._transferring = True  # Lightning counts the batch only once it is on the device
+        try:
+            if self._pipeline is not None and self.lightning_module.trainer.training:
+                batch = self._pipeline.begin_step()  # already on the device, its inputs checked and distributed
+            else:
+                batch = super().batch_to_device(batch, device, dataloader_idx)
+            self._input_checks.check_batch(batch)
+        finally:
+            self._transferring = False
         return batch
 
     @override
@@ -542,7 +547,7 @@ class RecShardStrategy(ParallelStrategy):
     def _describe_position(self, ahead: int) -> str:
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        return describe_position(trainer, ahead) if trainer is not None else ""
+        return describe_position(trainer, ahead, transferring=self._transferring) if trainer is not None else ""
 
     def _module_types(self) -> List[type]:
         """Module types that get sharded: TorchRec's two collections plus any extra sharder's."""

@@ -147,3 +147,5 @@ def test_positions_follow_lightning_progress():
     assert describe_position(trainer) == "validation batch 7"
     trainer.state.stage = RunningStage.PREDICTING
     assert describe_position(trainer) == "predict batch 4"
+    trainer.state.stage, trainer.training = RunningStage.TRAINING, True
+    assert describe_position(trainer, transferring=True) == "training step 12 (epoch 1, batch 5)"

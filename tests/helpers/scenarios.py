@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -53,8 +53,12 @@ def _trainer(world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = N
     )
 
 
-def _loader(rank: int, steps: int, batch_size: int, model: Dict[str, Any], num_workers: int = 0, seed: int = 100) -> DataLoader:
+def _loader(
+    rank: int, steps: int, batch_size: Union[int, List[int]], model: Dict[str, Any], num_workers: int = 0, seed: int = 100
+) -> DataLoader:
+    """``steps`` batches of ``batch_size`` samples (a list: one size per rank), different on every rank."""
     fmt = model.get("batch_format", "batch")
+    batch_size = batch_size if isinstance(batch_size, int) else batch_size[rank]
     batches = [as_format(b, fmt) for b in make_batches(steps, batch_size, seed=seed + rank, with_ec=model.get("with_ec", False))]
     # spawn, not fork: forking a process whose gloo threads are running can deadlock the child.
     context = "spawn" if num_workers > 0 else None
@@ -62,7 +66,7 @@ def _loader(rank: int, steps: int, batch_size: int, model: Dict[str, Any], num_w
 
 
 def train(
-    rank: int, world_size: int, out_dir: Path, tag: str = "train", steps: int = 8, batch_size: int = 32,
+    rank: int, world_size: int, out_dir: Path, tag: str = "train", steps: int = 8, batch_size: Union[int, List[int]] = 32,
     model: Optional[Dict[str, Any]] = None, strategy: Optional[Dict[str, Any]] = None,
     trainer: Optional[Dict[str, Any]] = None, num_workers: int = 0, epochs: int = 1,
 ) -> Dict[str, Any]:
@@ -104,7 +108,7 @@ def fit_error(rank: int, world_size: int, out_dir: Path, **kwargs: Any) -> Dict[
 
 def reference(
     rank: int, world_size: int, out_dir: Path, plan_from: str, tag: str = "reference", steps: int = 8,
-    batch_size: int = 32, lr: float = 0.1, model: Optional[Dict[str, Any]] = None,
+    batch_size: Union[int, List[int]] = 32, lr: float = 0.1, model: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """The hand-written TorchRec loop a TorchRec user would write: DMP + CombinedOptimizer, same plan and data."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
