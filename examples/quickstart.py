@@ -1,6 +1,7 @@
 """The README quickstart: a two-table model trained with sharded tables on 2 CPU processes.
 
 Run:  .venv/bin/python examples/quickstart.py  [--devices 2] [--max-epochs 3]
+      torchrun --nnodes=2 --nproc-per-node=1 ... examples/quickstart.py --devices 1 --num-nodes 2   (README)
 """
 
 import argparse
@@ -59,15 +60,17 @@ def make_rows(n: int = 4096, num_users: int = 100, num_items: int = 200, seed: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=2, help="processes per host")
+    parser.add_argument("--num-nodes", type=int, default=1, help="hosts (under torchrun or SLURM)")
     parser.add_argument("--max-epochs", type=int, default=3)
     parser.add_argument("--root-dir", default="lightning_logs/quickstart")
     args = parser.parse_args()
     L.seed_everything(0)
     loader = DataLoader(make_rows(), batch_size=128, shuffle=True, collate_fn=RowCollator(FEATURES))
     trainer = L.Trainer(
-        strategy="recshard", accelerator="cpu", devices=args.devices, max_epochs=args.max_epochs,
-        default_root_dir=args.root_dir, logger=False,  # checkpoints: sharded, under root-dir/checkpoints
+        strategy="recshard", accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
+        max_epochs=args.max_epochs, default_root_dir=args.root_dir,
+        logger=False,  # checkpoints: sharded, under root-dir/checkpoints; the plan report: in root-dir
     )
     trainer.fit(Model(), loader)
     if trainer.is_global_zero:

@@ -66,13 +66,11 @@ def _worker_command(scenario: str, out_dir: Path, config: Dict[str, Any]) -> Lis
     return ["-m", "tests.helpers.worker", scenario, json.dumps(config), str(out_dir)]
 
 
-def _commands(
-    launcher: str, scenario: str, world_size: int, nodes: int, out_dir: Path, config: Dict[str, Any]
-) -> Dict[str, tuple]:
-    """``{process name: (argv, extra env)}`` for each process to start."""
+def _commands(launcher: str, worker: List[str], world_size: int, nodes: int) -> Dict[str, tuple]:
+    """``{process name: (argv, extra env)}`` for each process to start; ``worker``: what a rank runs, after
+    ``python``."""
     port = free_port()
     per_node = world_size // nodes
-    worker = _worker_command(scenario, out_dir, config)
     if launcher == "torchrun":
         rdzv = [
             f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
@@ -115,12 +113,15 @@ def launch(
     nodes: int = 1,
     timeout: float = 300,
     wait_for: Optional[Sequence[str]] = None,
+    command: Optional[List[str]] = None,
     **config: Any,
 ) -> Launch:
     """Start ``scenario`` (a function in ``tests.helpers.scenarios``, or ``module:function``) on ``world_size`` ranks
     spread over ``nodes`` hosts, and wait for the processes to end.
 
     Args:
+        command: run this instead of the scenario (what follows ``python`` on each rank, e.g. a script and its
+            arguments); ``scenario`` then only names the logs, and no rank writes a result.
         launcher: how the ranks are started (see the module docstring).
         timeout: seconds to wait in all; processes still running then are killed (``returncode`` ``None``).
         wait_for: names of the processes to wait for (default: all); the others are killed once these ended.
@@ -137,7 +138,8 @@ def launch(
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         base_env.pop(name, None)
     procs, logs, ended = {}, {}, {}
-    for name, (argv, env) in _commands(launcher, scenario, world_size, nodes, out_dir, config).items():
+    worker = command or _worker_command(scenario, out_dir, config)
+    for name, (argv, env) in _commands(launcher, worker, world_size, nodes).items():
         logs[name] = open(out_dir / f"{scenario}.{name}.log", "w")
         # Each rank works in the test's directory (anything written to the cwd lands there).
         procs[name] = subprocess.Popen(

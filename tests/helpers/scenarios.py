@@ -81,6 +81,7 @@ def train(
     if rank == 0:
         torch.save(plan, out_dir / f"{tag}.plan.pt")
     rec = tr.strategy._rec_optimizer
+    report = tr.strategy.plan_report
     dense_params = [p for g in rec.dense.param_groups for p in g["params"]]
     emb_names = {n for n, p in m.named_parameters() if is_fused_parameter(p)}
     return {
@@ -94,6 +95,10 @@ def train(
         "dense_has_fused": any(is_fused_parameter(p) for p in dense_params),
         "num_model_params": sum(1 for n, p in m.named_parameters() if n not in emb_names),
         "train_loss_logged": float(tr.callback_metrics["train_loss"]) if "train_loss" in tr.callback_metrics else None,
+        "environment": type(tr.strategy.cluster_environment).__name__,
+        "node_rank": tr.node_rank,
+        "local_rank": tr.local_rank,
+        "planner_topology": {"world_size": report.world_size, "local_world_size": report.local_world_size},
     }
 
 
