@@ -115,9 +115,9 @@ def check_features(kjt: Any, spec: ModuleInputs, *, check_ids: bool = True, wher
     exactly the module's features (none missing, none unknown); values are 1-D ``int32``/``int64`` ids; lengths
     (or offsets) are 1-D integers, one per sample and feature, non-negative, adding up to the number of values;
     the batch has at least one sample; a weighted module's weights are floating, one per id and finite (an
-    unweighted module gets none); with
-    ``check_ids``, every id lies in ``[0, num_embeddings)`` of its feature's table. Features in another order
-    than the module's are put in its order (TorchRec would otherwise pair them with the wrong tables).
+    unweighted module gets none); with ``check_ids``, every id lies in ``[0, num_embeddings)`` of its feature's
+    table. Features in another order than the module's are put in its order (TorchRec would otherwise pair them
+    with the wrong tables). On CUDA the checks cost a few host synchronisations per module and step.
 
     Args:
         kjt: what the module was given.
@@ -156,10 +156,10 @@ def check_features(kjt: Any, spec: ModuleInputs, *, check_ids: bool = True, wher
             "the batch has no samples (stride 0). HINT: drop empty batches in the data pipeline "
             "(e.g. `DataLoader(..., drop_last=True)`) or skip them before they reach the model."
         )
-    if lengths.numel() and int(lengths.min()) < 0:
+    smallest, total = torch.stack([lengths.min(), lengths.sum()]).tolist() if lengths.numel() else (0, 0)
+    if smallest < 0:
         i = int(torch.argmin(lengths))
         raise fail(f"lengths must be >= 0, got {int(lengths[i])} at position {i} ({_sample(keys, per_key, i)}).")
-    total = int(lengths.sum())
     if total != values.numel():
         raise fail(
             f"the lengths add up to {total} ids but there are {values.numel()} values. "
@@ -293,20 +293,22 @@ def _check_id_ranges(
     values: torch.Tensor, keys: List[str], ids_per_key: List[int], lengths: torch.Tensor, per_key: List[int],
     spec: ModuleInputs, fail: Callable[[str], InputError],
 ) -> None:
-    # One min/max per feature (0.1 ms for 130k ids on one CPU core); the details are computed on failure only.
-    for key, ids in zip(keys, torch.split(values, ids_per_key)):
-        if ids.numel() == 0:
-            continue
+    # One min/max per feature, fetched at once (0.1 ms for 130k ids on one CPU core; one host sync on CUDA); the
+    # details are computed on failure only.
+    present = [(key, ids) for key, ids in zip(keys, torch.split(values, ids_per_key)) if ids.numel()]
+    if not present:
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(ids)) for _, ids in present]).tolist()
+    for (key, ids), (low, high) in zip(present, bounds):
         rows = spec.tables[key][1]
-        low, high = torch.aminmax(ids)
-        if int(low) >= 0 and int(high) < rows:
+        if low >= 0 and high < rows:
             continue
         bad = ((ids < 0) | (ids >= rows)).nonzero().flatten()
         first = int(bad[0])
         sample = _sample_of_id(lengths, per_key, keys.index(key), first)
         raise fail(
             f"{spec.describe(key)} has {bad.numel()} id(s) outside [0, {rows}): {int(ids[first])} (sample {sample})"
-            f"{'' if bad.numel() == 1 else f', min {int(low)}, max {int(high)}'}. {_HINT_IDS}"
+            f"{'' if bad.numel() == 1 else f', min {low}, max {high}'}. {_HINT_IDS}"
         )
 
 

@@ -55,6 +55,8 @@ from lightning_rec.dmp import (
     sharded_state,
     unfused_table_parameters,
 )
+from lightning_rec.faults import FailureBoard, describe_position, explain, is_communication_error
+from lightning_rec.inputs import InputChecks, InputError, NonFiniteError, NonFinitePolicy, input_specs
 from lightning_rec.optim import (
     EmbeddingOptimizer,
     RecOptimizer,
@@ -62,8 +64,6 @@ from lightning_rec.optim import (
     combine_optimizers,
     resolve_embedding_optimizer,
 )
-from lightning_rec.faults import FailureBoard, describe_position, explain, is_communication_error
-from lightning_rec.inputs import InputChecks, NonFinitePolicy, input_specs
 from lightning_rec.pipeline import SparseDistPipeline
 from lightning_rec.plan_report import PlanReport, write_for_trainer
 from lightning_rec.settings import check_precision, check_trainer_flags
@@ -343,15 +343,13 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        self._transferring = True  # Lightning counts the batch only once it is on the device
-        try:
-            if self._pipeline is not None and self.lightning_module.trainer.training:
-                batch = self._pipeline.begin_step()  # already on the device, its inputs checked and distributed
-            else:
-                batch = super().batch_to_device(batch, device, dataloader_idx)
-            self._input_checks.check_batch(batch)
-        finally:
-            self._transferring = False
+        self._transferring = True  # Lightning counts the batch only once it is on the device (reset on exception)
+        if self._pipeline is not None and self.lightning_module.trainer.training:
+            batch = self._pipeline.begin_step()  # already on the device, its inputs checked and distributed
+        else:
+            batch = super().batch_to_device(batch, device, dataloader_idx)
+        self._input_checks.check_batch(batch)
+        self._transferring = False
         return batch
 
     @override
@@ -393,11 +391,13 @@ class RecShardStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one stops, or, if a collective failed because another rank stopped, say
         which rank and why (see :mod:`lightning_rec.faults`)."""
+        position = self._describe_position(0)
+        self._transferring = False
         if self._failures is None:
             return
-        position = self._describe_position(0)
         if not is_communication_error(exception):
-            where = f" at {position}" if position else ""
+            # The input checks' errors say where they happened themselves.
+            where = f" at {position}" if position and not isinstance(exception, (InputError, NonFiniteError)) else ""
             self._failures.publish(f"{type(exception).__name__}{where}: {exception}")
             return
         message = explain(

@@ -8,7 +8,9 @@ Variants (same model, data, plan, kernels and optimizer):
 * ``recshard``: ``L.Trainer(strategy=RecShardStrategy(...))``;
 * ``recshard_pipelined``: the same with ``RecShardStrategy(pipeline=True)``;
 * ``lightning_ddp``: what a Lightning user writes without this package: ``nn.EmbeddingBag`` tables and the same
-  optimizer under Lightning's default strategy (DDP with several processes).
+  optimizer under Lightning's default strategy (DDP with several processes);
+* ``recshard_unchecked`` (only with ``--variants``): ``recshard`` without its input checks (``bounds_check="warn"``,
+  ``nonfinite="ignore"``), to price them (``checked_vs_unchecked`` in the JSON line).
 
 Sizes: ``tiny`` (loop overhead), ``realistic`` (a step of tens of ms: 8 tables of 200k x 64, batch 4096),
 ``realistic_2proc`` (the same on 2 gloo processes) and ``large`` (8 tables of 1M x 64: tables dominate memory,
@@ -20,6 +22,7 @@ then prints a table and, last, one JSON line with the ratios (medians over repea
     python -m lightning_rec.bench --quick                 # < 5 minutes on 2 CPU cores, sizes tiny/realistic/2proc
     python -m lightning_rec.bench --sizes tiny,realistic,realistic_2proc,large --repeats 5
     python -m lightning_rec.bench --sizes realistic --batch-sizes 512,1024,2048,4096,8192 --plot bench.png
+    python -m lightning_rec.bench --sizes tiny,realistic --variants raw,recshard,recshard_unchecked --repeats 5
 """
 
 from lightning_rec.bench.runner import MALLOC_SETTINGS, check_identical, final_record, main, measure, plot_batch_sweep, run_variant

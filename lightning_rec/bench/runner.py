@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 from typing import Any, Dict, List, Optional
 
 from lightning_rec.bench.worker import _RESULT, _worker
-from lightning_rec.bench.workload import SIZES, VARIANTS, Size
+from lightning_rec.bench.workload import EXTRA_VARIANTS, SIZES, VARIANTS, Size
 
 
 def _free_port() -> int:
@@ -102,7 +102,7 @@ def measure(size: Size, variants: List[str], repeats: int, lr: float = 0.01, mal
             print(f"{size.name:16s} b{size.batch_size:<6d} rep {rep} {variant:18s} {records[0]['ms_per_step']:9.2f} ms/step "
                   f"{records[0]['page_faults_per_step']:8.0f} page faults/step",
                   flush=True)
-    for other in ("recshard", "recshard_pipelined"):
+    for other in ("recshard", "recshard_pipelined", "recshard_unchecked"):
         if "raw" in first and other in first:
             check_identical(first["raw"], first[other])
             print(f"{size.name}: raw and {other} trained identically (losses, plan, kernels)", flush=True)
@@ -131,6 +131,7 @@ def final_record(results: Results, repeats: int) -> Dict[str, Any]:
         "rss_recshard_vs_lightning_ddp": _ratio(results, big, "recshard", "lightning_ddp", "peak_rss_mb"),
         "tables_dominate_size": big,
         "raw_pipeline_vs_raw": _ratio(results, "realistic", "raw_pipeline", "raw"),
+        "checked_vs_unchecked": _ratio(results, "realistic", "recshard", "recshard_unchecked"),
         "repeats": repeats,
     }
 
@@ -154,7 +155,7 @@ def plot_batch_sweep(results: Results, path: str) -> None:
     FigureCanvasAgg(fig)
     for i, (name, per_variant) in enumerate(sorted(sweeps.items())):
         ax = fig.add_subplot(1, max(1, len(sweeps)), i + 1)
-        for variant in VARIANTS:
+        for variant in VARIANTS + EXTRA_VARIANTS:
             if variant in per_variant:
                 xs, ys = zip(*sorted(per_variant[variant]))
                 ax.plot(xs, ys, marker="o", label=variant)
@@ -191,9 +192,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         parser.error("--plot draws a batch-size sweep: give --batch-sizes too")
     repeats = args.repeats or (2 if args.quick else 3)
     variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS)) + sorted(set(args.sizes.split(",")) - set(SIZES))
+    unknown = sorted(set(variants) - set(VARIANTS + EXTRA_VARIANTS)) + sorted(set(args.sizes.split(",")) - set(SIZES))
     if unknown:
-        parser.error(f"unknown variant/size {unknown}; variants are {list(VARIANTS)}, sizes {list(SIZES)}")
+        parser.error(f"unknown variant/size {unknown}; variants are {list(VARIANTS + EXTRA_VARIANTS)}, sizes {list(SIZES)}")
     results: Results = {}
     for size_name in args.sizes.split(","):
         size = replace(SIZES[size_name], sharding=args.sharding)

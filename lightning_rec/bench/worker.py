@@ -94,7 +94,9 @@ def _lightning_module(size: Size, lr: float, plain_tables: bool):
     return Module()
 
 
-def _run_lightning(size: Size, lr: float, device, plain_tables: bool, pipeline: bool = False) -> Dict[str, Any]:
+def _run_lightning(
+    size: Size, lr: float, device, plain_tables: bool, pipeline: bool = False, checks: bool = True
+) -> Dict[str, Any]:
     import lightning as L
     import torch
 
@@ -115,7 +117,8 @@ def _run_lightning(size: Size, lr: float, device, plain_tables: bool, pipeline: 
         _pattern_init(module.model)
         strategy: Any = "ddp" if size.world_size > 1 else "auto"
     else:
-        strategy = RecShardStrategy(constraints=_constraints(size), plan_report=False, pipeline=pipeline)
+        unchecked = {} if checks else {"bounds_check": "warn", "nonfinite": "ignore"}
+        strategy = RecShardStrategy(constraints=_constraints(size), plan_report=False, pipeline=pipeline, **unchecked)
     trainer = L.Trainer(
         accelerator=device.type if device.type == "cpu" else "gpu", devices=size.world_size, strategy=strategy,
         max_steps=size.warmup + size.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -138,7 +141,10 @@ def _worker(variant: str, size: Size, lr: float) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         out = _run_raw(size, lr, device, pipelined=variant == "raw_pipeline")
     else:
-        out = _run_lightning(size, lr, device, plain_tables=variant == "lightning_ddp", pipeline=variant == "recshard_pipelined")
+        out = _run_lightning(
+            size, lr, device, plain_tables=variant == "lightning_ddp", pipeline=variant == "recshard_pipelined",
+            checks=variant != "recshard_unchecked",
+        )
     timed = out["stamps"][size.warmup - 1:]
     steps = [b[0] - a[0] for a, b in zip(timed, timed[1:])]
     faults = (timed[-1][1] - timed[0][1]) / max(1, len(timed) - 1)
