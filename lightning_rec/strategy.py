@@ -101,9 +101,9 @@ class RecShardStrategy(ParallelStrategy):
             ``{"stochastic_rounding": False}``).
         bounds_check: what to do with ids outside a table: ``"error"`` (default: an :class:`~lightning_rec.inputs.InputError`
             naming the feature, table, id and table size, raised before anything is updated), ``"warn"`` (TorchRec's
-            default: warn and read row 0 instead), ``"ignore"`` (silently read row 0) or ``"none"`` (no check: undefined
-            on bad ids). The structure of every ``KeyedJaggedTensor`` (features, lengths, dtypes) is checked in every
-            mode; see :mod:`lightning_rec.inputs`.
+            default: warn and read row 0 instead), ``"ignore"`` (silently read row 0) or ``"none"`` (no check at all,
+            not even of the features, lengths and dtypes that the other modes check: undefined on bad input; for
+            benchmarks). See :mod:`lightning_rec.inputs`.
         nonfinite: NaN or infinity in a dense input or in the loss: ``"error"`` (default: a
             :class:`~lightning_rec.inputs.NonFiniteError` naming the step, before the backward pass could write it
             into the tables), ``"warn"`` or ``"ignore"``.
@@ -178,7 +178,8 @@ class RecShardStrategy(ParallelStrategy):
         )
         self.fused_params = {**bounds_check_params(bounds_check), **dict(fused_params or {})}
         self._input_checks = InputChecks(
-            check_ids=bounds_check == "error", nonfinite=nonfinite, position=self._describe_position
+            check_ids=bounds_check == "error", nonfinite=nonfinite, position=self._describe_position,
+            check_structure=bounds_check != "none",
         )
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
@@ -221,6 +222,11 @@ class RecShardStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
+
+    @property
+    def timeout(self) -> Optional[timedelta]:
+        """How long a collective waits for the other ranks (see the ``timeout`` argument)."""
+        return self._timeout
 
     @property
     @override

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from datetime import timedelta
 import subprocess
 import sys
 from pathlib import Path
@@ -57,12 +58,15 @@ def test_strategy_arguments_and_constraints_from_flags(tmp_path: Path) -> None:
         f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3", "--trainer.enable_checkpointing=false",
         "--trainer.strategy=lightning_rec.RecShardStrategy",
         '--trainer.strategy.constraints={"t_user": {"sharding_types": ["table_wise"]}}',
-        "--trainer.strategy.bounds_check=error", "--data.init_args.train_rows=2048", "--data.init_args.val_rows=512",
+        "--trainer.strategy.bounds_check=warn", "--trainer.strategy.nonfinite=ignore", "--trainer.strategy.timeout=90",
+        "--data.init_args.train_rows=2048", "--data.init_args.val_rows=512",
     ])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, RecShardStrategy)
     assert strategy.constraints["t_user"].sharding_types == ["table_wise"]
-    assert strategy.fused_params["bounds_check_mode"].name == "FATAL"
+    assert strategy.fused_params["bounds_check_mode"].name == "WARNING"
+    assert strategy.timeout == timedelta(seconds=90)
+    assert strategy._input_checks.nonfinite == "ignore" and not strategy._input_checks.check_ids
     assert strategy.sharding_plan.get_plan_for_module("model.sparse_arch.embedding_bag_collection")["t_user"].sharding_type == "table_wise"
 
 

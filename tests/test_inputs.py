@@ -186,3 +186,26 @@ def test_nonfinite_policies():
     InputChecks(True, "ignore", position=lambda ahead: "").check_loss(torch.tensor(math.nan))
     with pytest.raises(ValueError, match="nonfinite must be"):
         InputChecks(True, "skip", position=lambda ahead: "")  # type: ignore[arg-type]
+
+
+def test_bounds_check_none_takes_the_checks_away_and_error_puts_them_back():
+    """One sharded module, trainers with different settings: `install` wraps `input_dist` once and unwraps it."""
+    from torch import nn
+
+    class Sharded(nn.Module):
+        def input_dist(self, ctx, features):
+            return features
+
+    root = nn.Module()
+    root.ebc = Sharded()
+    bad = KeyedJaggedTensor(keys=["user", "genre"], values=torch.tensor([1, 50]), lengths=torch.tensor([1, 1]))
+    checks = {mode: InputChecks(mode == "error", "error", lambda ahead: "", check_structure=mode != "none") for mode in ("error", "none")}
+    checks["error"].install(root, {"ebc": SPEC})
+    checks["error"].install(root, {"ebc": SPEC})  # idempotent: one wrapper, not two
+    with pytest.raises(InputError, match="feature 'genre'"):
+        root.ebc.input_dist(None, bad)
+    checks["none"].install(root, {"ebc": SPEC})
+    assert "input_dist" not in vars(root.ebc) and root.ebc.input_dist(None, bad) is bad
+    checks["error"].install(root, {"ebc": SPEC})
+    with pytest.raises(InputError):
+        root.ebc.input_dist(None, bad)

@@ -9,7 +9,7 @@ Variants (same model, data, plan, kernels and optimizer):
 * ``recshard_pipelined``: the same with ``RecShardStrategy(pipeline=True)``;
 * ``lightning_ddp``: what a Lightning user writes without this package: ``nn.EmbeddingBag`` tables and the same
   optimizer under Lightning's default strategy (DDP with several processes);
-* ``recshard_unchecked`` (only with ``--variants``): ``recshard`` without its input checks (``bounds_check="warn"``,
+* ``recshard_unchecked`` (only with ``--variants``): ``recshard`` without any input check (``bounds_check="none"``,
   ``nonfinite="ignore"``), to price them (``checked_vs_unchecked`` in the JSON line).
 
 Sizes: ``tiny`` (loop overhead), ``realistic`` (a step of tens of ms: 8 tables of 200k x 64, batch 4096),

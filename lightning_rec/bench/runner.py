@@ -132,6 +132,7 @@ def final_record(results: Results, repeats: int) -> Dict[str, Any]:
         "tables_dominate_size": big,
         "raw_pipeline_vs_raw": _ratio(results, "realistic", "raw_pipeline", "raw"),
         "checked_vs_unchecked": _ratio(results, "realistic", "recshard", "recshard_unchecked"),
+        "checked_vs_unchecked_tiny": _ratio(results, "tiny", "recshard", "recshard_unchecked"),
         "repeats": repeats,
     }
 

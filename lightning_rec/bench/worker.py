@@ -117,7 +117,7 @@ def _run_lightning(
         _pattern_init(module.model)
         strategy: Any = "ddp" if size.world_size > 1 else "auto"
     else:
-        unchecked = {} if checks else {"bounds_check": "warn", "nonfinite": "ignore"}
+        unchecked = {} if checks else {"bounds_check": "none", "nonfinite": "ignore"}
         strategy = RecShardStrategy(constraints=_constraints(size), plan_report=False, pipeline=pipeline, **unchecked)
     trainer = L.Trainer(
         accelerator=device.type if device.type == "cpu" else "gpu", devices=size.world_size, strategy=strategy,

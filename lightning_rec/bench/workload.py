@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Dict
 
 VARIANTS = ("raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp")
-# Measured only when asked for (``--variants``): recshard without its input checks (bounds_check="warn",
-# nonfinite="ignore", the behaviour before they existed), to price them.
+# Measured only when asked for (``--variants``): recshard without any input check (bounds_check="none",
+# nonfinite="ignore"), to price them.
 EXTRA_VARIANTS = ("recshard_unchecked",)
 
 
