@@ -1,0 +1,98 @@
+"""What recshard's input checks cost per step, against the training step they protect, in one process.
+
+The bench's A/B of whole runs (``python -m lightning_rec.bench --variants raw,recshard,recshard_unchecked``) has
+run-to-run noise of +-10% on this machine, far above the checks' cost; here both are timed in the same process,
+interleaved step by step on the same batches: a hand-written TorchRec step (DMP forward, backward, fused update,
+dense update) of the bench's model, and the checks recshard runs for it (the KJT at the EBC's door with id ranges,
+the batch's dense tensors, the loss).
+
+    .venv/bin/python benchmarks/input_checks.py --sizes tiny,realistic
+
+Prints one line per size and a JSON line with the medians and the ratio checks / step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def measure(size_name: str, steps: int) -> dict:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from lightning_rec.bench.workload import SIZES, _BenchModel, _batches, _constraints, _pattern_init
+    from lightning_rec.inputs import InputChecks, input_specs
+
+    size = SIZES[size_name]
+    model = _BenchModel.build(size)
+    specs = input_specs(model, [type(model.tables)])
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01})
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device="cpu", local_world_size=1),
+        constraints={t: ParameterConstraints(**c) for t, c in _constraints(size).items()},
+    )
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=planner.plan(model, [sharder]), sharders=[sharder])
+    _pattern_init(dmp.module)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=0.01))
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead: "")
+    from lightning_rec.inputs import check_features
+
+    spec = specs["tables"]
+    step_s, check_s = [], []
+    for i, batch in enumerate(_batches(size, 0, size.warmup + steps)):
+        t0 = time.perf_counter()
+        check_features(batch.sparse_features, spec, check_ids=True, where=checks.where)
+        checks.check_batch(batch)
+        t1 = time.perf_counter()
+        optimizer.zero_grad()
+        loss, _ = dmp(batch)
+        t2 = time.perf_counter()
+        checks.check_loss(loss)
+        t3 = time.perf_counter()
+        loss.backward()
+        optimizer.step()
+        t4 = time.perf_counter()
+        if i >= size.warmup:
+            check_s.append((t1 - t0) + (t3 - t2))
+            step_s.append((t2 - t1) + (t4 - t3))
+    step, check = statistics.median(step_s), statistics.median(check_s)
+    return {"size": size_name, "ids_per_step": size.tables * size.batch_size * size.pooling,
+            "step_ms": round(1000 * step, 3), "checks_ms": round(1000 * check, 4), "checks_vs_step": round(check / step, 5)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="tiny,realistic")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    out = []
+    for name in args.sizes.split(","):
+        from lightning_rec.bench.workload import SIZES
+
+        steps = args.steps if SIZES[name].batch_size < 1024 else max(20, args.steps // 10)
+        r = measure(name, steps)
+        out.append(r)
+        print(f"{name:10s} step {r['step_ms']:8.2f} ms  checks {r['checks_ms']:7.3f} ms  = {100 * r['checks_vs_step']:.2f}% "
+              f"of the step ({r['ids_per_step']} ids)", flush=True)
+    print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
