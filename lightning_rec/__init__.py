@@ -11,6 +11,7 @@ Example::
 
 from lightning_rec import _compat
 from lightning_rec.batch import Batch, RowCollator, collate_rows
+from lightning_rec.inputs import InputError, NonFiniteError
 from lightning_rec.module import RecLightningModule
 from lightning_rec.optim import EmbeddingOptimizer, RecOptimizer
 from lightning_rec.sharding import TableConstraints, TopologyConfig
@@ -21,6 +22,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch",
     "EmbeddingOptimizer",
+    "InputError",
+    "NonFiniteError",
     "RecLightningModule",
     "RecOptimizer",
     "RecShardStrategy",
