@@ -395,7 +395,8 @@ class InputChecks:
     Example::
 
         checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead: f"step {ahead}")
-        checks.install(dmp, {"ebc": ModuleInputs.of("ebc", model.ebc)})   # before the first batch
+        specs = input_specs(model, [EmbeddingBagCollection])            # before sharding
+        checks.install(dmp.module, specs)                               # after: the sharded modules' doors
         checks.check_batch(batch)            # dense inputs, before the forward
         checks.check_loss(loss)              # before the backward
     """

@@ -10,8 +10,11 @@ are split across ranks:
 3. ``setup``: materialises the dense layers, builds the user's optimizers, derives the fused embedding
    optimizer from them, plans the sharding on rank 0 (TorchRec's planner, broadcast), wraps the module in
    ``DistributedModelParallel`` (tables sharded in place, dense part data-parallel) and combines fused and
-   dense optimizers into one :class:`~lightning_rec.optim.RecOptimizer`.
-4. ``teardown``: leaves the sharded module where it is, so later ``validate``/``test``/``predict`` calls reuse
+   dense optimizers into one :class:`~lightning_rec.optim.RecOptimizer`; puts the input checks of
+   :mod:`lightning_rec.inputs` in front of every sharded module.
+4. ``on_exception``: tells the other ranks why this one failed, or explains a failed collective
+   (:mod:`lightning_rec.faults`).
+5. ``teardown``: leaves the sharded module where it is, so later ``validate``/``test``/``predict`` calls reuse
    it.
 
 The mechanics live in :mod:`lightning_rec.sharding`, :mod:`lightning_rec.dmp`, :mod:`lightning_rec.optim`,

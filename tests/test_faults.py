@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from lightning_rec.faults import FailureBoard, describe_position, explain, is_communication_error

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 from lightning_rec.checkpoint import is_checkpoint
 from tests.helpers.dist import REPO, launch, run_ranks
