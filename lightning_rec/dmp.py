@@ -16,7 +16,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
 from lightning_rec import _compat
-from lightning_rec.inputs import ModuleInputs
+from lightning_rec.kjt_check import ModuleInputs
 from lightning_rec.optim import EmbeddingOptimizer, is_fused_parameter
 from lightning_rec.plan_report import PlanReport
 from lightning_rec.sharding import embedding_modules

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec.inputs import InputChecks, InputError
+from lightning_rec.inputs import InputChecks
+from lightning_rec.kjt_check import InputError
 
 
 class _NoStepOptimizer(torch.optim.Optimizer):

@@ -1,0 +1,313 @@
+"""Checks of one ``KeyedJaggedTensor`` against the embedding module it feeds: features, lengths, dtypes, weights
+and id ranges, with errors that name the module, feature, table and offending value.
+
+:class:`~lightning_rec.inputs.InputChecks` runs :func:`check_features` at every sharded module's door; it is a plain
+function of a KJT and a :class:`ModuleInputs`, usable on its own (e.g. to validate a data pipeline offline).
+
+Example::
+
+    specs = input_specs(model, [EmbeddingBagCollection])          # {"ebc": ModuleInputs(...)}
+    kjt = check_features(batch.sparse_features, specs["ebc"])     # raises InputError, or returns it in order
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = ["InputError", "ModuleInputs", "check_features", "input_specs"]
+
+_ID_DTYPES = (torch.int32, torch.int64)
+_HINT_IDS = (
+    "HINT: hash or bucketize raw ids into [0, num_embeddings) in the data pipeline (e.g. `id % num_embeddings`), "
+    "or enlarge the table; `RecShardStrategy(bounds_check='warn')` restores TorchRec's default (bad ids read row 0)."
+)
+
+class InputError(ValueError):
+    """A batch the embedding tables cannot take. The message names the module, feature, table, offending value
+    and what was expected, and where in training it happened; nothing was updated with the batch."""
+
+@dataclass(frozen=True)
+class ModuleInputs:
+    """What one sharded embedding module expects of its ``KeyedJaggedTensor``.
+
+    Args:
+        path: the module's path in the LightningModule (for messages), e.g. ``"sparse_arch.ebc"``.
+        features: its feature names, in the order of its table configs (the order it is given in).
+        tables: per feature, the table name and its number of rows.
+        weighted: whether its tables pool with per-id weights (``is_weighted``), so the KJT must carry them.
+
+    Example::
+
+        >>> from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+        >>> ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        ...     name="t_user", embedding_dim=4, num_embeddings=10, feature_names=["user"])], device=torch.device("meta"))
+        >>> ModuleInputs.of("ebc", ebc).tables
+        {'user': ('t_user', 10)}
+    """
+
+    path: str
+    features: Tuple[str, ...]
+    tables: Mapping[str, Tuple[str, int]]
+    weighted: bool = False
+
+    @classmethod
+    def of(cls, path: str, module: nn.Module) -> Optional["ModuleInputs"]:
+        """The inputs of an ``EmbeddingBagCollection``/``EmbeddingCollection`` (``None`` for other modules,
+        e.g. a custom sharder's, whose inputs this package does not know)."""
+        if isinstance(module, EmbeddingBagCollection):
+            configs, weighted = module.embedding_bag_configs(), bool(module.is_weighted())
+        elif isinstance(module, EmbeddingCollection):
+            configs, weighted = module.embedding_configs(), False
+        else:
+            return None
+        tables: Dict[str, Tuple[str, int]] = {}
+        for config in configs:
+            for feature in config.feature_names:
+                tables.setdefault(feature, (config.name, int(config.num_embeddings)))
+        return cls(path=path, features=tuple(tables), tables=tables, weighted=weighted)
+
+    def describe(self, feature: str) -> str:
+        """``"feature 'user' (table 't_user', 60 rows)"``, for messages."""
+        table, rows = self.tables[feature]
+        return f"feature {feature!r} (table {table!r}, {rows} rows)"
+
+
+def input_specs(module: nn.Module, module_types: Sequence[type]) -> Dict[str, ModuleInputs]:
+    """:class:`ModuleInputs` of every embedding module of ``module`` that will be sharded, by module path (read
+    before sharding: the sharded modules keep their table configs private)."""
+    from lightning_rec.sharding import embedding_modules
+
+    specs = {path: ModuleInputs.of(path, m) for path, m in embedding_modules(module, module_types).items()}
+    return {path: spec for path, spec in specs.items() if spec is not None}
+
+
+def check_features(
+    kjt: Any, spec: ModuleInputs, *, check_ids: bool = True, where: Union[str, Callable[[], str]] = ""
+) -> KeyedJaggedTensor:
+    """Check a ``KeyedJaggedTensor`` against what ``spec``'s module expects; return it in the module's feature order.
+
+    Checked, in this order, each failure an :class:`InputError`: it is a KJT; its keys are unique and are
+    exactly the module's features (none missing, none unknown); values are 1-D ``int32``/``int64`` ids; lengths
+    (or offsets) are 1-D integers, one per sample and feature, non-negative, adding up to the number of values;
+    the batch has at least one sample; a weighted module's weights are floating, one per id and finite (an
+    unweighted module gets none); with ``check_ids``, every id lies in ``[0, num_embeddings)`` of its feature's
+    table. Features in another order than the module's are put in its order (TorchRec would otherwise pair them
+    with the wrong tables). On CUDA the checks cost a few host synchronisations per module and step.
+
+    Args:
+        kjt: what the module was given.
+        spec: the module's expected inputs.
+        check_ids: check the id ranges (``bounds_check="error"``).
+        where: where in training this is, for the message (e.g. ``"training step 12 (epoch 0, batch 12)"``), or a
+            function computing it (called on failure only).
+
+    Returns:
+        ``kjt``, or a permuted copy in the module's feature order.
+
+    Example::
+
+        >>> kjt = KeyedJaggedTensor.from_lengths_sync(["user"], torch.tensor([3, 12]), torch.tensor([1, 1]))
+        >>> spec = ModuleInputs("ebc", ("user",), {"user": ("t_user", 10)})
+        >>> check_features(kjt, spec)
+        Traceback (most recent call last):
+        ...
+        lightning_rec.kjt_check.InputError: module 'ebc': feature 'user' (table 't_user', 10 rows) has 1 id(s) outside [0, 10): 12 (sample 1). ...
+    """
+    def fail(message: str) -> InputError:
+        position = where() if callable(where) else where
+        return InputError(f"{position + ': ' if position else ''}module {spec.path!r}: {message}")
+
+    if not isinstance(kjt, KeyedJaggedTensor):
+        raise fail(f"expected a KeyedJaggedTensor of features {list(spec.features)}, got {type(kjt).__name__}.")
+    keys = list(kjt.keys())
+    _check_keys(keys, spec, fail)
+    values = _tensor(kjt.values(), "values", fail)
+    if values.dim() != 1 or values.dtype not in _ID_DTYPES:
+        raise fail(f"values must be a 1-D tensor of int32/int64 ids, got a {values.dim()}-D {values.dtype} tensor.")
+    lengths = _lengths(kjt, values, fail)
+    per_key = _samples_per_key(kjt, keys, lengths, fail)
+    if sum(per_key) == 0:
+        raise fail(
+            "the batch has no samples (stride 0). HINT: drop empty batches in the data pipeline "
+            "(e.g. `DataLoader(..., drop_last=True)`) or skip them before they reach the model."
+        )
+    smallest, ids_per_key, id_range = _summary(lengths, per_key, values)
+    if smallest < 0:
+        i = int(torch.argmin(lengths))
+        raise fail(f"lengths must be >= 0, got {int(lengths[i])} at position {i} ({_sample(keys, per_key, i)}).")
+    total = sum(ids_per_key)
+    if total != values.numel():
+        raise fail(
+            f"the lengths add up to {total} ids but there are {values.numel()} values. "
+            "HINT: build the KJT with `KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)`, lengths laid out "
+            "feature-major (all samples of the first feature, then the next)."
+        )
+    _check_weights(kjt.weights_or_none(), values, spec.weighted, fail)
+    if check_ids and id_range is not None:
+        _check_id_ranges(values, keys, ids_per_key, id_range, lengths, per_key, spec, fail)
+    if keys != list(spec.features):
+        kjt = kjt.permute([keys.index(f) for f in spec.features])
+    return kjt
+
+
+def _check_keys(keys: List[str], spec: ModuleInputs, fail: Callable[[str], InputError]) -> None:
+    duplicated = sorted({k for k in keys if keys.count(k) > 1})
+    missing = [f for f in spec.features if f not in keys]
+    unknown = [k for k in dict.fromkeys(keys) if k not in spec.tables]
+    problems = []
+    if missing:
+        problems.append(f"lacks feature(s) {missing} (" + ", ".join(f"table {spec.tables[f][0]!r}" for f in missing) + ")")
+    if unknown:
+        problems.append(f"has feature(s) {unknown} that no table of this module reads")
+    if duplicated:
+        problems.append(f"has duplicated feature(s) {duplicated}")
+    if problems:
+        raise fail(
+            f"the KeyedJaggedTensor {' and '.join(problems)}; it has {keys}, the module expects {list(spec.features)}. "
+            "HINT: give each embedding module exactly its own features (e.g. `kjt.split([...])`, or "
+            "`KeyedJaggedTensor.from_lengths_sync(keys=[...], ...)` with the module's feature names)."
+        )
+
+
+def _tensor(value: Any, name: str, fail: Callable[[str], InputError]) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise fail(f"{name} must be a tensor, got {type(value).__name__}.")
+    return value
+
+
+def _lengths(kjt: KeyedJaggedTensor, values: torch.Tensor, fail: Callable[[str], InputError]) -> torch.Tensor:
+    """The lengths, from offsets when only those were given, checked for shape and dtype."""
+    lengths, offsets = kjt.lengths_or_none(), kjt.offsets_or_none()
+    for name, t in (("lengths", lengths), ("offsets", offsets)):
+        if t is not None:
+            _tensor(t, name, fail)
+            if t.dim() != 1 or t.dtype not in _ID_DTYPES:
+                raise fail(f"{name} must be a 1-D int32/int64 tensor, got a {t.dim()}-D {t.dtype} tensor.")
+    if offsets is not None:
+        if offsets.numel() == 0 or int(offsets[0]) != 0 or int(offsets[-1]) != values.numel():
+            first = int(offsets[0]) if offsets.numel() else None
+            last = int(offsets[-1]) if offsets.numel() else None
+            raise fail(
+                f"offsets must start at 0 and end at the number of values ({values.numel()}), got first={first}, "
+                f"last={last}."
+            )
+        from_offsets = offsets[1:] - offsets[:-1]
+        if lengths is None:
+            return from_offsets
+        if lengths.numel() != from_offsets.numel() or not torch.equal(lengths.to(from_offsets.dtype), from_offsets):
+            raise fail("lengths and offsets disagree (offsets must be the running sum of lengths, starting at 0).")
+    if lengths is None:
+        raise fail("the KeyedJaggedTensor has neither lengths nor offsets.")
+    return lengths
+
+
+def _samples_per_key(
+    kjt: KeyedJaggedTensor, keys: List[str], lengths: torch.Tensor, fail: Callable[[str], InputError]
+) -> List[int]:
+    """Samples (lengths entries) of each feature: the batch size, or per feature for variable batch sizes."""
+    if kjt.variable_stride_per_key():
+        per_key = [int(s) for s in kjt.stride_per_key()]
+        if sum(per_key) != lengths.numel():
+            raise fail(f"there are {lengths.numel()} lengths but the per-feature batch sizes {per_key} add up to {sum(per_key)}.")
+        return per_key
+    n = lengths.numel()
+    if n % len(keys):
+        raise fail(
+            f"there are {n} lengths for {len(keys)} features: not one per sample and feature "
+            f"({n} is not a multiple of {len(keys)})."
+        )
+    stride = n // len(keys)
+    declared = kjt.stride()
+    if declared != stride:
+        raise fail(f"the batch size (stride) is {declared} but the lengths hold {stride} samples per feature.")
+    return [stride] * len(keys)
+
+
+def _summary(
+    lengths: torch.Tensor, per_key: List[int], values: torch.Tensor
+) -> Tuple[int, List[int], Optional[Tuple[int, int]]]:
+    """The smallest length, the ids of each feature and the smallest and largest id, fetched in one host sync
+    (every sync and every small op counts: the checks run at every step)."""
+    parts = [lengths.min().long().view(1) if lengths.numel() else lengths.new_zeros(1, dtype=torch.long)]
+    if len(set(per_key)) == 1:
+        parts.append(lengths.view(len(per_key), -1).sum(1).long())
+    else:
+        parts += [part.sum().long().view(1) for part in torch.split(lengths, per_key)]
+    if values.numel():
+        parts.append(torch.stack(torch.aminmax(values)).long())
+    out = torch.cat(parts).tolist()
+    n = len(per_key)
+    return out[0], out[1 : 1 + n], (out[1 + n], out[2 + n]) if values.numel() else None
+
+
+def _sample(keys: List[str], per_key: List[int], position: int) -> str:
+    """``"feature 'x', sample 3"`` for a position in the lengths."""
+    for key, n in zip(keys, per_key):
+        if position < n:
+            return f"feature {key!r}, sample {position}"
+        position -= n
+    return f"position {position}"
+
+
+def _check_weights(
+    weights: Optional[torch.Tensor], values: torch.Tensor, weighted: bool, fail: Callable[[str], InputError]
+) -> None:
+    """A weighted module needs one finite weight per id. An unweighted one must get none: sharded TorchRec would
+    apply them (the unsharded module ignores them), silently training something else than the model says."""
+    if weights is None:
+        if weighted:
+            raise fail("its tables are weighted (is_weighted=True) but the KeyedJaggedTensor carries no weights.")
+        return
+    if not weighted:
+        raise fail(
+            "the KeyedJaggedTensor carries per-id weights but the module's tables are unweighted (is_weighted=False); "
+            "sharded TorchRec would pool with them, unsharded TorchRec ignores them. HINT: build the KJT without "
+            "`weights`, or make the module weighted (e.g. `EmbeddingBagCollection(..., is_weighted=True)`)."
+        )
+    _tensor(weights, "weights", fail)
+    if not weights.is_floating_point() or weights.shape != values.shape:
+        raise fail(
+            f"weights must be a floating tensor with one weight per id ({values.numel()}), got {weights.dtype} "
+            f"of shape {tuple(weights.shape)}."
+        )
+    if not bool(torch.isfinite(weights).all()):
+        i = int((~torch.isfinite(weights)).nonzero()[0])
+        raise fail(f"weights must be finite, got {float(weights[i])} at position {i}.")
+
+
+def _check_id_ranges(
+    values: torch.Tensor, keys: List[str], ids_per_key: List[int], id_range: Tuple[int, int], lengths: torch.Tensor,
+    per_key: List[int], spec: ModuleInputs, fail: Callable[[str], InputError],
+) -> None:
+    # Fast path: every id fits the smallest of these tables (``id_range``: the smallest and largest id).
+    if id_range[0] >= 0 and id_range[1] < min(spec.tables[key][1] for key in keys):
+        return
+    # One min/max per feature, fetched at once (0.1 ms for 130k ids on one CPU core; one host sync on CUDA); the
+    # details are computed on failure only.
+    present = [(key, ids) for key, ids in zip(keys, torch.split(values, ids_per_key)) if ids.numel()]
+    if not present:
+        return
+    bounds = torch.stack([torch.stack(torch.aminmax(ids)) for _, ids in present]).tolist()
+    for (key, ids), (low, high) in zip(present, bounds):
+        rows = spec.tables[key][1]
+        if low >= 0 and high < rows:
+            continue
+        bad = ((ids < 0) | (ids >= rows)).nonzero().flatten()
+        first = int(bad[0])
+        sample = _sample_of_id(lengths, per_key, keys.index(key), first)
+        raise fail(
+            f"{spec.describe(key)} has {bad.numel()} id(s) outside [0, {rows}): {int(ids[first])} (sample {sample})"
+            f"{'' if bad.numel() == 1 else f', min {low}, max {high}'}. {_HINT_IDS}"
+        )
+
+
+def _sample_of_id(lengths: torch.Tensor, per_key: List[int], key_index: int, id_index: int) -> int:
+    start = sum(per_key[:key_index])
+    ends = torch.cumsum(lengths[start : start + per_key[key_index]], 0)
+    return int(torch.searchsorted(ends, torch.tensor(id_index, dtype=ends.dtype), right=True))
