@@ -32,7 +32,7 @@ def measure(size_name: str, steps: int) -> dict:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from lightning_rec.bench.workload import SIZES, _BenchModel, _batches, _constraints, _pattern_init
-    from lightning_rec.inputs import InputChecks, input_specs
+    from lightning_rec.inputs import InputChecks, check_features, input_specs
 
     size = SIZES[size_name]
     model = _BenchModel.build(size)
@@ -47,8 +47,6 @@ def measure(size_name: str, steps: int) -> dict:
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=0.01))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead: "")
-    from lightning_rec.inputs import check_features
-
     spec = specs["tables"]
     step_s, check_s = [], []
     for i, batch in enumerate(_batches(size, 0, size.warmup + steps)):

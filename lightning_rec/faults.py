@@ -25,6 +25,8 @@ from typing import Any, Optional, Tuple
 import torch.distributed as dist
 
 from lightning_rec import _compat
+from lightning_rec.inputs import NonFiniteError
+from lightning_rec.kjt_check import InputError
 
 __all__ = ["FailureBoard", "describe_position", "explain", "is_communication_error"]
 
@@ -103,6 +105,23 @@ class FailureBoard:
             self._store.compare_set("first", "", str(self.rank))
         except Exception:  # noqa: BLE001 - the store may be gone with rank 0; the error itself still propagates
             log.debug("could not publish a failure", exc_info=True)
+
+    def handle(
+        self, exception: BaseException, position: str, world_size: int, timeout: Optional[timedelta],
+        owner: str = "RecShardStrategy",
+    ) -> None:
+        """What a rank does with the exception that stops it: publish it if it is its own, or, if a collective failed
+        (a consequence of another rank's failure), log :func:`explain`'s message and attach it to the exception."""
+        if not is_communication_error(exception):
+            # The input checks' errors say where they happened themselves.
+            named = isinstance(exception, (InputError, NonFiniteError))
+            where = f" at {position}" if position and not named else ""
+            self.publish(f"{type(exception).__name__}{where}: {exception}")
+            return
+        message = explain(self.rank, world_size, position, self.first(), timeout, owner)
+        log.error(message)
+        if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the transport error's own message
+            exception.add_note(message)
 
     def first(self) -> Optional[Tuple[int, str]]:
         """``(rank, message)`` of the first rank that published an error, or ``None``. Never blocks, never raises."""

@@ -121,6 +121,10 @@ class TopologyConfig:
     local_world_size: Optional[int] = None
     batch_size: Optional[int] = None
 
+    def ranks_per_host(self, launched: int) -> int:
+        """The planner's local world size: this override, else ``launched`` (ranks per host as started)."""
+        return self.local_world_size or launched
+
 
 def embedding_tables(module: nn.Module, module_types: Sequence[Type[nn.Module]]) -> Dict[str, BaseEmbeddingConfig]:
     """Every table of every shardable embedding module in ``module``, by table name.
@@ -221,7 +225,7 @@ def make_planner(
             node); ``topology.local_world_size`` overrides it; default: all ranks on one host.
     """
     topo = topology or TopologyConfig()
-    local_world_size = topo.local_world_size or local_world_size or world_size
+    local_world_size = topo.ranks_per_host(local_world_size or world_size)
     planner_topology = TopologyFactory.create_topology(
         TrainerConfig(
             world_size=world_size,

@@ -23,7 +23,6 @@ The mechanics live in :mod:`lightning_rec.sharding`, :mod:`lightning_rec.dmp`, :
 
 from __future__ import annotations
 
-import logging
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -58,8 +57,8 @@ from lightning_rec.dmp import (
     sharded_state,
     unfused_table_parameters,
 )
-from lightning_rec.faults import FailureBoard, describe_position, explain, is_communication_error
-from lightning_rec.inputs import InputChecks, InputError, NonFiniteError, NonFinitePolicy, input_specs
+from lightning_rec.faults import FailureBoard, describe_position
+from lightning_rec.inputs import InputChecks, NonFinitePolicy, input_specs
 from lightning_rec.optim import (
     EmbeddingOptimizer,
     RecOptimizer,
@@ -79,8 +78,6 @@ from lightning_rec.sharding import (
     validate_constraints,
 )
 
-
-_log = logging.getLogger(__name__)
 
 # How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -402,19 +399,8 @@ class RecShardStrategy(ParallelStrategy):
         which rank and why (see :mod:`lightning_rec.faults`)."""
         position = self._describe_position(0)
         self._transferring = False
-        if self._failures is None:
-            return
-        if not is_communication_error(exception):
-            # The input checks' errors say where they happened themselves.
-            where = f" at {position}" if position and not isinstance(exception, (InputError, NonFiniteError)) else ""
-            self._failures.publish(f"{type(exception).__name__}{where}: {exception}")
-            return
-        message = explain(
-            self.global_rank, self.world_size, position, self._failures.first(), self._timeout, type(self).__name__
-        )
-        _log.error(message)
-        if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the transport error's own message
-            exception.add_note(message)
+        if self._failures is not None:
+            self._failures.handle(exception, position, self.world_size, self._timeout, type(self).__name__)
 
     @override
     def teardown(self) -> None:
@@ -580,7 +566,7 @@ class RecShardStrategy(ParallelStrategy):
         sharders = self._sharders(emb_opt)
         pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
         plan, options = self._plan, None
-        local_world_size = (self.topology.local_world_size if self.topology else None) or self.num_processes
+        local_world_size = (self.topology or TopologyConfig()).ranks_per_host(self.num_processes)
         if plan is None:
             plan, options = plan_module(
                 module, self._module_types(), sharders, self.constraints, self.topology, self.world_size,

@@ -148,3 +148,14 @@ def test_positions_follow_lightning_progress():
     assert describe_position(trainer) == "predict batch 4"
     trainer.state.stage, trainer.training = RunningStage.TRAINING, True
     assert describe_position(trainer, transferring=True) == "training step 12 (epoch 1, batch 5)"
+
+
+def test_a_rank_publishes_its_own_error_and_explains_a_consequence():
+    store = torch.distributed.HashStore()
+    failing, waiting = FailureBoard(store, "run", rank=1), FailureBoard(store, "run", rank=0)
+    failing.handle(RuntimeError("boom"), "training step 4 (epoch 0, batch 4)", 2, None)
+    assert waiting.first() == (1, "RuntimeError at training step 4 (epoch 0, batch 4): boom")
+    consequence = RuntimeError("[/gloo/transport/tcp/pair.cc:1] Connection closed by peer")
+    waiting.handle(consequence, "training step 4 (epoch 0, batch 4)", 2, None)
+    assert "rank 1 failed first: RuntimeError at training step 4" in consequence.__notes__[0]
+    assert waiting.first() == (1, "RuntimeError at training step 4 (epoch 0, batch 4): boom"), "consequences are not published"
