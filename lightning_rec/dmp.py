@@ -20,6 +20,7 @@ from lightning_rec.kjt_check import ModuleInputs
 from lightning_rec.optim import EmbeddingOptimizer, is_fused_parameter
 from lightning_rec.plan_report import PlanReport
 from lightning_rec.sharding import embedding_modules
+from lightning_rec.unsharded import capture_weights, output_orders, restore_output_order, restore_weights
 
 _SHARDED_STATE_ATTR = "_lightning_rec_sharded"
 
@@ -84,33 +85,96 @@ def table_parameters(module: nn.Module, plan: ShardingPlan) -> List[Tuple[str, n
 
 @torch.no_grad()
 def materialize_dense(module: nn.Module, device: torch.device, skip: Sequence[nn.Module]) -> None:
-    """Allocate dense parameters still on ``meta`` and move all dense tensors to ``device``.
+    """Allocate dense parameters and buffers still on ``meta``, initialise them, and move all dense tensors to
+    ``device``.
 
     Embedding modules (``skip``) are left alone: DMP allocates only the local shards of their tables. Doing
     this before ``configure_optimizers`` keeps parameter identities stable through sharding, so the user's
     optimizer keeps pointing at the parameters that are trained.
+
+    A tensor on ``meta`` holds no values, so it can only be initialised by its module's ``reset_parameters()``
+    (or ``_reset_parameters()``, as ``nn.MultiheadAttention`` names it). Each one is allocated filled with a
+    sentinel, the module's reset runs, and any tensor the reset did not write (a module without a reset, a
+    ``torch.randn`` parameter the reset does not know, a buffer computed in ``__init__``) is refused: training on
+    uninitialised memory would run on silently.
+
+    Raises:
+        ValueError: naming every tensor nothing initialised, with its module's class, before anything is sharded.
     """
     skip_ids = {id(m) for m in skip}
+    replaced: Dict[int, torch.Tensor] = {}  # meta tensor -> its allocation (tied weights stay tied)
+    fresh: Dict[str, Tuple[nn.Module, str]] = {}  # path -> (module, attribute) of every tensor allocated here
 
-    def visit(mod: nn.Module) -> None:
+    def visit(mod: nn.Module, path: str) -> None:
         if id(mod) in skip_ids:
             return
-        params = list(mod.named_parameters(recurse=False))
-        if any(p.is_meta for _, p in params):
-            mod.to_empty(device=device, recurse=False)
-            if hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
-        else:
-            for _, p in params:
-                if p.device != device:
-                    p.data = p.data.to(device)
+        for name, child in mod.named_children():  # children first: a parent's reset may (re)initialise them
+            visit(child, f"{path}.{name}" if path else name)
+        allocated = _allocate_meta(mod, device, replaced)
+        if allocated:
+            reset = getattr(mod, "reset_parameters", None) or getattr(mod, "_reset_parameters", None)
+            if callable(reset):
+                reset()
+            fresh.update({f"{path}.{name}" if path else name: (mod, name) for name in allocated})
+        for p in mod.parameters(recurse=False):
+            if p.device != device:
+                p.data = p.data.to(device)
         for name, buf in list(mod.named_buffers(recurse=False)):
             if buf is not None and buf.device != device:
-                setattr(mod, name, torch.zeros_like(buf, device=device) if buf.is_meta else buf.to(device))
-        for child in mod.children():
-            visit(child)
+                setattr(mod, name, buf.to(device))
 
-    visit(module)
+    visit(module, "")
+    uninitialised = [path for path, (mod, name) in fresh.items() if _still_sentinel(getattr(mod, name))]
+    if uninitialised:
+        owners = sorted({type(fresh[n][0]).__name__ for n in uninitialised})
+        raise ValueError(
+            f"RecShardStrategy: {', '.join(repr(n) for n in uninitialised)} "
+            f"{'was' if len(uninitialised) == 1 else 'were'} created on the meta device and nothing initialises "
+            f"{'it' if len(uninitialised) == 1 else 'them'}: a meta tensor holds no values, and "
+            f"{' / '.join(owners)} has no `reset_parameters()` that writes "
+            f"{'it' if len(uninitialised) == 1 else 'them'}, so training would start from uninitialised memory. "
+            "HINT: give the module a `reset_parameters()` that initialises every parameter and buffer it owns "
+            "(e.g. `nn.init.normal_(self.pos_embedding, std=0.02)`), or build the dense layers on CPU and put only "
+            "the EmbeddingBagCollection/EmbeddingCollection on meta."
+        )
+
+
+def _allocate_meta(mod: nn.Module, device: torch.device, replaced: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Replace ``mod``'s own meta parameters and buffers by sentinel-filled tensors on ``device``; returns them."""
+    fresh: Dict[str, torch.Tensor] = {}
+    for name, p in list(mod.named_parameters(recurse=False)):
+        if p.is_meta:
+            if id(p) not in replaced:
+                replaced[id(p)] = nn.Parameter(_sentinel_like(p, device), requires_grad=p.requires_grad)
+            setattr(mod, name, replaced[id(p)])
+            fresh[name] = replaced[id(p)]
+    for name, buf in list(mod.named_buffers(recurse=False)):
+        if buf is not None and buf.is_meta:
+            if id(buf) not in replaced:
+                replaced[id(buf)] = _sentinel_like(buf, device)
+            setattr(mod, name, replaced[id(buf)])
+            fresh[name] = replaced[id(buf)]
+    return fresh
+
+
+def _sentinel_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An allocation no initialiser leaves behind: NaN for floats, the dtype's minimum for integers."""
+    out = torch.empty_like(t, device=device)
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        out.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        out.fill_(False)  # no value is a sentinel for bool; buffers of flags start False
+    else:
+        out.fill_(torch.iinfo(t.dtype).min)
+    return out
+
+
+def _still_sentinel(t: torch.Tensor) -> bool:
+    if t.numel() == 0 or t.dtype == torch.bool:
+        return False
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return bool(torch.isnan(t).any())
+    return bool((t == torch.iinfo(t.dtype).min).all())
 
 
 def shard_with_dmp(
@@ -151,16 +215,24 @@ def shard_module(
     embedding_optimizer: EmbeddingOptimizer,
     report: Optional[PlanReport],
     inputs: Optional[Dict[str, ModuleInputs]] = None,
+    module_types: Sequence[Type[nn.Module]] = (),
     static_graph: bool,
     find_unused_parameters: bool,
 ) -> ShardedState:
-    """:func:`shard_with_dmp`, then remember the result on ``module`` (see :func:`sharded_state`)."""
+    """:func:`shard_with_dmp`, make the sharded modules behave like the unsharded ones (the weights they held, their
+    output order: see :mod:`lightning_rec.unsharded`), then remember the result on ``module`` (see
+    :func:`sharded_state`)."""
+    held = capture_weights(module, module_types)
+    orders = output_orders(module, module_types)
     dmp = shard_with_dmp(
         module, plan, sharders, device, pg,
         # DDP's static-graph first step assumes backward runs after forward returns; manual optimization breaks that.
         static_graph=static_graph and module.automatic_optimization,
         find_unused_parameters=find_unused_parameters,
     )
+    restore_weights(dmp.module, held, pg)
+    del held  # the unsharded tables can be freed now
+    restore_output_order(dmp.module, orders)
     state = ShardedState(
         dmp=dmp, plan=plan, embedding_optimizer=embedding_optimizer, report=report, inputs=dict(inputs or {})
     )

@@ -20,6 +20,11 @@ Lightning's:
 The sharded modules' forwards read their inputs from the pipeline's context rather than their arguments, so a
 pipelined ``training_step`` must call each sharded module once, on the batch it was given (as any
 ``forward`` that TorchRec can trace does). Per-step losses equal the non-pipelined ones.
+
+Batches come in every format the non-pipelined path takes: TorchRec's ``Batch`` (or any ``Pipelineable``), and
+dicts, tuples, lists or other collections holding tensors and ``KeyedJaggedTensor``s. TorchRec's pipeline only
+takes ``Pipelineable`` batches, so the others travel through it in a :class:`PipelineableCollection` and reach
+Lightning's hooks and ``training_step`` unwrapped, on the device.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from collections import deque
 from typing import Any, Deque, Iterator, Optional
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from torch import nn
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from torchrec.streamable import Pipelineable
 
 from lightning_rec import _compat
 from lightning_rec.inputs import InputChecks
@@ -44,6 +52,53 @@ class _NoStepOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> None:  # pragma: no cover - never called
         raise RuntimeError("the pipelined strategy never lets TorchRec's pipeline step the optimizer")
+
+
+class PipelineableCollection(Pipelineable):
+    """Carries a batch that is not ``Pipelineable`` (a dict, tuple, list, ...) through TorchRec's pipeline.
+
+    ``to`` and ``record_stream`` apply to every tensor and jagged tensor in the collection; indexing and attribute
+    access go to the collection, so the argument paths TorchRec traced from ``forward`` (``batch["sparse"]``,
+    ``batch[1]``) find the same ``KeyedJaggedTensor``.
+
+    Example::
+
+        >>> import torch
+        >>> wrapped = PipelineableCollection({"dense": torch.ones(2, 3)})
+        >>> wrapped.to(torch.device("cpu"), non_blocking=True)["dense"].shape
+        torch.Size([2, 3])
+    """
+
+    _STREAMED = (torch.Tensor, KeyedJaggedTensor, JaggedTensor, KeyedTensor)
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def to(self, device: torch.device, non_blocking: bool, data_copy_stream: Any = None) -> "PipelineableCollection":
+        # Lightning's collection walk: tensors and anything with `.to` (KJTs) move, non_blocking for CUDA tensors.
+        return PipelineableCollection(move_data_to_device(self.data, device))
+
+    def record_stream(self, stream: Any) -> None:
+        apply_to_collection(self.data, self._STREAMED, lambda t: t.record_stream(stream))
+
+    def pin_memory(self) -> "PipelineableCollection":
+        return PipelineableCollection(apply_to_collection(self.data, self._STREAMED, lambda t: t.pin_memory()))
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.data[key]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "data":
+            raise AttributeError(name)
+        return getattr(self.data, name)
+
+
+def _pipelineable(batch: Any) -> Any:
+    return batch if isinstance(batch, (torch.Tensor, Pipelineable)) else PipelineableCollection(batch)
+
+
+def _unwrap(batch: Any) -> Any:
+    return batch.data if isinstance(batch, PipelineableCollection) else batch
 
 
 class SparseDistPipeline:
@@ -81,9 +136,9 @@ class SparseDistPipeline:
 
     def enqueue(self, iterator: Iterator[Any]) -> Any:
         """Fetch the next batch, copy it to the device on the copy stream, queue it; ``StopIteration`` at the end."""
-        if not self.engine.enqueue_batch(iterator):
+        if not self.engine.enqueue_batch(map(_pipelineable, iterator)):
             raise StopIteration
-        return self.engine.batches[-1]
+        return _unwrap(self.engine.batches[-1])
 
     def begin_step(self) -> Any:
         """Make the head of the queue the current batch, with its inputs distributed; start the next one's.
@@ -116,7 +171,7 @@ class SparseDistPipeline:
             with self._input_checks.ahead(1) if self._input_checks is not None else contextlib.nullcontext():
                 engine.start_sparse_data_dist(engine.batches[1], engine.contexts[1])
         self._running = True
-        return engine.batches[0]
+        return _unwrap(engine.batches[0])
 
     def before_backward(self) -> None:
         """Complete the next batch's input distribution (overlapping the current forward)."""

@@ -305,12 +305,15 @@ def write_plan_report(report: PlanReport, directory: "os.PathLike[str] | str") -
 
 
 def write_for_trainer(report: PlanReport, trainer: Any, global_rank: int) -> Optional[str]:
-    """Write the report next to ``trainer``'s logs: the logger's ``log_dir`` (e.g. ``lightning_logs/version_0``),
-    or ``default_root_dir`` without a logger. Call it on every rank: ``trainer.log_dir`` broadcasts from rank 0,
-    so every rank must ask; only rank 0 writes.
+    """Write the report where ``trainer``'s logs go: the first logger's ``log_dir`` (e.g.
+    ``lightning_logs/version_0``, via ``trainer.log_dir``). Without a logger (``logger=False``), or with one that
+    has no directory, nothing is written: the plan is only logged as a table. Call it on every rank:
+    ``trainer.log_dir`` broadcasts from rank 0, so every rank must ask; only rank 0 writes.
 
     Returns:
-        the directory rank 0 wrote to (``None`` on other ranks or if writing failed).
+        the directory rank 0 wrote to (``None`` on other ranks, without a log directory, or if writing failed).
     """
-    log_dir = (trainer.log_dir if trainer.logger is not None else None) or trainer.default_root_dir
-    return write_plan_report(report, log_dir) if global_rank == 0 else None
+    if not trainer.loggers:
+        return None  # `trainer.log_dir` would fall back to `default_root_dir`: a place nobody asked for the files
+    log_dir = trainer.log_dir
+    return write_plan_report(report, log_dir) if global_rank == 0 and log_dir else None

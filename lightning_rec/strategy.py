@@ -39,6 +39,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
@@ -57,7 +58,7 @@ from lightning_rec.dmp import (
     sharded_state,
     unfused_table_parameters,
 )
-from lightning_rec.faults import FailureBoard, describe_position
+from lightning_rec.faults import FailureBoard, close_process_group_at_exit, describe_position
 from lightning_rec.inputs import InputChecks, NonFinitePolicy, input_specs
 from lightning_rec.optim import (
     EmbeddingOptimizer,
@@ -118,9 +119,9 @@ class RecShardStrategy(ParallelStrategy):
             current batch's forward/backward, as TorchRec's ``TrainPipelineSparseDist`` does, inside Lightning's
             loop (see :mod:`lightning_rec.pipeline`). Training only; same losses as without.
         plan_report: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
-            the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``
-            (``default_root_dir`` without a logger); see :mod:`lightning_rec.plan_report`. The plan is logged as
-            a table either way. A report that cannot be written only warns.
+            the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``; without
+            a logger nothing is written (see :mod:`lightning_rec.plan_report`). The plan is logged as a table either
+            way. A report that cannot be written only warns.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the
             Trainer, as for any Lightning strategy.
 
@@ -214,6 +215,18 @@ class RecShardStrategy(ParallelStrategy):
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size, as Lightning's ``ddp`` does.
+
+        Lightning's accelerator connector calls it when the Trainer is built (so ``trainer.global_rank``,
+        ``world_size`` and ``is_global_zero`` are right before ``fit``), and the strategy again before starting the
+        process group."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # Not every environment's setter updates rank_zero_only itself (see Lightning's DDPStrategy).
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
@@ -292,6 +305,7 @@ class RecShardStrategy(ParallelStrategy):
             self.embedding_optimizer.validate_for(self.root_device.type)
         super().setup_environment()
         self._setup_distributed()
+        close_process_group_at_exit()  # a finished job must exit 0, not abort in gloo's threads (see faults)
         # A prefix shared by every rank of this run, under which a failing rank leaves its error for the others.
         self._failures = FailureBoard.for_default_group(self.broadcast(uuid.uuid4().hex), self.global_rank)
 
@@ -524,7 +538,7 @@ class RecShardStrategy(ParallelStrategy):
 
     def _setup_distributed(self) -> None:
         _compat.reset_seed()
-        self._set_world_ranks()
+        self.set_world_ranks()
         if self._process_group_backend is None:
             self._process_group_backend = _compat._get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
@@ -532,12 +546,6 @@ class RecShardStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
 
     def _describe_position(self, ahead: int) -> str:
         module = self.lightning_module
@@ -579,6 +587,6 @@ class RecShardStrategy(ParallelStrategy):
         )
         return shard_module(
             module, plan, sharders, self.root_device, pg, embedding_optimizer=emb_opt, report=report,
-            inputs=input_specs(module, self._module_types()),
+            inputs=input_specs(module, self._module_types()), module_types=self._module_types(),
             static_graph=self._static_graph, find_unused_parameters=self._find_unused_parameters,
         )

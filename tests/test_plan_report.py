@@ -199,8 +199,13 @@ def test_two_process_fit_writes_once_on_rank_zero_into_the_log_dir(tmp_path: Pat
 
 def test_report_without_logger_with_fixed_plan_disabled_and_unwritable(tmp_path: Path) -> None:
     res = run_ranks("tests.helpers.report_scenarios:report_variants", 1, tmp_path)[0]
-    assert res["no_logger"]["writes"] == [str(tmp_path / "no_logger")]
-    assert json.loads((tmp_path / "no_logger" / "sharding_plan.json").read_text())["estimates_available"] is True
+    # logger=False: the plan is logged, no file is written (not in default_root_dir, not in the working directory).
+    assert res["no_logger"]["writes"] == [] and res["no_logger"]["global_step"] == 2
+    assert not (tmp_path / "no_logger").exists()
+    written = sorted(p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("sharding_plan.*"))
+    assert written == ["fixed_plan", "fixed_plan"], written
+    log = (tmp_path / "tests.helpers.report_scenarios:report_variants.rank0.log").read_text()
+    assert log.count("sharding plan over 1 rank(s)") == 4, "the table is logged with or without a logger"
 
     fixed = json.loads((tmp_path / "fixed_plan" / "sharding_plan.json").read_text())
     assert fixed["estimates_available"] is False and fixed["ranks"][0]["memory_bytes"] is None

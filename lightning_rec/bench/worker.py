@@ -157,4 +157,7 @@ def _worker(variant: str, size: Size, lr: float) -> None:
     print(_RESULT + json.dumps(record), flush=True)
     if dist.is_initialized():
         dist.barrier()
+        # The raw loop and Lightning's ddp do not tear gloo down; without this the process can abort at exit
+        # (see lightning_rec.faults.close_process_group_at_exit).
+        dist.destroy_process_group()
 

@@ -34,4 +34,6 @@ def ctr(rank: int, world_size: int, out_dir: Path, rows: int = 1001, seed: int =
     metrics = ctr_metrics()
     for chunk in torch.arange(mine.start, mine.stop).split(97):  # several updates per rank
         metrics.update(preds[chunk], target[chunk])
-    return {"metrics": {k: float(v) for k, v in metrics.compute().items()}, "rows": mine.stop - mine.start}
+    result = {"metrics": {k: float(v) for k, v in metrics.compute().items()}, "rows": mine.stop - mine.start}
+    dist.destroy_process_group()  # as a script that started its own process group ends (see lightning_rec.faults)
+    return result

@@ -46,20 +46,24 @@ def fit_report(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dic
 
 
 def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dict[str, Any]:
-    """Three fits: no logger (report in default_root_dir), a fixed ``plan=`` (no estimates), ``plan_report=False``;
-    then one whose report directory cannot be created (warns, trains)."""
+    """Three fits: no logger (nothing written, anywhere), a fixed ``plan=`` (no estimates), ``plan_report=False``;
+    then one whose report directory cannot be created (warns, trains). All but the first log to a CSV logger in
+    ``root``."""
     calls = _record_writes()
     results: Dict[str, Any] = {}
 
-    def fit(tag: str, strategy: Dict[str, Any], root: Path) -> L.Trainer:
+    def fit(tag: str, strategy: Dict[str, Any], root: Path, logger: bool = True) -> L.Trainer:
         L.seed_everything(0)
-        tr = _trainer(world_size, steps, strategy=strategy, default_root_dir=str(root))
+        tr = _trainer(
+            world_size, steps, strategy=strategy, default_root_dir=str(root),
+            logger=CSVLogger(root, name="", version="") if logger else False,
+        )
         tr.fit(RecModel(), _loader(rank, steps, 16, {}))
         results[tag] = {"global_step": tr.global_step, "writes": list(calls)}
         calls.clear()
         return tr
 
-    planned = fit("no_logger", {}, out_dir / "no_logger")
+    planned = fit("no_logger", {}, out_dir / "no_logger", logger=False)
     fit("fixed_plan", {"plan": planned.strategy.sharding_plan}, out_dir / "fixed_plan")
     fit("disabled", {"plan_report": False}, out_dir / "disabled")
     blocked = out_dir / "blocked"

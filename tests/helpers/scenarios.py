@@ -145,8 +145,8 @@ def reference(
         losses.append(float(loss))
     torch.save(local_weights(dmp.module), out_dir / f"{tag}.weights{rank}.pt")
     kernels = sorted({ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()})
-    # No destroy_process_group here: the worker's final barrier + os._exit ends every scenario the same way (a
-    # rank tearing gloo down while its peer still closes the last collective can abort the peer).
+    # As a TorchRec script ends: without it, gloo's worker threads can abort the process at exit (lightning_rec.faults).
+    dist.destroy_process_group()
     return {"losses": losses, "kernels": kernels}
 
 

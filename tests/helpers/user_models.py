@@ -1,0 +1,127 @@
+"""A model written the way TorchRec's tutorial and users write it, not around lightning_rec: tables built on CPU
+with rows of its own, the pooled output read with ``kt.values()``, dict batches; plus the plain-PyTorch reference
+it must match.
+
+The tables are declared user, genre, item: a plan that groups them by sharding type (a sharded
+``EmbeddingBagCollection`` does) moves ``genre``, so ``kt.values()`` changes column layout unless the strategy
+restores the unsharded order.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import lightning_rec
+
+TABLES = [("t_user", "user", 60), ("t_genre", "genre", 20), ("t_item", "item", 90)]
+DIM = 8
+# A sharded EBC groups its output by sharding type, in the order the types first appear: this plan returns
+# user, item, genre (on 1 rank and on 2) where the unsharded module returns user, genre, item.
+REORDERING_PLAN = {
+    "t_user": {"sharding_types": ["column_wise"]},
+    "t_genre": {"sharding_types": ["data_parallel"]},
+    "t_item": {"sharding_types": ["column_wise"]},
+}
+# Every table whole on one rank: the declared order.
+TABLE_WISE_PLAN = {t: {"sharding_types": ["table_wise"]} for t, _, _ in TABLES}
+
+
+class ValuesModel(lightning_rec.RecLightningModule):
+    """``kt.values()`` of a 3-table EBC built on CPU (its rows drawn from ``seed``) + a small MLP; dict batches
+    ``{"sparse": KJT, "dense": [B, 2], "label": [B]}``."""
+
+    def __init__(self, seed: int = 7, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f]) for t, f, n in TABLES],
+            device=torch.device("cpu"),
+        )
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # "pretrained" rows: what the sharded tables must start from
+            for p in self.ebc.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.over = nn.Sequential(nn.Linear(len(TABLES) * DIM + 2, 8), nn.ReLU(), nn.Linear(8, 1))
+        with torch.no_grad():
+            for p in self.over.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.losses: List[float] = []
+
+    def forward(self, batch: Dict[str, Any]) -> torch.Tensor:
+        kt = self.ebc(batch["sparse"])
+        return self.over(torch.cat([kt.values(), batch["dense"]], dim=1)).squeeze(1)
+
+    def training_step(self, batch: Dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch["label"])
+        self.losses.append(loss.item())
+        return loss
+
+    def predict_step(self, batch: Dict[str, Any], batch_idx: int) -> torch.Tensor:
+        return self(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(self.parameters(), lr=self.hparams.lr)
+
+
+def samples(n: int, seed: int) -> List[Dict[str, Any]]:
+    """``n`` samples: one user, 0-3 genres, one item, two dense values and a label that depends on them."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        user, item = int(torch.randint(0, 60, (1,), generator=g)), int(torch.randint(0, 90, (1,), generator=g))
+        genres = torch.randint(0, 20, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+        out.append({
+            "user": [user], "genre": genres, "item": [item], "dense": torch.rand(2, generator=g).tolist(),
+            "label": float((user % 3 == 0) ^ (item % 2 == 0)),
+        })
+    return out
+
+
+def to_batch(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """A dict batch of ``rows`` (a KJT with features user, genre, item)."""
+    keys = [f for _, f, _ in TABLES]
+    values = [v for k in keys for r in rows for v in r[k]]
+    lengths = [len(r[k]) for k in keys for r in rows]
+    return {
+        "sparse": KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=torch.tensor(values, dtype=torch.long), lengths=torch.tensor(lengths, dtype=torch.int32)
+        ),
+        "dense": torch.tensor([r["dense"] for r in rows]),
+        "label": torch.tensor([r["label"] for r in rows]),
+    }
+
+
+def global_batches(steps: int, batch_size: int, seed: int = 11) -> List[List[Dict[str, Any]]]:
+    """``steps`` global batches of ``batch_size`` samples (as sample lists)."""
+    rows = samples(steps * batch_size, seed)
+    return [rows[i * batch_size:(i + 1) * batch_size] for i in range(steps)]
+
+
+def rank_share(rows: Sequence[Dict[str, Any]], rank: int, world_size: int) -> List[Dict[str, Any]]:
+    """This rank's contiguous share of a global batch."""
+    per = len(rows) // world_size
+    return list(rows[rank * per:(rank + 1) * per])
+
+
+def reference(model: nn.Module, batches: Sequence[Sequence[Dict[str, Any]]], heldout: Sequence[Dict[str, Any]], lr: float):
+    """Plain PyTorch, unsharded, on whole batches: per-step losses and the trained model's logits on ``heldout``."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.Adagrad(model.parameters(), lr=lr)
+    losses = []
+    for rows in batches:
+        batch = to_batch(rows)
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(batch), batch["label"])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logits = model(to_batch(heldout)).tolist()
+    return losses, logits

@@ -1,0 +1,85 @@
+"""Per-rank scenarios with the user-written model of :mod:`tests.helpers.user_models` (run through
+``tests.helpers.dist.run_ranks`` as ``tests.helpers.user_scenarios:<function>``).
+
+Every scenario trains or predicts the way a user script does: ``logger=False``, dict batches, each rank taking its
+share of every global batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_rec import RecShardStrategy
+from tests.helpers.models import local_weights
+from tests.helpers.user_models import ValuesModel, global_batches, rank_share, reference, samples, to_batch
+
+LR = 0.05
+HELDOUT_SEED = 99
+
+
+class _Probe(L.Callback):
+    """Records the sharded weights before the first update and whether the output order needed restoring."""
+
+    def __init__(self, out: Path, rank: int) -> None:
+        self.out, self.rank = out, rank
+        self.reordered: Optional[bool] = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.save(local_weights(pl_module), self.out / f"start.weights{self.rank}.pt")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.reordered is None:  # after the first forward the wrapper is gone unless it reorders
+            self.reordered = "compute_and_output_dist" in vars(pl_module.ebc)
+
+
+def _trainer(world_size: int, steps: int, **strategy: Any) -> L.Trainer:
+    return L.Trainer(
+        strategy=RecShardStrategy(**strategy), accelerator="cpu", devices=world_size, max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+
+
+def _heldout(rank: int, world_size: int) -> DataLoader:
+    return DataLoader([to_batch(rank_share(samples(16, HELDOUT_SEED), rank, world_size))], batch_size=None)
+
+
+def fit(
+    rank: int, world_size: int, out_dir: Path, constraints: Optional[Dict[str, Any]] = None, pipeline: bool = False,
+    steps: int = 5, batch_size: int = 16, save: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Fit :class:`ValuesModel` on this rank's share of every global batch; predict the held-out rows; rank 0 also
+    computes the plain-PyTorch reference on whole batches."""
+    L.seed_everything(0)
+    model = ValuesModel(lr=LR)
+    batches = global_batches(steps, batch_size)
+    result: Dict[str, Any] = {}
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, out_dir / "held.pt")
+        result["ref_losses"], result["ref_logits"] = reference(model, batches, samples(16, HELDOUT_SEED), LR)
+    probe = _Probe(out_dir, rank)
+    trainer = _trainer(world_size, steps, constraints=constraints, pipeline=pipeline)
+    trainer.callbacks.append(probe)
+    trainer.fit(model, DataLoader([to_batch(rank_share(b, rank, world_size)) for b in batches], batch_size=None))
+    if save:
+        trainer.save_checkpoint(out_dir / save)
+    logits = torch.cat(trainer.predict(model, _heldout(rank, world_size))).tolist()
+    return {**result, "losses": model.losses, "logits": logits, "reordered": probe.reordered}
+
+
+def predict_from(
+    rank: int, world_size: int, out_dir: Path, ckpt: str, constraints: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """A fresh model (other rows: they must come from the checkpoint) predicts the held-out rows with
+    ``trainer.predict(ckpt_path=...)``."""
+    L.seed_everything(0)
+    model = ValuesModel(seed=1234, lr=LR)
+    trainer = _trainer(world_size, 1, constraints=constraints)
+    logits = torch.cat(trainer.predict(model, _heldout(rank, world_size), ckpt_path=str(out_dir / ckpt))).tolist()
+    return {"logits": logits}
+
