@@ -31,9 +31,9 @@ class Model(lightning_rec.RecLightningModule):
         self.over = torch.nn.Linear(2 * dim + 1, 1)
 
     def forward(self, batch):
-        # By feature name: a sharded EBC orders its output keys by shard, so `.values()` depends on the plan.
-        pooled = self.ebc(batch.sparse_features).to_dict()
-        return self.over(torch.cat([pooled["user"], pooled["item"], batch.dense_features], dim=1)).squeeze(1)
+        # The sharded EBC returns its keys in the unsharded order (user, item) under any plan: .values() is safe.
+        pooled = self.ebc(batch.sparse_features).values()
+        return self.over(torch.cat([pooled, batch.dense_features], dim=1)).squeeze(1)
 
     def training_step(self, batch, batch_idx):
         loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)

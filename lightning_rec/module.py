@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from pathlib import Path
+from typing import IO, Any, Callable, Dict, Optional, Union
 
 import lightning.pytorch as pl
+import torch
+from typing_extensions import Self
 
 from lightning_rec.optim import EmbeddingOptimizer
 
@@ -32,8 +35,7 @@ class RecLightningModule(pl.LightningModule):
                 self.over = torch.nn.Linear(32, 1)
 
             def training_step(self, batch, batch_idx):
-                pooled = self.ebc(batch.sparse_features).to_dict()  # by name: sharding reorders `.values()`
-                x = torch.cat([pooled["user"], pooled["item"]], dim=1)
+                x = self.ebc(batch.sparse_features).values()  # the unsharded key order, under any plan
                 return F.binary_cross_entropy_with_logits(self.over(x).squeeze(1), batch.labels)
 
             def configure_optimizers(self):
@@ -53,3 +55,44 @@ class RecLightningModule(pl.LightningModule):
                 return EmbeddingOptimizer("rowwise_adagrad", lr=0.05)
         """
         return None
+
+    @classmethod
+    def load_from_checkpoint(  # type: ignore[override]
+        cls,
+        checkpoint_path: Union[str, Path, IO],
+        map_location: Optional[Union[str, torch.device, Callable, Dict[Any, Any]]] = None,
+        hparams_file: Optional[Union[str, Path]] = None,
+        strict: Optional[bool] = None,
+        weights_only: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Lightning's ``load_from_checkpoint``, which also takes this package's sharded checkpoint directories
+        (written on any number of ranks): the module comes back unsharded, every table whole, on CPU unless
+        ``map_location`` says otherwise (see :func:`lightning_rec.checkpoint.load_module`). Single-file checkpoints
+        go to Lightning's own loader.
+
+        Example::
+
+            model = MyModel.load_from_checkpoint("lightning_logs/version_0/checkpoints/last.ckpt")
+            model.eval()
+            with torch.no_grad():
+                logits = model(batch)
+        """
+        from lightning_rec.checkpoint import layout, load_module
+
+        if isinstance(checkpoint_path, (str, Path)) and Path(layout.recover(Path(checkpoint_path))).is_dir():
+            if hparams_file is not None:
+                raise ValueError(
+                    f"{cls.__name__}.load_from_checkpoint: `hparams_file` is not supported for checkpoint directories; "
+                    "their hyperparameters are read from the checkpoint. HINT: pass overrides as keyword arguments."
+                )
+            if map_location is not None and not isinstance(map_location, (str, torch.device)):
+                raise ValueError(
+                    f"{cls.__name__}.load_from_checkpoint: for checkpoint directories `map_location` must be a device, "
+                    f"got {type(map_location).__name__}."
+                )
+            return load_module(cls, checkpoint_path, map_location=map_location, strict=strict, weights_only=weights_only, **kwargs)
+        return super().load_from_checkpoint(  # type: ignore[return-value]
+            checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict,
+            weights_only=weights_only, **kwargs,
+        )

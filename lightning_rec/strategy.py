@@ -58,7 +58,7 @@ from lightning_rec.dmp import (
     sharded_state,
     unfused_table_parameters,
 )
-from lightning_rec.faults import FailureBoard, close_process_group_at_exit, describe_position
+from lightning_rec.faults import FailureBoard, close_process_group_at_exit, describe_position, note_failure
 from lightning_rec.inputs import InputChecks, NonFinitePolicy, input_specs
 from lightning_rec.optim import (
     EmbeddingOptimizer,
@@ -305,7 +305,7 @@ class RecShardStrategy(ParallelStrategy):
             self.embedding_optimizer.validate_for(self.root_device.type)
         super().setup_environment()
         self._setup_distributed()
-        close_process_group_at_exit()  # a finished job must exit 0, not abort in gloo's threads (see faults)
+        close_process_group_at_exit(self._timeout)  # a finished job must exit 0, not abort in gloo's threads
         # A prefix shared by every rank of this run, under which a failing rank leaves its error for the others.
         self._failures = FailureBoard.for_default_group(self.broadcast(uuid.uuid4().hex), self.global_rank)
 
@@ -322,6 +322,9 @@ class RecShardStrategy(ParallelStrategy):
             )
 
         state = sharded_state(module)
+        if fitting and state is None and self._layer_sync is not None:
+            # Trainer(sync_batchnorm=True), as Lightning's ddp applies it: before the optimizers see the parameters.
+            self._layer_sync.apply(module)  # converts the BatchNorm layers in place (the root is no BatchNorm)
         is_embedding = prepare_for_optimizers(module, self._module_types(), self.root_device, state)
         optimizers: List[Optimizer] = []
         lr_scheduler_configs: List[Any] = []
@@ -413,6 +416,7 @@ class RecShardStrategy(ParallelStrategy):
         which rank and why (see :mod:`lightning_rec.faults`)."""
         position = self._describe_position(0)
         self._transferring = False
+        note_failure()  # this process's exit must not wait for the others
         if self._failures is not None:
             self._failures.handle(exception, position, self.world_size, self._timeout, type(self).__name__)
 

@@ -9,8 +9,9 @@ What a checkpoint holds (see :mod:`~lightning_rec.checkpoint.layout` for the fil
 * ``meta.pt``: Lightning's loops, callbacks, LR schedulers, epoch/step, optimizer param groups and the
   sharding plan, world size and embedding optimizer it was saved with (``checkpoint["lightning_rec"]``).
 
-Use it through Lightning (``ModelCheckpoint``, ``trainer.save_checkpoint``, ``ckpt_path=``); :func:`export`
-turns one into a single-file, unsharded state dict.
+Use it through Lightning (``ModelCheckpoint``, ``trainer.save_checkpoint``, ``ckpt_path=``,
+``MyModel.load_from_checkpoint(dir)`` for a :class:`~lightning_rec.RecLightningModule`); :func:`export`
+turns one into a single-file, unsharded state dict, :func:`load_module` into an unsharded LightningModule.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.optim import Optimizer
 
 from lightning_rec.checkpoint import layout, safe_io
-from lightning_rec.checkpoint.export import export, load_exported
+from lightning_rec.checkpoint.export import export, load_exported, load_module
 from lightning_rec.checkpoint.layout import CheckpointError
 from lightning_rec.checkpoint.optimizer_state import OptimizerTarget, canonical_state, is_tensor
 from lightning_rec.checkpoint.safe_io import UnsafeCheckpointError
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError", "canonical_state", "export", "is_checkpoint", "load_exported", "load", "remove", "save"]
+__all__ = [
+    "CheckpointError", "UnsafeCheckpointError", "canonical_state", "export", "is_checkpoint", "load_exported", "load",
+    "load_module", "remove", "save",
+]
 
 log = logging.getLogger(__name__)
 MODEL_PREFIX, OPTIM_PREFIX = layout.MODEL_PREFIX, layout.OPTIM_PREFIX

@@ -1,5 +1,6 @@
 """Export: a sharded checkpoint -> one ordinary, unsharded state dict file, for inference and for people who
-do not use this package.
+do not use this package; or straight into an unsharded LightningModule (:func:`load_module`, what
+``RecLightningModule.load_from_checkpoint`` calls).
 
 Example::
 
@@ -15,10 +16,13 @@ or from the shell: ``lightning-rec export checkpoints/last.ckpt model.safetensor
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Type, TypeVar, Union
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -46,20 +50,7 @@ def export(checkpoint: "str | Path", output: "str | Path", *, prefix: str = "", 
         CheckpointError: the checkpoint is incomplete or corrupt, or no weight is under ``prefix``.
     """
     path, output = layout.recover(Path(checkpoint)), Path(output)
-    problems = layout.verify_files(path, layout.read_manifest(path), 0, 1, hashes=verify_hashes)
-    if problems:
-        raise layout.CheckpointError(f"Cannot export {str(path)!r}:\n  - " + "\n  - ".join(problems))
-    metadata = safe_io.read_metadata(path)
-    targets: Dict[str, torch.Tensor] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(layout.MODEL_PREFIX + prefix) and isinstance(md, TensorStorageMetadata):
-            targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    if not targets:
-        raise layout.CheckpointError(f"{str(path)!r} has no model weights under prefix {prefix!r}.")
-    dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(path), no_dist=True)
-    state = {}
-    for key, tensor in targets.items():
-        state[key[len(layout.MODEL_PREFIX + prefix):]] = tensor.contiguous()
+    state = _assemble(path, prefix, verify_hashes)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
     if output.suffix == ".safetensors":
@@ -70,6 +61,112 @@ def export(checkpoint: "str | Path", output: "str | Path", *, prefix: str = "", 
         torch.save(state, partial)
     partial.replace(output)
     return {k: v.shape for k, v in state.items()}
+
+
+def _assemble(path: Path, prefix: str, verify_hashes: bool) -> Dict[str, torch.Tensor]:
+    """Every model weight under ``prefix`` (without it) of the checkpoint at ``path``, whole, on CPU."""
+    problems = layout.verify_files(path, layout.read_manifest(path), 0, 1, hashes=verify_hashes)
+    if problems:
+        raise layout.CheckpointError(f"Cannot read {str(path)!r}:\n  - " + "\n  - ".join(problems))
+    metadata = safe_io.read_metadata(path)
+    targets: Dict[str, torch.Tensor] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(layout.MODEL_PREFIX + prefix) and isinstance(md, TensorStorageMetadata):
+            targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    if not targets:
+        raise layout.CheckpointError(f"{str(path)!r} has no model weights under prefix {prefix!r}.")
+    dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(path), no_dist=True)
+    return {key[len(layout.MODEL_PREFIX + prefix):]: tensor.contiguous() for key, tensor in targets.items()}
+
+
+M = TypeVar("M", bound=pl.LightningModule)
+
+
+def load_module(
+    cls: Type[M],
+    checkpoint: Union[str, Path],
+    *,
+    map_location: Optional[Union[str, torch.device]] = None,
+    strict: Optional[bool] = None,
+    weights_only: Optional[bool] = None,
+    verify_hashes: bool = True,
+    **kwargs: Any,
+) -> M:
+    """Build ``cls`` from a sharded checkpoint directory, unsharded, with every table whole (one process, no GPU,
+    no process group): Lightning's ``load_from_checkpoint`` for checkpoint directories.
+
+    As Lightning does: the module is built from the hyperparameters it saved (``save_hyperparameters()``), updated
+    by ``kwargs``; ``configure_model`` and ``on_load_checkpoint`` run; then the weights load. Tables (or any tensor)
+    the module built on ``meta`` are given storage first and filled from the checkpoint; one the checkpoint does
+    not hold is an error, since it would keep uninitialised memory.
+
+    Args:
+        cls: the LightningModule class.
+        checkpoint: a checkpoint directory written on any number of ranks with any plan.
+        map_location: the device to put the module on (default: CPU).
+        strict: whether missing/unexpected weights are errors (default: the module's ``strict_loading``, else True).
+        weights_only: ``False`` lets ``meta.pt`` unpickle arbitrary objects (only for trusted checkpoints).
+        verify_hashes: check the checkpoint files' SHA-256 first.
+        kwargs: override saved hyperparameters.
+
+    Example::
+
+        model = MyModel.load_from_checkpoint("checkpoints/last.ckpt")      # a RecLightningModule subclass
+        model = load_module(MyPlainLightningModule, "checkpoints/last.ckpt")
+        model.eval(); logits = model(batch)
+
+    Raises:
+        CheckpointError: incomplete/corrupt checkpoint, or weights that do not match the module.
+    """
+    path = layout.recover(Path(checkpoint))
+    state = _assemble(path, "", verify_hashes)
+    meta = safe_io.load_meta(path / layout.META_FILE, weights_only)
+    module = _instantiate(cls, meta, kwargs)
+    strict = (module.strict_loading if strict is None else strict) if hasattr(module, "strict_loading") else True
+    if is_overridden("configure_model", module):
+        module.configure_model()
+    module.on_load_checkpoint({**meta, "state_dict": state})
+    live = module.state_dict(keep_vars=True)
+    empty = [k for k, t in live.items() if isinstance(t, torch.Tensor) and t.is_meta and k not in state]
+    missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
+    problems = [f"{k}: built on meta and not in the checkpoint, so it would hold uninitialised memory" for k in empty]
+    if strict:
+        problems += [f"{k}: in {cls.__name__}, not in the checkpoint" for k in missing if k not in empty]
+        problems += [f"{k}: in the checkpoint, not in {cls.__name__}" for k in unexpected]
+    problems += [
+        f"{k}: checkpoint shape {tuple(state[k].shape)}, {cls.__name__} shape {tuple(live[k].shape)}"
+        for k in set(state) & set(live) if isinstance(live[k], torch.Tensor) and tuple(live[k].shape) != tuple(state[k].shape)
+    ]
+    if problems:
+        raise layout.CheckpointError(
+            f"Checkpoint {str(path)!r} does not match {cls.__name__}:\n  - " + "\n  - ".join(sorted(problems))
+        )
+    _allocate_meta_tensors(module)
+    module.load_state_dict({k: v for k, v in state.items() if k in live}, strict=False)
+    if meta.get("model_extra"):
+        module.load_state_dict(meta["model_extra"], strict=False)
+    return module.to(map_location) if map_location is not None else module
+
+
+def _instantiate(cls: Type[M], meta: Dict[str, Any], kwargs: Dict[str, Any]) -> M:
+    """``cls`` built from the saved hyperparameters, updated by ``kwargs`` (as Lightning's loading does)."""
+    hparams = dict(meta.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {})
+    params = inspect.signature(cls.__init__).parameters
+    name = meta.get(cls.CHECKPOINT_HYPER_PARAMS_NAME)
+    if name and name in params:
+        hparams = {name: hparams}
+    merged = {**hparams, **kwargs}
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        merged = {k: v for k, v in merged.items() if k in params}
+    return cls(**merged)
+
+
+@torch.no_grad()
+def _allocate_meta_tensors(module: torch.nn.Module) -> None:
+    """Give every module that holds ``meta`` tensors CPU storage (the checkpoint fills it next)."""
+    for sub in module.modules():
+        if any(t.is_meta for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]):
+            sub.to_empty(device="cpu", recurse=False)
 
 
 def load_exported(path: "str | Path", device: Optional[str] = "cpu") -> Dict[str, torch.Tensor]:

@@ -82,7 +82,7 @@ class RecModel(lightning_rec.RecLightningModule):
 
     def forward(self, batch: Any) -> torch.Tensor:
         dense, kjt, _ = self._unpack(batch)
-        # Pooled embeddings by feature name: a sharded EBC's KeyedTensor orders its keys by shard, not by table.
+        # Pooled embeddings by feature name (tests/helpers/user_models.py reads `.values()` instead).
         if self.towers is None:
             pooled = self.ebc(kjt).to_dict()
             parts = [pooled[f] for f in FEATURES]

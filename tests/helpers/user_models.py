@@ -35,9 +35,9 @@ TABLE_WISE_PLAN = {t: {"sharding_types": ["table_wise"]} for t, _, _ in TABLES}
 
 class ValuesModel(lightning_rec.RecLightningModule):
     """``kt.values()`` of a 3-table EBC built on CPU (its rows drawn from ``seed``) + a small MLP; dict batches
-    ``{"sparse": KJT, "dense": [B, 2], "label": [B]}``."""
+    ``{"sparse": KJT, "dense": [B, 2], "label": [B]}`` (``fmt="tuple"``: ``(KJT, dense, label)``)."""
 
-    def __init__(self, seed: int = 7, lr: float = 0.05) -> None:
+    def __init__(self, seed: int = 7, lr: float = 0.05, fmt: str = "dict", batchnorm: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.ebc = EmbeddingBagCollection(
@@ -48,22 +48,29 @@ class ValuesModel(lightning_rec.RecLightningModule):
         with torch.no_grad():  # "pretrained" rows: what the sharded tables must start from
             for p in self.ebc.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        self.over = nn.Sequential(nn.Linear(len(TABLES) * DIM + 2, 8), nn.ReLU(), nn.Linear(8, 1))
+        norm = [nn.BatchNorm1d(8)] if batchnorm else []  # batch statistics: whole-batch only with sync_batchnorm
+        self.over = nn.Sequential(nn.Linear(len(TABLES) * DIM + 2, 8), *norm, nn.ReLU(), nn.Linear(8, 1))
         with torch.no_grad():
             for p in self.over.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         self.losses: List[float] = []
 
-    def forward(self, batch: Dict[str, Any]) -> torch.Tensor:
-        kt = self.ebc(batch["sparse"])
-        return self.over(torch.cat([kt.values(), batch["dense"]], dim=1)).squeeze(1)
+    def forward(self, batch: Any) -> torch.Tensor:
+        sparse, dense = (batch["sparse"], batch["dense"]) if self.hparams.fmt == "dict" else (batch[0], batch[1])
+        kt = self.ebc(sparse)
+        return self.over(torch.cat([kt.values(), dense], dim=1)).squeeze(1)
 
-    def training_step(self, batch: Dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss = F.binary_cross_entropy_with_logits(self(batch), batch["label"])
+    def forward_dict(self, batch: Dict[str, Any]) -> torch.Tensor:
+        """``forward`` on a dict batch, whatever ``fmt`` the model was built for (the reference uses it)."""
+        return self(batch if self.hparams.fmt == "dict" else (batch["sparse"], batch["dense"], batch["label"]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        label = batch["label"] if self.hparams.fmt == "dict" else batch[2]
+        loss = F.binary_cross_entropy_with_logits(self(batch), label)
         self.losses.append(loss.item())
         return loss
 
-    def predict_step(self, batch: Dict[str, Any], batch_idx: int) -> torch.Tensor:
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -84,18 +91,19 @@ def samples(n: int, seed: int) -> List[Dict[str, Any]]:
     return out
 
 
-def to_batch(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """A dict batch of ``rows`` (a KJT with features user, genre, item)."""
+def to_batch(rows: Sequence[Dict[str, Any]], fmt: str = "dict") -> Any:
+    """A batch of ``rows`` (a KJT with features user, genre, item): a dict, or with ``fmt="tuple"`` a tuple."""
     keys = [f for _, f, _ in TABLES]
     values = [v for k in keys for r in rows for v in r[k]]
     lengths = [len(r[k]) for k in keys for r in rows]
-    return {
+    batch = {
         "sparse": KeyedJaggedTensor.from_lengths_sync(
             keys=keys, values=torch.tensor(values, dtype=torch.long), lengths=torch.tensor(lengths, dtype=torch.int32)
         ),
         "dense": torch.tensor([r["dense"] for r in rows]),
         "label": torch.tensor([r["label"] for r in rows]),
     }
+    return batch if fmt == "dict" else (batch["sparse"], batch["dense"], batch["label"])
 
 
 def global_batches(steps: int, batch_size: int, seed: int = 11) -> List[List[Dict[str, Any]]]:
@@ -111,17 +119,19 @@ def rank_share(rows: Sequence[Dict[str, Any]], rank: int, world_size: int) -> Li
 
 
 def reference(model: nn.Module, batches: Sequence[Sequence[Dict[str, Any]]], heldout: Sequence[Dict[str, Any]], lr: float):
-    """Plain PyTorch, unsharded, on whole batches: per-step losses and the trained model's logits on ``heldout``."""
+    """Plain PyTorch, unsharded, on whole batches: per-step losses and the trained model's logits (in eval mode) on
+    ``heldout``."""
     model = copy.deepcopy(model)
     opt = torch.optim.Adagrad(model.parameters(), lr=lr)
     losses = []
     for rows in batches:
         batch = to_batch(rows)
         opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(model(batch), batch["label"])
+        loss = F.binary_cross_entropy_with_logits(model.forward_dict(batch), batch["label"])
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    model.eval()  # as trainer.predict does
     with torch.no_grad():
-        logits = model(to_batch(heldout)).tolist()
+        logits = model.forward_dict(to_batch(heldout)).tolist()
     return losses, logits

@@ -7,6 +7,7 @@ share of every global batch.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -37,39 +38,46 @@ class _Probe(L.Callback):
             self.reordered = "compute_and_output_dist" in vars(pl_module.ebc)
 
 
-def _trainer(world_size: int, steps: int, **strategy: Any) -> L.Trainer:
+def _trainer(world_size: int, steps: int, sync_batchnorm: bool = False, **strategy: Any) -> L.Trainer:
     return L.Trainer(
         strategy=RecShardStrategy(**strategy), accelerator="cpu", devices=world_size, max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=False, sync_batchnorm=sync_batchnorm,
     )
 
 
-def _heldout(rank: int, world_size: int) -> DataLoader:
-    return DataLoader([to_batch(rank_share(samples(16, HELDOUT_SEED), rank, world_size))], batch_size=None)
+def _heldout(rank: int, world_size: int, fmt: str = "dict") -> DataLoader:
+    return DataLoader([to_batch(rank_share(samples(16, HELDOUT_SEED), rank, world_size), fmt)], batch_size=None)
 
 
 def fit(
     rank: int, world_size: int, out_dir: Path, constraints: Optional[Dict[str, Any]] = None, pipeline: bool = False,
-    steps: int = 5, batch_size: int = 16, save: Optional[str] = None,
+    steps: int = 5, batch_size: int = 16, save: Optional[str] = None, fmt: str = "dict", rows_per_rank: bool = False,
+    sync_batchnorm: bool = False,
 ) -> Dict[str, Any]:
     """Fit :class:`ValuesModel` on this rank's share of every global batch; predict the held-out rows; rank 0 also
-    computes the plain-PyTorch reference on whole batches."""
+    computes the plain-PyTorch reference on whole batches (from its own rows: with ``rows_per_rank`` every rank
+    builds its tables from other rows, and training must start from rank 0's, as DDP does)."""
     L.seed_everything(0)
-    model = ValuesModel(lr=LR)
+    model = ValuesModel(seed=7 + (rank if rows_per_rank else 0), lr=LR, fmt=fmt, batchnorm=sync_batchnorm)
     batches = global_batches(steps, batch_size)
     result: Dict[str, Any] = {}
     if rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, out_dir / "held.pt")
         result["ref_losses"], result["ref_logits"] = reference(model, batches, samples(16, HELDOUT_SEED), LR)
     probe = _Probe(out_dir, rank)
-    trainer = _trainer(world_size, steps, constraints=constraints, pipeline=pipeline)
+    trainer = _trainer(world_size, steps, constraints=constraints, pipeline=pipeline, sync_batchnorm=sync_batchnorm)
     trainer.callbacks.append(probe)
-    trainer.fit(model, DataLoader([to_batch(rank_share(b, rank, world_size)) for b in batches], batch_size=None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader([to_batch(rank_share(b, rank, world_size), fmt) for b in batches], batch_size=None))
     if save:
         trainer.save_checkpoint(out_dir / save)
-    logits = torch.cat(trainer.predict(model, _heldout(rank, world_size))).tolist()
-    return {**result, "losses": model.losses, "logits": logits, "reordered": probe.reordered}
+    logits = torch.cat(trainer.predict(model, _heldout(rank, world_size, fmt))).tolist()
+    return {
+        **result, "losses": model.losses, "logits": logits, "reordered": probe.reordered,
+        "warnings": [str(w.message) for w in caught if "different weights on different ranks" in str(w.message)],
+    }
 
 
 def predict_from(
