@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from fbgemm_gpu.permute_pooled_embedding_modules import PermutePooledEmbeddings
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
@@ -68,11 +69,17 @@ def output_orders(module: nn.Module, module_types: Sequence[Type[nn.Module]]) ->
 
 
 class _Reorder:
-    """The awaitable callback that puts a sharded module's output keys in the unsharded order."""
+    """The awaitable callback that puts a sharded module's output keys in the unsharded order.
+
+    Pooled outputs (``[batch, columns]``) are permuted by FBGEMM's ``permute_pooled_embs`` kernel (one pass, with
+    its own backward: what TorchRec uses to reorder pooled embeddings itself); other layouts by a ``torch.cat`` of
+    slices.
+    """
 
     def __init__(self, order: List[str]) -> None:
         self.order = order
-        self._index: Dict[tuple, List[int]] = {}  # sharded key order -> positions of the unsharded keys in it
+        self._perms: Dict[tuple, Optional[List[int]]] = {}  # sharded key order -> source position of each key
+        self._kernels: Dict[tuple, PermutePooledEmbeddings] = {}  # (sharded keys, device) -> the permute kernel
 
     def needed(self, keys: List[str]) -> bool:
         return list(keys) != self.order
@@ -84,22 +91,28 @@ class _Reorder:
             return {k: out[k] for k in self.order if k in out} if len(out) == len(self.order) else out
         return out
 
-    def _keyed_tensor(self, kt: KeyedTensor) -> KeyedTensor:
-        keys = kt.keys()
-        perm = self._index.get(tuple(keys))
-        if perm is None:
+    def _perm(self, keys: List[str]) -> Optional[List[int]]:
+        key = tuple(keys)
+        if key not in self._perms:
             where = {k: i for i, k in enumerate(keys)}
-            if set(where) != set(self.order):
-                return kt  # not the keys this module was built with: leave it alone
-            perm = self._index[tuple(keys)] = [where[k] for k in self.order]
-        parts = kt.values().split(kt.length_per_key(), dim=kt.key_dim())
-        lengths = kt.length_per_key()
-        return KeyedTensor(
-            keys=self.order,
-            length_per_key=[lengths[i] for i in perm],
-            values=torch.cat([parts[i] for i in perm], dim=kt.key_dim()),
-            key_dim=kt.key_dim(),
-        )
+            # Not the keys this module was built with: leave such an output alone.
+            self._perms[key] = [where[k] for k in self.order] if set(where) == set(self.order) else None
+        return self._perms[key]
+
+    def _keyed_tensor(self, kt: KeyedTensor) -> KeyedTensor:
+        keys, lengths, values = kt.keys(), kt.length_per_key(), kt.values()
+        perm = self._perm(keys)
+        if perm is None:
+            return kt
+        if kt.key_dim() == 1 and values.dim() == 2:
+            kernel = self._kernels.get((tuple(keys), values.device))
+            if kernel is None:
+                kernel = self._kernels[(tuple(keys), values.device)] = PermutePooledEmbeddings(lengths, perm, values.device)
+            permuted = kernel(values)
+        else:
+            parts = values.split(lengths, dim=kt.key_dim())
+            permuted = torch.cat([parts[i] for i in perm], dim=kt.key_dim())
+        return KeyedTensor(keys=self.order, length_per_key=[lengths[i] for i in perm], values=permuted, key_dim=kt.key_dim())
 
 
 def _output_keys(out: Any) -> Optional[List[str]]:
@@ -116,7 +129,7 @@ def restore_output_order(sharded_root: nn.Module, orders: Dict[str, List[str]]) 
     The sharded module's ``compute_and_output_dist`` (what both its own ``forward`` and TorchRec's pipelined
     forward call) is wrapped: the first output's keys are compared with the unsharded order; if they agree the
     class's own method is put back, otherwise a reordering callback is added to every output awaitable from then
-    on. Gradients flow through the reordering (a ``torch.cat`` of column slices).
+    on. Gradients flow through the reordering (FBGEMM's pooled-embedding permutation).
 
     Args:
         sharded_root: the module DMP sharded (``dmp.module``).

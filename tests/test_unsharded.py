@@ -88,6 +88,12 @@ def test_ranks_holding_different_rows_start_from_rank_zeros(tmp_path):
     assert len(res[0]["warnings"]) == 1 and "ebc.embedding_bags.t_user.weight" in res[0]["warnings"][0]
 
 
+def test_an_embedding_collection_keeps_its_output_order_and_rows(tmp_path):
+    res = run_ranks("tests.helpers.user_scenarios:ec_order", 1, tmp_path)[0]
+    assert res["sharded_keys"] == res["unsharded_keys"] == ["user", "genre", "item"]
+    assert res["same_values"]
+
+
 def test_sync_batchnorm_is_applied_like_ddp_does(tmp_path):
     """`Trainer(sync_batchnorm=True)` is not ignored: the BatchNorm layers become SyncBatchNorm before DDP wraps the
     dense part, as under Lightning's ddp, whose DDP then refuses them on CPU with the same error."""

@@ -91,3 +91,36 @@ def predict_from(
     logits = torch.cat(trainer.predict(model, _heldout(rank, world_size), ckpt_path=str(out_dir / ckpt))).tolist()
     return {"logits": logits}
 
+
+
+def ec_order(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
+    """An EmbeddingCollection (user, genre, item) under a plan that groups them by sharding type: the keys of its
+    output dict, sharded, and the unsharded module's outputs for comparison."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
+    from tests.helpers.user_models import TABLES
+
+    class Sequences(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ec = EmbeddingCollection(
+                tables=[EmbeddingConfig(name=t, embedding_dim=8, num_embeddings=n, feature_names=[f]) for t, f, n in TABLES],
+                device=torch.device("cpu"),
+            )
+
+        def predict_step(self, batch: Dict[str, Any], batch_idx: int) -> Any:
+            out = dict(self.ec(batch["sparse"]).items())  # a sharded EC returns a LazyAwaitable of the dict
+            return {"keys": list(out), "values": [jt.values() for jt in out.values()]}
+
+    L.seed_everything(0)
+    model = Sequences()
+    batch = to_batch(samples(8, HELDOUT_SEED))
+    with torch.no_grad():
+        unsharded = {k: jt.values().tolist() for k, jt in model.ec(batch["sparse"]).items()}
+    plan = {"t_user": {"sharding_types": ["column_wise"]}, "t_genre": {"sharding_types": ["table_wise"]},
+            "t_item": {"sharding_types": ["column_wise"]}}
+    out = _trainer(world_size, 1, constraints=plan).predict(model, DataLoader([batch], batch_size=None))[0]
+    return {
+        "unsharded_keys": list(unsharded), "sharded_keys": out["keys"],
+        "same_values": all(torch.equal(torch.tensor(unsharded[k]), v) for k, v in zip(out["keys"], out["values"])),
+    }
