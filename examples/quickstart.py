@@ -9,6 +9,7 @@ import argparse
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
@@ -70,7 +71,8 @@ def main() -> None:
     trainer = L.Trainer(
         strategy="recshard", accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
         max_epochs=args.max_epochs, default_root_dir=args.root_dir,
-        logger=False,  # checkpoints: sharded, under root-dir/checkpoints; the plan report: in root-dir
+        # metrics.csv and the plan report in root-dir; sharded checkpoints under root-dir/checkpoints
+        logger=CSVLogger(args.root_dir, name="", version=""),
     )
     trainer.fit(Model(), loader)
     if trainer.is_global_zero:
