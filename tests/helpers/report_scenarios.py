@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 
 from lightning_rec import plan_report
 from lightning_rec.sharding import plan_rows
@@ -45,6 +45,32 @@ def fit_report(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dic
     }
 
 
+class _SilentLogger(Logger):
+    """A logger that writes nothing itself, with a directory that cannot be created (only the report tries)."""
+
+    def __init__(self, save_dir: Path) -> None:
+        super().__init__()
+        self._save_dir = str(save_dir)
+
+    @property
+    def name(self) -> str:
+        return "silent"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    def log_metrics(self, metrics: Dict[str, float], step: Any = None) -> None:
+        pass
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dict[str, Any]:
     """Three fits: no logger (nothing written, anywhere), a fixed ``plan=`` (no estimates), ``plan_report=False``;
     then one whose report directory cannot be created (warns, trains). All but the first log to a CSV logger in
@@ -52,11 +78,11 @@ def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -
     calls = _record_writes()
     results: Dict[str, Any] = {}
 
-    def fit(tag: str, strategy: Dict[str, Any], root: Path, logger: bool = True) -> L.Trainer:
+    def fit(tag: str, strategy: Dict[str, Any], root: Path, logger: Any = True) -> L.Trainer:
         L.seed_everything(0)
         tr = _trainer(
             world_size, steps, strategy=strategy, default_root_dir=str(root),
-            logger=CSVLogger(root, name="", version="") if logger else False,
+            logger=CSVLogger(root, name="", version="") if logger is True else logger,
         )
         tr.fit(RecModel(), _loader(rank, steps, 16, {}))
         results[tag] = {"global_step": tr.global_step, "writes": list(calls)}
@@ -70,6 +96,6 @@ def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -
     blocked.write_text("a file where the report directory should go")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit("unwritable", {}, blocked / "root")
+        fit("unwritable", {}, blocked / "root", logger=_SilentLogger(blocked / "root"))
     results["unwritable"]["warnings"] = [str(w.message) for w in caught if "sharding-plan report" in str(w.message)]
     return results
