@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 MODES = ("gloo", "gloo_destroy", "gloo_clean", "recshard")
+_HELD: list = []
 
 
 def _child(mode: str) -> None:
@@ -36,7 +37,7 @@ def _child(mode: str) -> None:
         _recshard_job()
         return
     dist.init_process_group("gloo")
-    held = dist.group.WORLD  # noqa: F841  (a reference, as DDP and TorchRec's modules hold one)
+    _HELD.append(dist.group.WORLD)  # a reference until exit, as DDP and TorchRec's modules hold one
     if mode == "gloo_clean":
         from lightning_rec.faults import close_process_group_at_exit
 
