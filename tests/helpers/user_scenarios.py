@@ -17,7 +17,9 @@ from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
 from tests.helpers.models import local_weights
-from tests.helpers.user_models import ValuesModel, global_batches, rank_share, reference, samples, to_batch
+from tests.helpers.user_models import (
+    TABLE_WISE_PLAN, ValuesModel, global_batches, rank_share, reference, samples, to_batch,
+)
 
 LR = 0.05
 HELDOUT_SEED = 99
@@ -123,4 +125,32 @@ def ec_order(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
     return {
         "unsharded_keys": list(unsharded), "sharded_keys": out["keys"],
         "same_values": all(torch.equal(torch.tensor(unsharded[k]), v) for k, v in zip(out["keys"], out["values"])),
+    }
+
+
+def syncs(rank: int, world_size: int, out_dir: Path, pipeline: bool = False, steps: int = 7) -> Dict[str, Any]:
+    """Count host syncs per training step (steps 3 to ``steps``), by who asked for them."""
+    from lightning_rec.testing import SyncCounter
+
+    counter = SyncCounter()
+    counter.active = False
+
+    class Window(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            counter.active = 2 <= trainer.global_step < steps  # from the end of step 2 to the end of the last
+
+    L.seed_everything(0)
+    model = ValuesModel(lr=LR)
+    trainer = _trainer(world_size, steps, constraints=TABLE_WISE_PLAN, pipeline=pipeline)
+    trainer.callbacks.append(Window())
+    batches = [to_batch(rank_share(b, rank, world_size)) for b in global_batches(steps, 16)]
+    with counter:
+        trainer.fit(model, DataLoader(batches, batch_size=None))
+    measured = steps - 2
+    return {
+        "per_step": counter.count / measured,
+        "lightning_rec": counter.count_from("/lightning_rec/") / measured,
+        "user": counter.count_from("/tests/helpers/user_models.py") / measured,
+        "lightning_rec_functions": sorted({fn for (_, (f, _, fn)) in counter.origins if "/lightning_rec/" in f}),
+        "origins": sorted(f"{op} {Path(f).name}:{line} {fn} x{n}" for (op, (f, line, fn)), n in counter.origins.items()),
     }
