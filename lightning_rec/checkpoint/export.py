@@ -122,7 +122,7 @@ def load_module(
     state = _assemble(path, "", verify_hashes)
     meta = safe_io.load_meta(path / layout.META_FILE, weights_only)
     module = _instantiate(cls, meta, kwargs)
-    strict = (module.strict_loading if strict is None else strict) if hasattr(module, "strict_loading") else True
+    strict = getattr(module, "strict_loading", True) if strict is None else strict
     if is_overridden("configure_model", module):
         module.configure_model()
     module.on_load_checkpoint({**meta, "state_dict": state})
