@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
+from lightning_rec.checkpoint import CheckpointError
 from lightning_rec.dmp import materialize_dense
 from lightning_rec.unsharded import _Reorder
 from tests.helpers.dist import launch, run_ranks
@@ -70,6 +71,8 @@ def test_a_values_model_trains_like_plain_pytorch_on_any_plan_reshards_and_loads
     with torch.no_grad():
         logits = model(to_batch(samples(16, 99))).tolist()
     assert logits == pytest.approx(two[0]["ref_logits"], abs=TOL)
+    with pytest.raises(CheckpointError, match=r"extra.weight: built on meta and not in the checkpoint"):
+        _Extra.load_from_checkpoint(tmp_path / "two" / "ckpt", strict=False)  # never uninitialised memory
     # logger=False: no report files, anywhere.
     assert not list(tmp_path.rglob("sharding_plan.*"))
 
@@ -120,6 +123,14 @@ def test_reordering_a_keyed_tensor_keeps_values_and_gradients():
     assert values.grad[0].tolist() == [0.0, 1.0, 3.0, 4.0, 5.0, 2.0]
     ec = {"item": 1, "user": 2}
     assert list(_Reorder(["user", "item"])(ec)) == ["user", "item"]
+
+
+class _Extra(ValuesModel):
+    """The model plus a layer on meta that no checkpoint of ValuesModel holds."""
+
+    def __init__(self, seed: int = 7, lr: float = 0.05, fmt: str = "dict", batchnorm: bool = False) -> None:
+        super().__init__(seed, lr, fmt, batchnorm)
+        self.extra = nn.Linear(2, 2, device="meta")
 
 
 class _Randn(nn.Module):
