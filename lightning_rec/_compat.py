@@ -39,6 +39,10 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: F401
 # private path (TorchRec imports it from there too); checkpointing has to recognise them.
 from torch.distributed._shard.sharded_tensor import ShardedTensor  # noqa: F401
 
+# torch: the dispatch-mode base class (what sees every aten op, e.g. to count host syncs in
+# lightning_rec.testing) lives only under a private module path; torch's own docs import it from there.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+
 # TorchRec tags the per-call `nn.Parameter` views of fused (TBE) tables with this attribute: the optimizer
 # living in the backward pass owns them, so a dense optimizer must never see them.
 IN_BACKWARD_OPTIMIZER_ATTR = "_in_backward_optimizers"

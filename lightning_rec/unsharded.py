@@ -183,20 +183,16 @@ def capture_weights(module: nn.Module, module_types: Sequence[Type[nn.Module]]) 
 @torch.no_grad()
 def restore_weights(
     sharded_root: nn.Module, held: Dict[str, Dict[str, torch.Tensor]], pg: Optional[dist.ProcessGroup] = None
-) -> List[str]:
+) -> None:
     """Copy the weights captured by :func:`capture_weights` into the sharded modules: each rank fills its own shards
     (row and column slices of the full table), replicated tables are filled whole.
 
     With several ranks, the held weights are first compared across ranks (three float64 reductions per table): if
     a table differs, rank 0's rows are broadcast and used, as DDP does for dense layers, with a warning naming the
     tables.
-
-    Returns:
-        the names (``path.key``) of the tensors written.
     """
     if pg is not None and dist.get_world_size(pg) > 1:
         _agree_with_rank_zero(held, pg)
-    written: List[str] = []
     for path, tensors in held.items():
         sharded = sharded_root.get_submodule(path) if path else sharded_root
         targets = sharded.state_dict()
@@ -204,8 +200,6 @@ def restore_weights(
             if key not in targets:
                 continue
             _copy_into(targets[key], source, f"{path}.{key}" if path else key)
-            written.append(f"{path}.{key}" if path else key)
-    return written
 
 
 def _copy_into(target: Any, source: torch.Tensor, name: str) -> None:

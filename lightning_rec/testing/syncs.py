@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_rec import _compat
 
 __all__ = ["SyncCounter"]
 
@@ -45,7 +46,7 @@ def _origin() -> Tuple[str, int, str]:
     return "?", 0, "?"
 
 
-class SyncCounter(TorchDispatchMode):
+class SyncCounter(_compat.TorchDispatchMode):
     """Counts the synchronising ops run while it is active, and where each was asked for.
 
     ``Tensor.tolist`` dispatches no op, so it is counted by wrapping the method while the counter is entered. The
