@@ -90,3 +90,21 @@ def default_store() -> "Optional[object]":
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def tensor_version(tensor: object) -> int:
+    """How many times ``tensor`` (or a view of its storage) was changed in place: torch's autograd version counter,
+    public in behaviour but underscore-named (``Tensor._version``). The input checks use it to notice a checked
+    KJT changed in place inside ``forward``."""
+    return tensor._version  # type: ignore[attr-defined]
+
+
+# Lightning: what `move_data_to_device` moves (anything with a `.to`); the strategy moves batches itself so that
+# TorchRec's batches and KJTs are copied without blocking (Lightning passes non_blocking to plain tensors only).
+from lightning.fabric.utilities.apply_func import _TransferableDataType  # noqa: E402, F401
+
+
+def call_batch_hook(module: object, name: str, *args: object) -> object:
+    """Run the LightningModule's (or the datamodule's) batch hook ``name`` the way Lightning does (its private
+    ``_call_batch_hook``: the datamodule's override wins, with Lightning's profiling)."""
+    return module._call_batch_hook(name, *args)  # type: ignore[attr-defined]

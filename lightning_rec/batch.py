@@ -1,20 +1,25 @@
 """The batch type and how batches are built from per-sample rows.
 
 ``Batch`` is TorchRec's own (``torchrec.datasets.utils.Batch``: dense features, a ``KeyedJaggedTensor`` of
-sparse features, labels). It moves with ``.to(device)``, which is all Lightning needs to transfer it; plain
-dicts and tuples holding a ``KeyedJaggedTensor`` transfer the same way.
+sparse features, labels). It moves with ``.to(device)``; plain dicts and tuples holding a ``KeyedJaggedTensor``
+transfer the same way. :func:`to_device` moves any of them without blocking the host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
-__all__ = ["Batch", "RowCollator", "collate_rows"]
+from lightning_rec import _compat
+
+__all__ = ["Batch", "RowCollator", "collate_rows", "custom_batch_hooks", "to_device"]
 
 SparseValue = Union[int, Sequence[int], torch.Tensor]
 
@@ -97,3 +102,42 @@ class RowCollator:
         return collate_rows(
             rows, self.sparse_keys, dense_key=self.dense_key, sparse_key=self.sparse_key, label_key=self.label_key
         )
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (any collection of tensors, KJTs, TorchRec ``Batch`` objects and anything else with ``.to``) on
+    ``device``, copied without blocking the host when ``device`` is an accelerator.
+
+    Lightning's ``move_data_to_device`` passes ``non_blocking=True`` to plain tensors only, so a TorchRec ``Batch`` or
+    ``KeyedJaggedTensor`` is copied blocking (the host waits for the copy and for everything queued before it).
+    From pinned memory (``DataLoader(pin_memory=True)``) a non-blocking copy overlaps the device's work.
+
+    Example::
+
+        >>> to_device({"dense": torch.ones(2)}, torch.device("cpu"))["dense"]
+        tensor([1., 1.])
+    """
+    non_blocking = device.type != "cpu"  # a non-blocking copy *to* the host could be read before it lands
+
+    def move(data: Any) -> Any:
+        if isinstance(data, (torch.Tensor, Pipelineable)):
+            return data.to(device, non_blocking=non_blocking)
+        return data.to(device)
+
+    return apply_to_collection(batch, _compat._TransferableDataType, move)
+
+
+def custom_batch_hooks(module: Any, datamodule: Optional[Any] = None) -> Tuple[bool, bool]:
+    """Whether ``module`` or ``datamodule`` overrides Lightning's ``transfer_batch_to_device`` and
+    ``on_after_batch_transfer`` hooks (read once per run: calling Lightning's default hooks costs Python per step).
+
+    Example::
+
+        >>> import lightning as L
+        >>> custom_batch_hooks(L.LightningModule())
+        (False, False)
+    """
+    def overridden(name: str) -> bool:
+        return is_overridden(name, module) or (datamodule is not None and is_overridden(name, datamodule))
+
+    return overridden("transfer_batch_to_device"), overridden("on_after_batch_transfer")

@@ -226,7 +226,7 @@ def explain(
     )
 
 
-def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False) -> str:
+def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False, batch: Optional[int] = None) -> str:
     """Where ``trainer`` is, for error messages: ``"training step 12 (epoch 0, batch 12)"``,
     ``"validation batch 3"``, ...
 
@@ -234,6 +234,8 @@ def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False) 
         trainer: the Lightning Trainer.
         ahead: the batch in question is that many batches after the current one.
         transferring: called while the batch is moved to the device, before Lightning counts it.
+        batch: the batch in question is this one of the current training epoch (e.g. one a pipelined loader
+            fetches ahead of Lightning); overrides ``ahead`` and ``transferring``.
 
     The step is Lightning's ``global_step`` (optimizer steps done before this one: the ``step`` its loggers use);
     batches count from 0 in their epoch or loop.
@@ -243,6 +245,9 @@ def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False) 
 
     stage = trainer.state.stage
     if stage == RunningStage.TRAINING:
+        started = trainer.fit_loop.epoch_loop.batch_idx + 1  # batches of this epoch handed to the device so far
+        if batch is not None:
+            ahead, ahead_batches = batch - started, batch - started + 1
         batch = trainer.fit_loop.epoch_loop.batch_idx + ahead_batches
         return f"training step {trainer.global_step + ahead} (epoch {trainer.current_epoch}, batch {batch})"
     loops = {

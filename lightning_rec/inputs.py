@@ -1,4 +1,5 @@
-"""Checks of what enters the sharded tables and the loss, so that bad data fails loudly, precisely and early.
+"""Checks of what enters the sharded tables and the loss, so that bad data fails loudly, precisely and early,
+without making the GPU wait.
 
 TorchRec trusts its inputs. Out of the box, an id outside its table is remapped to row 0 (with a warning on
 CPU, silently with ``bounds_check_mode=IGNORE``) and training goes on with the wrong row; a
@@ -8,16 +9,26 @@ sharded module freezes the order it saw first); lengths that do not add up to th
 behaviour inside FBGEMM's kernels. And a NaN in a dense input or in the loss reaches the fused embedding
 optimizer, which writes it into the table rows inside the backward pass, for good.
 
-:class:`InputChecks` (owned by :class:`~lightning_rec.RecShardStrategy`) puts a check in front of every sharded
-embedding module's ``input_dist``: the one door through which every batch enters the tables, in plain training,
-evaluation and TorchRec's pipelined training alike. Every check runs before the input distribution, so before
-any collective, forward or backward: a rejected batch has changed no weight and no optimizer state. The errors
-(:class:`InputError`) name the module, the feature, the table, the offending value and what was expected, and
-the training step. The checks of one KJT live in :mod:`lightning_rec.kjt_check`; this module adds the dense
-inputs and the loss, and the wiring.
+:class:`InputChecks` (owned by :class:`~lightning_rec.RecShardStrategy`) checks every batch in two places:
 
-Cost (one CPU core, BENCHMARKS.md): ~0.05 ms per step for 4 features x 64 samples, ~0.12 ms for 8 features x
-4096 samples (130k ids), against steps of ~1.5 and ~60 ms; on CUDA a few host synchronisations per step.
+* **on the host, before the batch is copied to the device** (:meth:`InputChecks.check_host`): the contents of
+  every KJT (lengths, offsets, weights, each id against its feature's table) and every dense floating tensor
+  (NaN/inf). Reading host memory costs the device nothing: no host-device sync, so the host can keep queueing
+  work for the GPU. CPU tensors are read through numpy, without any torch op;
+* **at every sharded embedding module's door** (its ``input_dist``, which plain training, evaluation and
+  TorchRec's pipeline all go through): the features, dtypes and shapes against that module, which reads no
+  tensor contents. A KJT the host did not check (one built inside ``forward``, or changed in place there) has its
+  contents checked here too, which on a GPU costs one host sync per module and step.
+
+Every check runs before the input distribution, so before any collective, forward or backward: a rejected batch
+has changed no weight and no optimizer state. The errors (:class:`InputError`, :class:`NonFiniteError`) name the
+module, the feature, the table, the offending value and what was expected, and the training step.
+
+The loss is checked after the forward, where it is on the device: ``nonfinite="error"`` (the default) copies it
+to host memory without waiting and reads it at the next step (or before any checkpoint is written, and at the
+end of fitting), so a NaN loss is reported one step late, naming its step, after that step's update;
+``nonfinite="strict"`` reads it before the backward pass and refuses the step, at the cost of one host sync per
+step (BENCHMARKS.md). The checks of one KJT live in :mod:`lightning_rec.kjt_check`.
 """
 
 from __future__ import annotations
@@ -26,30 +37,34 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Tuple, Union
+import weakref
+from collections import deque
+from typing import Any, Callable, Deque, Dict, FrozenSet, Iterator, List, Literal, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.kjt_check import InputError, ModuleInputs, check_features, input_specs
+from lightning_rec import _compat
+from lightning_rec.kjt_check import FeatureTables, InputError, ModuleInputs, check_features, check_on_host, input_specs
 
 __all__ = [
-    "InputChecks", "InputError", "ModuleInputs", "NonFiniteError", "check_features", "check_finite", "input_specs",
+    "InputChecks", "InputError", "ModuleInputs", "NonFiniteError", "batch_leaves", "check_features", "check_finite",
+    "check_on_host", "input_specs",
 ]
 
-NonFinitePolicy = Literal["error", "warn", "ignore"]
+NonFinitePolicy = Literal["error", "strict", "warn", "ignore"]
+_POLICIES = ("error", "strict", "warn", "ignore")
 
 
 class NonFiniteError(ValueError):
-    """NaN or infinity in a dense input or in the loss, found before the backward pass could write it into the
-    tables (``RecShardStrategy(nonfinite="error")``, the default)."""
+    """NaN or infinity in a dense input (refused before the step) or in the loss (see ``nonfinite`` of
+    :class:`~lightning_rec.RecShardStrategy`)."""
 
 
 def check_finite(tensor: torch.Tensor, what: str, where: Union[str, Callable[[], str]] = "") -> Optional[str]:
     """``None`` if ``tensor`` is all finite, else a message naming ``what``, the first bad value and ``where`` (or
-    what the function ``where`` returns).
+    what the function ``where`` returns). Reads the tensor: on a device, the host waits for it.
 
     Example::
 
@@ -72,23 +87,48 @@ def check_finite(tensor: torch.Tensor, what: str, where: Union[str, Callable[[],
     )
 
 
-def floating_tensors(batch: Any, path: str = "batch") -> Iterator[Tuple[str, torch.Tensor]]:
-    """Every floating-point tensor of a batch (``Batch``, dataclass, mapping, sequence), with its path.
-    ``KeyedJaggedTensor``\\ s are skipped: their weights are checked where they enter the tables."""
-    if isinstance(batch, torch.Tensor):
-        if batch.is_floating_point():
-            yield path, batch
-    elif isinstance(batch, KeyedJaggedTensor):
-        return
+def batch_leaves(batch: Any, path: str = "batch") -> Iterator[Tuple[str, Any]]:
+    """Every tensor and ``KeyedJaggedTensor`` of a batch (``Batch``, dataclass, mapping, sequence), with its path.
+
+    Example::
+
+        >>> [path for path, _ in batch_leaves({"dense": torch.ones(2), "ids": [torch.zeros(1)]})]
+        ["batch['dense']", "batch['ids'][0]"]
+    """
+    if isinstance(batch, (torch.Tensor, KeyedJaggedTensor)):
+        yield path, batch
     elif isinstance(batch, Mapping):
         for key, value in batch.items():
-            yield from floating_tensors(value, f"{path}[{key!r}]")
+            yield from batch_leaves(value, f"{path}[{key!r}]")
     elif isinstance(batch, (list, tuple)):
         for i, value in enumerate(batch):
-            yield from floating_tensors(value, f"{path}[{i}]")
+            yield from batch_leaves(value, f"{path}[{i}]")
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         for field in dataclasses.fields(batch):
-            yield from floating_tensors(getattr(batch, field.name), f"{path}.{field.name}")
+            yield from batch_leaves(getattr(batch, field.name), f"{path}.{field.name}")
+
+
+@dataclasses.dataclass
+class _Trusted:
+    """A device KJT whose contents were checked on the host: its features, and its tensors as they were then."""
+
+    features: FrozenSet[str]
+    values: "weakref.ref[torch.Tensor]"
+    lengths_storage: int
+    version: int
+
+
+@dataclasses.dataclass
+class _PendingLoss:
+    """A loss on its way to host memory, read one step later."""
+
+    where: str
+    value: torch.Tensor  # host memory (pinned on CUDA), written by a non-blocking copy
+    copied: Optional[Any]  # the CUDA event recorded after the copy (None on CPU: already there)
+
+
+HostChecked = List[Tuple[str, KeyedJaggedTensor, FrozenSet[str]]]
+"""What :meth:`InputChecks.check_host` checked: (path, host KJT, its checked features), for :meth:`InputChecks.trust`."""
 
 
 class InputChecks:
@@ -97,30 +137,40 @@ class InputChecks:
     Args:
         check_ids: check that every id lies in its table (``bounds_check="error"``).
         check_structure: check the KJTs' features, lengths and dtypes (off only with ``bounds_check="none"``).
-        nonfinite: NaN/inf in a dense input or the loss: ``"error"`` (raise :class:`NonFiniteError` before the
-            backward pass), ``"warn"`` (warn and go on) or ``"ignore"`` (no check).
+        nonfinite: NaN/inf in a dense input (always refused before the step, or warned about) or the loss:
+            ``"error"`` (the loss is read one step later, without a host sync, and :class:`NonFiniteError` names its
+            step), ``"strict"`` (the loss is read before the backward pass, which it then refuses: one host sync
+            per step), ``"warn"`` (warn one step later and go on) or ``"ignore"`` (no check).
         position: describes where training is, given how many batches ahead of the current step the checked
-            batch is (``1`` while a pipelined strategy distributes the next batch's inputs).
+            batch is (``1`` while a pipelined strategy distributes the next batch's inputs), and optionally the
+            checked batch's index in its epoch.
 
     Example::
 
-        checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead: f"step {ahead}")
+        checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: f"step {ahead}")
         specs = input_specs(model, [EmbeddingBagCollection])            # before sharding
         checks.install(dmp.module, specs)                               # after: the sharded modules' doors
-        checks.check_batch(batch)            # dense inputs, before the forward
-        checks.check_loss(loss)              # before the backward
+        checked = checks.check_host(batch)     # before the copy to the device
+        batch = batch.to(device, non_blocking=True)
+        checks.trust(checked, batch)           # the doors need not read these KJTs again
+        checks.check_loss(loss)                # before the backward
     """
 
     def __init__(
-        self, check_ids: bool, nonfinite: NonFinitePolicy, position: Callable[[int], str], check_structure: bool = True
+        self, check_ids: bool, nonfinite: NonFinitePolicy, position: Callable[..., str], check_structure: bool = True
     ) -> None:
-        if nonfinite not in ("error", "warn", "ignore"):
-            raise ValueError(f"nonfinite must be 'error', 'warn' or 'ignore', got {nonfinite!r}.")
+        if nonfinite not in _POLICIES:
+            raise ValueError(f"nonfinite must be one of {', '.join(map(repr, _POLICIES))}, got {nonfinite!r}.")
         self.check_ids = check_ids
         self.check_structure = check_structure or check_ids
         self.nonfinite = nonfinite
+        self.tables = FeatureTables({})
         self._position = position
         self._ahead = 0
+        self._batch: Optional[int] = None
+        self._trusted: Dict[int, _Trusted] = {}  # by the data pointer of a checked device KJT's values
+        self._pending: Deque[_PendingLoss] = deque()
+        self.door_reads = 0  # KJTs whose contents were read at a module's door (not checked on the host)
 
     @contextlib.contextmanager
     def ahead(self, batches: int = 1) -> Iterator[None]:
@@ -131,16 +181,26 @@ class InputChecks:
         finally:
             self._ahead -= batches
 
+    @contextlib.contextmanager
+    def at_batch(self, index: int) -> Iterator[None]:
+        """Within this block, checked inputs belong to batch ``index`` of the current epoch."""
+        self._batch, outer = index, self._batch
+        try:
+            yield
+        finally:
+            self._batch = outer
+
     def where(self) -> str:
         """Where training is now, for messages."""
         try:
-            return self._position(self._ahead)
+            return self._position(self._ahead) if self._batch is None else self._position(self._ahead, self._batch)
         except Exception:  # noqa: BLE001 - a message must never fail the check it explains
             return ""
 
     def install(self, sharded_root: nn.Module, specs: Mapping[str, ModuleInputs]) -> None:
         """Put :func:`check_features` in front of ``input_dist`` of each sharded module named in ``specs`` (paths
         in ``sharded_root``, the module DMP wraps); without structure checks, take it away. Idempotent."""
+        self.tables = FeatureTables.of(specs)
         for path, spec in specs.items():
             sharded = sharded_root.get_submodule(path)
             original = getattr(sharded, "_lightning_rec_input_dist", None)
@@ -153,7 +213,7 @@ class InputChecks:
             checks = self
 
             def input_dist(ctx: Any, features: Any, *args: Any, _original=original, _spec=spec, **kwargs: Any) -> Any:
-                features = check_features(features, _spec, check_ids=checks.check_ids, where=checks.where)
+                features = checks.at_door(features, _spec)
                 return _original(ctx, features, *args, **kwargs)
 
             # An instance attribute shadows the method: TorchRec calls `module.input_dist(...)` both from the
@@ -161,42 +221,163 @@ class InputChecks:
             object.__setattr__(sharded, "_lightning_rec_input_dist", original)
             object.__setattr__(sharded, "input_dist", input_dist)
 
-    def check_batch(self, batch: Any) -> None:
-        """Check the batch's dense inputs (every floating tensor outside the KJTs) for NaN/inf."""
-        if self.nonfinite == "ignore":
+    # ---------------------------------------------------------------------------------------------------------
+    # Batches: contents on the host, the rest at the door
+    # ---------------------------------------------------------------------------------------------------------
+
+    def check_host(self, batch: Any) -> HostChecked:
+        """Check a batch before it is copied to the device: NaN/inf in its dense floating tensors, and the contents
+        of its KJTs (see :func:`~lightning_rec.kjt_check.check_on_host`). Raises :class:`NonFiniteError` or
+        :class:`InputError`; returns what to :meth:`trust` once the batch is on the device."""
+        leaves = list(batch_leaves(batch))
+        if self.nonfinite != "ignore":
+            self._check_dense([(p, t) for p, t in leaves if isinstance(t, torch.Tensor)])
+        if not self.check_structure:
+            return []
+        checked: HostChecked = []
+        for path, kjt in leaves:
+            if isinstance(kjt, KeyedJaggedTensor):
+                features = check_on_host(kjt, self.tables, check_ids=self.check_ids, where=self.where)
+                if features:
+                    checked.append((path, kjt, features))
+        return checked
+
+    def trust(self, checked: HostChecked, device_batch: Any) -> None:
+        """Let the doors skip reading the contents of ``device_batch``'s KJTs that :meth:`check_host` checked (the
+        same paths, keys and sizes), until they are freed or changed in place."""
+        self._trusted = {ptr: t for ptr, t in self._trusted.items() if t.values() is not None}
+        if not checked:
             return
-        if type(batch) is Batch:  # the common case, without walking the structure
-            found = [("batch.dense_features", batch.dense_features), ("batch.labels", batch.labels)]
-        else:
-            found = list(floating_tensors(batch))
-        found = [(path, t) for path, t in found if t.is_floating_point() and t.numel()]
+        on_device = dict(batch_leaves(device_batch))
+        for path, host, features in checked:
+            kjt = on_device.get(path)
+            if not isinstance(kjt, KeyedJaggedTensor) or not _same_form(host, kjt):
+                continue  # a custom transfer moved things around: the door reads it
+            values = kjt.values()
+            self._trusted[values.untyped_storage().data_ptr()] = _Trusted(
+                features, weakref.ref(values), _lengths_storage(kjt), _compat.tensor_version(values)
+            )
+
+    def at_door(self, features: Any, spec: ModuleInputs) -> KeyedJaggedTensor:
+        """Check what a sharded module is given (its contents only if the host did not check them)."""
+        trusted = self._trusted_features(features)
+        data = trusted is None or not trusted.issuperset(features.keys())
+        self.door_reads += data
+        return check_features(features, spec, check_ids=self.check_ids, where=self.where, data=data)
+
+    def _trusted_features(self, kjt: Any) -> Optional[FrozenSet[str]]:
+        if not isinstance(kjt, KeyedJaggedTensor) or not self._trusted:
+            return None
+        values = kjt.values()
+        if not isinstance(values, torch.Tensor) or values.numel() == 0:
+            return None
+        entry = self._trusted.get(values.untyped_storage().data_ptr())
+        if (
+            entry is None or entry.values() is None or entry.lengths_storage != _lengths_storage(kjt)
+            or entry.version != _compat.tensor_version(values)
+        ):
+            return None
+        return entry.features
+
+    def _check_dense(self, tensors: List[Tuple[str, torch.Tensor]]) -> None:
+        found = [(path, t) for path, t in tensors if t.is_floating_point() and t.numel()]
         if not found:
             return
-        # One reduction per tensor, one host sync: a float64 sum of finite values is finite (on CUDA the float32
-        # sum may overflow near float max; then check_finite looks closer).
-        sums = torch.stack([t.sum(dtype=torch.float64 if t.is_cpu else None).to(torch.float64) for _, t in found])
-        for (path, tensor), total in zip(found, sums.tolist()):
+        # One reduction per tensor, one read: a float64 sum of finite values is finite (on CUDA, where the float32
+        # sum may overflow near float max, check_finite looks closer).
+        host = [t for _, t in found if t.device.type == "cpu"]
+        sums = [t.sum(dtype=torch.float64) for t in host]
+        totals = torch.stack(sums).numpy().tolist() if sums else []
+        others = [t for _, t in found if t.device.type != "cpu"]  # already on a device: reading them waits for it
+        totals += torch.stack([t.sum().to(torch.float64) for t in others]).tolist() if others else []
+        ordered = [(p, t) for p, t in found if t.device.type == "cpu"] + [(p, t) for p, t in found if t.device.type != "cpu"]
+        for (path, tensor), total in zip(ordered, totals):
             if math.isfinite(total):
                 continue
             message = check_finite(tensor, f"the dense input {path}", self.where)
             if message is not None:
-                self._report(message, "HINT: clean or impute the data (e.g. `torch.nan_to_num`).")
+                self._report(message, "HINT: clean or impute the data (e.g. `torch.nan_to_num`).", before=True)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # The loss
+    # ---------------------------------------------------------------------------------------------------------
 
     def check_loss(self, loss: torch.Tensor) -> None:
-        """Check the loss before the backward pass (which would write NaN into the tables)."""
+        """Check the loss before the backward pass (which would write a NaN into the tables): at once in
+        ``"strict"`` mode, else by reading earlier steps' losses and sending this one to host memory."""
         if self.nonfinite == "ignore" or not isinstance(loss, torch.Tensor):
             return
-        message = check_finite(loss.detach(), "the loss", self.where)
-        if message is not None:
-            self._report(
-                message, "HINT: lower the learning rate, clip dense gradients (`gradient_clip_val`), check the inputs "
-                "and labels, and resume from the last checkpoint."
-            )
+        if self.nonfinite == "strict":
+            message = check_finite(loss.detach(), "the loss", self.where)
+            if message is not None:
+                self._report(message, _HINT_LOSS, before=True)
+            return
+        self.poll(wait=False)
+        value = loss.detach().float().sum()
+        copied = None
+        if value.device.type != "cpu":
+            host = torch.empty((), dtype=torch.float32, pin_memory=value.device.type == "cuda")
+            host.copy_(value, non_blocking=True)
+            if value.device.type == "cuda":
+                copied = torch.cuda.Event()
+                copied.record()
+            value = host
+        self._pending.append(_PendingLoss(self.where(), value, copied))
 
-    def _report(self, message: str, hint: str) -> None:
-        if self.nonfinite == "error":
-            raise NonFiniteError(
-                f"{message} Nothing was updated with this batch. {hint} "
-                "`RecShardStrategy(nonfinite='warn')` only warns (and trains on)."
-            )
+    def poll(self, wait: bool = True) -> None:
+        """Report the losses sent to host memory by :meth:`check_loss` that are non-finite. Without ``wait``, only
+        those whose copy is done (the host waits only if it runs more than two steps ahead of the device)."""
+        while self._pending:
+            pending = self._pending[0]
+            if pending.copied is not None and not pending.copied.query():
+                if not wait and len(self._pending) <= 2:
+                    return
+                pending.copied.synchronize()
+            self._pending.popleft()
+            value = float(pending.value.numpy())  # host memory: no torch op
+            if not math.isfinite(value):
+                self._pending.clear()
+                self._report(
+                    f"{pending.where + ': ' if pending.where else ''}the loss is {value}.", _HINT_LOSS, before=False
+                )
+
+    def forget(self) -> None:
+        """Drop losses not yet read (after a failure: nothing more to report)."""
+        self._pending.clear()
+
+    def _report(self, message: str, hint: str, before: bool) -> None:
+        if self.nonfinite in ("error", "strict"):
+            if before:
+                message += " Nothing was updated with this batch."
+            else:
+                message += (
+                    " It was found after that step's update (`nonfinite='error'` reads the loss one step late, so that "
+                    "the GPU never waits): the tables and optimizer state may hold NaN/inf since then; no checkpoint "
+                    "was written after it. `nonfinite='strict'` refuses such a step before its update (one host sync "
+                    "per step)."
+                )
+            raise NonFiniteError(f"{message} {hint} `RecShardStrategy(nonfinite='warn')` only warns (and trains on).")
         warnings.warn(f"{message} Training goes on (nonfinite='warn').", stacklevel=3)
+
+
+_HINT_LOSS = (
+    "HINT: lower the learning rate, clip dense gradients (`gradient_clip_val`), check the inputs and labels, and "
+    "resume from the last checkpoint."
+)
+
+
+def _lengths_storage(kjt: KeyedJaggedTensor) -> int:
+    lengths = kjt.lengths_or_none()
+    lengths = lengths if lengths is not None else kjt.offsets_or_none()
+    return lengths.untyped_storage().data_ptr() if isinstance(lengths, torch.Tensor) else 0
+
+
+def _same_form(host: KeyedJaggedTensor, device: KeyedJaggedTensor) -> bool:
+    """Whether ``device`` is ``host`` copied: the same keys and sizes (metadata only)."""
+    if host is device:
+        return True
+    pairs = [(host.values(), device.values()), (host.lengths_or_none(), device.lengths_or_none()),
+             (host.offsets_or_none(), device.offsets_or_none()), (host.weights_or_none(), device.weights_or_none())]
+    return host.keys() == device.keys() and all(
+        (a is None) == (b is None) and (a is None or a.shape == b.shape) for a, b in pairs
+    )

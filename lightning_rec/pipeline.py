@@ -7,9 +7,10 @@ bypass Lightning's closure, hooks, precision and logging. Here the same machiner
 queue, contexts, streams and model rewrite) is driven from Lightning's hooks instead, so the step stays
 Lightning's:
 
-* the train DataLoader is wrapped (:class:`PipelinedLoader`): batches are copied to the device on TorchRec's
-  copy stream and queued with their contexts one batch ahead of what Lightning has taken, so while batch *i*
-  runs, batch *i+1* is already queued;
+* the train DataLoader is wrapped (:class:`PipelinedLoader`): batches are checked on the host
+  (:meth:`~lightning_rec.inputs.InputChecks.check_host`), copied to the device on TorchRec's copy stream and
+  queued with their contexts one batch ahead of what Lightning has taken, so while batch *i* runs, batch *i+1* is
+  already queued (a bad batch is therefore refused a step or two before its own step, naming that step);
 * at the start of step *i* (:meth:`SparseDistPipeline.begin_step`): the finished batch *i-1* leaves the queue,
   batch *i*'s input distribution is completed, and batch *i+1*'s is started (its splits all-to-all);
 * before step *i*'s backward (:meth:`SparseDistPipeline.before_backward`): batch *i+1*'s data all-to-all is
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, Deque, Iterator, Optional
+from typing import Any, Deque, Iterator, List, Optional
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
@@ -134,11 +135,23 @@ class SparseDistPipeline:
         self.engine.reset()
         self._running = False
 
-    def enqueue(self, iterator: Iterator[Any]) -> Any:
-        """Fetch the next batch, copy it to the device on the copy stream, queue it; ``StopIteration`` at the end."""
-        if not self.engine.enqueue_batch(map(_pipelineable, iterator)):
+    def enqueue(self, iterator: Iterator[Any], index: Optional[int] = None) -> Any:
+        """Fetch the next batch (``index`` in its epoch, for messages), check it on the host, copy it to the device
+        on the copy stream, queue it; ``StopIteration`` at the end."""
+        checked: List[Any] = []
+
+        def check(batch: Any) -> Any:
+            if self._input_checks is not None:
+                with self._input_checks.at_batch(index) if index is not None else contextlib.nullcontext():
+                    checked.append(self._input_checks.check_host(batch))
+            return _pipelineable(batch)
+
+        if not self.engine.enqueue_batch(map(check, iterator)):
             raise StopIteration
-        return _unwrap(self.engine.batches[-1])
+        batch = _unwrap(self.engine.batches[-1])
+        if self._input_checks is not None and checked:
+            self._input_checks.trust(checked[0], batch)
+        return batch
 
     def begin_step(self) -> Any:
         """Make the head of the queue the current batch, with its inputs distributed; start the next one's.
@@ -202,11 +215,13 @@ class PipelinedLoader:
         iterator = iter(self.dataloader)
         ahead: Deque[Any] = deque()  # queued in the pipeline, not yet handed to Lightning
         exhausted = False
+        fetched = 0
         while True:
             # Keep one batch queued beyond the one handed out: its input distribution overlaps this step.
             while len(ahead) < 2 and not exhausted:
                 try:
-                    ahead.append(self.pipeline.enqueue(iterator))
+                    ahead.append(self.pipeline.enqueue(iterator, fetched))
+                    fetched += 1
                 except StopIteration:
                     exhausted = True
             if not ahead:

@@ -59,6 +59,7 @@ from lightning_rec.dmp import (
     unfused_table_parameters,
 )
 from lightning_rec.faults import FailureBoard, close_process_group_at_exit, describe_position, note_failure
+from lightning_rec.batch import custom_batch_hooks, to_device
 from lightning_rec.inputs import InputChecks, NonFinitePolicy, input_specs
 from lightning_rec.optim import (
     EmbeddingOptimizer,
@@ -105,9 +106,12 @@ class RecShardStrategy(ParallelStrategy):
             default: warn and read row 0 instead), ``"ignore"`` (silently read row 0) or ``"none"`` (no check at all,
             not even of the features, lengths and dtypes that the other modes check: undefined on bad input; for
             benchmarks). See :mod:`lightning_rec.inputs`.
-        nonfinite: NaN or infinity in a dense input or in the loss: ``"error"`` (default: a
-            :class:`~lightning_rec.inputs.NonFiniteError` naming the step, before the backward pass could write it
-            into the tables), ``"warn"`` or ``"ignore"``.
+        nonfinite: NaN or infinity in a dense input or in the loss. ``"error"`` (default): a
+            :class:`~lightning_rec.inputs.NonFiniteError` naming the step; a dense input is refused before its step
+            (checked on the host), a loss is read one step late without making the GPU wait (reported before the
+            next update, any checkpoint and the end of fitting; that step's own update has happened).
+            ``"strict"``: the loss too is refused before its backward pass, at one host sync per step. ``"warn"``
+            (warn and train on) or ``"ignore"``.
         process_group_backend: ``"gloo"``/``"nccl"``; default: nccl on CUDA, gloo on CPU.
         timeout: how long a collective waits for the other ranks before failing (a ``timedelta`` or seconds). When a
             rank dies or raises, the others fail at once; this bounds the wait for one that hangs. Default: 5
@@ -186,6 +190,7 @@ class RecShardStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._failures: Optional[FailureBoard] = None
         self._transferring = False
+        self._batch_hooks: Tuple[bool, bool] = (False, False)  # transfer_batch_to_device, on_after_batch_transfer
         self._static_graph = static_graph
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
@@ -344,6 +349,7 @@ class RecShardStrategy(ParallelStrategy):
             )
         self.model = state.dmp
         self._input_checks.install(state.dmp.module, state.inputs)
+        self._batch_hooks = custom_batch_hooks(module, trainer.datamodule)
 
         if fitting:
             self._rec_optimizer, self.optimizers = combine_optimizers(
@@ -366,17 +372,33 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Check the batch on the host, copy it to the device without blocking, run the module's transfer hooks.
+
+        Lightning's own transfer copies a TorchRec ``Batch`` or KJT blocking (it passes ``non_blocking`` to plain
+        tensors only); here every tensor, KJT and ``Pipelineable`` is copied with ``non_blocking=True`` (from pinned
+        memory, e.g. ``DataLoader(pin_memory=True)``, the copy then overlaps the GPU's work). A
+        ``transfer_batch_to_device`` override (module or datamodule) is called instead, as Lightning calls it."""
         self._transferring = True  # Lightning counts the batch only once it is on the device (reset on exception)
         if self._pipeline is not None and self.lightning_module.trainer.training:
-            batch = self._pipeline.begin_step()  # already on the device, its inputs checked and distributed
+            batch = self._pipeline.begin_step()  # already on the device, checked on the host and distributed
         else:
-            batch = super().batch_to_device(batch, device, dataloader_idx)
-        self._input_checks.check_batch(batch)
+            checked = self._input_checks.check_host(batch)
+            module = self.lightning_module
+            custom_transfer, custom_after = self._batch_hooks
+            device = device or self.root_device
+            if custom_transfer:
+                batch = _compat.call_batch_hook(module, "transfer_batch_to_device", batch, device, dataloader_idx)
+            else:
+                batch = to_device(batch, device)
+            self._input_checks.trust(checked, batch)
+            if custom_after:
+                batch = _compat.call_batch_hook(module, "on_after_batch_transfer", batch, dataloader_idx)
         self._transferring = False
         return batch
 
     @override
     def on_validation_start(self) -> None:
+        self._input_checks.poll()  # report a non-finite training loss before evaluating its weights
         if self._pipeline is not None:
             self._pipeline.detach()  # evaluation runs the sharded modules' own forwards
 
@@ -386,6 +408,7 @@ class RecShardStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         if self._pipeline is not None:
             self._pipeline.reset()
+        self._input_checks.poll()  # the last steps' losses (nonfinite="error" reads them one step late)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -416,6 +439,7 @@ class RecShardStrategy(ParallelStrategy):
         which rank and why (see :mod:`lightning_rec.faults`)."""
         position = self._describe_position(0)
         self._transferring = False
+        self._input_checks.forget()
         note_failure()  # this process's exit must not wait for the others
         if self._failures is not None:
             self._failures.handle(exception, position, self.world_size, self._timeout, type(self).__name__)
@@ -490,6 +514,7 @@ class RecShardStrategy(ParallelStrategy):
         see :mod:`lightning_rec.checkpoint`)."""
         if storage_options is not None:
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        self._input_checks.poll()  # never write weights that a non-finite loss has reached
         path = Path(self.broadcast(str(filepath)))
         state = sharded_state(self.lightning_module)
         info: Dict[str, Any] = {}
@@ -551,10 +576,12 @@ class RecShardStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
-    def _describe_position(self, ahead: int) -> str:
+    def _describe_position(self, ahead: int, batch: Optional[int] = None) -> str:
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        return describe_position(trainer, ahead, transferring=self._transferring) if trainer is not None else ""
+        if trainer is None:
+            return ""
+        return describe_position(trainer, ahead, transferring=self._transferring, batch=batch)
 
     def _module_types(self) -> List[type]:
         """Module types that get sharded: TorchRec's two collections plus any extra sharder's."""

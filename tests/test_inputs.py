@@ -41,8 +41,6 @@ EXPECTED_ERRORS = {
     "empty": "InputError: training step 3 (epoch 0, batch 3): module 'ebc': the batch has no samples (stride 0).",
     "nan_dense": "NonFiniteError: training step 3 (epoch 0, batch 3): the dense input batch.dense_features has 1 "
     "NaN/infinite value(s), e.g. nan at index (3, 1). Nothing was updated with this batch.",
-    "overflowing_dense": "NonFiniteError: training step 3 (epoch 0, batch 3): the loss has 1 NaN/infinite value(s), "
-    "e.g. inf at index (). Nothing was updated with this batch.",
 }
 
 
@@ -62,14 +60,40 @@ def test_each_bad_batch_fails_at_its_step_naming_what_is_wrong_and_changes_nothi
         assert results[case]["losses"] == good["losses"], case
 
 
+def test_a_non_finite_loss_is_named_a_step_late_by_default_and_refused_before_its_update_when_strict(tmp_path):
+    """Dense inputs so large that the loss overflows to inf at step 3. By default the loss is read one step late
+    (no host sync): step 4's backward is refused, naming step 3; "strict" refuses step 3 itself."""
+    late = run_ranks(S + "bad_batches", 1, tmp_path, cases=["overflowing_dense"])[0]["overflowing_dense"]
+    assert late["error"].startswith(
+        "NonFiniteError: training step 3 (epoch 0, batch 3): the loss is inf. It was found after that step's update"
+    ), late["error"]
+    assert "nonfinite='strict'" in late["error"] and late["steps_done"] == 4  # step 3 updated, step 4 refused
+    assert math.isinf(late["losses"][3])
+    strict = run_ranks(S + "bad_batches", 1, tmp_path, cases=["overflowing_dense"], strategy={"nonfinite": "strict"})[0]
+    strict = strict["overflowing_dense"]
+    assert strict["error"].startswith(
+        "NonFiniteError: training step 3 (epoch 0, batch 3): the loss has 1 NaN/infinite value(s), e.g. inf at index (). "
+        "Nothing was updated with this batch."
+    ), strict["error"]
+    assert strict["steps_done"] == 3 and strict["weights_unchanged"] and strict["optimizer_unchanged"]
+
+
+def test_a_non_finite_loss_at_the_last_step_fails_the_fit_and_no_checkpoint_holds_it(tmp_path):
+    """The last step's loss is read before `fit` returns, and before any checkpoint is written after it."""
+    results = run_ranks(S + "nan_loss_at_end", 1, tmp_path)[0]
+    for case in ("error", "error_without_checkpoints"):
+        assert results[case].startswith("NonFiniteError: training step 5 (epoch 0, batch 5): the loss is inf."), results
+    assert results["checkpoints"] == ["step=3.ckpt"], results  # after step 2; the one after step 5 was refused
+
+
 def test_pipelined_training_refuses_a_bad_batch_before_its_step(tmp_path):
     results = run_ranks(S + "bad_batches", 1, tmp_path, cases=["id_too_large", "nan_dense"], strategy={"pipeline": True})[0]
     for case in ("id_too_large", "nan_dense"):
         assert results[case]["error"].startswith(EXPECTED_ERRORS[case]), results[case]["error"]
         assert results[case]["weights_unchanged"] and results[case]["optimizer_unchanged"]
-    # The next batch's ids are distributed (and checked) while the current step runs: step 2 stops too.
+    # Batches are checked on the host as the pipeline fetches them, a step ahead: step 2 stops too.
     assert results["id_too_large"]["steps_done"] == 2
-    assert results["nan_dense"]["steps_done"] == 3
+    assert results["nan_dense"]["steps_done"] == 2
 
 
 def test_warn_modes_train_on(tmp_path):
@@ -180,9 +204,18 @@ def test_nonfinite_policies():
     )
     batch = {"dense": torch.tensor([1.0, math.nan]), "ids": torch.tensor([1, 2]), "nested": [torch.zeros(1)]}
     with pytest.raises(NonFiniteError, match=r"^at step 7: the dense input batch\['dense'\] has 1 NaN"):
-        InputChecks(True, "error", position=lambda ahead: "at step 7").check_batch(batch)
-    with pytest.warns(UserWarning, match="Training goes on"):
-        InputChecks(True, "warn", position=lambda ahead: "").check_loss(torch.tensor(math.nan))
+        InputChecks(True, "error", position=lambda ahead: "at step 7").check_host(batch)
+    warn = InputChecks(True, "warn", position=lambda ahead: "step 2")
+    warn.check_loss(torch.tensor(math.nan))  # read one step late
+    with pytest.warns(UserWarning, match="^step 2: the loss is nan. Training goes on"):
+        warn.check_loss(torch.tensor(1.0))
+    error = InputChecks(True, "error", position=lambda ahead: "step 5")
+    error.check_loss(torch.tensor([1.0, math.inf]))
+    with pytest.raises(NonFiniteError, match="^step 5: the loss is inf. It was found after that step's update"):
+        error.poll()
+    error.poll()  # reported once
+    with pytest.raises(NonFiniteError, match="Nothing was updated with this batch"):
+        InputChecks(True, "strict", position=lambda ahead: "").check_loss(torch.tensor(math.nan))
     InputChecks(True, "ignore", position=lambda ahead: "").check_loss(torch.tensor(math.nan))
     with pytest.raises(ValueError, match="nonfinite must be"):
         InputChecks(True, "skip", position=lambda ahead: "")  # type: ignore[arg-type]

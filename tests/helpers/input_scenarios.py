@@ -116,6 +116,27 @@ def _bad_batch(world_size: int, case: str, at_step: int, steps: int, strategy: O
     }
 
 
+def nan_loss_at_end(rank: int, world_size: int, out_dir: Path, steps: int = 6) -> Dict[str, Any]:
+    """The loss of the last step (5) overflows. A checkpoint every 3 steps: after step 2, and after step 5, which
+    must not be written. Then without a checkpoint: `fit` itself must fail."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    result: Dict[str, Any] = {}
+    for name, callbacks in (("error", [ModelCheckpoint(out_dir / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)]),
+                            ("error_without_checkpoints", [])):
+        L.seed_everything(0)
+        batches = make_batches(steps, 16, seed=100)
+        batches[-1] = corrupt(batches[-1], "overflowing_dense")
+        trainer = _trainer(world_size, steps, {"constraints": ONE_TABLE_PLAN}, callbacks=callbacks)
+        try:
+            trainer.fit(RecModel(), DataLoader(batches, batch_size=None))
+            result[name] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            result[name] = f"{type(e).__name__}: {e}"
+    result["checkpoints"] = sorted(p.name for p in (out_dir / "ckpt").iterdir())
+    return result
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Property-based: random (mostly malformed) KeyedJaggedTensors thrown at a 1-process fit.
 # ------------------------------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
@@ -128,29 +129,128 @@ def ec_order(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
     }
 
 
-def syncs(rank: int, world_size: int, out_dir: Path, pipeline: bool = False, steps: int = 7) -> Dict[str, Any]:
-    """Count host syncs per training step (steps 3 to ``steps``), by who asked for them."""
+class _BatchValuesModel(ValuesModel):
+    """:class:`ValuesModel` on TorchRec's ``Batch`` (what TorchRec's own train pipeline takes)."""
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.over(torch.cat([self.ebc(batch.sparse_features).values(), batch.dense_features], dim=1)).squeeze(1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+        self.losses.append(loss.item())
+        return loss
+
+
+def _sync_batches(rank: int, world_size: int, steps: int, fmt: str) -> List[Any]:
+    from torchrec.datasets.utils import Batch
+
+    batches = [to_batch(rank_share(b, rank, world_size)) for b in global_batches(steps, 16)]
+    if fmt == "batch":
+        return [Batch(dense_features=b["dense"], sparse_features=b["sparse"], labels=b["label"]) for b in batches]
+    return batches
+
+
+def syncs(
+    rank: int, world_size: int, out_dir: Path, pipeline: bool = False, steps: int = 8, fmt: str = "dict",
+    loop: str = "recshard",
+) -> Dict[str, Any]:
+    """Count host syncs per training step (steps 3 to ``steps`` - 1), by who asked for them, in a recshard fit
+    (``loop="recshard"``) or in the hand-written TorchRec loop of the same model (``loop="raw"``: DMP, fused
+    Adagrad for the tables and torch's for the rest in a ``CombinedOptimizer``; ``TrainPipelineSparseDist`` with
+    ``pipeline``). Both call ``loss.item()`` once per step, as the model's ``training_step`` does."""
     from lightning_rec.testing import SyncCounter
 
     counter = SyncCounter()
     counter.active = False
-
-    class Window(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            counter.active = 2 <= trainer.global_step < steps  # from the end of step 2 to the end of the last
-
     L.seed_everything(0)
-    model = ValuesModel(lr=LR)
-    trainer = _trainer(world_size, steps, constraints=TABLE_WISE_PLAN, pipeline=pipeline)
-    trainer.callbacks.append(Window())
-    batches = [to_batch(rank_share(b, rank, world_size)) for b in global_batches(steps, 16)]
-    with counter:
-        trainer.fit(model, DataLoader(batches, batch_size=None))
-    measured = steps - 2
+    model = (_BatchValuesModel if fmt == "batch" else ValuesModel)(lr=LR)
+    batches = _sync_batches(rank, world_size, steps, fmt)
+    if loop == "raw":
+        with counter:
+            _raw_torchrec_loop(model, batches, counter, pipeline)
+    else:
+        class Window(L.Callback):
+            def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+                counter.active = 3 <= trainer.global_step < steps - 1  # steps 3 to steps - 2, as the raw loop
+
+        trainer = _trainer(world_size, steps - 1, constraints=TABLE_WISE_PLAN, pipeline=pipeline)
+        trainer.callbacks.append(Window())
+        with counter:
+            trainer.fit(model, DataLoader(batches, batch_size=None))
+    measured = steps - 4
     return {
         "per_step": counter.count / measured,
         "lightning_rec": counter.count_from("/lightning_rec/") / measured,
-        "user": counter.count_from("/tests/helpers/user_models.py") / measured,
         "lightning_rec_functions": sorted({fn for (_, (f, _, fn)) in counter.origins if "/lightning_rec/" in f}),
+        "by_op": {op: n / measured for op, n in sorted(_by_op(counter).items())},
         "origins": sorted(f"{op} {Path(f).name}:{line} {fn} x{n}" for (op, (f, line, fn)), n in counter.origins.items()),
     }
+
+
+def _by_op(counter: Any) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for (op, _), n in counter.origins.items():
+        out[op] = out.get(op, 0) + n
+    return out
+
+
+def _raw_torchrec_loop(model: Any, batches: List[Any], counter: Any, pipeline: bool) -> None:
+    """TorchRec by hand, as its tutorials write it; ``counter`` counts steps 3 to len(batches) - 2."""
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torch import nn
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    import torch.nn.functional as F
+
+    class WithLoss(nn.Module):  # TorchRec's pipeline wants forward(batch) -> (loss, output)
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, batch: Any) -> Any:
+            logits = self.inner(batch)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            return loss, (loss.detach(), logits.detach())  # progress() returns the second part
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR, "eps": 1e-10})
+    root = WithLoss(model) if pipeline else model
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+        constraints={t: ParameterConstraints(**c) for t, c in TABLE_WISE_PLAN.items()},
+    )
+    plan = planner.collective_plan(root, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(root, device=device, plan=plan, sharders=[sharder])
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.Adagrad(ps, lr=LR))
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    loader = DataLoader(batches, batch_size=None)
+    if pipeline:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        engine = TrainPipelineSparseDist(dmp, optimizer, device, execute_all_batches=True)
+        it = iter(loader)
+        for step in range(len(batches) - 1):
+            counter.active = 3 <= step < len(batches) - 1
+            loss, _ = engine.progress(it)
+            loss.item()
+    else:
+        for step, batch in enumerate(loader):
+            if step == len(batches) - 1:
+                break
+            counter.active = 3 <= step
+            batch = batch.to(device) if not isinstance(batch, dict) else {k: v.to(device) for k, v in batch.items()}
+            optimizer.zero_grad()
+            label = batch.labels if not isinstance(batch, dict) else batch["label"]
+            loss = F.binary_cross_entropy_with_logits(dmp(batch), label)
+            loss.backward()
+            optimizer.step()
+            loss.item()
+    counter.active = False
+    dist.destroy_process_group()
