@@ -38,8 +38,8 @@ def _instrument(events: List[Tuple[str, float]]) -> None:
     """Time stamps around the model's forward and every ``Tensor.backward`` (the same in every variant)."""
     build = workload._BenchModel.build
 
-    def timed_build(size, plain_tables=False):
-        model = build(size, plain_tables)
+    def timed_build(size, plain_tables=False, sparse=False):
+        model = build(size, plain_tables, sparse)
         forward = type(model).forward
 
         def timed_forward(self, batch):
@@ -154,7 +154,7 @@ def _phases(events: List[Tuple[str, float]], skip: int) -> Dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("variant", choices=["raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp"])
+    parser.add_argument("variant", choices=list(workload.VARIANTS))
     parser.add_argument("--size", default="realistic", choices=sorted(SIZES))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -175,13 +175,13 @@ def main() -> None:
     record: Dict[str, object] = {"variant": args.variant, "size": args.size, "steps": args.steps}
     if args.cprofile:
         profiler = cProfile.Profile()
-        profiler.runcall(_worker, args.variant, size, 0.01)
+        profiler.runcall(_worker, args.variant, size, 0.01, False)
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
         print(out.getvalue())
     else:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            _worker(args.variant, size, 0.01)
+            _worker(args.variant, size, 0.01, bandwidth=False)
         ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
         record["ops_ms"] = {e.key: round(e.self_cpu_time_total / 1000, 1) for e in ops[:12]}
         record["all_ops_ms"] = round(sum(e.self_cpu_time_total for e in ops) / 1000, 1)

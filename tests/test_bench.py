@@ -1,17 +1,29 @@
-"""`python -m lightning_rec.bench`: runs end to end (tiny size), checks raw vs recshard, prints the JSON line."""
+"""`python -m lightning_rec.bench`: runs end to end (tiny size, the GPU sizes shrunk on CPU, the real ones on a GPU),
+checks raw vs recshard, prints the JSON line."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
+import torch
 
-from lightning_rec.bench import check_identical, final_record, main, plot_batch_sweep
+from lightning_rec.bench import SIZES, check_identical, final_record, fused_params, main, plot_batch_sweep
 from lightning_rec.bench.runner import _free_port
+from lightning_rec.bench.workload import _batches
 from tests.helpers.dist import REPO
+
+
+def _bench(*args: str, timeout: float = 300):
+    out = subprocess.run([sys.executable, "-m", "lightning_rec.bench", *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_bench_tiny_runs_and_reports_the_ratios():
@@ -23,9 +35,75 @@ def test_bench_tiny_runs_and_reports_the_ratios():
     assert "tiny: raw and recshard trained identically (losses, plan, kernels)" in out.stdout
     final = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("recshard_vs_raw", "pipelined_vs_raw_pipeline", "overhead_ms", "recshard_vs_raw_2proc",
-                "recshard_vs_lightning_ddp", "rss_recshard_vs_raw", "rss_recshard_vs_lightning_ddp"):
+                "recshard_vs_lightning_ddp", "rss_recshard_vs_raw", "rss_recshard_vs_lightning_ddp",
+                "recshard_vs_lightning_sparse", "rss_recshard_vs_lightning_sparse", "recshard_vs_raw_criteo_onehot"):
         assert key in final
     assert isinstance(final["overhead_ms"], float)
+    assert final["optimizer"] == "sgd" and final["measured"]["tiny"]["rows"] == SIZES["tiny"].rows
+
+
+def _check_bandwidth(final, label, variants):
+    """The embedding bandwidth is the documented model, recomputed from the JSON's own numbers."""
+    size = final["measured"][label]
+    ids = size["tables"] * size["batch_size"] * size["pooling"]
+    for variant in variants:
+        row = final["by_size"][label][variant]
+        assert row["emb_gb_s"] == pytest.approx(ids * size["dim"] * 4 * 3 / (row["ms_per_step"] / 1000) / 1e9, rel=1e-3)
+        assert row["copy_gb_s"] > 0 and math.isfinite(row["copy_gb_s"])
+        assert row["emb_bw_frac"] == pytest.approx(row["emb_gb_s"] / row["copy_gb_s"], rel=1e-3)
+        assert 0 < row["emb_bw_frac"] and math.isfinite(row["emb_bw_frac"])  # CPU caches can take it above 1
+
+
+def test_bench_gpu_size_shrunk_on_cpu_reports_both_plain_lightning_peers():
+    variants = ["raw", "recshard", "lightning_sparse", "lightning_ddp"]
+    stdout, final = _bench("--sizes", "criteo_multihot", "--rows", "1000", "--batch-sizes", "128", "--steps", "4",
+                           "--warmup", "2", "--repeats", "1", "--optimizer", "adagrad", "--variants", ",".join(variants))
+    # Adagrad: FBGEMM's EXACT_ADAGRAD in the hand-written loop, derived from torch.optim.Adagrad by recshard.
+    assert "criteo_multihot: raw and recshard trained identically (losses, plan, kernels)" in stdout
+    assert final["measured"]["criteo_multihot"] == {
+        "tables": 26, "rows": 1000, "dim": 128, "batch_size": 128, "pooling": 20, "world_size": 1, "steps": 4,
+        "warmup": 2, "sharding": "table_wise", "dense": 13, "distinct_batches": 4, "optimizer": "adagrad"}
+    for peer in ("raw", "lightning_sparse", "lightning_ddp"):
+        ratio = final[f"recshard_vs_{peer}_criteo_multihot"]
+        assert isinstance(ratio, float) and ratio > 0
+    assert final["pipelined_vs_raw_pipeline_criteo_multihot"] is None  # not measured
+    assert final["recshard_vs_raw_criteo_onehot"] is None and final["recshard_vs_lightning_sparse"] is None
+    assert sorted(final["by_size"]["criteo_multihot"]) == sorted(variants)
+    _check_bandwidth(final, "criteo_multihot", variants)
+    assert "emb/copy" in stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the CUDA build of FBGEMM")
+def test_bench_criteo_onehot_on_a_gpu():
+    stdout, final = _bench("--sizes", "criteo_onehot", "--variants", "raw,recshard", "--repeats", "1", "--steps", "5",
+                           "--warmup", "2", "--optimizer", "adagrad", timeout=900)
+    assert "criteo_onehot: raw and recshard trained identically (losses, plan, kernels)" in stdout
+    assert final["device"] == "cuda" and isinstance(final["recshard_vs_raw_criteo_onehot"], float)
+    assert final["measured"]["criteo_onehot"]["rows"] == 1_000_000
+    _check_bandwidth(final, "criteo_onehot", ["raw", "recshard"])
+    for variant in ("raw", "recshard"):  # 13 GB of tables: no cache holds them
+        assert final["by_size"]["criteo_onehot"][variant]["emb_bw_frac"] < 1
+        assert final["by_size"]["criteo_onehot"][variant]["peak_device_mem_mb"] > 13e9 / 2**20
+
+
+def test_raw_loops_fused_optimizer_is_what_recshard_derives_from_the_torch_one():
+    from lightning_rec.optim import embedding_optimizer_from_torch
+
+    for name, opt in (("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad)):
+        torch_opt = opt([torch.nn.Parameter(torch.zeros(2))], lr=0.03)
+        derived = embedding_optimizer_from_torch(torch_opt, torch_opt.param_groups[0]).to_fused_params()
+        ours = fused_params(name, 0.03)
+        assert {k: derived[k] for k in ours} == ours
+
+
+def test_gpu_sizes_cycle_a_few_distinct_batches_and_the_others_do_not():
+    small = replace(SIZES["criteo_multihot"], rows=50, batch_size=8)
+    batches = _batches(small, rank=0, n=10)
+    assert len(batches) == 10 and len({id(b) for b in batches}) == 4 and batches[5] is batches[1]
+    assert batches[0].dense_features.shape == (8, 13) and batches[0].sparse_features.values().numel() == 26 * 8 * 20
+    tiny = _batches(SIZES["tiny"], rank=0, n=10)
+    assert len({id(b) for b in tiny}) == 10 and tiny[0].dense_features.shape == (64, 4)
 
 
 def test_check_identical_refuses_different_training():
@@ -55,6 +133,37 @@ def test_final_record_ratios_and_the_size_where_tables_dominate():
     assert final["tables_dominate_size"] == "large"
     assert final["recshard_vs_lightning_ddp"] == 12.0 and final["rss_recshard_vs_lightning_ddp"] == 0.5
     assert final["recshard_vs_raw_2proc"] is None  # not measured: None, never a made-up number
+    assert final["recshard_vs_lightning_sparse"] is None and final["sparse_peer_size"] == "realistic"
+
+
+def _bw(values, emb_gb_s, copy_gb_s):
+    return {**values, "emb_gb_s": [emb_gb_s], "copy_gb_s": [copy_gb_s], "emb_bw_frac": [emb_gb_s / copy_gb_s]}
+
+
+def test_final_record_both_plain_lightning_peers_and_the_gpu_sizes():
+    results = {
+        "realistic": {"recshard": _values(44, 918), "lightning_sparse": _values(66, 1000)},
+        "large": {"recshard": _values(50, 2400), "lightning_ddp": _values(600, 4800)},
+        "criteo_multihot": {
+            "raw": _bw(_values(40, 900, 16384), 600.0, 3000.0), "recshard": _bw(_values(42, 910, 16384), 570.0, 3000.0),
+            "lightning_sparse": _values(80, 950, 16384), "lightning_ddp": _values(400, 990, 16384),
+            "raw_pipeline": _values(35, 900, 16384), "recshard_pipelined": _values(36, 900, 16384)},
+        "criteo_onehot": {"raw": _values(10, 900, 16384)},
+    }
+    final = final_record(results, repeats=1)
+    # Each peer where it was measured: the dense-gradient one at large, the sparse one at realistic.
+    assert final["tables_dominate_size"] == "large" and final["recshard_vs_lightning_ddp"] == 12.0
+    assert final["sparse_peer_size"] == "realistic" and final["recshard_vs_lightning_sparse"] == 1.5
+    assert final["rss_recshard_vs_lightning_sparse"] == 0.918
+    assert final["recshard_vs_raw_criteo_multihot"] == round(40 / 42, 4)
+    assert final["recshard_vs_lightning_sparse_criteo_multihot"] == round(80 / 42, 4)
+    assert final["recshard_vs_lightning_ddp_criteo_multihot"] == round(400 / 42, 4)
+    assert final["pipelined_vs_raw_pipeline_criteo_multihot"] == round(35 / 36, 4)
+    assert final["pipelined_vs_lightning_sparse_criteo_multihot"] == round(80 / 36, 4)
+    assert final["recshard_vs_raw_criteo_onehot"] is None  # recshard not measured there
+    by_size = final["by_size"]["criteo_multihot"]
+    assert by_size["recshard"]["emb_bw_frac"] == 0.19 and by_size["recshard"]["ms_per_step"] == 42
+    assert "emb_bw_frac" not in by_size["lightning_sparse"]  # not measured: left out, not made up
 
 
 def test_plot_batch_sweep_writes_a_png(tmp_path):
@@ -72,6 +181,26 @@ def test_bench_refuses_unknown_names_and_a_plot_without_a_sweep(capsys):
     with pytest.raises(SystemExit):
         main(["--plot", "x.png"])
     assert "give --batch-sizes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--plot", "x.png", "--batch-sizes", "512"])
+    assert "two values or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--sharding", "diagonal"])
+    assert "invalid choice: 'diagonal'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--optimizer", "adam"])
+    assert "invalid choice: 'adam'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals are for machines without a GPU")
+def test_bench_without_a_gpu_refuses_row_wise_and_the_full_gpu_sizes(capsys):
+    with pytest.raises(SystemExit):
+        main(["--sizes", "tiny", "--sharding", "row_wise"])
+    assert "row_wise needs CUDA" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--sizes", "tiny,criteo_multihot"])
+    err = capsys.readouterr().err
+    assert "criteo_multihot is GPU-sized" in err and "13.3 GB" in err and "--rows" in err and "--allow-cpu" in err
 
 
 def test_profile_step_times_the_phases_and_lightnings_hooks():

@@ -13,7 +13,10 @@ from dataclasses import asdict, replace
 from typing import Any, Dict, List, Optional
 
 from lightning_rec.bench.worker import _RESULT, _worker
-from lightning_rec.bench.workload import EXTRA_VARIANTS, SIZES, VARIANTS, Size
+from lightning_rec.bench.workload import EXTRA_VARIANTS, GPU_SIZES, OPTIMIZERS, SIZES, VARIANTS, Size
+
+# Sharding types the bench can ask of every table (all on the fused kernel); row_wise and table_row_wise need CUDA.
+SHARDINGS = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 
 def _free_port() -> int:
@@ -62,9 +65,18 @@ def run_variant(variant: str, size: Size, lr: float = 0.01, timeout: float = 600
 
 def _summary(records: List[Dict[str, Any]], size: Size) -> Dict[str, float]:
     ms = max(r["ms_per_step"] for r in records)  # ranks step together; the slowest sets the pace
-    return {"ms_per_step": ms, "samples_per_s": 1000 * size.batch_size * size.world_size / ms,
-            "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
-            "page_faults_per_step": max(r["page_faults_per_step"] for r in records)}
+    out = {"ms_per_step": ms, "samples_per_s": 1000 * size.batch_size * size.world_size / ms,
+           "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
+           "page_faults_per_step": max(r["page_faults_per_step"] for r in records)}
+    if all(r.get("copy_gb_s") for r in records):
+        # The bandwidth model of lightning_rec.bench.worker, at the pace of the slowest rank, over the slowest
+        # copy bandwidth: per rank, as every rank moves its own share of the rows.
+        out["emb_gb_s"] = records[0]["emb_bytes_per_step"] / (ms / 1000) / 1e9
+        out["copy_gb_s"] = min(r["copy_gb_s"] for r in records)
+        out["emb_bw_frac"] = out["emb_gb_s"] / out["copy_gb_s"]
+    if all(r.get("peak_device_mem_bytes") is not None for r in records):
+        out["peak_device_mem_mb"] = max(r["peak_device_mem_bytes"] for r in records) / 2**20
+    return out
 
 
 def check_identical(a: List[Dict[str, Any]], c: List[Dict[str, Any]], atol: float = 1e-5) -> None:
@@ -100,7 +112,7 @@ def measure(size: Size, variants: List[str], repeats: int, lr: float = 0.01, mal
             for key, value in _summary(records, size).items():
                 per_variant.setdefault(variant, {}).setdefault(key, []).append(value)
             print(f"{size.name:16s} b{size.batch_size:<6d} rep {rep} {variant:18s} {records[0]['ms_per_step']:9.2f} ms/step "
-                  f"{records[0]['page_faults_per_step']:8.0f} page faults/step",
+                  f"{records[0]['page_faults_per_step']:8.0f} page faults/step {records[0]['emb_bw_frac']:8.4f} of copy bandwidth",
                   flush=True)
     for other in ("recshard", "recshard_pipelined", "recshard_unchecked"):
         if "raw" in first and other in first:
@@ -109,32 +121,59 @@ def measure(size: Size, variants: List[str], repeats: int, lr: float = 0.01, mal
     return per_variant
 
 
-def final_record(results: Results, repeats: int) -> Dict[str, Any]:
-    """The ratios the issue asks for (medians over repeats; samples/s unless named ``rss_``).
+def _peer_size(results: Results, peer: str) -> str:
+    """Where recshard meets a plain-Lightning peer on CPU: ``large`` (tables dominate memory) when the peer ran
+    there, else ``realistic``."""
+    return "large" if peer in results.get("large", {}) else "realistic"
 
-    Against plain Lightning the comparison uses ``large`` (tables dominate memory) when it was measured,
-    else ``realistic``; ``tables_dominate_size`` says which.
+
+def _medians(per_variant: Dict[str, Dict[str, List[float]]]) -> Dict[str, Dict[str, float]]:
+    return {variant: {key: round(statistics.median(values), 6) for key, values in metrics.items() if values}
+            for variant, metrics in per_variant.items()}
+
+
+def final_record(results: Results, repeats: int) -> Dict[str, Any]:
+    """The ratios the issue asks for (medians over repeats; samples/s unless named ``rss_``), and ``by_size``: every
+    measured label's medians per variant (ms/step, samples/s, peak RSS, embedding bandwidth and its fraction of
+    the copy bandwidth, peak device memory on CUDA).
+
+    Against plain Lightning the comparisons use ``large`` (tables dominate memory) when the peer was measured
+    there, else ``realistic``: ``tables_dominate_size`` says which for the dense-gradient peer
+    (``lightning_ddp``), ``sparse_peer_size`` for the sparse-gradient one (``lightning_sparse``). The GPU sizes
+    have their own keys (``recshard_vs_raw_criteo_onehot``, ``recshard_vs_lightning_sparse_criteo_multihot``, ...).
+    A ratio that was not measured is ``None``.
     """
     tiny = results.get("tiny", {})
     overhead = None
     if "recshard" in tiny and "raw" in tiny:
         overhead = round(statistics.median(tiny["recshard"]["ms_per_step"]) - statistics.median(tiny["raw"]["ms_per_step"]), 4)
-    big = "large" if "lightning_ddp" in results.get("large", {}) else "realistic"
-    return {
+    big, sparse_big = _peer_size(results, "lightning_ddp"), _peer_size(results, "lightning_sparse")
+    record: Dict[str, Any] = {
         "recshard_vs_raw": _ratio(results, "realistic", "recshard", "raw"),
         "pipelined_vs_raw_pipeline": _ratio(results, "realistic", "recshard_pipelined", "raw_pipeline"),
         "pipelined_vs_raw_pipeline_2proc": _ratio(results, "realistic_2proc", "recshard_pipelined", "raw_pipeline"),
         "overhead_ms": overhead,
         "recshard_vs_raw_2proc": _ratio(results, "realistic_2proc", "recshard", "raw"),
         "recshard_vs_lightning_ddp": _ratio(results, big, "recshard", "lightning_ddp"),
+        "recshard_vs_lightning_sparse": _ratio(results, sparse_big, "recshard", "lightning_sparse"),
         "rss_recshard_vs_raw": _ratio(results, "realistic", "recshard", "raw", "peak_rss_mb"),
         "rss_recshard_vs_lightning_ddp": _ratio(results, big, "recshard", "lightning_ddp", "peak_rss_mb"),
+        "rss_recshard_vs_lightning_sparse": _ratio(results, sparse_big, "recshard", "lightning_sparse", "peak_rss_mb"),
         "tables_dominate_size": big,
+        "sparse_peer_size": sparse_big,
         "raw_pipeline_vs_raw": _ratio(results, "realistic", "raw_pipeline", "raw"),
         "checked_vs_unchecked": _ratio(results, "realistic", "recshard", "recshard_unchecked"),
         "checked_vs_unchecked_tiny": _ratio(results, "tiny", "recshard", "recshard_unchecked"),
-        "repeats": repeats,
     }
+    for name in GPU_SIZES:
+        record[f"recshard_vs_raw_{name}"] = _ratio(results, name, "recshard", "raw")
+        record[f"pipelined_vs_raw_pipeline_{name}"] = _ratio(results, name, "recshard_pipelined", "raw_pipeline")
+        record[f"recshard_vs_lightning_sparse_{name}"] = _ratio(results, name, "recshard", "lightning_sparse")
+        record[f"recshard_vs_lightning_ddp_{name}"] = _ratio(results, name, "recshard", "lightning_ddp")
+        record[f"pipelined_vs_lightning_sparse_{name}"] = _ratio(results, name, "recshard_pipelined", "lightning_sparse")
+    record["by_size"] = {label: _medians(per_variant) for label, per_variant in results.items()}
+    record["repeats"] = repeats
+    return record
 
 
 def plot_batch_sweep(results: Results, path: str) -> None:
@@ -170,51 +209,95 @@ def plot_batch_sweep(results: Results, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the benchmark (see the module docstring); returns the final JSON record."""
+    import torch
+
+    from lightning_rec.sharding import supported_sharding_types
+
     parser = argparse.ArgumentParser(prog="python -m lightning_rec.bench", description="recshard vs hand-written TorchRec vs plain Lightning, A/B alternated")
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 5 minutes on 2 cores)")
     parser.add_argument("--repeats", type=int, default=None, help="alternated repeats per variant (default 3, quick 2)")
     parser.add_argument("--sizes", default="tiny,realistic,realistic_2proc", help=f"comma-separated, of {', '.join(SIZES)}")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--batch-sizes", default=None, help="comma-separated: sweep every size over these batch sizes")
+    parser.add_argument("--variants", default=None, help=f"comma-separated (default: {','.join(VARIANTS)})")
+    parser.add_argument("--batch-sizes", default=None,
+                        help="comma-separated: sweep every size over these batch sizes (one value: that batch size, no sweep)")
+    parser.add_argument("--rows", type=int, default=None, help="rows of every table at every size (shrinks the GPU sizes for CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps at every size (after --quick)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first at every size (after --quick)")
     parser.add_argument("--plot", default=None, help="PNG path: samples/s against batch size (with --batch-sizes)")
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="torch.optim.SGD/Adagrad for the dense layers and the plain-Lightning tables, FBGEMM's exact "
+                             "equivalent (EXACT_SGD/EXACT_ADAGRAD) fused for TorchRec's tables (default: sgd)")
     parser.add_argument("--malloc", choices=sorted(MALLOC_SETTINGS), default="steady",
                         help="glibc heap settings of every variant's processes (default: steady; see BENCHMARKS.md)")
-    parser.add_argument("--sharding", default="table_wise", help="every table's sharding type (row_wise: CUDA only)")
+    parser.add_argument("--sharding", choices=SHARDINGS, default="table_wise", help="every table's sharding type (row_wise: CUDA only)")
+    parser.add_argument("--allow-cpu", action="store_true", help="run the GPU sizes at full size without a GPU")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker, Size(**json.loads(args.size_json)), args.lr)
         return {}
-    if args.plot and not args.batch_sizes:
-        parser.error("--plot draws a batch-size sweep: give --batch-sizes too")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b] if args.batch_sizes else []
+    if args.plot and len(batch_sizes) < 2:
+        parser.error("--plot draws a batch-size sweep: give --batch-sizes too (two values or more)")
     repeats = args.repeats or (2 if args.quick else 3)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS + EXTRA_VARIANTS)) + sorted(set(args.sizes.split(",")) - set(SIZES))
+    variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
+    size_names = [n for n in args.sizes.split(",") if n]
+    unknown = sorted(set(variants) - set(VARIANTS + EXTRA_VARIANTS)) + sorted(set(size_names) - set(SIZES))
     if unknown:
         parser.error(f"unknown variant/size {unknown}; variants are {list(VARIANTS + EXTRA_VARIANTS)}, sizes {list(SIZES)}")
+    cuda = torch.cuda.is_available()
+    if not cuda and args.sharding not in supported_sharding_types("cpu"):
+        parser.error(f"{args.sharding} needs CUDA: TorchRec's EmbeddingBagCollectionSharder offers row_wise and "
+                     "table_row_wise only with FBGEMM's CUDA kernels, and there is no GPU here. HINT: on CPU use one of "
+                     f"{', '.join(t for t in SHARDINGS if t in supported_sharding_types('cpu'))}.")
+    for name in size_names:
+        size = SIZES[name]
+        if size.gpu and not cuda and args.rows is None and not args.allow_cpu:
+            parser.error(f"{name} is GPU-sized ({size.tables} tables x {size.rows:,} rows x {size.dim} = "
+                         f"{_gib(size.table_bytes())} of fp32 tables; lightning_ddp needs as much again for its dense "
+                         "gradients, adagrad once more) and there is no GPU here. HINT: shrink it with --rows N (and "
+                         "--batch-sizes B), or run it at full size on CPU with --allow-cpu.")
+        if cuda and size.world_size > 1 and "lightning_sparse" in variants and args.variants:
+            parser.error(f"lightning_sparse cannot run at {name} ({size.world_size} processes) on CUDA: DDP would "
+                         "all-reduce sparse gradients, which gloo does and NCCL does not. HINT: use a 1-process size, "
+                         "or leave lightning_sparse out of --variants.")
     results: Results = {}
-    for size_name in args.sizes.split(","):
-        size = replace(SIZES[size_name], sharding=args.sharding)
+    measured: Dict[str, Dict[str, Any]] = {}
+    for size_name in size_names:
+        size = replace(SIZES[size_name], sharding=args.sharding, optimizer=args.optimizer)
         if args.quick:
             size = replace(size, steps=max(10, size.steps // 4), warmup=max(3, size.warmup // 2))
-        batches = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [size.batch_size]
-        for batch in batches:
-            label = f"{size.name}@{batch}" if args.batch_sizes else size.name
-            results[label] = measure(replace(size, batch_size=batch), variants, repeats, args.lr, args.malloc)
-    print(f"\n{'size':22s} {'variant':18s} {'ms/step':>9s} {'samples/s':>11s} {'peak RSS MB':>12s} {'faults/step':>12s}")
+        size = replace(size, rows=args.rows or size.rows, steps=args.steps or size.steps, warmup=args.warmup or size.warmup)
+        size_variants = variants
+        if cuda and size.world_size > 1 and "lightning_sparse" in variants:
+            size_variants = [v for v in variants if v != "lightning_sparse"]
+            print(f"{size.name}: lightning_sparse left out ({size.world_size} processes on CUDA: NCCL has no sparse "
+                  "all-reduce for DDP); its ratios there are None", flush=True)
+        for batch in batch_sizes or [size.batch_size]:
+            label = f"{size.name}@{batch}" if len(batch_sizes) > 1 else size.name
+            sized = replace(size, batch_size=batch)
+            results[label] = measure(sized, size_variants, repeats, args.lr, args.malloc)
+            measured[label] = {k: v for k, v in asdict(sized).items() if k not in ("name", "gpu")}
+    print(f"\n{'size':22s} {'variant':18s} {'ms/step':>9s} {'samples/s':>11s} {'peak RSS MB':>12s} {'faults/step':>12s} "
+          f"{'emb GB/s':>9s} {'copy GB/s':>10s} {'emb/copy':>9s}")
     for label, per_variant in results.items():
         for variant, values in per_variant.items():
             print(f"{label:22s} {variant:18s} {statistics.median(values['ms_per_step']):9.2f} "
                   f"{statistics.median(values['samples_per_s']):11.0f} {statistics.median(values['peak_rss_mb']):12.0f} "
-                  f"{statistics.median(values['page_faults_per_step']):12.0f}")
+                  f"{statistics.median(values['page_faults_per_step']):12.0f} {statistics.median(values['emb_gb_s']):9.3f} "
+                  f"{statistics.median(values['copy_gb_s']):10.2f} {statistics.median(values['emb_bw_frac']):9.4f}")
     if args.plot:
         plot_batch_sweep(results, args.plot)
         print(f"plot: {args.plot}")
-    final = {**final_record(results, repeats), "malloc": args.malloc}
+    final = {**final_record(results, repeats), "malloc": args.malloc, "optimizer": args.optimizer,
+             "sharding": args.sharding, "device": "cuda" if cuda else "cpu", "measured": measured}
     print(json.dumps(final), flush=True)
     return final
-

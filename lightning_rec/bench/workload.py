@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict
 
-VARIANTS = ("raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp")
+VARIANTS = ("raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp", "lightning_sparse")
 # Measured only when asked for (``--variants``): recshard without any input check (bounds_check="none",
 # nonfinite="ignore"), to price them.
 EXTRA_VARIANTS = ("recshard_unchecked",)
@@ -25,6 +25,13 @@ class Size:
         world_size: processes (gloo on CPU, nccl on CUDA).
         steps: timed steps; ``warmup`` untimed steps run first.
         sharding: the sharding type of every table (``row_wise`` needs CUDA).
+        dense: dense features per sample (4; 13 at the Criteo-like sizes, as in Criteo).
+        distinct_batches: how many different batches are built and cycled through (0: one per step). The GPU
+            sizes cycle a few, so that the host does not hold ``warmup + steps`` batches of 68 MB.
+        optimizer: ``"sgd"`` or ``"adagrad"``: torch's for the dense layers (and the plain-Lightning tables),
+            FBGEMM's exact equivalent for the fused tables (see :func:`fused_params`).
+        gpu: sized for a GPU: the bench refuses it on a machine without CUDA unless shrunk (``--rows``) or
+            forced (``--allow-cpu``).
     """
 
     name: str
@@ -37,6 +44,19 @@ class Size:
     steps: int = 20
     warmup: int = 5
     sharding: str = "table_wise"
+    dense: int = 4
+    distinct_batches: int = 0
+    optimizer: str = "sgd"
+    gpu: bool = False
+
+    def table_bytes(self) -> int:
+        """Bytes of all tables in fp32 (optimizer state and gradients not counted)."""
+        return self.tables * self.rows * self.dim * 4
+
+    def ids_per_step(self) -> int:
+        """Ids looked up per step and process: tables x batch x pooling (every sample has ``pooling`` ids per
+        feature). With several processes this is also the average per rank of the ids its tables serve."""
+        return self.tables * self.batch_size * self.pooling
 
 
 SIZES = {
@@ -45,27 +65,68 @@ SIZES = {
     "realistic_2proc": Size("realistic_2proc", tables=8, rows=200_000, dim=64, batch_size=4096, world_size=2, steps=40),
     # Tables dominate memory (2 GB of fp32 rows): where plain nn.EmbeddingBag's dense gradients cost the most.
     "large": Size("large", tables=8, rows=1_000_000, dim=64, batch_size=4096, steps=8, warmup=3),
+    # GPU-sized, Criteo-like (26 sparse features, 13 dense; 13.3 GB of fp32 tables), one process: one-hot and
+    # multi-hot (20 ids per feature: 8.5M ids, 68 MB of int64 per batch; 4 distinct batches, cycled).
+    "criteo_onehot": Size("criteo_onehot", tables=26, rows=1_000_000, dim=128, batch_size=16384, pooling=1, steps=30,
+                          warmup=5, dense=13, distinct_batches=4, gpu=True),
+    "criteo_multihot": Size("criteo_multihot", tables=26, rows=1_000_000, dim=128, batch_size=16384, pooling=20,
+                            steps=30, warmup=5, dense=13, distinct_batches=4, gpu=True),
 }
+GPU_SIZES = tuple(name for name, size in SIZES.items() if size.gpu)
+OPTIMIZERS = ("sgd", "adagrad")
+# torch.optim.Adagrad's default eps: FBGEMM's EXACT_ADAGRAD gets the same, as recshard derives it from the
+# torch optimizer's param group (lightning_rec.optim.embedding_optimizer_from_torch).
+_ADAGRAD_EPS = 1e-10
+
+
+def fused_params(optimizer: str, lr: float) -> Dict[str, Any]:
+    """The hand-written TorchRec loops' ``fused_params``: FBGEMM's exact counterpart of ``torch.optim.SGD(lr=lr)``
+    or ``torch.optim.Adagrad(lr=lr)`` (default eps, no weight decay, no lr decay), the update recshard derives
+    from the same torch optimizer, so that ``raw`` and ``recshard`` train identically.
+
+    Example::
+
+        >>> fused_params("adagrad", 0.01)["eps"]
+        1e-10
+    """
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    if optimizer == "sgd":
+        return {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr}
+    if optimizer == "adagrad":
+        return {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": lr, "eps": _ADAGRAD_EPS}
+    raise ValueError(f"bench: unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}")
+
+
+def torch_optimizer(optimizer: str, params, lr: float):
+    """``torch.optim.SGD`` or ``torch.optim.Adagrad`` with torch's defaults (both accept sparse gradients)."""
+    import torch
+
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, eps=_ADAGRAD_EPS)
+    raise ValueError(f"bench: unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}")
 
 
 
 
 
-def _model_parts(size: Size, plain_tables: bool):
+def _model_parts(size: Size, plain_tables: bool, sparse: bool = False):
     import torch
     from torch import nn
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
     features = [f"f{i}" for i in range(size.tables)]
     if plain_tables:
-        tables = nn.ModuleDict({f: nn.EmbeddingBag(size.rows, size.dim, mode="sum", include_last_offset=True) for f in features})
+        tables = nn.ModuleDict({f: nn.EmbeddingBag(size.rows, size.dim, mode="sum", include_last_offset=True, sparse=sparse) for f in features})
     else:
         tables = EmbeddingBagCollection(
             tables=[EmbeddingBagConfig(name=f"t_{f}", embedding_dim=size.dim, num_embeddings=size.rows, feature_names=[f])
                     for f in features],
             device=torch.device("meta"),
         )
-    mlp = nn.Sequential(nn.Linear(size.tables * size.dim + 4, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 1))
+    mlp = nn.Sequential(nn.Linear(size.tables * size.dim + size.dense, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 1))
     return features, tables, mlp
 
 
@@ -73,12 +134,12 @@ class _BenchModel:
     """Factory of the benchmark model: forward(batch) -> (loss, (loss, logits)), the form TorchRec's pipeline expects."""
 
     @staticmethod
-    def build(size: Size, plain_tables: bool = False):
+    def build(size: Size, plain_tables: bool = False, sparse: bool = False):
         import torch
         import torch.nn.functional as F
         from torch import nn
 
-        features, tables, mlp = _model_parts(size, plain_tables)
+        features, tables, mlp = _model_parts(size, plain_tables, sparse)
 
         class BenchModel(nn.Module):
             def __init__(self) -> None:
@@ -107,16 +168,16 @@ def _batches(size: Size, rank: int, n: int):
 
     g = torch.Generator().manual_seed(1000 + rank)
     out = []
-    for _ in range(n):
+    for _ in range(min(n, size.distinct_batches or n)):
         count = size.tables * size.batch_size * size.pooling
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=[f"f{i}" for i in range(size.tables)],
             values=torch.randint(0, size.rows, (count,), generator=g),
             lengths=torch.full((size.tables * size.batch_size,), size.pooling, dtype=torch.int32),
         )
-        out.append(Batch(dense_features=torch.rand(size.batch_size, 4, generator=g), sparse_features=kjt,
+        out.append(Batch(dense_features=torch.rand(size.batch_size, size.dense, generator=g), sparse_features=kjt,
                          labels=torch.randint(0, 2, (size.batch_size,), generator=g).float()))
-    return out
+    return [out[i % len(out)] for i in range(n)]
 
 
 def _pattern_init(module) -> None:
@@ -126,11 +187,13 @@ def _pattern_init(module) -> None:
     from lightning_rec import _compat
 
     def fill(out, name, offsets, block=8192):
-        # Row blocks, so that the float64 temporaries stay a few MB and do not set the peak RSS of the run.
+        # Row blocks, so that the float64 temporaries stay a few MB and do not set the peak RSS of the run;
+        # computed where the table lives (a GPU fills 13 GB of Criteo-like tables in seconds).
         phase = sum(map(ord, name.replace("tables.", "").replace(".weight", ""))) % 97
         for start in range(0, out.shape[0], block):
             rows = out[start:start + block]
-            idx = [torch.arange(o, o + s, dtype=torch.float64) for o, s in zip([offsets[0] + start, *offsets[1:]], rows.shape)]
+            idx = [torch.arange(o, o + s, dtype=torch.float64, device=out.device)
+                   for o, s in zip([offsets[0] + start, *offsets[1:]], rows.shape)]
             grid = idx[0] * 0.37 if len(idx) == 1 else idx[0][:, None] * 0.37 + idx[1][None, :] * 0.11
             rows.copy_((0.05 * torch.sin(grid + phase)).float())
 
