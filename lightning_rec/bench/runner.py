@@ -209,7 +209,7 @@ def plot_batch_sweep(results: Results, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _gib(nbytes: int) -> str:
+def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.1f} GB"
 
 
@@ -220,7 +220,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from lightning_rec.sharding import supported_sharding_types
 
     parser = argparse.ArgumentParser(prog="python -m lightning_rec.bench", description="recshard vs hand-written TorchRec vs plain Lightning, A/B alternated")
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (< 5 minutes on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (sizes tiny/realistic/2proc in a few minutes on 2 cores)")
     parser.add_argument("--repeats", type=int, default=None, help="alternated repeats per variant (default 3, quick 2)")
     parser.add_argument("--sizes", default="tiny,realistic,realistic_2proc", help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--variants", default=None, help=f"comma-separated (default: {','.join(VARIANTS)})")
@@ -253,6 +253,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     unknown = sorted(set(variants) - set(VARIANTS + EXTRA_VARIANTS)) + sorted(set(size_names) - set(SIZES))
     if unknown:
         parser.error(f"unknown variant/size {unknown}; variants are {list(VARIANTS + EXTRA_VARIANTS)}, sizes {list(SIZES)}")
+    for flag, value in (("--rows", args.rows), ("--steps", args.steps), ("--warmup", args.warmup)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value} (the first step allocates: it is never timed)")
     cuda = torch.cuda.is_available()
     if not cuda and args.sharding not in supported_sharding_types("cpu"):
         parser.error(f"{args.sharding} needs CUDA: TorchRec's EmbeddingBagCollectionSharder offers row_wise and "
@@ -262,7 +265,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         size = SIZES[name]
         if size.gpu and not cuda and args.rows is None and not args.allow_cpu:
             parser.error(f"{name} is GPU-sized ({size.tables} tables x {size.rows:,} rows x {size.dim} = "
-                         f"{_gib(size.table_bytes())} of fp32 tables; lightning_ddp needs as much again for its dense "
+                         f"{_gb(size.table_bytes())} of fp32 tables; lightning_ddp needs as much again for its dense "
                          "gradients, adagrad once more) and there is no GPU here. HINT: shrink it with --rows N (and "
                          "--batch-sizes B), or run it at full size on CPU with --allow-cpu.")
         if cuda and size.world_size > 1 and "lightning_sparse" in variants and args.variants:

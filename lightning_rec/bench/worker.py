@@ -34,7 +34,7 @@ from lightning_rec.bench.workload import (
 )
 
 _RESULT = "BENCH_RESULT "
-# Bytes per looked-up row element over a step in the bandwidth model above: forward read, backward read + write.
+# Passes over every looked-up row per step in the bandwidth model above: forward read, backward read + write.
 EMB_PASSES = 3
 
 
@@ -51,9 +51,11 @@ class _Clock:
     mean between the two synchronised stamps (see :func:`_step_ms`)."""
 
     def __init__(self, size: Size, device) -> None:
-        self.size, self.device, self.stamps = size, device, []  # type: ignore[var-annotated]
+        self.size, self.device = size, device
+        self.stamps: List[Tuple[float, int]] = []
 
     def tick(self) -> None:
+        """Stamp the end of a step (synchronising the device first where the timing needs it)."""
         if self.device.type == "cuda" and len(self.stamps) + 1 in (self.size.warmup, self.size.warmup + self.size.steps):
             import torch
 
