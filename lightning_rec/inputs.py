@@ -43,10 +43,12 @@ from typing import Any, Callable, Deque, Dict, FrozenSet, Iterator, List, Litera
 
 import torch
 from torch import nn
+from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec import _compat
 from lightning_rec.kjt_check import FeatureTables, InputError, ModuleInputs, check_features, check_on_host, input_specs
+from lightning_rec.kjt_check import host_numpy
 
 __all__ = [
     "InputChecks", "InputError", "ModuleInputs", "NonFiniteError", "batch_leaves", "check_features", "check_finite",
@@ -97,6 +99,10 @@ def batch_leaves(batch: Any, path: str = "batch") -> Iterator[Tuple[str, Any]]:
     """
     if isinstance(batch, (torch.Tensor, KeyedJaggedTensor)):
         yield path, batch
+    elif type(batch) is Batch:  # the common case, without dataclasses' introspection
+        yield f"{path}.dense_features", batch.dense_features
+        yield f"{path}.sparse_features", batch.sparse_features
+        yield f"{path}.labels", batch.labels
     elif isinstance(batch, Mapping):
         for key, value in batch.items():
             yield from batch_leaves(value, f"{path}[{key!r}]")
@@ -283,16 +289,15 @@ class InputChecks:
         found = [(path, t) for path, t in tensors if t.is_floating_point() and t.numel()]
         if not found:
             return
-        # One reduction per tensor, one read: a float64 sum of finite values is finite (on CUDA, where the float32
-        # sum may overflow near float max, check_finite looks closer).
-        host = [t for _, t in found if t.device.type == "cpu"]
-        sums = [t.sum(dtype=torch.float64) for t in host]
-        totals = torch.stack(sums).numpy().tolist() if sums else []
-        others = [t for _, t in found if t.device.type != "cpu"]  # already on a device: reading them waits for it
-        totals += torch.stack([t.sum().to(torch.float64) for t in others]).tolist() if others else []
-        ordered = [(p, t) for p, t in found if t.device.type == "cpu"] + [(p, t) for p, t in found if t.device.type != "cpu"]
-        for (path, tensor), total in zip(ordered, totals):
-            if math.isfinite(total):
+        # A float64 sum of finite values is finite (near float max it may overflow; then check_finite looks closer).
+        # Host tensors are summed by numpy (no torch op); one already on a device is read there (the host waits).
+        on_device = [(path, t) for path, t in found if t.device.type != "cpu"]
+        totals = {path: float(host_numpy(t).sum(dtype="float64")) for path, t in found if t.device.type == "cpu"}
+        if on_device:
+            sums = torch.stack([t.sum().to(torch.float64) for _, t in on_device]).tolist()
+            totals.update(zip((path for path, _ in on_device), sums))
+        for path, tensor in found:
+            if math.isfinite(totals[path]):
                 continue
             message = check_finite(tensor, f"the dense input {path}", self.where)
             if message is not None:

@@ -193,7 +193,7 @@ def check_features(
     _check_weights_presence(form.weights, spec.weighted, fail)
     if data:
         rows = {key: spec.tables[key][1] for key in keys} if check_ids else {}
-        _check_contents(form, rows, spec.describe, fail, _read_device)
+        _check_contents(form, rows, spec.describe, fail, on_host=False)
     if keys != list(spec.features):
         kjt = kjt.permute([keys.index(f) for f in spec.features])
     return kjt
@@ -221,10 +221,10 @@ def check_on_host(
     known = [key for key in dict.fromkeys(keys) if key in tables.features]
     if not known or len(set(keys)) != len(keys):
         return frozenset()  # not a sharded module's input, or duplicated keys: the door says what is wrong
-    fail = _failure(tables.label(known), where)
+    fail = _failure(lambda: tables.label(known), where)
     form = _check_form(kjt, keys, fail)
     rows = {key: tables.features[key].rows for key in known if key not in tables.ambiguous} if check_ids else {}
-    _check_contents(form, rows, tables.describe, fail, _read_host)
+    _check_contents(form, rows, tables.describe, fail, on_host=form.values.device.type == "cpu")
     return frozenset(key for key in known if key not in tables.ambiguous)
 
 
@@ -247,22 +247,16 @@ def _check_keys(keys: List[str], spec: ModuleInputs, fail: Callable[[str], Input
         )
 
 
-def _failure(label: str, where: Union[str, Callable[[], str]]) -> Callable[[str], InputError]:
+def _failure(label: Union[str, Callable[[], str]], where: Union[str, Callable[[], str]]) -> Callable[[str], InputError]:
+    """The error factory of one check: the message prefixed with where training is and who reads the KJT (both
+    computed only on failure)."""
+
     def fail(message: str) -> InputError:
         position = where() if callable(where) else where
-        return InputError(f"{position + ': ' if position else ''}{label}: {message}")
+        who = label() if callable(label) else label
+        return InputError(f"{position + ': ' if position else ''}{who}: {message}")
 
     return fail
-
-
-def _read_device(t: torch.Tensor) -> List[int]:
-    return t.tolist()  # on an accelerator: the host waits for the device here
-
-
-def _read_host(t: torch.Tensor) -> List[int]:
-    # A CPU tensor's memory is the host's: numpy reads it without a torch op (so a dispatch-level count of host
-    # syncs, lightning_rec.testing.SyncCounter, sees nothing here, as a GPU run would not wait here).
-    return t.numpy().tolist() if t.device.type == "cpu" else t.tolist()
 
 
 def _tensor(value: Any, name: str, fail: Callable[[str], InputError]) -> torch.Tensor:
@@ -358,12 +352,50 @@ def _check_weights_presence(weights: Optional[torch.Tensor], weighted: bool, fai
         )
 
 
-def _check_contents(
-    form: _Form, rows: Mapping[str, int], describe: Callable[[str], str], fail: Callable[[str], InputError],
-    read: Callable[[torch.Tensor], List[int]],
-) -> None:
-    """Offsets, lengths, weights and (for the features in ``rows``) id ranges, fetched with one ``read`` (a second
-    one only when some ids exceed the smallest of the tables)."""
+@dataclass
+class _Summary:
+    """What the contents checks need from a KJT, read at once: the smallest length, the ids of each feature, the
+    smallest and largest id (``None`` without ids), the offsets' ends, whether lengths and offsets agree, whether
+    the weights are finite."""
+
+    smallest: int
+    ids_per_key: List[int]
+    id_range: Optional[Tuple[int, int]]
+    offsets_ends: Optional[Tuple[int, int]]
+    lengths_agree: bool
+    weights_finite: bool
+
+
+def host_numpy(t: torch.Tensor) -> Any:
+    """A CPU tensor's memory as a numpy array: read by the host without any torch op."""
+    return t.numpy() if t.dtype != torch.bfloat16 else t.float().numpy()
+
+
+def _host_summary(form: _Form) -> _Summary:
+    # numpy, not torch: no op dispatch (microseconds per op at small sizes, where torch takes several), and so no op
+    # that a dispatch-level count of host syncs (lightning_rec.testing.SyncCounter) would see, as no GPU would wait.
+    lengths, values, n = host_numpy(form.lengths), host_numpy(form.values), len(form.per_key)
+    if len(set(form.per_key)) == 1:
+        ids_per_key = lengths.reshape(n, -1).sum(1, dtype="int64").tolist()
+    else:
+        ids_per_key = [int(part.sum(dtype="int64")) for part in _np_split(lengths, form.per_key)]
+    offsets = host_numpy(form.offsets) if form.offsets is not None else None
+    weights = host_numpy(form.weights) if form.weights is not None else None
+    return _Summary(
+        smallest=int(lengths.min()) if lengths.size else 0,
+        ids_per_key=ids_per_key,
+        id_range=(int(values.min()), int(values.max())) if values.size else None,
+        offsets_ends=(int(offsets[0]), int(offsets[-1])) if offsets is not None else None,
+        lengths_agree=(
+            form.given_lengths is None or offsets is None
+            or bool((host_numpy(form.given_lengths) == lengths).all())
+        ),
+        weights_finite=weights is None or bool(_np().isfinite(weights).all()),
+    )
+
+
+def _device_summary(form: _Form) -> _Summary:
+    """The same from device tensors: computed there, fetched with one ``tolist`` (one host sync)."""
     lengths, values, per_key, n = form.lengths, form.values, form.per_key, len(form.per_key)
     parts = [lengths.min().long().view(1) if lengths.numel() else lengths.new_zeros(1, dtype=torch.long)]
     if len(set(per_key)) == 1:
@@ -378,36 +410,61 @@ def _check_contents(
             parts.append((form.given_lengths.long() == lengths.long()).all().long().view(1))
     if form.weights is not None and form.weights.numel():
         parts.append(torch.isfinite(form.weights).all().long().view(1))
-    out = read(torch.cat(parts))
-    smallest, ids_per_key, rest = out[0], out[1 : 1 + n], out[1 + n :]
+    out = torch.cat(parts).tolist()
+    rest = out[1 + n :]
     id_range = (rest.pop(0), rest.pop(0)) if values.numel() else None
-    if form.offsets is not None:
-        first, last = rest.pop(0), rest.pop(0)
+    ends = (rest.pop(0), rest.pop(0)) if form.offsets is not None else None
+    agree = bool(rest.pop(0)) if form.offsets is not None and form.given_lengths is not None else True
+    finite = bool(rest.pop(0)) if form.weights is not None and form.weights.numel() else True
+    return _Summary(out[0], out[1 : 1 + n], id_range, ends, agree, finite)
+
+
+def _np() -> Any:
+    import numpy
+
+    return numpy
+
+
+def _np_split(array: Any, sizes: Sequence[int]) -> List[Any]:
+    return _np().split(array, _np().cumsum(sizes)[:-1])
+
+
+def _check_contents(
+    form: _Form, rows: Mapping[str, int], describe: Callable[[str], str], fail: Callable[[str], InputError],
+    on_host: bool,
+) -> None:
+    """Offsets, lengths, weights and (for the features in ``rows``) id ranges: on the host with numpy, or on the
+    device with one host sync (a second one only when some ids exceed the smallest of the tables)."""
+    summary = _host_summary(form) if on_host else _device_summary(form)
+    values, lengths = form.values, form.lengths
+    if summary.offsets_ends is not None:
+        first, last = summary.offsets_ends
         if first != 0 or last != values.numel():
             raise fail(
                 f"offsets must start at 0 and end at the number of values ({values.numel()}), got first={first}, "
                 f"last={last}."
             )
-        if form.given_lengths is not None and not rest.pop(0):
-            raise fail("lengths and offsets disagree (offsets must be the running sum of lengths, starting at 0).")
-    if smallest < 0:
+    if not summary.lengths_agree:
+        raise fail("lengths and offsets disagree (offsets must be the running sum of lengths, starting at 0).")
+    if summary.smallest < 0:
         i = int(torch.argmin(lengths))
         raise fail(
-            f"lengths must be >= 0, got {int(lengths[i])} at position {i} ({_sample(form.keys, per_key, i)})."
+            f"lengths must be >= 0, got {int(lengths[i])} at position {i} ({_sample(form.keys, form.per_key, i)})."
         )
-    total = sum(ids_per_key)
+    total = sum(summary.ids_per_key)
     if total != values.numel():
         raise fail(
             f"the lengths add up to {total} ids but there are {values.numel()} values. "
             "HINT: build the KJT with `KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)`, lengths laid out "
             "feature-major (all samples of the first feature, then the next)."
         )
-    if form.weights is not None and form.weights.numel() and not rest.pop(0):
+    if not summary.weights_finite:
         weights = form.weights
+        assert weights is not None
         i = int((~torch.isfinite(weights)).nonzero()[0])
         raise fail(f"weights must be finite, got {float(weights[i])} at position {i}.")
-    if rows and id_range is not None:
-        _check_id_ranges(form, ids_per_key, id_range, rows, describe, fail, read)
+    if rows and summary.id_range is not None:
+        _check_id_ranges(form, summary.ids_per_key, summary.id_range, rows, describe, fail, on_host)
 
 
 def _sample(keys: List[str], per_key: List[int], position: int) -> str:
@@ -421,7 +478,7 @@ def _sample(keys: List[str], per_key: List[int], position: int) -> str:
 
 def _check_id_ranges(
     form: _Form, ids_per_key: List[int], id_range: Tuple[int, int], rows: Mapping[str, int],
-    describe: Callable[[str], str], fail: Callable[[str], InputError], read: Callable[[torch.Tensor], List[int]],
+    describe: Callable[[str], str], fail: Callable[[str], InputError], on_host: bool,
 ) -> None:
     # Fast path: every id fits the smallest of these tables (``id_range``: the smallest and largest id).
     if id_range[0] >= 0 and id_range[1] < min(rows.values()):
@@ -434,7 +491,10 @@ def _check_id_ranges(
     ]
     if not present:
         return
-    bounds = read(torch.stack([torch.stack(torch.aminmax(ids)) for _, ids in present]).long())
+    if on_host:
+        bounds = [(int(a.min()), int(a.max())) for a in (host_numpy(ids) for _, ids in present)]
+    else:
+        bounds = torch.stack([torch.stack(torch.aminmax(ids)) for _, ids in present]).long().tolist()
     for (key, ids), (low, high) in zip(present, bounds):
         limit = rows[key]
         if low >= 0 and high < limit:

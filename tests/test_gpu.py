@@ -71,3 +71,14 @@ def test_exact_resume_on_gpu_with_row_wise_tables(tmp_path):
     b = assemble([torch.load(tmp_path / "split" / "resumed.weights0.pt")])
     for name in a:
         torch.testing.assert_close(a[name].cpu(), b[name].cpu(), rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_recshard_step_syncs_no_more_than_the_hand_written_torchrec_loop_on_cuda(tmp_path, pipeline):
+    """Issue 14's property where it matters: torch's own CUDA sync detector and the dispatch-level counter, per step,
+    recshard against TorchRec's tutorial loop on the same model and batches (pinned memory for both)."""
+    S = "tests.helpers.user_scenarios:syncs"
+    ours = run_ranks(S, 1, tmp_path, pipeline=pipeline, fmt="batch", accelerator="gpu")[0]
+    raw = run_ranks(S, 1, tmp_path, pipeline=pipeline, fmt="batch", loop="raw", accelerator="gpu")[0]
+    assert ours["cuda_per_step"] <= raw["cuda_per_step"], (ours["origins"], raw["origins"])
+    assert ours["by_op"] == raw["by_op"] and ours["lightning_rec_functions"] == [], (ours["origins"], raw["origins"])

@@ -86,6 +86,16 @@ def test_a_non_finite_loss_at_the_last_step_fails_the_fit_and_no_checkpoint_hold
     assert results["checkpoints"] == ["step=3.ckpt"], results  # after step 2; the one after step 5 was refused
 
 
+@pytest.mark.parametrize("how, door_reads", [("rebuilt", 4), ("in_place", 1)])
+def test_ids_the_host_never_saw_are_checked_at_the_tables_door(tmp_path, how, door_reads):
+    """A KJT rebuilt inside ``forward``, or the batch's own changed in place there, is read at the module's door
+    (a host sync on a GPU, only for such KJTs): the same error at the same step, nothing updated."""
+    result = run_ranks(S + "ids_changed_in_forward", 1, tmp_path, how=how)[0]
+    assert result["error"].startswith(EXPECTED_ERRORS["id_too_large"]), result["error"]
+    assert result["steps_done"] == 3 and result["weights_unchanged"] and result["optimizer_unchanged"]
+    assert result["door_reads"] == door_reads  # rebuilt: every step; in place: only the step that changed it
+
+
 def test_pipelined_training_refuses_a_bad_batch_before_its_step(tmp_path):
     results = run_ranks(S + "bad_batches", 1, tmp_path, cases=["id_too_large", "nan_dense"], strategy={"pipeline": True})[0]
     for case in ("id_too_large", "nan_dense"):

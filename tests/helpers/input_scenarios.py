@@ -116,6 +116,47 @@ def _bad_batch(world_size: int, case: str, at_step: int, steps: int, strategy: O
     }
 
 
+class _ChangesIdsInForward(RecModel):
+    """Gives the tables a KJT the host never saw: rebuilt from new tensors inside ``forward`` (``how="rebuilt"``), or
+    the batch's own, changed in place there (``"in_place"``); at step ``bad_step`` an id of feature 'user' becomes
+    too large."""
+
+    def __init__(self, how: str, bad_step: int = 3) -> None:
+        super().__init__()
+        self.how, self.bad_step = how, bad_step
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        kjt = batch.sparse_features
+        bad = self.training and self.trainer.global_step == self.bad_step
+        if self.how == "rebuilt":
+            values = kjt.values().clone()
+            if bad:
+                values[1] = USERS + 5
+            kjt = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths().clone())
+        elif bad:
+            kjt.values()[1] = USERS + 5
+        return super().forward(Batch(dense_features=batch.dense_features, sparse_features=kjt, labels=batch.labels))
+
+
+def ids_changed_in_forward(rank: int, world_size: int, out_dir: Path, how: str, steps: int = 6) -> Dict[str, Any]:
+    """Fit :class:`_ChangesIdsInForward`: the error, the completed steps, whether the refused step changed anything,
+    and how many KJTs the doors had to read because the host had not checked them."""
+    L.seed_everything(0)
+    model = _ChangesIdsInForward(how)
+    snapshots = Snapshots()
+    trainer = _trainer(world_size, steps, {"constraints": ONE_TABLE_PLAN}, callbacks=[snapshots])
+    error = None
+    try:
+        trainer.fit(model, DataLoader(make_batches(steps, 16, seed=100), batch_size=None))
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        error = f"{type(e).__name__}: {e}"
+    return {
+        "error": error, "steps_done": snapshots.steps, "door_reads": trainer.strategy._input_checks.door_reads,
+        "weights_unchanged": _same(snapshots.weights, local_weights(model)),
+        "optimizer_unchanged": snapshots.optimizer == optimizer_sums(trainer, model),
+    }
+
+
 def nan_loss_at_end(rank: int, world_size: int, out_dir: Path, steps: int = 6) -> Dict[str, Any]:
     """The loss of the last step (5) overflows. A checkpoint every 3 steps: after step 2, and after step 5, which
     must not be written. Then without a checkpoint: `fit` itself must fail."""

@@ -41,9 +41,11 @@ class _Probe(L.Callback):
             self.reordered = "compute_and_output_dist" in vars(pl_module.ebc)
 
 
-def _trainer(world_size: int, steps: int, sync_batchnorm: bool = False, **strategy: Any) -> L.Trainer:
+def _trainer(
+    world_size: int, steps: int, sync_batchnorm: bool = False, accelerator: str = "cpu", **strategy: Any
+) -> L.Trainer:
     return L.Trainer(
-        strategy=RecShardStrategy(**strategy), accelerator="cpu", devices=world_size, max_steps=steps,
+        strategy=RecShardStrategy(**strategy), accelerator=accelerator, devices=world_size, max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, sync_batchnorm=sync_batchnorm,
     )
@@ -150,14 +152,30 @@ def _sync_batches(rank: int, world_size: int, steps: int, fmt: str) -> List[Any]
     return batches
 
 
+class _Window:
+    """Turns counting on and off: the dispatch-level :class:`~lightning_rec.testing.SyncCounter` and, on CUDA,
+    torch's own sync detector (``torch.cuda.set_sync_debug_mode``, one warning per synchronizing call)."""
+
+    def __init__(self, counter: Any, caught: List[Any]) -> None:
+        self.counter, self.caught, self.cuda, self._since = counter, caught, 0, 0
+
+    def set(self, active: bool) -> None:
+        if active and not self.counter.active:
+            self._since = len(self.caught)
+        elif not active and self.counter.active:
+            self.cuda += sum("synchronizing" in str(w.message) for w in self.caught[self._since:])
+        self.counter.active = active
+
+
 def syncs(
     rank: int, world_size: int, out_dir: Path, pipeline: bool = False, steps: int = 8, fmt: str = "dict",
-    loop: str = "recshard",
+    loop: str = "recshard", accelerator: str = "cpu",
 ) -> Dict[str, Any]:
-    """Count host syncs per training step (steps 3 to ``steps`` - 1), by who asked for them, in a recshard fit
+    """Count host syncs per training step (steps 3 to ``steps`` - 2), by who asked for them, in a recshard fit
     (``loop="recshard"``) or in the hand-written TorchRec loop of the same model (``loop="raw"``: DMP, fused
     Adagrad for the tables and torch's for the rest in a ``CombinedOptimizer``; ``TrainPipelineSparseDist`` with
-    ``pipeline``). Both call ``loss.item()`` once per step, as the model's ``training_step`` does."""
+    ``pipeline``). Both call ``loss.item()`` once per step, as the model's ``training_step`` does. On CUDA
+    (``accelerator="gpu"``) torch's sync detector counts too (``cuda_per_step``)."""
     from lightning_rec.testing import SyncCounter
 
     counter = SyncCounter()
@@ -165,21 +183,30 @@ def syncs(
     L.seed_everything(0)
     model = (_BatchValuesModel if fmt == "batch" else ValuesModel)(lr=LR)
     batches = _sync_batches(rank, world_size, steps, fmt)
-    if loop == "raw":
-        with counter:
-            _raw_torchrec_loop(model, batches, counter, pipeline)
-    else:
-        class Window(L.Callback):
-            def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-                counter.active = 3 <= trainer.global_step < steps - 1  # steps 3 to steps - 2, as the raw loop
+    cuda = accelerator == "gpu"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        window = _Window(counter, caught)
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        if loop == "raw":
+            with counter:
+                _raw_torchrec_loop(model, batches, window, pipeline, torch.device("cuda" if cuda else "cpu"))
+        else:
+            class Window(L.Callback):
+                def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+                    window.set(3 <= trainer.global_step < steps - 1)  # steps 3 to steps - 2, as the raw loop
 
-        trainer = _trainer(world_size, steps - 1, constraints=TABLE_WISE_PLAN, pipeline=pipeline)
-        trainer.callbacks.append(Window())
-        with counter:
-            trainer.fit(model, DataLoader(batches, batch_size=None))
+            trainer = _trainer(world_size, steps - 1, constraints=TABLE_WISE_PLAN, pipeline=pipeline, accelerator=accelerator)
+            trainer.callbacks.append(Window())
+            with counter:
+                trainer.fit(model, DataLoader(batches, batch_size=None, pin_memory=cuda))
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
     measured = steps - 4
     return {
         "per_step": counter.count / measured,
+        "cuda_per_step": window.cuda / measured,
         "lightning_rec": counter.count_from("/lightning_rec/") / measured,
         "lightning_rec_functions": sorted({fn for (_, (f, _, fn)) in counter.origins if "/lightning_rec/" in f}),
         "by_op": {op: n / measured for op, n in sorted(_by_op(counter).items())},
@@ -194,8 +221,8 @@ def _by_op(counter: Any) -> Dict[str, int]:
     return out
 
 
-def _raw_torchrec_loop(model: Any, batches: List[Any], counter: Any, pipeline: bool) -> None:
-    """TorchRec by hand, as its tutorials write it; ``counter`` counts steps 3 to len(batches) - 2."""
+def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline: bool, device: torch.device) -> None:
+    """TorchRec by hand, as its tutorials write it; ``window`` counts steps 3 to len(batches) - 2."""
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torch import nn
@@ -218,39 +245,41 @@ def _raw_torchrec_loop(model: Any, batches: List[Any], counter: Any, pipeline: b
             return loss, (loss.detach(), logits.detach())  # progress() returns the second part
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    device = torch.device("cpu")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR, "eps": 1e-10})
     root = WithLoss(model) if pipeline else model
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+        topology=Topology(world_size=dist.get_world_size(), compute_device=device.type),
         constraints={t: ParameterConstraints(**c) for t, c in TABLE_WISE_PLAN.items()},
     )
     plan = planner.collective_plan(root, [sharder], dist.group.WORLD)
     dmp = DistributedModelParallel(root, device=device, plan=plan, sharders=[sharder])
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.Adagrad(ps, lr=LR))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    loader = DataLoader(batches, batch_size=None)
+    loader = DataLoader(batches, batch_size=None, pin_memory=device.type == "cuda")
     if pipeline:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
         engine = TrainPipelineSparseDist(dmp, optimizer, device, execute_all_batches=True)
         it = iter(loader)
         for step in range(len(batches) - 1):
-            counter.active = 3 <= step < len(batches) - 1
+            window.set(3 <= step < len(batches) - 1)
             loss, _ = engine.progress(it)
             loss.item()
     else:
         for step, batch in enumerate(loader):
             if step == len(batches) - 1:
                 break
-            counter.active = 3 <= step
-            batch = batch.to(device) if not isinstance(batch, dict) else {k: v.to(device) for k, v in batch.items()}
+            window.set(3 <= step)
+            batch = (
+                batch.to(device, non_blocking=True) if not isinstance(batch, dict)
+                else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            )
             optimizer.zero_grad()
             label = batch.labels if not isinstance(batch, dict) else batch["label"]
             loss = F.binary_cross_entropy_with_logits(dmp(batch), label)
             loss.backward()
             optimizer.step()
             loss.item()
-    counter.active = False
+    window.set(False)
     dist.destroy_process_group()
