@@ -3,12 +3,14 @@
 The bench's A/B of whole runs (``python -m lightning_rec.bench --variants raw,recshard,recshard_unchecked``) has
 run-to-run noise of +-10% on this machine, far above the checks' cost; here both are timed in the same process,
 interleaved step by step on the same batches: a hand-written TorchRec step (DMP forward, backward, fused update,
-dense update) of the bench's model, and the checks recshard runs for it (the KJT at the EBC's door with id ranges,
-the batch's dense tensors, the loss).
+dense update) of the bench's model, and the checks recshard runs for it: on the host before the copy (every KJT's
+contents, the dense tensors), at the EBC's door (features, dtypes, shapes), and the loss (sent to host memory).
 
     .venv/bin/python benchmarks/input_checks.py --sizes tiny,realistic
+    .venv/bin/python benchmarks/input_checks.py --sizes criteo_onehot,criteo_multihot --host-only
 
-Prints one line per size and a JSON line with the medians and the ratio checks / step.
+``--host-only`` times the host checks alone (no model: the GPU sizes' 13 GB of tables need not exist), the work the
+host must finish per step while the GPU trains. Prints one line per size and a JSON line with the medians.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def measure(size_name: str, steps: int) -> dict:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from lightning_rec.bench.workload import SIZES, _BenchModel, _batches, _constraints, _pattern_init
-    from lightning_rec.inputs import InputChecks, check_features, input_specs
+    from lightning_rec.inputs import InputChecks, input_specs
+    from lightning_rec.kjt_check import FeatureTables
 
     size = SIZES[size_name]
     model = _BenchModel.build(size)
@@ -46,13 +49,14 @@ def measure(size_name: str, steps: int) -> dict:
     _pattern_init(dmp.module)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=0.01))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead: "")
+    checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")
     spec = specs["tables"]
+    checks.tables = FeatureTables.of(specs)
     step_s, check_s = [], []
     for i, batch in enumerate(_batches(size, 0, size.warmup + steps)):
         t0 = time.perf_counter()
-        check_features(batch.sparse_features, spec, check_ids=True, where=checks.where)
-        checks.check_batch(batch)
+        checks.trust(checks.check_host(batch), batch)
+        checks.at_door(batch.sparse_features, spec)
         t1 = time.perf_counter()
         optimizer.zero_grad()
         loss, _ = dmp(batch)
@@ -65,16 +69,46 @@ def measure(size_name: str, steps: int) -> dict:
         if i >= size.warmup:
             check_s.append((t1 - t0) + (t3 - t2))
             step_s.append((t2 - t1) + (t4 - t3))
+    assert checks.door_reads == 0, "the door read contents the host had checked"
     step, check = statistics.median(step_s), statistics.median(check_s)
     return {"size": size_name, "ids_per_step": size.tables * size.batch_size * size.pooling,
             "step_ms": round(1000 * step, 3), "checks_ms": round(1000 * check, 4), "checks_vs_step": round(check / step, 5)}
+
+
+def measure_host(size_name: str, steps: int) -> dict:
+    """The host checks alone (``check_host`` of each batch, as ``batch_to_device`` runs it before the copy)."""
+    from lightning_rec.bench.workload import SIZES, _batches
+    from lightning_rec.inputs import InputChecks
+    from lightning_rec.kjt_check import FeatureTable, FeatureTables
+
+    size = SIZES[size_name]
+    checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")
+    checks.tables = FeatureTables({f"f{i}": FeatureTable("tables", f"t_f{i}", size.rows) for i in range(size.tables)})
+    batches = _batches(size, 0, min(size.warmup + steps, 4))  # a few distinct batches, cycled (the GPU sizes' are big)
+    times = []
+    for i in range(size.warmup + steps):
+        t0 = time.perf_counter()
+        checks.check_host(batches[i % len(batches)])
+        if i >= size.warmup:
+            times.append(time.perf_counter() - t0)
+    ids = size.tables * size.batch_size * size.pooling
+    return {"size": size_name, "ids_per_step": ids, "host_checks_ms": round(1000 * statistics.median(times), 3),
+            "ns_per_id": round(1e9 * statistics.median(times) / ids, 2)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="tiny,realistic")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--host-only", action="store_true", help="time the host checks alone (any size, no model)")
     args = parser.parse_args()
+    if args.host_only:
+        out = [measure_host(name, 20) for name in args.sizes.split(",")]
+        for r in out:
+            print(f"{r['size']:16s} host checks {r['host_checks_ms']:8.3f} ms for {r['ids_per_step']} ids "
+                  f"({r['ns_per_id']} ns/id)", flush=True)
+        print(json.dumps(out))
+        return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")

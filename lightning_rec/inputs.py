@@ -38,7 +38,7 @@ import dataclasses
 import math
 import warnings
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Callable, Deque, Dict, FrozenSet, Iterator, List, Literal, Mapping, Optional, Tuple, Union
 
 import torch
@@ -133,6 +133,9 @@ class _PendingLoss:
     copied: Optional[Any]  # the CUDA event recorded after the copy (None on CPU: already there)
 
 
+# How many checked KJTs the doors remember: enough for the batches a pipeline holds (3) with several KJTs each.
+_TRUSTED_KJTS = 16
+
 HostChecked = List[Tuple[str, KeyedJaggedTensor, FrozenSet[str]]]
 """What :meth:`InputChecks.check_host` checked: (path, host KJT, its checked features), for :meth:`InputChecks.trust`."""
 
@@ -174,7 +177,8 @@ class InputChecks:
         self._position = position
         self._ahead = 0
         self._batch: Optional[int] = None
-        self._trusted: Dict[int, _Trusted] = {}  # by the data pointer of a checked device KJT's values
+        # By the data pointer of a checked device KJT's values; the newest _TRUSTED_KJTS (a few batches in flight).
+        self._trusted: "OrderedDict[int, _Trusted]" = OrderedDict()
         self._pending: Deque[_PendingLoss] = deque()
         self.door_reads = 0  # KJTs whose contents were read at a module's door (not checked on the host)
 
@@ -251,7 +255,6 @@ class InputChecks:
     def trust(self, checked: HostChecked, device_batch: Any) -> None:
         """Let the doors skip reading the contents of ``device_batch``'s KJTs that :meth:`check_host` checked (the
         same paths, keys and sizes), until they are freed or changed in place."""
-        self._trusted = {ptr: t for ptr, t in self._trusted.items() if t.values() is not None}
         if not checked:
             return
         on_device = dict(batch_leaves(device_batch))
@@ -260,9 +263,11 @@ class InputChecks:
             if not isinstance(kjt, KeyedJaggedTensor) or not _same_form(host, kjt):
                 continue  # a custom transfer moved things around: the door reads it
             values = kjt.values()
-            self._trusted[values.untyped_storage().data_ptr()] = _Trusted(
-                features, weakref.ref(values), _lengths_storage(kjt), _compat.tensor_version(values)
-            )
+            ptr = values.untyped_storage().data_ptr()
+            self._trusted.pop(ptr, None)
+            self._trusted[ptr] = _Trusted(features, weakref.ref(values), _lengths_storage(kjt), _compat.tensor_version(values))
+        while len(self._trusted) > _TRUSTED_KJTS:
+            self._trusted.popitem(last=False)  # an old KJT that comes back is read at the door
 
     def at_door(self, features: Any, spec: ModuleInputs) -> KeyedJaggedTensor:
         """Check what a sharded module is given (its contents only if the host did not check them)."""

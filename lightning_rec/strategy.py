@@ -191,6 +191,7 @@ class RecShardStrategy(ParallelStrategy):
         self._failures: Optional[FailureBoard] = None
         self._transferring = False
         self._batch_hooks: Tuple[bool, bool] = (False, False)  # transfer_batch_to_device, on_after_batch_transfer
+        self._redirect_steps = True  # training_step through DMP's DDP (not with one rank: see `training_step`)
         self._static_graph = static_graph
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
@@ -350,6 +351,7 @@ class RecShardStrategy(ParallelStrategy):
         self.model = state.dmp
         self._input_checks.install(state.dmp.module, state.inputs)
         self._batch_hooks = custom_batch_hooks(module, trainer.datamodule)
+        self._redirect_steps = dense_ddp(state.dmp) is not None
 
         if fitting:
             self._rec_optimizer, self.optimizers = combine_optimizers(
@@ -420,6 +422,14 @@ class RecShardStrategy(ParallelStrategy):
         ddp = dense_ddp(self.model)
         if ddp is not None and not self.lightning_module.automatic_optimization:
             prepare_for_backward(ddp, closure_loss)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._redirect_steps:
+            return super().training_step(*args, **kwargs)  # through DDP's forward, as Lightning's ddp does
+        # One rank: no DDP around the dense part (dmp.DenseDataParallel), and DMP's forward only calls the module.
+        with self.precision_plugin.train_step_context():
+            return self.lightning_module.training_step(*args, **kwargs)
 
     @override
     def model_to_device(self) -> None:

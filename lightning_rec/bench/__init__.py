@@ -14,7 +14,9 @@ Variants (same model, data, plan, kernels and optimizer; every DataLoader pins i
   optimizer (SGD and Adagrad take sparse gradients); DDP with gloo on CPU, one process only on CUDA (NCCL has no
   sparse all-reduce for DDP);
 * ``recshard_unchecked`` (only with ``--variants``): ``recshard`` without any input check (``bounds_check="none"``,
-  ``nonfinite="ignore"``), to price them (``checked_vs_unchecked`` in the JSON line).
+  ``nonfinite="ignore"``), to price them (``checked_vs_unchecked`` in the JSON line);
+* ``recshard_strict`` (only with ``--variants``): ``recshard`` with ``nonfinite="strict"`` (the loss read before its
+  backward pass: one host sync per step), to price it (``strict_vs_default``).
 
 ``--optimizer sgd|adagrad`` (default sgd): ``torch.optim.SGD``/``Adagrad`` for the dense layers and the plain
 tables; the fused tables get FBGEMM's exact counterpart (``EXACT_SGD``/``EXACT_ADAGRAD``, what recshard derives

@@ -114,7 +114,7 @@ def measure(size: Size, variants: List[str], repeats: int, lr: float = 0.01, mal
             print(f"{size.name:16s} b{size.batch_size:<6d} rep {rep} {variant:18s} {records[0]['ms_per_step']:9.2f} ms/step "
                   f"{records[0]['page_faults_per_step']:8.0f} page faults/step {records[0]['emb_bw_frac']:8.4f} of copy bandwidth",
                   flush=True)
-    for other in ("recshard", "recshard_pipelined", "recshard_unchecked"):
+    for other in ("recshard", "recshard_pipelined", "recshard_unchecked", "recshard_strict"):
         if "raw" in first and other in first:
             check_identical(first["raw"], first[other])
             print(f"{size.name}: raw and {other} trained identically (losses, plan, kernels)", flush=True)
@@ -164,6 +164,8 @@ def final_record(results: Results, repeats: int) -> Dict[str, Any]:
         "raw_pipeline_vs_raw": _ratio(results, "realistic", "raw_pipeline", "raw"),
         "checked_vs_unchecked": _ratio(results, "realistic", "recshard", "recshard_unchecked"),
         "checked_vs_unchecked_tiny": _ratio(results, "tiny", "recshard", "recshard_unchecked"),
+        "strict_vs_default": _ratio(results, "realistic", "recshard_strict", "recshard"),
+        "strict_vs_default_tiny": _ratio(results, "tiny", "recshard_strict", "recshard"),
     }
     for name in GPU_SIZES:
         record[f"recshard_vs_raw_{name}"] = _ratio(results, name, "recshard", "raw")

@@ -197,7 +197,8 @@ def _lightning_module(size: Size, lr: float, plain_tables: bool, sparse: bool = 
 
 
 def _run_lightning(
-    size: Size, lr: float, device, plain_tables: bool, pipeline: bool = False, checks: bool = True, sparse: bool = False
+    size: Size, lr: float, device, plain_tables: bool, pipeline: bool = False, checks: str = "default",
+    sparse: bool = False,
 ) -> Dict[str, Any]:
     import contextlib
 
@@ -225,7 +226,8 @@ def _run_lightning(
         _pattern_init(module.model)
         strategy: Any = "ddp" if size.world_size > 1 else "auto"
     else:
-        unchecked = {} if checks else {"bounds_check": "none", "nonfinite": "ignore"}
+        unchecked = {"default": {}, "none": {"bounds_check": "none", "nonfinite": "ignore"},
+                     "strict": {"nonfinite": "strict"}}[checks]
         topology = TopologyConfig(**_planner_hbm(device)) if device.type == "cuda" else None
         strategy = RecShardStrategy(constraints=_constraints(size), plan_report=False, pipeline=pipeline,
                                     topology=topology, **unchecked)
@@ -273,7 +275,8 @@ def _worker(variant: str, size: Size, lr: float, bandwidth: bool = True) -> None
     else:
         out = _run_lightning(
             size, lr, device, plain_tables=variant in ("lightning_ddp", "lightning_sparse"),
-            pipeline=variant == "recshard_pipelined", checks=variant != "recshard_unchecked",
+            pipeline=variant == "recshard_pipelined",
+            checks={"recshard_unchecked": "none", "recshard_strict": "strict"}.get(variant, "default"),
             sparse=variant == "lightning_sparse",
         )
     timed = out["stamps"][size.warmup - 1:]
