@@ -164,9 +164,9 @@ def check_features(
         check_ids: check the id ranges (``bounds_check="error"``).
         where: where in training this is, for the message (e.g. ``"training step 12 (epoch 0, batch 12)"``), or a
             function computing it (called on failure only).
-        data: also check what needs the tensors' contents (lengths, offsets, weights, ids). ``False`` for a KJT
-            whose contents :func:`check_on_host` already checked before it was copied to the device: what is left
-            reads only shapes, dtypes and keys, so it never waits for the device.
+        data: also check the tensors (dtypes, shapes and contents: lengths, offsets, weights, ids). ``False``
+            for a KJT that :func:`check_on_host` already checked before it was copied to the device: what is left
+            (its features and weights against the module's) reads no tensor, so it never waits for the device.
 
     Returns:
         ``kjt``, or a permuted copy in the module's feature order.
@@ -189,11 +189,13 @@ def check_features(
         raise fail(f"expected a KeyedJaggedTensor of features {list(spec.features)}, got {type(kjt).__name__}.")
     keys = list(kjt.keys())
     _check_keys(keys, spec, fail)
-    form = _check_form(kjt, keys, fail)
-    _check_weights_presence(form.weights, spec.weighted, fail)
     if data:
+        form = _check_form(kjt, keys, fail)
+        _check_weights_presence(form.weights, spec.weighted, fail)
         rows = {key: spec.tables[key][1] for key in keys} if check_ids else {}
         _check_contents(form, rows, spec.describe, fail, on_host=False)
+    else:  # check_on_host checked its form and contents: what is left depends on the module
+        _check_weights_presence(kjt.weights_or_none(), spec.weighted, fail)
     if keys != list(spec.features):
         kjt = kjt.permute([keys.index(f) for f in spec.features])
     return kjt

@@ -363,7 +363,8 @@ class RecOptimizer(CombinedOptimizer):
             self.table_optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        self.sync_lr()
+        # No sync_lr here: the tables update inside the closure's backward, after `zero_grad` (and Lightning's
+        # `on_train_batch_start`) pushed the rate.
         loss = None
         if closure is not None:
             with torch.enable_grad():

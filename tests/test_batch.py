@@ -38,3 +38,29 @@ def test_row_collator_works_in_dataloader_workers():
     assert all(b.sparse_features.lengths().tolist() == [1, 1, 1, 1, 2, 0, 2, 0] for b in batches)
     moved = batches[0].to(torch.device("cpu"))
     assert torch.equal(moved.sparse_features.values(), batches[0].sparse_features.values())
+
+
+def test_to_device_copies_torchrec_objects_without_blocking_to_an_accelerator_only():
+    """Lightning passes ``non_blocking`` to plain tensors only; ``to_device`` passes it to TorchRec's ``Batch``, KJTs
+    and any ``Pipelineable`` too, and never for a copy to the host (which could be read before it lands)."""
+    from torchrec.streamable import Pipelineable
+
+    from lightning_rec.batch import to_device
+
+    class Recorder(Pipelineable):
+        def __init__(self) -> None:
+            self.calls = []
+
+        def to(self, device, non_blocking=False):
+            self.calls.append((device.type, non_blocking))
+            return self
+
+        def record_stream(self, stream) -> None:
+            pass
+
+    item = Recorder()
+    to_device({"batch": [item]}, torch.device("cuda"))  # a device object needs no GPU
+    to_device((item,), torch.device("cpu"))
+    assert item.calls == [("cuda", True), ("cpu", False)]
+    moved = to_device({"dense": torch.ones(2)}, torch.device("meta"))
+    assert moved["dense"].device.type == "meta"

@@ -1,5 +1,5 @@
 """Host-device synchronisations per training step, counted on CPU (lightning_rec.testing.SyncCounter): a guard for
-a GPU property. A recshard step syncs exactly as often as the hand-written TorchRec loop of the same model: its
+a GPU property. A recshard step syncs no more often than the hand-written TorchRec loop of the same model: its
 input checks read batches on the host before the copy, and the loss one step late from host memory."""
 
 from __future__ import annotations
@@ -13,15 +13,25 @@ from tests.helpers.dist import run_ranks
 SYNCS = "tests.helpers.user_scenarios:syncs"
 
 
-@pytest.mark.parametrize("fmt, pipeline", [("batch", False), ("batch", True), ("dict", False), ("dict", True)])
-def test_a_recshard_step_syncs_no_more_than_the_hand_written_torchrec_loop(tmp_path, fmt, pipeline):
+@pytest.mark.parametrize(
+    "fmt, pipeline, ranks", [("batch", False, 1), ("batch", True, 1), ("dict", False, 1), ("dict", True, 1), ("batch", False, 2)]
+)
+def test_a_recshard_step_syncs_no_more_than_the_hand_written_torchrec_loop(tmp_path, fmt, pipeline, ranks):
     """Same model, plan, optimizers and batches; the raw loop is TorchRec's tutorial loop (TrainPipelineSparseDist
-    when pipelined, on TorchRec ``Batch``es: TorchRec's pipeline takes no dicts)."""
-    ours = run_ranks(SYNCS, 1, tmp_path, pipeline=pipeline, fmt=fmt)[0]
-    raw = run_ranks(SYNCS, 1, tmp_path, pipeline=pipeline, fmt="batch", loop="raw")[0]
-    assert ours["by_op"] == raw["by_op"], (ours["origins"], raw["origins"])
+    when pipelined, on TorchRec ``Batch``es: TorchRec's pipeline takes no dicts). Rank 0's counts."""
+    ours = run_ranks(SYNCS, ranks, tmp_path, pipeline=pipeline, fmt=fmt)[0]
+    raw = run_ranks(SYNCS, ranks, tmp_path, pipeline=pipeline, fmt="batch", loop="raw")[0]
+    # With several ranks Lightning's own loop broadcasts a SIGTERM flag from rank 0 and reads it every step (the same
+    # under strategy="ddp"): Lightning's sync, not recshard's; it is named here, so that nothing else can hide in it.
+    lightnings = ours["lightning_loop"] if ranks > 1 else 0
+    assert lightnings in (0, 1) and (ranks == 1 or ours["lightning_loop_functions"] == ["_broadcast_sigterm_tensor"])
+    ours["by_op"]["_local_scalar_dense"] -= lightnings
+    ops = set(ours["by_op"]) | set(raw["by_op"])
+    assert all(ours["by_op"].get(op, 0) <= raw["by_op"].get(op, 0) for op in ops), (ours["origins"], raw["origins"])
     assert ours["lightning_rec_functions"] == [], ours["origins"]
-    assert ours["per_step"] >= 9  # the counter sees the step: torch's backward and Adagrad, the model's loss.item()
+    # The counter sees the step (torch's Adagrad, the model's loss.item()); with one rank recshard leaves out DMP's
+    # DDP, whose backward adds syncs of its own to the raw loop.
+    assert ours["per_step"] >= 5
 
 
 def test_the_counter_counts_item_bool_nonzero_and_tolist():

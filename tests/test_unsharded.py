@@ -180,3 +180,18 @@ def test_meta_dense_layers_are_initialised_or_refused():
     before = kept.pos_embedding.detach().clone()
     materialize_dense(kept, torch.device("cpu"), skip=[])
     assert torch.equal(kept.pos_embedding, before) and not math.isnan(float(before.sum()))
+
+
+def test_lightnings_transfer_hooks_run_and_the_batch_they_build_is_checked(tmp_path):
+    """``on_before_batch_transfer`` builds the KJT batch from raw rows on the host: recshard checks what it built
+    (before the copy), calls the user's ``transfer_batch_to_device`` and ``on_after_batch_transfer``, and trains as
+    plain PyTorch does; a bad id the hook produced is refused, naming its step."""
+    good = run_ranks("tests.helpers.user_scenarios:transfer_hooks", 1, tmp_path)[0]
+    assert good["error"] is None and good["transfers"] == good["after"] == 5
+    assert good["losses"] == pytest.approx(good["ref_losses"], abs=1e-5)
+    bad = run_ranks("tests.helpers.user_scenarios:transfer_hooks", 1, tmp_path, bad_step=2)[0]
+    assert bad["error"].startswith(
+        "InputError: training step 2 (epoch 0, batch 2): module 'ebc': feature 'user' (table 't_user', 60 rows) has 1 "
+        "id(s) outside [0, 60): 65 (sample 0)."
+    ), bad["error"]
+    assert bad["transfers"] == 2  # refused before its copy

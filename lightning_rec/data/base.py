@@ -230,11 +230,13 @@ def _identity(x: Any) -> Any:
 
 def batch_loader(
     dataset: Any, batch_size: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = False, seed: int = 0,
-    num_workers: int = 0,
+    num_workers: int = 0, pin_memory: bool = False,
 ) -> DataLoader:
     """A ``DataLoader`` over a dataset indexed by batches of row indices (``dataset[indices] -> Batch``).
 
-    Worker processes are started with ``spawn``: forking a process whose gloo threads run can deadlock.
+    Worker processes are started with ``spawn``: forking a process whose gloo threads run can deadlock. With
+    ``pin_memory`` (for CUDA training) batches land in pinned host memory, from which the strategy's non-blocking
+    copy overlaps the GPU's work.
 
     Example::
 
@@ -246,6 +248,7 @@ def batch_loader(
     return DataLoader(
         dataset, sampler=sampler, batch_size=None, collate_fn=_identity, num_workers=num_workers,
         multiprocessing_context="spawn" if num_workers > 0 else None, persistent_workers=num_workers > 0,
+        pin_memory=pin_memory,
     )
 
 
@@ -286,12 +289,19 @@ class RecDataModule(pl.LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
+    @property
+    def pin_memory(self) -> bool:
+        """Whether loaders pin their batches: when the attached trainer trains on CUDA."""
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
     def loader(self, dataset: Any, shuffle: bool, batch_size: Optional[int] = None) -> DataLoader:
-        """A :func:`batch_loader` for this rank (rank and world size come from the attached trainer)."""
+        """A :func:`batch_loader` for this rank (rank and world size come from the attached trainer; pinned memory
+        on CUDA)."""
         rank, world_size = self.rank_and_world_size
         return batch_loader(
             dataset, batch_size or self.batch_size, rank=rank, world_size=world_size, shuffle=shuffle,
-            seed=self.seed, num_workers=self.num_workers,
+            seed=self.seed, num_workers=self.num_workers, pin_memory=self.pin_memory,
         )
 
     def split(self, name: str) -> Any:

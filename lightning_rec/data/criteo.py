@@ -419,7 +419,7 @@ class CriteoDataModule(RecDataModule):
         stream = CriteoTSVStream(files, self.batch_size, self.sizes, rank=rank, world_size=world_size)
         return DataLoader(
             stream, batch_size=None, num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-            multiprocessing_context="spawn" if self.num_workers > 0 else None,
+            multiprocessing_context="spawn" if self.num_workers > 0 else None, pin_memory=self.pin_memory,
         )
 
 

@@ -209,6 +209,8 @@ def syncs(
         "cuda_per_step": window.cuda / measured,
         "lightning_rec": counter.count_from("/lightning_rec/") / measured,
         "lightning_rec_functions": sorted({fn for (_, (f, _, fn)) in counter.origins if "/lightning_rec/" in f}),
+        "lightning_loop": counter.count_from("/lightning/pytorch/loops/") / measured,
+        "lightning_loop_functions": sorted({fn for (_, (f, _, fn)) in counter.origins if "/lightning/pytorch/loops/" in f}),
         "by_op": {op: n / measured for op, n in sorted(_by_op(counter).items())},
         "origins": sorted(f"{op} {Path(f).name}:{line} {fn} x{n}" for (op, (f, line, fn)), n in counter.origins.items()),
     }
@@ -283,3 +285,44 @@ def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline
             loss.item()
     window.set(False)
     dist.destroy_process_group()
+
+
+class _HookedValuesModel(ValuesModel):
+    """:class:`ValuesModel` whose DataLoader gives raw ids, turned into its KJT batch by ``on_before_batch_transfer``
+    (on the host), with Lightning's other two transfer hooks overridden too. ``bad_step``: the hook makes an id of
+    feature 'user' too large at that step."""
+
+    def __init__(self, bad_step: int = -1) -> None:
+        super().__init__(lr=LR)
+        self.bad_step, self.transfers, self.after = bad_step, 0, 0
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        rows = batch["rows"]
+        if self.trainer.training and self.trainer.global_step == self.bad_step:
+            rows = [dict(rows[0], user=[60 + 5]), *rows[1:]]
+        return to_batch(rows)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        self.transfers += 1
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.after += 1
+        return batch
+
+
+def transfer_hooks(rank: int, world_size: int, out_dir: Path, bad_step: int = -1, steps: int = 5) -> Dict[str, Any]:
+    """Fit :class:`_HookedValuesModel` on raw rows; the plain-PyTorch reference on the same batches."""
+    L.seed_everything(0)
+    model = _HookedValuesModel(bad_step)
+    batches = global_batches(steps, 16)
+    ref_losses, _ = reference(model, batches, samples(4, HELDOUT_SEED), LR)
+    error = None
+    try:
+        _trainer(world_size, steps, constraints=TABLE_WISE_PLAN).fit(
+            model, DataLoader([{"rows": rows} for rows in batches], batch_size=None, collate_fn=lambda b: b)
+        )
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        error = f"{type(e).__name__}: {e}"
+    return {"losses": model.losses, "ref_losses": ref_losses, "transfers": model.transfers, "after": model.after,
+            "error": error}
