@@ -231,6 +231,8 @@ def check_on_host(
 
 
 def _check_keys(keys: List[str], spec: ModuleInputs, fail: Callable[[str], InputError]) -> None:
+    if len(keys) == len(spec.features) and spec.tables.keys() == set(keys):
+        return  # exactly the module's features, each once (the check of every step)
     duplicated = sorted({k for k in keys if keys.count(k) > 1})
     missing = [f for f in spec.features if f not in keys]
     unknown = [k for k in dict.fromkeys(keys) if k not in spec.tables]
