@@ -215,3 +215,13 @@ def test_profile_step_times_the_phases_and_lightnings_hooks():
     assert phases["cycle"] >= phases["forward"] + phases["backward"]
     assert "on_before_optimizer_step -> on_train_batch_end" in record["timeline_ms"]
     assert record["ops_ms"] and record["all_ops_ms"] >= max(record["ops_ms"].values()) > 0
+
+
+def test_lightnings_own_overhead_and_recshards_beyond_it():
+    results = {"tiny": {"raw": _values(1.3, 400, 64), "recshard": _values(1.7, 400, 64),
+                        "plain_sparse": _values(1.0, 400, 64), "lightning_sparse": _values(1.25, 400, 64)}}
+    final = final_record(results, repeats=1)
+    assert final["lightning_overhead_ms"] == 0.25
+    assert final["recshard_overhead_beyond_lightnings_ms"] == 0.15  # 0.4 over raw, 0.25 of it Lightning's
+    del results["tiny"]["plain_sparse"]
+    assert final_record(results, repeats=1)["recshard_overhead_beyond_lightnings_ms"] is None

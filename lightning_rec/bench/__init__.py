@@ -16,7 +16,10 @@ Variants (same model, data, plan, kernels and optimizer; every DataLoader pins i
 * ``recshard_unchecked`` (only with ``--variants``): ``recshard`` without any input check (``bounds_check="none"``,
   ``nonfinite="ignore"``), to price them (``checked_vs_unchecked`` in the JSON line);
 * ``recshard_strict`` (only with ``--variants``): ``recshard`` with ``nonfinite="strict"`` (the loss read before its
-  backward pass: one host sync per step), to price it (``strict_vs_default``).
+  backward pass: one host sync per step), to price it (``strict_vs_default``);
+* ``plain_sparse`` (only with ``--variants``, one process): ``lightning_sparse``'s model in a plain PyTorch loop, so
+  that one run also measures Lightning's own overhead (``lightning_overhead_ms`` at ``tiny``) and recshard's beyond
+  it (``recshard_overhead_beyond_lightnings_ms``).
 
 ``--optimizer sgd|adagrad`` (default sgd): ``torch.optim.SGD``/``Adagrad`` for the dense layers and the plain
 tables; the fused tables get FBGEMM's exact counterpart (``EXACT_SGD``/``EXACT_ADAGRAD``, what recshard derives

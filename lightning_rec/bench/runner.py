@@ -96,6 +96,21 @@ def _ratio(results, size: str, num: str, den: str, key: str = "samples_per_s") -
         return None
 
 
+def _difference(results, size: str, a: str, b: str) -> Optional[float]:
+    """Median ms/step of ``a`` minus ``b`` at ``size`` (``None`` unless both were measured)."""
+    try:
+        return round(statistics.median(results[size][a]["ms_per_step"]) - statistics.median(results[size][b]["ms_per_step"]), 4)
+    except (KeyError, statistics.StatisticsError):
+        return None
+
+
+def _beyond(results) -> Optional[float]:
+    """recshard's overhead over raw TorchRec at ``tiny`` minus Lightning's own over a plain loop (issue 14's GPU
+    target: <= 0.3 ms)."""
+    ours, lightnings = _difference(results, "tiny", "recshard", "raw"), _difference(results, "tiny", "lightning_sparse", "plain_sparse")
+    return None if ours is None or lightnings is None else round(ours - lightnings, 4)
+
+
 Results = Dict[str, Dict[str, Dict[str, List[float]]]]  # size label -> variant -> metric -> one value per repeat
 
 
@@ -164,6 +179,8 @@ def final_record(results: Results, repeats: int) -> Dict[str, Any]:
         "raw_pipeline_vs_raw": _ratio(results, "realistic", "raw_pipeline", "raw"),
         "checked_vs_unchecked": _ratio(results, "realistic", "recshard", "recshard_unchecked"),
         "checked_vs_unchecked_tiny": _ratio(results, "tiny", "recshard", "recshard_unchecked"),
+        "lightning_overhead_ms": _difference(results, "tiny", "lightning_sparse", "plain_sparse"),
+        "recshard_overhead_beyond_lightnings_ms": _beyond(results),
         "strict_vs_default": _ratio(results, "realistic", "recshard_strict", "recshard"),
         "strict_vs_default_tiny": _ratio(results, "tiny", "recshard_strict", "recshard"),
     }
@@ -286,6 +303,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             size_variants = [v for v in variants if v != "lightning_sparse"]
             print(f"{size.name}: lightning_sparse left out ({size.world_size} processes on CUDA: NCCL has no sparse "
                   "all-reduce for DDP); its ratios there are None", flush=True)
+        if size.world_size > 1 and "plain_sparse" in size_variants:
+            size_variants = [v for v in size_variants if v != "plain_sparse"]
+            print(f"{size.name}: plain_sparse left out (a plain loop runs one process)", flush=True)
         for batch in batch_sizes or [size.batch_size]:
             label = f"{size.name}@{batch}" if len(batch_sizes) > 1 else size.name
             sized = replace(size, batch_size=batch)

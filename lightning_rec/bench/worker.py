@@ -168,6 +168,28 @@ def _run_raw(size: Size, lr: float, device, pipelined: bool) -> Dict[str, Any]:
     return {"stamps": clock.stamps, "losses": [float(x) for x in losses], "plan": _plan_rows(dmp.plan)}
 
 
+def _run_plain(size: Size, lr: float, device) -> Dict[str, Any]:
+    """``lightning_sparse``'s model and optimizer in a plain PyTorch loop (one process): with it, the same run
+    measures Lightning's own per-step overhead (``lightning_overhead_ms``), which no strategy can remove."""
+    import torch
+
+    with torch.device(device):
+        model = _BenchModel.build(size, plain_tables=True, sparse=True)
+    _pattern_init(model)
+    optimizer = torch_optimizer(size.optimizer, model.parameters(), lr)
+    clock = _Clock(size, device)
+    losses: List[Any] = []
+    for batch in _loader(size, 0, device):
+        batch = batch.to(device, non_blocking=True)
+        optimizer.zero_grad()
+        loss, _ = model(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        clock.tick()
+    return {"stamps": clock.stamps, "losses": [float(x) for x in losses], "plan": None}
+
+
 def _lightning_module(size: Size, lr: float, plain_tables: bool, sparse: bool = False):
     import lightning as L
 
@@ -272,6 +294,8 @@ def _worker(variant: str, size: Size, lr: float, bandwidth: bool = True) -> None
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         out = _run_raw(size, lr, device, pipelined=variant == "raw_pipeline")
+    elif variant == "plain_sparse":
+        out = _run_plain(size, lr, device)
     else:
         out = _run_lightning(
             size, lr, device, plain_tables=variant in ("lightning_ddp", "lightning_sparse"),

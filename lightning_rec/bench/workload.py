@@ -7,8 +7,9 @@ from typing import Any, Dict
 
 VARIANTS = ("raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp", "lightning_sparse")
 # Measured only when asked for (``--variants``): recshard without any input check (bounds_check="none",
-# nonfinite="ignore"), to price them; recshard reading the loss before its backward pass (nonfinite="strict").
-EXTRA_VARIANTS = ("recshard_unchecked", "recshard_strict")
+# nonfinite="ignore"), to price them; recshard reading the loss before its backward pass (nonfinite="strict");
+# lightning_sparse's model in a plain PyTorch loop (one process), for Lightning's own overhead.
+EXTRA_VARIANTS = ("recshard_unchecked", "recshard_strict", "plain_sparse")
 
 
 @dataclass
