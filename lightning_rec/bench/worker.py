@@ -157,15 +157,22 @@ def _run_raw(size: Size, lr: float, device, pipelined: bool) -> Dict[str, Any]:
             losses.append(loss.detach())
             clock.tick()
     else:
-        for batch in loader:
-            batch = batch.to(device, non_blocking=True)
-            optimizer.zero_grad()
-            loss, _ = dmp(batch)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.detach())
-            clock.tick()
+        losses = _plain_loop(dmp, optimizer, loader, device, clock)
     return {"stamps": clock.stamps, "losses": [float(x) for x in losses], "plan": _plan_rows(dmp.plan)}
+
+
+def _plain_loop(model, optimizer, loader, device, clock: _Clock) -> List[Any]:
+    """The textbook loop (copy, zero_grad, forward, backward, step) over ``loader``; the detached losses."""
+    losses: List[Any] = []
+    for batch in loader:
+        batch = batch.to(device, non_blocking=True)
+        optimizer.zero_grad()
+        loss, _ = model(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+        clock.tick()
+    return losses
 
 
 def _run_plain(size: Size, lr: float, device) -> Dict[str, Any]:
@@ -178,15 +185,7 @@ def _run_plain(size: Size, lr: float, device) -> Dict[str, Any]:
     _pattern_init(model)
     optimizer = torch_optimizer(size.optimizer, model.parameters(), lr)
     clock = _Clock(size, device)
-    losses: List[Any] = []
-    for batch in _loader(size, 0, device):
-        batch = batch.to(device, non_blocking=True)
-        optimizer.zero_grad()
-        loss, _ = model(batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-        clock.tick()
+    losses = _plain_loop(model, optimizer, _loader(size, 0, device), device, clock)
     return {"stamps": clock.stamps, "losses": [float(x) for x in losses], "plan": None}
 
 
