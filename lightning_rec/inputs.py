@@ -121,7 +121,7 @@ class _Trusted:
     features: FrozenSet[str]
     values: "weakref.ref[torch.Tensor]"
     lengths_storage: int
-    version: int
+    versions: Tuple[int, int]  # of the values and the lengths (or offsets): what changing them in place moves
 
 
 @dataclasses.dataclass
@@ -263,9 +263,11 @@ class InputChecks:
             if not isinstance(kjt, KeyedJaggedTensor) or not _same_form(host, kjt):
                 continue  # a custom transfer moved things around: the door reads it
             values = kjt.values()
+            if values.numel() == 0:
+                continue  # no storage to know it by
             ptr = values.untyped_storage().data_ptr()
             self._trusted.pop(ptr, None)
-            self._trusted[ptr] = _Trusted(features, weakref.ref(values), _lengths_storage(kjt), _compat.tensor_version(values))
+            self._trusted[ptr] = _Trusted(features, weakref.ref(values), _lengths_storage(kjt), _versions(kjt))
         while len(self._trusted) > _TRUSTED_KJTS:
             self._trusted.popitem(last=False)  # an old KJT that comes back is read at the door
 
@@ -285,7 +287,7 @@ class InputChecks:
         entry = self._trusted.get(values.untyped_storage().data_ptr())
         if (
             entry is None or entry.values() is None or entry.lengths_storage != _lengths_storage(kjt)
-            or entry.version != _compat.tensor_version(values)
+            or entry.versions != _versions(kjt)
         ):
             return None
         return entry.features
@@ -376,10 +378,19 @@ _HINT_LOSS = (
 )
 
 
-def _lengths_storage(kjt: KeyedJaggedTensor) -> int:
+def _lengths_of(kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
     lengths = kjt.lengths_or_none()
-    lengths = lengths if lengths is not None else kjt.offsets_or_none()
+    return lengths if lengths is not None else kjt.offsets_or_none()
+
+
+def _lengths_storage(kjt: KeyedJaggedTensor) -> int:
+    lengths = _lengths_of(kjt)
     return lengths.untyped_storage().data_ptr() if isinstance(lengths, torch.Tensor) else 0
+
+
+def _versions(kjt: KeyedJaggedTensor) -> Tuple[int, int]:
+    lengths = _lengths_of(kjt)
+    return _compat.tensor_version(kjt.values()), _compat.tensor_version(lengths) if lengths is not None else -1
 
 
 def _same_form(host: KeyedJaggedTensor, device: KeyedJaggedTensor) -> bool:

@@ -292,8 +292,8 @@ class RecDataModule(pl.LightningDataModule):
     @property
     def pin_memory(self) -> bool:
         """Whether loaders pin their batches: when the attached trainer trains on CUDA."""
-        trainer = self.trainer
-        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return device is not None and device.type == "cuda"
 
     def loader(self, dataset: Any, shuffle: bool, batch_size: Optional[int] = None) -> DataLoader:
         """A :func:`batch_loader` for this rank (rank and world size come from the attached trainer; pinned memory
