@@ -4,6 +4,10 @@ On a GPU every op whose result the host must read (an ``.item()``, a ``bool()`` 
 shape like ``nonzero``) makes the host wait for the device, so every microsecond of Python after it lands on the
 device's timeline. On CPU the same ops cost nothing, which hides them: :class:`SyncCounter` counts them on any
 device, so a CPU test can guard a GPU property.
+
+What it cannot tell on CPU is host memory from device memory: it counts every read through torch. lightning_rec reads
+the batches it checks *before* they are copied to the device through numpy (no torch op), so a CPU count shows what
+a GPU run would wait for; code that reads a host tensor through torch is counted as if it were on the device.
 """
 
 from __future__ import annotations
