@@ -30,9 +30,9 @@ Sizes: ``tiny`` (loop overhead), ``realistic`` (a step of tens of ms: 8 tables o
 ``realistic_2proc`` (the same on 2 gloo processes), ``large`` (8 tables of 1M x 64: tables dominate memory,
 the size for the comparison with plain Lightning on CPU), and two GPU sizes, Criteo-like, one process:
 ``criteo_onehot`` (26 tables of 1M x 128, batch 16384, one id per feature, 13 dense features) and
-``criteo_multihot`` (the same with 20 ids per feature). Without a GPU the bench refuses the GPU sizes unless
-they are shrunk (``--rows 1000 --batch-sizes 128``) or forced (``--allow-cpu``: 13.3 GB of tables, twice that for
-``lightning_ddp``). ``--rows``, ``--steps`` and ``--warmup`` override every size; one ``--batch-sizes`` value
+``criteo_multihot`` (the same with 20 ids per feature). Without a GPU the GPU sizes run with 100,000 rows per table
+(saying so; the batches and the model are the same), unless ``--rows`` says how many or ``--allow-cpu`` asks for
+the full 13.3 GB of tables (twice that for ``lightning_ddp``). ``--rows``, ``--steps`` and ``--warmup`` override every size; one ``--batch-sizes`` value
 sets the batch size, several sweep it.
 
 Every (variant, size, repeat) runs in fresh processes, so peak RSS is the variant's own; the order of variants
