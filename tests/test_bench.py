@@ -226,3 +226,16 @@ def test_lightnings_own_overhead_and_recshards_beyond_it():
     assert final["recshard_overhead_beyond_lightnings_ms"] == 0.15  # 0.4 over raw, 0.25 of it Lightning's
     del results["tiny"]["plain_sparse"]
     assert final_record(results, repeats=1)["recshard_overhead_beyond_lightnings_ms"] is None
+
+
+def test_paired_overhead_pairs_each_lightning_step_with_its_baseline():
+    out = subprocess.run(
+        [sys.executable, "benchmarks/paired_overhead.py", "--size", "tiny", "--steps", "20"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(_free_port())},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in ("recshard", "lightning"):
+        assert 0 < record[f"{name}_baseline_ms"] and 0 < record[f"{name}_ms"]
+    assert record["overhead_ms"] == round(record["recshard_ms"] - record["recshard_baseline_ms"], 4)
+    assert record["recshard_overhead_beyond_lightnings_ms"] == round(record["overhead_ms"] - record["lightning_overhead_ms"], 4)

@@ -121,8 +121,9 @@ def _planner_hbm(device) -> Dict[str, Any]:
     return {"hbm_cap": torch.cuda.get_device_properties(device).total_memory} if device.type == "cuda" else {}
 
 
-def _run_raw(size: Size, lr: float, device, pipelined: bool) -> Dict[str, Any]:
-    import torch
+def raw_torchrec(size: Size, lr: float, device):
+    """The hand-written TorchRec setup of the ``raw`` variants: the bench model in DMP (planned over the default
+    process group) and a ``CombinedOptimizer`` of the fused one and the dense one. Returns ``(dmp, optimizer)``."""
     import torch.distributed as dist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -143,7 +144,13 @@ def _run_raw(size: Size, lr: float, device, pipelined: bool) -> Dict[str, Any]:
     _pattern_init(dmp.module)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: torch_optimizer(size.optimizer, ps, lr))
-    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def _run_raw(size: Size, lr: float, device, pipelined: bool) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    dmp, optimizer = raw_torchrec(size, lr, device)
     loader = _loader(size, dist.get_rank(), device)
     clock = _Clock(size, device)
     losses: List[Any] = []  # detached tensors, read once at the end: float(loss) per step would sync the device
