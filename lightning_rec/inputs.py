@@ -39,7 +39,7 @@ import math
 import warnings
 import weakref
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, Dict, FrozenSet, Iterator, List, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Deque, FrozenSet, Iterator, List, Literal, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn

@@ -371,7 +371,9 @@ class _Summary:
 
 
 def host_numpy(t: torch.Tensor) -> Any:
-    """A CPU tensor's memory as a numpy array: read by the host without any torch op."""
+    """A CPU tensor's memory as a numpy array: read by the host without any torch op (numpy has no bfloat16: such a
+    tensor is converted first; one that requires grad is detached first)."""
+    t = t.detach() if t.requires_grad else t
     return t.numpy() if t.dtype != torch.bfloat16 else t.float().numpy()
 
 
