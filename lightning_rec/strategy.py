@@ -117,7 +117,8 @@ class RecShardStrategy(ParallelStrategy):
             rank dies or raises, the others fail at once; this bounds the wait for one that hangs. Default: 5
             minutes (Lightning's default is 30). Raise it if a rank legitimately works alone for longer (e.g. planning
             thousands of tables, or very large checkpoints on a slow filesystem). See :mod:`lightning_rec.faults`.
-        static_graph: passed to the DDP wrapper of the dense part (TorchRec's default: ``True``).
+        static_graph: passed to the DDP wrapper of the dense part (TorchRec's default: ``True``); with one rank there is
+            no DDP (an all-reduce over one rank changes nothing; see :class:`~lightning_rec.dmp.DenseDataParallel`).
         find_unused_parameters: passed to the DDP wrapper of the dense part.
         pipeline: overlap the next batch's host-to-device copy and input distribution (all-to-all) with the
             current batch's forward/backward, as TorchRec's ``TrainPipelineSparseDist`` does, inside Lightning's
