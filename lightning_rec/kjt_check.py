@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
@@ -384,7 +385,7 @@ def _host_summary(form: _Form) -> _Summary:
     if len(set(form.per_key)) == 1:
         ids_per_key = lengths.reshape(n, -1).sum(1, dtype="int64").tolist()
     else:
-        ids_per_key = [int(part.sum(dtype="int64")) for part in _np_split(lengths, form.per_key)]
+        ids_per_key = [int(part.sum(dtype="int64")) for part in np.split(lengths, np.cumsum(form.per_key)[:-1])]
     offsets = host_numpy(form.offsets) if form.offsets is not None else None
     weights = host_numpy(form.weights) if form.weights is not None else None
     return _Summary(
@@ -396,7 +397,7 @@ def _host_summary(form: _Form) -> _Summary:
             form.given_lengths is None or offsets is None
             or bool((host_numpy(form.given_lengths) == lengths).all())
         ),
-        weights_finite=weights is None or bool(_np().isfinite(weights).all()),
+        weights_finite=weights is None or bool(np.isfinite(weights).all()),
     )
 
 
@@ -433,16 +434,6 @@ def _host_minmax(t: torch.Tensor) -> Tuple[int, int]:
         return int(low), int(high)
     array = host_numpy(t)
     return int(array.min()), int(array.max())
-
-
-def _np() -> Any:
-    import numpy
-
-    return numpy
-
-
-def _np_split(array: Any, sizes: Sequence[int]) -> List[Any]:
-    return _np().split(array, _np().cumsum(sizes)[:-1])
 
 
 def _check_contents(
