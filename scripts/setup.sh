@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-shot, idempotent set-up: creates .venv/ at the repository root with lightning_rec (editable),
-# its pinned CPU stack and the test tools.
+# its pinned CPU stack and the test tools (pytest, hypothesis, tensorboard for Lightning's TensorBoardLogger:
+# all in pyproject's `test` extra, pinned where requirements/constraints-cpu.txt pins them).
 #
 # Why not a plain `pip install -e .`: torchrec's metadata requires the CUDA `fbgemm-gpu` package,
 # which cannot load on a CPU-only machine (libtorch_cuda.so is missing), and a bare `torch`
@@ -38,6 +39,7 @@ fi
 .venv/bin/python - <<'PY'
 import torch, fbgemm_gpu, torchrec, lightning  # noqa: F401  (fails loudly if FBGEMM cannot load)
 import lightning_rec
+import tensorboard  # noqa: F401  (the test extra: TensorBoardLogger)
 print(f"ok: torch {torch.__version__}, torchrec {torchrec.__version__ if hasattr(torchrec, '__version__') else '?'}, "
       f"lightning {lightning.__version__}, lightning_rec {lightning_rec.__version__}")
 PY
