@@ -1,4 +1,4 @@
-"""Click/rating-prediction metrics as torchmetrics ``Metric``s, exact across ranks.
+"""Click/rating-prediction and ranking metrics as torchmetrics ``Metric``s, exact across ranks.
 
 Log loss and normalized entropy keep sums (cross entropy, positives, count) as states reduced with
 ``"sum"``, so the value over N ranks is exactly the value over all their rows in one process. AUROC and
@@ -6,17 +6,20 @@ accuracy are torchmetrics' own (AUROC gathers every prediction; fine for validat
 ``BinaryAUROC(thresholds=...)`` for huge ones).
 
 Inputs are probabilities in ``[0, 1]`` (apply ``sigmoid`` to logits) and targets in ``{0, 1}``.
+
+Ranking metrics (retrieval, next-item prediction) take the 0-based rank of each held-out item among the
+candidates (:func:`target_rank` computes it from scores) and keep per-``k`` sums, also reduced with ``"sum"``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
-__all__ = ["LogLoss", "NormalizedEntropy", "ctr_metrics"]
+__all__ = ["LogLoss", "NormalizedEntropy", "RankingMetrics", "ctr_metrics", "target_rank"]
 
 _EPS = 1e-12
 
@@ -121,3 +124,96 @@ def ctr_metrics(prefix: str = "") -> MetricCollection:
         {"auroc": BinaryAUROC(), "log_loss": LogLoss(), "ne": NormalizedEntropy(), "accuracy": BinaryAccuracy()},
         prefix=prefix,
     )
+
+
+def target_rank(scores: torch.Tensor, target: torch.Tensor, exclude: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The 0-based rank of each row's target column when the row is sorted by descending score.
+
+    Ties are broken by column index (lower first), exactly as a stable descending sort would, so a constant
+    score (e.g. equal popularities) never ranks the target optimistically. Excluded columns (e.g. the items a
+    user already saw in training) are left out of the ranking; the target itself must not be excluded.
+
+    Args:
+        scores: ``(B, N)`` scores of ``N`` candidates.
+        target: ``(B,)`` long column of each row's held-out item.
+        exclude: optional ``(B, N)`` bool mask of columns that do not compete.
+
+    Returns:
+        ``(B,)`` long ranks in ``[0, N)``.
+
+    Example::
+
+        >>> target_rank(torch.tensor([[0.1, 0.9, 0.5, 0.5]]), torch.tensor([3])).tolist()   # 0.9 and the tied 0.5 first
+        [2]
+        >>> target_rank(torch.tensor([[0.1, 0.9, 0.5, 0.5]]), torch.tensor([3]),
+        ...             exclude=torch.tensor([[False, True, False, False]])).tolist()
+        [1]
+    """
+    if scores.dim() != 2 or target.shape != scores.shape[:1]:
+        raise ValueError(
+            f"target_rank: scores must be (B, N) and target (B,), got {tuple(scores.shape)} and {tuple(target.shape)}."
+        )
+    own = scores.gather(1, target.long().unsqueeze(1))
+    columns = torch.arange(scores.shape[1], device=scores.device)
+    ahead = (scores > own) | ((scores == own) & (columns < target.unsqueeze(1)))
+    if exclude is not None:
+        if bool(exclude.gather(1, target.long().unsqueeze(1)).any()):
+            raise ValueError("target_rank: a row's target is excluded. HINT: exclude only items other than the target.")
+        ahead &= ~exclude
+    return ahead.sum(1)
+
+
+class RankingMetrics(Metric):
+    """Hit rate (= recall with one held-out item) and NDCG at several cut-offs, from the held-out item's rank.
+
+    With one relevant item per query, ``recall@k = HR@k = [rank < k]`` and ``NDCG@k = [rank < k] / log2(rank + 2)``,
+    averaged over queries. States are per-``k`` sums and a count reduced with ``"sum"``, so the value over N ranks
+    equals the single-process one (hits exactly; NDCG up to float64 summation order).
+
+    Args:
+        ks: the cut-offs, e.g. ``(10, 50)``.
+        prefix: prepended to the keys of :meth:`compute`, e.g. ``"val/"``.
+        hit_name: the name of the hit metric (``"recall"`` for retrieval, ``"hr"`` for next-item prediction).
+        kwargs: passed to ``torchmetrics.Metric``.
+
+    Example::
+
+        >>> m = RankingMetrics(ks=(1, 10), prefix="val/")
+        >>> m.update(torch.tensor([0, 3, 20]))                 # 0-based ranks of three held-out items
+        >>> {k: round(v.item(), 4) for k, v in m.compute().items()}
+        {'val/recall@1': 0.3333, 'val/ndcg@1': 0.3333, 'val/recall@10': 0.6667, 'val/ndcg@10': 0.4769}
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, ks: Sequence[int] = (10,), prefix: str = "", hit_name: str = "recall", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        ks = [int(k) for k in ks]
+        if not ks or min(ks) < 1 or len(set(ks)) != len(ks):
+            raise ValueError(f"RankingMetrics: ks must be distinct integers >= 1, got {list(ks)}. HINT: e.g. ks=[10, 50].")
+        self.ks = ks
+        self.prefix = prefix
+        self.hit_name = hit_name
+        self.add_state("hits", torch.zeros(len(ks), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("ndcg", torch.zeros(len(ks), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, rank: torch.Tensor) -> None:
+        """Add queries: ``rank`` holds each held-out item's 0-based rank (see :func:`target_rank`)."""
+        rank = rank.reshape(-1).to(self.hits.device)
+        k = torch.tensor(self.ks, device=rank.device, dtype=rank.dtype)
+        hit = rank.unsqueeze(0) < k.unsqueeze(1)                               # (len(ks), B)
+        gain = 1.0 / torch.log2(rank.double() + 2.0)
+        self.hits += hit.double().sum(1)
+        self.ndcg += (hit.double() * gain.unsqueeze(0)).sum(1)
+        self.count += rank.numel()
+
+    def compute(self) -> dict:
+        n = self.count.clamp(min=1.0)
+        out = {}
+        for i, k in enumerate(self.ks):
+            out[f"{self.prefix}{self.hit_name}@{k}"] = self.hits[i] / n
+            out[f"{self.prefix}ndcg@{k}"] = self.ndcg[i] / n
+        return out
