@@ -1,15 +1,17 @@
-"""Callbacks the CLI adds by default."""
+"""Callbacks: the throughput the CLI shows by default, and pretrained rows for a config."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
 
 from lightning_rec.batch import Batch
+from lightning_rec.dmp import sharded_state
+from lightning_rec.pretrained import load_rows
 
-__all__ = ["Throughput"]
+__all__ = ["PretrainedRows", "Throughput"]
 
 
 def _batch_rows(batch: Any) -> Optional[int]:
@@ -54,3 +56,30 @@ class Throughput(pl.Callback):
             return
         self._rows += rows * trainer.world_size
         pl_module.log(self.name, self._rows / max(now - self._start, 1e-9), prog_bar=True, rank_zero_only=True)
+
+
+class PretrainedRows(pl.Callback):
+    """Start the named tables from files of rows (see :func:`lightning_rec.pretrained.load_rows`), from a config.
+
+    The rows go into the unsharded tables in ``setup``, before the strategy shards them, so every plan starts from
+    them; a checkpoint given to ``fit(ckpt_path=...)`` or ``validate``/``predict`` is loaded afterwards and wins.
+    Once the module is sharded the callback has nothing left to do (a second ``fit`` keeps the trained rows).
+
+    Args:
+        rows: table name -> file (``.npy``, ``.safetensors``, a ``torch.save`` file, e.g. ``lightning-rec export``'s
+            output).
+
+    Example (YAML)::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_rec.callbacks.PretrainedRows
+              init_args: {rows: {t_item_id: item_rows.npy}}
+    """
+
+    def __init__(self, rows: Dict[str, str]) -> None:
+        self.rows = dict(rows)
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if sharded_state(pl_module) is None:
+            load_rows(pl_module, self.rows)

@@ -12,6 +12,7 @@ from lightning_rec.data.base import Jagged
 from lightning_rec.models import DLRMModule, build_dlrm
 from tests.helpers.data import movielens_dir
 from tests.helpers.dist import run_ranks
+from tests.helpers.zoo import check_case
 
 FEATURES = [SparseFeature("user", 10), SparseFeature("genre", 5, multi_hot=True)]
 
@@ -52,3 +53,8 @@ def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path: Path) -> None:
     assert set(one) >= {"val/auroc", "val/ne", "val/log_loss", "val/accuracy"}
     assert one == pytest.approx(two[0], abs=1e-5)
     assert abs(one["val/auroc"] - 0.5) > 1e-4, "predictions should not be constant"
+
+
+def test_dlrm_dcn_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
+    """The zoo harness (tests/helpers/zoo.py): 1 and 2 processes vs plain PyTorch, pipelined, 2 <-> 1, loaded."""
+    check_case(tmp_path, "tests.helpers.zoo_dlrm:CASE")

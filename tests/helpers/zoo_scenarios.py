@@ -1,0 +1,82 @@
+"""Per-rank scenarios of the model-zoo harness (:mod:`tests.helpers.zoo`), run through ``run_ranks``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_rec import RecShardStrategy
+from tests.helpers.zoo import ZooCase, flatten, load_case, reference, seeded_module
+
+
+class _Losses(L.Callback):
+    """Each step's loss, as ``training_step`` returned it (automatic or manual optimization)."""
+
+    def __init__(self) -> None:
+        self.losses: List[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+def _trainer(case: ZooCase, world_size: int, pipeline: bool = False) -> L.Trainer:
+    return L.Trainer(
+        strategy=RecShardStrategy(constraints=case.constraints.get(world_size), pipeline=pipeline),
+        accelerator="cpu", devices=world_size, max_steps=case.steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+
+
+def _loader(batches: List[Any]) -> DataLoader:
+    return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
+
+
+def _predict(trainer: L.Trainer, module: L.LightningModule, case: ZooCase, rank: int, world_size: int,
+             ckpt: Optional[str] = None) -> List[List[float]]:
+    shares = _loader([case.share(case.heldout(), rank, world_size)])
+    return torch.cat([flatten(p) for p in trainer.predict(module, shares, ckpt_path=ckpt)]).tolist()
+
+
+def _fit(case: ZooCase, rank: int, world_size: int, pipeline: bool) -> tuple:
+    module = seeded_module(case)
+    losses = _Losses()
+    trainer = _trainer(case, world_size, pipeline)
+    trainer.callbacks.append(losses)
+    trainer.fit(module, _loader([case.share(b, rank, world_size) for b in case.batches(case.steps)]))
+    return trainer, module, losses.losses
+
+
+def fit(
+    rank: int, world_size: int, out_dir: Path, case: str, save: Optional[str] = None, predict_ckpt: Optional[str] = None
+) -> Dict[str, Any]:
+    """Fit from the seeded start (rank 0 also runs the plain-PyTorch reference first), fit again pipelined, save,
+    predict the held-out share; with ``predict_ckpt``, also predict from that checkpoint with a fresh module."""
+    zoo = load_case(case)
+    result: Dict[str, Any] = {}
+    if rank == 0:
+        result["reference"] = reference(zoo, seeded_module(zoo))
+    trainer, module, result["losses"] = _fit(zoo, rank, world_size, pipeline=False)
+    result["predictions"] = _predict(trainer, module, zoo, rank, world_size)
+    if save:
+        trainer.save_checkpoint(out_dir / save)
+    _, _, result["pipelined_losses"] = _fit(zoo, rank, world_size, pipeline=True)
+    if predict_ckpt:
+        result["from_ckpt"] = _from_ckpt(zoo, rank, world_size, predict_ckpt)
+    return result
+
+
+def _from_ckpt(zoo: ZooCase, rank: int, world_size: int, ckpt: str) -> List[List[float]]:
+    L.seed_everything(1, verbose=False)  # other dense weights: they must come from the checkpoint
+    module = zoo.build()
+    return _predict(_trainer(zoo, world_size), module, zoo, rank, world_size, ckpt=ckpt)
+
+
+def predict(rank: int, world_size: int, out_dir: Path, case: str, ckpt: str) -> Dict[str, Any]:
+    """A fresh module predicts the held-out share from ``ckpt``."""
+    return {"from_ckpt": _from_ckpt(load_case(case), rank, world_size, ckpt)}
