@@ -1,0 +1,109 @@
+"""Starting tables from given rows: ``lightning_rec.pretrained.load_rows`` and the ``PretrainedRows`` callback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+
+from lightning_rec.pretrained import load_rows, read_rows
+from tests.helpers.dist import run_ranks
+from tests.helpers.models import assemble
+from tests.helpers.pretrained_scenarios import BAG_TABLES, DIM, SEQ_TABLE
+
+
+def _ebc(device: str = "meta") -> EmbeddingBagCollection:
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=5, feature_names=["user"]),
+                EmbeddingBagConfig(name="t_item", embedding_dim=4, num_embeddings=7, feature_names=["item"])],
+        device=torch.device(device),
+    )
+
+
+def test_meta_tables_take_the_rows_and_allocated_tables_copy_them() -> None:
+    ebc = _ebc()
+    rows = torch.arange(20.0).reshape(5, 4)
+    load_rows(ebc, {"t_user": rows})
+    assert torch.equal(ebc.embedding_bags["t_user"].weight, rows) and ebc.embedding_bags["t_user"].weight.requires_grad
+    assert ebc.embedding_bags["t_item"].weight.is_meta, "a table not named stays as it was"
+    cpu = _ebc("cpu")
+    before = cpu.embedding_bags["t_user"].weight
+    load_rows(cpu, {"t_user": rows.numpy()})
+    assert cpu.embedding_bags["t_user"].weight is before and torch.equal(before, rows)
+
+
+def test_files_of_rows(tmp_path: Path) -> None:
+    rows = torch.randn(7, 4)
+    np.save(tmp_path / "item.npy", rows.numpy())
+    torch.save(rows, tmp_path / "item.pt")
+    torch.save({"t_item": rows, "t_user": torch.zeros(5, 4)}, tmp_path / "tables.pt")
+    # What `lightning-rec export` writes: state-dict keys.
+    safetensors.torch.save_file(
+        {"model.ebc.embedding_bags.t_item.weight": rows, "model.ebc.embedding_bags.t_user.weight": torch.zeros(5, 4)},
+        str(tmp_path / "export.safetensors"),
+    )
+    for name in ("item.npy", "item.pt", "tables.pt", "export.safetensors"):
+        assert torch.equal(read_rows(tmp_path / name, "t_item"), rows), name
+        ebc = _ebc()
+        load_rows(ebc, {"t_item": str(tmp_path / name)})
+        assert torch.equal(ebc.embedding_bags["t_item"].weight, rows), name
+    before = (tmp_path / "item.npy").read_bytes()
+    ebc = _ebc()
+    load_rows(ebc, {"t_item": tmp_path / "item.npy"})
+    with torch.no_grad():
+        ebc.embedding_bags["t_item"].weight.add_(1.0)  # training the table never writes into the user's file
+    assert (tmp_path / "item.npy").read_bytes() == before
+
+
+def test_errors_name_the_table_and_change_nothing(tmp_path: Path) -> None:
+    ebc = _ebc()
+    good = torch.ones(5, 4)
+    with pytest.raises(KeyError, match=r"no table 't_movie'.*t_item, t_user"):
+        load_rows(ebc, {"t_user": good, "t_movie": torch.ones(7, 4)})
+    with pytest.raises(ValueError, match=r"table 't_item' \(<root>\) has 7 rows of 4 values; the rows given are \(7, 5\)"):
+        load_rows(ebc, {"t_user": good, "t_item": torch.ones(7, 5)})
+    bad = torch.ones(7, 4)
+    bad[3, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"table 't_item': row 3 holds a non-finite value \(nan\)"):
+        load_rows(ebc, {"t_user": good, "t_item": bad})
+    with pytest.raises(ValueError, match="must be floating point"):
+        load_rows(ebc, {"t_item": torch.ones(7, 4, dtype=torch.long)})
+    assert all(p.is_meta for p in ebc.parameters()), "a failed call changes nothing, not even the valid tables"
+    torch.save({"a": torch.ones(7, 4), "b": torch.ones(7, 4)}, tmp_path / "two.pt")
+    with pytest.raises(ValueError, match=r"table 't_item': .*two.pt holds 2 tensors and none of them"):
+        load_rows(ebc, {"t_item": tmp_path / "two.pt"})
+    with pytest.raises(FileNotFoundError, match="t_item"):
+        load_rows(ebc, {"t_item": tmp_path / "missing.npy"})
+    twice = torch.nn.ModuleDict({"a": _ebc(), "b": _ebc()})
+    with pytest.raises(KeyError, match=r"'t_user' is declared by 2 modules \(a, b\)"):
+        load_rows(twice, {"t_user": good})
+    with pytest.raises(ValueError, match="holds no unsharded"):
+        load_rows(torch.nn.Linear(2, 2), {"t_user": good})
+
+
+def test_every_plan_starts_from_the_files_rows(tmp_path: Path) -> None:
+    """Tables built on meta, rows from .npy / .pt files through the PretrainedRows callback: on 2 ranks, under
+    table-wise, column-wise, table-column-wise and data-parallel plans, every shard holds exactly the file's rows."""
+    g = torch.Generator().manual_seed(5)
+    rows = {t: torch.randn(n, DIM, generator=g) for t, _, n in [*BAG_TABLES, SEQ_TABLE]}
+    files = {}
+    for i, (name, r) in enumerate(rows.items()):
+        files[name] = str(tmp_path / (f"{name}.npy" if i % 2 else f"{name}.pt"))
+        np.save(files[name], r.numpy()) if i % 2 else torch.save(r, files[name])
+    plans = {
+        "a": {"t_user": {"sharding_types": ["table_wise"]}, "t_genre": {"sharding_types": ["data_parallel"]},
+              "t_item": {"sharding_types": ["column_wise"]}, "t_item_seq": {"sharding_types": ["column_wise"]}},
+        "b": {"t_user": {"sharding_types": ["table_column_wise"]}, "t_genre": {"sharding_types": ["column_wise"]},
+              "t_item": {"sharding_types": ["table_wise"]}, "t_item_seq": {"sharding_types": ["table_wise"]}},
+    }
+    res = run_ranks("tests.helpers.pretrained_scenarios:start_from_files", 2, tmp_path, files=files, plans=plans)
+    assert res[0]["types"] == ["column_wise", "data_parallel", "table_column_wise", "table_wise"]
+    for tag in plans:
+        start = assemble([torch.load(tmp_path / f"{tag}.start{r}.pt") for r in range(2)])
+        for name, r in rows.items():
+            key = next(k for k in start if k.endswith(f".{name}.weight"))
+            torch.testing.assert_close(start[key], r, atol=0, rtol=0, msg=f"{tag}: {name}")
