@@ -1,0 +1,298 @@
+"""SASRec-style next-item prediction on an ``EmbeddingCollection``: a plain ``nn.Module`` network and a thin
+:class:`~lightning_rec.RecLightningModule` that trains and evaluates it.
+
+:class:`SASRec` (Kang & McAuley, 2018) reads every feature of a sequence batch (see
+:mod:`lightning_rec.data.movielens_sequential`) through **one item table shared by four features**
+(``history``, ``target``, ``negatives``, ``catalog``), adds learned positional embeddings to the history and runs
+causal Transformer blocks over it: position ``t``'s output scores the item at ``t + 1`` by a dot product with
+that item's embedding. Training is a sampled softmax per position over the true next item and the row's sampled
+negatives; evaluation ranks the whole catalog for the last position, without the items the user has seen.
+
+The table lives on ``meta`` until the strategy shards it; the rest is ordinary dense PyTorch (data-parallel).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Literal, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from lightning_rec.data.base import SparseFeature
+from lightning_rec.data.movielens_sequential import FEATURES, exclusion_mask
+from lightning_rec.metrics import RankingMetrics, target_rank
+from lightning_rec.module import RecLightningModule
+from lightning_rec.optim import EmbeddingOptimizer
+
+__all__ = ["CausalEncoder", "SASRec", "SequentialRecModule", "catalog_scores", "sampled_softmax_loss"]
+
+_DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
+
+
+def _padded(jt: JaggedTensor, length: int) -> torch.Tensor:
+    """``(B, length, D)`` from a JaggedTensor of ``(N, D)`` embeddings (rows left-aligned, zeros after them)."""
+    lengths = jt.lengths().long()
+    values = jt.values()
+    b = lengths.numel()
+    rows = torch.repeat_interleave(torch.arange(b, device=values.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    positions = torch.arange(values.shape[0], device=values.device) - starts[rows]
+    out = values.new_zeros(b, length, values.shape[1])
+    return out.index_put((rows, positions), values)
+
+
+class CausalEncoder(nn.Module):
+    """The dense part of :class:`SASRec`: positional embeddings and causal Transformer blocks over the history
+    embeddings; the other features' embeddings are passed on, shaped for scoring.
+
+    Args:
+        embedding_dim: the item embedding width (and the model width).
+        max_len: the longest history (the number of learned positions).
+        num_blocks: Transformer blocks (pre-norm, causal self-attention).
+        num_heads: attention heads (must divide ``embedding_dim``).
+        dropout: dropout of the embeddings and inside the blocks (0 makes training deterministic given the data).
+
+    Example::
+
+        >>> enc = CausalEncoder(8, max_len=4, num_blocks=1, num_heads=2, dropout=0.0)
+        >>> jt = JaggedTensor(values=torch.randn(3, 8), lengths=torch.tensor([2, 1]))
+        >>> enc({"history": jt, "target": jt})["hidden"].shape
+        torch.Size([2, 4, 8])
+    """
+
+    def __init__(self, embedding_dim: int, max_len: int, num_blocks: int = 2, num_heads: int = 2, dropout: float = 0.1) -> None:
+        super().__init__()
+        if embedding_dim % num_heads:
+            raise ValueError(
+                f"CausalEncoder: num_heads={num_heads} must divide embedding_dim={embedding_dim}. HINT: e.g. num_heads=2."
+            )
+        if max_len < 1 or num_blocks < 1:
+            raise ValueError(f"CausalEncoder: max_len ({max_len}) and num_blocks ({num_blocks}) must be >= 1.")
+        self.embedding_dim, self.max_len = embedding_dim, max_len
+        self.position = nn.Embedding(max_len, embedding_dim)
+        self.dropout = nn.Dropout(dropout)
+        layer = nn.TransformerEncoderLayer(
+            embedding_dim, num_heads, dim_feedforward=embedding_dim, dropout=dropout, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, num_blocks, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(embedding_dim)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(max_len), persistent=False)
+
+    def reset_parameters(self) -> None:  # the buffer, if built on meta
+        self.causal = nn.Transformer.generate_square_subsequent_mask(self.max_len, device=self.causal.device)
+
+    def forward(self, embeddings: Dict[str, JaggedTensor]) -> Dict[str, torch.Tensor]:
+        """Encode the history and shape the rest.
+
+        Returns:
+            ``hidden`` ``(B, max_len, D)``: position ``t`` encodes the history up to ``t`` (positions past a row's
+            length are padding); ``lengths`` ``(B,)``; ``last`` ``(B, D)`` the hidden state at each row's last
+            position; ``target`` ``(B, max_len, D)`` the target embeddings, left-aligned; and when present,
+            ``negatives`` ``(B, K, D)`` and ``catalog`` ``(C, D)``.
+        """
+        history = embeddings["history"]
+        lengths = history.lengths().long()
+        x = _padded(history, self.max_len) * math.sqrt(self.embedding_dim) + self.position.weight.unsqueeze(0)
+        hidden = self.norm(self.blocks(self.dropout(x), mask=self.causal, is_causal=True))
+        last = hidden[torch.arange(lengths.numel(), device=hidden.device), (lengths - 1).clamp(min=0)]
+        out = {"hidden": hidden, "lengths": lengths, "last": last, "target": _padded(embeddings["target"], self.max_len)}
+        negatives = embeddings.get("negatives")
+        if negatives is not None and negatives.values().numel():
+            out["negatives"] = negatives.values().reshape(lengths.numel(), -1, self.embedding_dim)
+        catalog = embeddings.get("catalog")
+        if catalog is not None and catalog.values().numel():
+            out["catalog"] = catalog.values()
+        return out
+
+
+class SASRec(nn.Module):
+    """SASRec: causal self-attention over a user's item history; one item table serves every feature.
+
+    Args:
+        num_items: rows of the item table (ids ``0..num_items-1``).
+        embedding_dim, max_len, num_blocks, num_heads, dropout: see :class:`CausalEncoder`.
+        table_name: the item table's name (what sharding constraints refer to).
+        features: the KJT keys the table reads (default :data:`~lightning_rec.data.movielens_sequential.FEATURES`).
+
+    Example::
+
+        >>> net = SASRec(num_items=100, embedding_dim=16, max_len=20)
+        >>> net.item_ec.embedding_configs()[0].feature_names
+        ['history', 'target', 'negatives', 'catalog']
+    """
+
+    def __init__(
+        self, num_items: int, embedding_dim: int = 64, max_len: int = 50, num_blocks: int = 2, num_heads: int = 2,
+        dropout: float = 0.1, table_name: str = "t_item", features: Sequence[str] = FEATURES,
+    ) -> None:
+        super().__init__()
+        if num_items < 2:
+            raise ValueError(f"SASRec: num_items must be >= 2, got {num_items}. HINT: the item table's size.")
+        self.item_ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name=table_name, embedding_dim=embedding_dim, num_embeddings=num_items,
+                                    feature_names=list(features))],
+            device=torch.device("meta"),
+        )
+        self.encoder = CausalEncoder(embedding_dim, max_len, num_blocks, num_heads, dropout)
+
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+        """Look every feature up in the one item table and encode (see :meth:`CausalEncoder.forward`)."""
+        return self.encoder(self.item_ec(features))
+
+
+def sampled_softmax_loss(out: Dict[str, torch.Tensor], target_ids: torch.Tensor, negative_ids: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of each row's mean cross entropy over its positions: at every position the true next item
+    competes with the row's sampled negatives (a negative equal to the target is left out).
+
+    Args:
+        out: :meth:`SASRec.forward`'s output (``hidden``, ``lengths``, ``target``, ``negatives``).
+        target_ids: ``(B, max_len)`` the next item ids, left-aligned (padding ignored).
+        negative_ids: ``(B, K)`` each row's negatives.
+
+    Example::
+
+        >>> out = {"hidden": torch.zeros(1, 2, 4), "lengths": torch.tensor([2]), "target": torch.zeros(1, 2, 4),
+        ...        "negatives": torch.zeros(1, 3, 4)}
+        >>> round(sampled_softmax_loss(out, torch.tensor([[5, 6]]), torch.tensor([[1, 2, 3]])).item(), 4)  # ln 4
+        1.3863
+    """
+    hidden, lengths = out["hidden"], out["lengths"]
+    positive = (hidden * out["target"]).sum(-1, keepdim=True)                        # (B, L, 1)
+    negative = torch.einsum("bld,bkd->blk", hidden, out["negatives"])              # (B, L, K)
+    negative = negative.masked_fill(negative_ids.unsqueeze(1) == target_ids.unsqueeze(2), float("-inf"))
+    logits = torch.cat([positive, negative], dim=-1)
+    per_position = torch.logsumexp(logits, -1) - positive.squeeze(-1)              # CE with the target first
+    valid = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) < lengths.unsqueeze(1)
+    per_row = (per_position * valid).sum(1) / lengths.clamp(min=1)
+    return per_row.mean()
+
+
+def catalog_scores(out: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """``(B, C)``: each row's last hidden state dotted with every catalog item's embedding.
+
+    Example::
+
+        >>> catalog_scores({"last": torch.ones(2, 3), "catalog": torch.eye(3)}).tolist()
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    """
+    return out["last"] @ out["catalog"].T
+
+
+def _padded_ids(jt: JaggedTensor, length: int) -> torch.Tensor:
+    return _padded(JaggedTensor(values=jt.values().unsqueeze(1), lengths=jt.lengths()), length).squeeze(-1)
+
+
+class SequentialRecModule(RecLightningModule):
+    """Trains :class:`SASRec` on sequence batches (:class:`~lightning_rec.data.MovieLensSequenceDataModule`):
+    sampled softmax per position; validation and test report ``hr@k`` and ``ndcg@k`` (exact across ranks) under
+    ``val/`` and ``test/`` over the whole catalog, without the items each user has seen.
+
+    Args:
+        sparse_features: from the DataModule: one feature whose ``num_embeddings`` is the item table's size.
+        num_dense_features: from the DataModule (unused; sequence batches have no dense features).
+        embedding_dim, max_len, num_blocks, num_heads, dropout: the network (see :class:`SASRec`); ``max_len`` must
+            be at least the DataModule's.
+        ks: the cut-offs of the ranking metrics.
+        embedding_optimizer: the fused optimizer of the item table (default: row-wise Adagrad, lr 0.05).
+        dense_optimizer: ``"adam"``, ``"adagrad"`` or ``"sgd"`` for the dense layers.
+        dense_lr: its learning rate.
+        dense_weight_decay: its weight decay.
+
+    Example::
+
+        dm = MovieLensSequenceDataModule("data/ml-100k", max_len=50)
+        model = SequentialRecModule(dm.sparse_features, max_len=50)
+        L.Trainer(strategy="recshard", devices=2, max_epochs=20).fit(model, dm)
+    """
+
+    def __init__(
+        self,
+        sparse_features: List[SparseFeature],
+        num_dense_features: int = 0,
+        embedding_dim: int = 64,
+        max_len: int = 50,
+        num_blocks: int = 2,
+        num_heads: int = 2,
+        dropout: float = 0.1,
+        ks: List[int] = [10],  # noqa: B006 (jsonargparse shows list defaults)
+        embedding_optimizer: Optional[EmbeddingOptimizer] = None,
+        dense_optimizer: Literal["adam", "adagrad", "sgd"] = "adam",
+        dense_lr: float = 1e-3,
+        dense_weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if len(sparse_features) != 1:
+            raise ValueError(
+                f"SequentialRecModule: expects one sparse feature (the item table), got {[f.name for f in sparse_features]}."
+                " HINT: use MovieLensSequenceDataModule, or pass [SparseFeature('item', num_items)]."
+            )
+        self.save_hyperparameters()
+        self.num_items = sparse_features[0].num_embeddings
+        self.model = SASRec(self.num_items, embedding_dim, max_len, num_blocks, num_heads, dropout)
+        self.embedding_optimizer = embedding_optimizer or EmbeddingOptimizer("rowwise_adagrad", lr=0.05)
+        self.val_metrics = RankingMetrics(ks, prefix="val/", hit_name="hr")
+        self.test_metrics = RankingMetrics(ks, prefix="test/", hit_name="hr")
+
+    def setup(self, stage: str) -> None:
+        data_len = getattr(getattr(self.trainer, "datamodule", None), "max_len", None)
+        if data_len is not None and data_len > self.hparams.max_len:
+            raise ValueError(
+                f"SequentialRecModule: the DataModule's max_len={data_len} exceeds the model's max_len="
+                f"{self.hparams.max_len}. HINT: set model.init_args.max_len >= data.init_args.max_len."
+            )
+
+    def forward(self, batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+        """:meth:`SASRec.forward` on ``batch["features"]``."""
+        return self.model(batch["features"])
+
+    def loss(self, batch: Dict[str, Any], out: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """:func:`sampled_softmax_loss` of a training batch."""
+        features = batch["features"]
+        b = batch["users"].numel()
+        targets = _padded_ids(features["target"], self.hparams.max_len)
+        return sampled_softmax_loss(out, targets, features["negatives"].values().reshape(b, -1))
+
+    def training_step(self, batch: Dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch, self(batch))
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["users"].numel())
+        return loss
+
+    def ranks(self, batch: Dict[str, Any], out: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """``(B,)`` the 0-based rank of each row's held-out item among the catalog items it has not seen."""
+        out = self(batch) if out is None else out
+        target = batch["features"]["target"].values().long()
+        scores = catalog_scores(out)
+        mask = exclusion_mask(batch["seen_values"], batch["seen_lengths"], target, scores.shape[1])
+        return target_rank(scores, target, mask)
+
+    def validation_step(self, batch: Dict[str, Any], batch_idx: int) -> None:
+        self.val_metrics.update(self.ranks(batch))
+
+    def test_step(self, batch: Dict[str, Any], batch_idx: int) -> None:
+        self.test_metrics.update(self.ranks(batch))
+
+    def _log_ranking(self, metrics: RankingMetrics) -> None:
+        values = metrics.compute()  # sums over every rank: exact
+        metrics.reset()
+        self.log_dict({k: v.float() for k, v in values.items()}, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_ranking(self.val_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_ranking(self.test_metrics)
+
+    def predict_step(self, batch: Dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Dict[str, Any]:
+        return {"users": batch["users"], "rank": self.ranks(batch)}
+
+    def configure_embedding_optimizer(self) -> EmbeddingOptimizer:
+        return self.embedding_optimizer
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _DENSE_OPTIMIZERS[self.hparams.dense_optimizer](
+            self.parameters(), lr=self.hparams.dense_lr, weight_decay=self.hparams.dense_weight_decay
+        )
