@@ -1,0 +1,331 @@
+"""Per-rank scenarios: Lightning used the way users use it (callbacks, loggers, checkpoints, manual optimization, LR
+schedulers) around the user-written model of :mod:`tests.helpers.user_models`, run through
+``tests.helpers.dist.run_ranks`` as ``tests.helpers.habit_scenarios:<function>``.
+
+Every rank takes its share of every global batch (``rank_share``) and reports plain numbers; the tests compare them
+with each other and with plain-PyTorch references computed here on whole batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader
+from torchrec.optim import RowWiseAdagrad
+
+from lightning_rec import RecShardStrategy
+from lightning_rec._compat import ShardedTensor
+from tests.helpers.models import local_weights
+from tests.helpers.user_models import TABLE_WISE_PLAN, ValuesModel, global_batches, rank_share, samples, to_batch
+
+VAL_SEED, PREDICT_SEED = 99, 123
+
+
+def table_kernels(module: torch.nn.Module) -> List[SplitTableBatchedEmbeddingBagsCodegen]:
+    """The FBGEMM table-batched kernels that hold ``module``'s table shards on this rank.
+
+    A sharded EBC keeps its lookups (and their kernels) out of ``modules()``, and reaching them takes private
+    TorchRec attributes; instead, the live kernels are found among all objects and matched to the module by the memory
+    of their weights (what ``split_embedding_weights()`` returns is what the module's sharded state_dict views)."""
+    storages = {
+        shard.tensor.untyped_storage().data_ptr()
+        for t in module.state_dict().values() if isinstance(t, ShardedTensor) for shard in t.local_shards()
+    }
+    return [
+        k for k in gc.get_objects() if isinstance(k, SplitTableBatchedEmbeddingBagsCodegen)
+        and any(w.untyped_storage().data_ptr() in storages for w in k.split_embedding_weights())
+    ]
+
+
+def _local_tables(model: torch.nn.Module) -> Dict[str, List[Any]]:
+    """This rank's table shards: ``{name: [[offsets, rows], ...]}`` (JSON)."""
+    return {n: [[o, t.tolist()] for o, t in shards] for n, shards in local_weights(model).items() if n.startswith("ebc.")}
+
+
+def _dense_params(model: torch.nn.Module) -> List[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if not n.startswith("ebc.")]
+
+
+class HabitModel(ValuesModel):
+    """:class:`ValuesModel` + what a user adds for Lightning's habits: ``train_loss`` and a validation metric
+    ``val_loss`` logged with ``sync_dist=True``, an optimizer choice, an optional ``StepLR`` (per step) and manual
+    optimization with two optimizers (``Adam`` for the dense part, ``RowWiseAdagrad`` for the tables)."""
+
+    def __init__(
+        self, seed: int = 7, lr: float = 0.05, optimizer: str = "adagrad", step_lr: Optional[Dict[str, float]] = None,
+        manual: bool = False, dense_lr: float = 0.01, fmt: str = "dict", batchnorm: bool = False,
+    ) -> None:
+        super().__init__(seed=seed, lr=lr, fmt=fmt, batchnorm=batchnorm)
+        self.save_hyperparameters()
+        self.automatic_optimization = not manual
+        self.kernels: Optional[List[Any]] = None
+        self.tbe_lrs: List[List[float]] = []  # per step: what the kernels use in this step's backward
+        self.dense_grad_norms: List[float] = []  # per step, after the step (what the optimizer used)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.kernels is None:
+            self.kernels = table_kernels(self)
+        self.tbe_lrs.append([k.get_learning_rate() for k in self.kernels])
+        if self.automatic_optimization:
+            loss = super().training_step(batch, batch_idx)
+        else:
+            opt_dense, opt_tables = self.optimizers()
+            opt_dense.zero_grad()
+            opt_tables.zero_grad()
+            loss = F.binary_cross_entropy_with_logits(self(batch), batch["label"])
+            self.losses.append(loss.item())
+            self.manual_backward(loss)
+            opt_dense.step()
+            opt_tables.step()
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", F.binary_cross_entropy_with_logits(self(batch), batch["label"]), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        if hp.manual:
+            return [torch.optim.Adam(_dense_params(self), lr=hp.dense_lr), RowWiseAdagrad(self.ebc.parameters(), lr=hp.lr)]
+        opt = (torch.optim.SGD if hp.optimizer == "sgd" else torch.optim.Adagrad)(self.parameters(), lr=hp.lr)
+        if hp.step_lr is None:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=int(hp.step_lr["step_size"]), gamma=hp.step_lr["gamma"])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _trainer(world_size: int, **kwargs: Any) -> L.Trainer:
+    defaults: Dict[str, Any] = dict(
+        accelerator="cpu", devices=world_size, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    if any(isinstance(c, ModelCheckpoint) for c in defaults.get("callbacks", [])):
+        defaults["enable_checkpointing"] = True
+    return L.Trainer(strategy=RecShardStrategy(constraints=TABLE_WISE_PLAN), **defaults)
+
+
+def _loader(batches: Sequence[Sequence[Dict[str, Any]]], rank: int, world_size: int) -> DataLoader:
+    return DataLoader([to_batch(rank_share(b, rank, world_size)) for b in batches], batch_size=None)
+
+
+def _reference(
+    model: HabitModel, batches: Sequence[Sequence[Dict[str, Any]]], make_optimizers: Any, step_lr: Optional[Dict[str, float]] = None
+) -> Dict[str, Any]:
+    """Plain PyTorch on whole batches: per-step losses and the final tables."""
+    model = copy.deepcopy(model)
+    optimizers = make_optimizers(model)
+    scheds = [torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=int(step_lr["step_size"]), gamma=step_lr["gamma"])] if step_lr else []
+    losses = []
+    for rows in batches:
+        batch = to_batch(rows)
+        for o in optimizers:
+            o.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(batch), batch["label"])
+        loss.backward()
+        for o in optimizers:
+            o.step()
+        for s in scheds:
+            s.step()
+        losses.append(loss.item())
+    return {"losses": losses, "tables": {k: v.tolist() for k, v in model.ebc.state_dict().items()}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. EarlyStopping + ModelCheckpoint(top-k) + TensorBoard/CSV + gradient clipping; validate/predict from "best".
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Recorder(L.Callback):
+    """Per validation: the synced ``val_loss`` and the step; per step: the dense gradient norm before clipping."""
+
+    def __init__(self) -> None:
+        self.val_history: List[Dict[str, float]] = []
+        self.unclipped: List[float] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self.val_history.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val_loss"])})
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.unclipped.append(_grad_norm(pl_module))  # Lightning clips after this hook
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        pl_module.dense_grad_norms.append(_grad_norm(pl_module))  # the gradients the optimizer stepped with
+
+
+def _grad_norm(module: torch.nn.Module) -> float:
+    grads = [p.grad for p in _dense_params(module) if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+
+class _RowWriter(BasePredictionWriter):
+    """Writes each rank's predicted rows (with their dataset indices) as JSON, one file per batch."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(write_interval="batch")
+        self.out = out
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx=0):  # noqa: D102
+        path = self.out / f"rank{trainer.global_rank}.batch{batch_idx}.json"
+        path.write_text(json.dumps({"indices": list(batch_indices), "logits": prediction.tolist()}))
+
+
+def callbacks_and_loggers(
+    rank: int, world_size: int, out_dir: Path, steps_per_epoch: int = 4, max_epochs: int = 12, lr: float = 0.5,
+    patience: int = 2, min_delta: float = 0.0, clip: float = 0.05, top_k: int = 2, predict_rows: int = 24,
+    batch_size: int = 128,
+) -> Dict[str, Any]:
+    """Fit with EarlyStopping(val_loss), ModelCheckpoint(val_loss, top-k), TensorBoard + CSV loggers and
+    ``gradient_clip_val``; then ``validate(ckpt_path="best")`` and ``predict`` with a prediction writer
+    (Lightning's distributed sampler). Rank 0 also predicts the same rows from the best checkpoint, unsharded, in
+    one process."""
+    L.seed_everything(0)
+    model = HabitModel(lr=lr)
+    batches = global_batches(steps_per_epoch, batch_size)
+    val = _loader(global_batches(2, 32, seed=VAL_SEED), rank, world_size)
+    ckpt_dir = out_dir / "best"
+    stopper = EarlyStopping(monitor="val_loss", mode="min", patience=patience, min_delta=min_delta)
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=top_k, filename="{epoch}-{step}")
+    recorder = _Recorder()
+    loggers = [CSVLogger(out_dir / "logs", name="csv", version=0), TensorBoardLogger(out_dir / "logs", name="tb", version=0)]
+    trainer = _trainer(
+        world_size, max_epochs=max_epochs, callbacks=[stopper, checkpoint, recorder], logger=loggers,
+        log_every_n_steps=1, gradient_clip_val=clip,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _loader(batches, rank, world_size), val)
+    fit_result = {
+        "global_step": trainer.global_step, "current_epoch": trainer.current_epoch, "stopped_epoch": stopper.stopped_epoch,
+        "val_history": recorder.val_history, "unclipped": recorder.unclipped, "clipped": model.dense_grad_norms,
+        "best_model_path": checkpoint.best_model_path, "best_model_score": float(checkpoint.best_model_score),
+        "best_k_models": {k: float(v) for k, v in checkpoint.best_k_models.items()},
+        "ckpt_dir_entries": sorted(p.name for p in ckpt_dir.iterdir()),
+        "warnings": [str(w.message) for w in caught if "gradient_clip_val" in str(w.message)],
+    }
+    validated = trainer.validate(model, val, ckpt_path="best", verbose=False)[0]["val_loss"]
+
+    rows = samples(predict_rows, PREDICT_SEED)
+    pred_dir = out_dir / "predictions"
+    pred_dir.mkdir(exist_ok=True)
+    predictor = _trainer(world_size, callbacks=[_RowWriter(pred_dir)], use_distributed_sampler=True)
+    predictor.predict(model, DataLoader(rows, batch_size=4, collate_fn=to_batch), return_predictions=False)
+    result = {**fit_result, "validated_best": validated}
+    if rank == 0:
+        single = HabitModel.load_from_checkpoint(checkpoint.best_model_path)
+        single.eval()
+        with torch.no_grad():
+            result["single_process_logits"] = single(to_batch(rows)).tolist()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. val_check_interval mid-epoch and an exact resume from a mid-epoch checkpoint.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ResumableBatches:
+    """A user's resumable training data (``state_dict``/``load_state_dict``, as Lightning asks for mid-epoch
+    resumption): Lightning stores its position in every checkpoint and restores it when resuming."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self.batches = list(batches)
+        self.served = 0  # batches handed out in the current epoch
+        self._resume_at = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        start, self._resume_at = self._resume_at, 0
+        self.served = start
+        for batch in self.batches[start:]:
+            self.served += 1
+            yield batch
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self._resume_at = state["served"]
+
+
+def mid_epoch_resume(
+    rank: int, world_size: int, out_dir: Path, steps_per_epoch: int = 6, epochs: int = 2, every: int = 3, resume_step: int = 3,
+) -> Dict[str, Any]:
+    """An uninterrupted fit validating every ``every`` steps (a checkpoint at each validation, kept), then a fresh
+    model (other rows) resumed from the mid-epoch checkpoint of step ``resume_step``: both runs' per-step losses."""
+    batches = [to_batch(rank_share(b, rank, world_size)) for b in global_batches(steps_per_epoch, 16)]
+    val = _loader(global_batches(1, 16, seed=VAL_SEED), rank, world_size)
+    ckpt_dir = out_dir / "mid"
+
+    def run(model: HabitModel, ckpt_path: Optional[Path]) -> L.Trainer:
+        checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}-{step}")
+        trainer = _trainer(world_size, max_epochs=epochs, val_check_interval=every, callbacks=[checkpoint])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, ResumableBatches(batches), val, ckpt_path=ckpt_path)
+        run.warnings = [str(w.message) for w in caught if "resum" in str(w.message)]  # type: ignore[attr-defined]
+        return trainer
+
+    L.seed_everything(0)
+    full = HabitModel(lr=0.2)
+    full_trainer = run(full, None)
+    saved = sorted(p.name for p in ckpt_dir.iterdir())
+    resumed = HabitModel(seed=1234, lr=0.2)
+    path = ckpt_dir / f"epoch={(resume_step - 1) // steps_per_epoch}-step={resume_step}.ckpt"
+    resumed_trainer = run(resumed, path)
+    return {
+        "saved": saved, "full_losses": full.losses, "resumed_losses": resumed.losses,
+        "full_step": full_trainer.global_step, "resumed_step": resumed_trainer.global_step,
+        "resume_warnings": run.warnings,  # type: ignore[attr-defined]
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Manual optimization with two optimizers; an LR scheduler seen by the FBGEMM kernels.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _fit_and_reference(
+    rank: int, world_size: int, model: HabitModel, steps: int, make_optimizers: Any, step_lr: Optional[Dict[str, float]] = None,
+) -> Dict[str, Any]:
+    batches = global_batches(steps, 16)
+    result: Dict[str, Any] = {}
+    if rank == 0:
+        result["reference"] = _reference(model, batches, make_optimizers, step_lr)
+    trainer = _trainer(world_size, max_epochs=1)  # manual optimization counts a global step per optimizer step
+    trainer.fit(model, _loader(batches, rank, world_size))
+    return {
+        **result, "losses": model.losses, "global_step": trainer.global_step, "tbe_lrs": model.tbe_lrs,
+        "tables": _local_tables(model),
+    }
+
+
+def optimizers_and_schedulers(rank: int, world_size: int, out_dir: Path, steps: int = 6) -> Dict[str, Any]:
+    """(a) manual optimization, ``[Adam(dense), RowWiseAdagrad(tables)]``; (b) fused SGD under ``StepLR`` (per step),
+    each with its plain-PyTorch reference on whole batches (rank 0)."""
+    L.seed_everything(0)
+    manual = _fit_and_reference(
+        rank, world_size, HabitModel(lr=0.1, manual=True, dense_lr=0.02), steps,
+        lambda m: [torch.optim.Adam(_dense_params(m), lr=0.02), RowWiseAdagrad(m.ebc.parameters(), lr=0.1)],
+    )
+    step_lr = {"step_size": 2, "gamma": 0.1}
+    scheduled = _fit_and_reference(
+        rank, world_size, HabitModel(lr=2.0, optimizer="sgd", step_lr=step_lr), steps,
+        lambda m: [torch.optim.SGD(m.parameters(), lr=2.0)], step_lr,
+    )
+    unscheduled = _reference(HabitModel(lr=2.0, optimizer="sgd"), global_batches(steps, 16), lambda m: [torch.optim.SGD(m.parameters(), lr=2.0)]) if rank == 0 else None
+    return {"manual": manual, "scheduled": scheduled, "unscheduled": unscheduled}
