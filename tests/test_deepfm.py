@@ -5,6 +5,7 @@ not a test."""
 from __future__ import annotations
 
 from itertools import combinations
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from lightning_rec.models import DeepFMModule, DeepFMNN, build_deepfm
 from lightning_rec.models.deepfm import PairwiseFM
 from lightning_rec.optim import EmbeddingOptimizer
 from tests.helpers.data import REPO, movielens_dir
+from tests.helpers.zoo import check_case
 
 FEATURES = [SparseFeature("user", 10), SparseFeature("genre", 5, multi_hot=True)]
 CONFIG = REPO / "examples" / "configs" / "movielens_deepfm.yaml"
@@ -115,6 +117,10 @@ def test_deepfm_module_optimizers() -> None:
     dense = opt.configure_optimizers()
     assert isinstance(dense, torch.optim.Adagrad)
     assert dense.defaults["lr"] == 0.01 and dense.defaults["weight_decay"] == 1e-4
+
+
+def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
+    check_case(tmp_path, "tests.helpers.zoo_deepfm:CASE")
 
 
 def test_shipped_config_builds_with_the_cli_parser() -> None:

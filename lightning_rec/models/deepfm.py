@@ -3,16 +3,17 @@
 
 The network reuses ``torchrec.models.deepfm``: its ``SparseArch`` (the embedding tables), ``DenseArch`` (dense
 features projected to one more embedding-sized vector) and ``FMInteractionArch`` (TorchRec's ``DeepFM`` deep
-component next to its ``FactorizationMachine``). Two things differ from ``SimpleDeepFMNN``:
+component next to a factorization machine). Three things differ from ``SimpleDeepFMNN``:
 
-* the deep component may have several layers (``deep_layer_sizes``; TorchRec's has one), and
+* the deep component may have several layers (``deep_layer_sizes``; TorchRec's has one);
 * the over arch ends in a logit, not a ``Sigmoid``, so the loss is the numerically stable
-  ``binary_cross_entropy_with_logits``.
-
-Note that TorchRec's ``FactorizationMachine`` flattens all embeddings into one vector of ``(F + 1) * D`` numbers
-before it takes "square of sum minus sum of squares": its cross term sums the products of *all* pairs of
-numbers (also across dimensions), not only the per-dimension dot products of the DeepFM paper. The over arch
-and the deep component learn around that; it is TorchRec's behaviour and kept as is.
+  ``binary_cross_entropy_with_logits``;
+* the second-order term is by default the DeepFM paper's (:class:`PairwiseFM`: the dot products of every pair of
+  embeddings). TorchRec's ``FactorizationMachine`` flattens all embeddings into one vector of ``(F + 1) * D``
+  numbers before "square of sum minus sum of squares", so its cross term also multiplies *different*
+  dimensions with each other; ``fm="torchrec"`` keeps it (then, with one deep layer and
+  ``over_arch_layer_sizes=[1]``, the network is ``SimpleDeepFMNN`` without its final sigmoid). On MovieLens-100K
+  the paper's term is the better one (BENCHMARKS.md, "Model zoo: CTR quality").
 
 :class:`DeepFMModule` adds the loss, the optimizers and the metrics (:func:`lightning_rec.metrics.ctr_metrics`).
 """
