@@ -276,9 +276,10 @@ class SequentialRecModule(RecLightningModule):
         self.test_metrics.update(self.ranks(batch))
 
     def _log_ranking(self, metrics: RankingMetrics) -> None:
-        values = metrics.compute()  # sums over every rank: exact
+        values = metrics.compute()  # sums over every rank: exact, and the same on every rank
         metrics.reset()
-        self.log_dict({k: v.float() for k, v in values.items()}, prog_bar=True)
+        # sync_dist: the mean of equal values is that value; it only tells Lightning the value is global.
+        self.log_dict({k: v.float() for k, v in values.items()}, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         self._log_ranking(self.val_metrics)
