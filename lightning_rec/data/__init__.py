@@ -12,6 +12,7 @@ from lightning_rec.data.base import (
 from lightning_rec.data.criteo import CriteoDataModule, write_criteo_tsv
 from lightning_rec.data.movielens import MovieLensDataModule, load_movielens, prepare_movielens
 from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule  # noqa: F401 (issue 15 model zoo)
+from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule  # noqa: F401 (issue 15 model zoo)
 from lightning_rec.data.synthetic import SyntheticDataModule, SyntheticTable, make_synthetic_dataset
 
 __all__ = [

@@ -49,6 +49,7 @@ __all__ = [
     "SequenceDataset",
     "exclusion_mask",
     "leave_one_out",
+    "popularity_baseline",
     "popularity_ranks",
 ]
 
@@ -376,3 +377,23 @@ class MovieLensSequenceDataModule(RecDataModule):
             multiprocessing_context="spawn" if self.num_workers > 0 else None,
             persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory,
         )
+
+
+def popularity_baseline(data_dir: str = "data/ml-100k", ks: Tuple[int, ...] = (10,)) -> Dict[str, float]:
+    """HR@k and NDCG@k of :func:`popularity_ranks` on the validation and test splits of MovieLens-100K.
+
+    Example::
+
+        >>> popularity_baseline("data/ml-100k")      # doctest: +SKIP
+        {'val/hr@10': 0.0742, 'val/ndcg@10': 0.0345, 'test/hr@10': 0.0859, 'test/ndcg@10': 0.0449}
+    """
+    from lightning_rec.metrics import RankingMetrics
+
+    dm = MovieLensSequenceDataModule(data_dir)
+    out: Dict[str, float] = {}
+    for stage in ("val", "test"):
+        metrics = RankingMetrics(ks, prefix=f"{stage}/", hit_name="hr")
+        metrics.update(popularity_ranks(dm.leave_one_out, dm.num_items, stage))
+        out.update({k: round(float(v), 4) for k, v in metrics.compute().items()})
+    return out
+
