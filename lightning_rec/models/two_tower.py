@@ -13,7 +13,7 @@ Tables (one per feature, named ``t_<feature>``, all on ``meta``): the query towe
 rest of their history, pooled separately).
 
 **Exact on several ranks.** Each rank embeds its share of the batch; the candidate embeddings (and their item ids)
-of all ranks are gathered with gradients (``torch.distributed.nn.functional.all_gather``), so each rank scores its
+of all ranks are gathered with gradients (summed back to their rank in the backward pass), so each rank scores its
 queries against the global batch's candidates. Each rank's loss is its queries' summed cross entropy times
 ``world_size / global batch size``: the mean over ranks (what DDP's gradient averaging and TorchRec's gradient
 division apply) is then the whole batch's mean loss, even when ranks hold batches of different sizes.
@@ -168,6 +168,26 @@ def build_two_tower(
     )
 
 
+class _GatherRows(torch.autograd.Function):
+    """All ranks' ``(n, k)`` tensors (one size everywhere) stacked in rank order, ``(world * n, k)``; the gradient of
+    this rank's rows is the sum of every rank's gradient of them (an all-reduce of the whole gradient, then this
+    rank's slice: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        parts = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, rows.contiguous())
+        ctx.n = rows.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        start = dist.get_rank() * ctx.n
+        return grad[start:start + ctx.n]
+
+
 def gather_candidates(
     candidates: torch.Tensor, item_ids: torch.Tensor, log_q: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
@@ -187,8 +207,6 @@ def gather_candidates(
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return candidates, item_ids, log_q, 0
-    import torch.distributed.nn.functional as dist_fn
-
     world, rank = dist.get_world_size(), dist.get_rank()
     local = torch.tensor([candidates.shape[0]], device=candidates.device, dtype=torch.long)
     sizes = [torch.zeros_like(local) for _ in range(world)]
@@ -199,7 +217,7 @@ def gather_candidates(
         columns.append(log_q.double().unsqueeze(1))
     packed = torch.cat(columns, dim=1)
     packed = F.pad(packed, (0, 0, 0, max(counts) - packed.shape[0]))
-    parts = dist_fn.all_gather(packed)  # its backward sums every rank's gradient of this rank's rows
+    parts = _GatherRows.apply(packed).split(max(counts))  # backward: every rank's gradient of this rank's rows, summed
     gathered = torch.cat([part[:n] for part, n in zip(parts, counts)])
     width = candidates.shape[1]
     return (
@@ -379,11 +397,11 @@ class TwoTowerModule(RecLightningModule):
         self._evaluate(batch, self.test_metrics)
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(self.val_metrics.compute())
+        self.log_dict(self.val_metrics.compute(), sync_dist=True)  # already exact over ranks: the mean keeps it
         self.val_metrics.reset()
 
     def on_test_epoch_end(self) -> None:
-        self.log_dict(self.test_metrics.compute())
+        self.log_dict(self.test_metrics.compute(), sync_dist=True)
         self.test_metrics.reset()
 
     def predict_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Dict[str, torch.Tensor]:
