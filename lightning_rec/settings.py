@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 
-__all__ = ["check_precision", "check_trainer_flags"]
+__all__ = ["backward_without_step_error", "check_frozen_tables", "check_precision", "check_trainer_flags"]
 
 
 def check_precision(precision: str, owner: str = "RecShardStrategy") -> None:
@@ -37,15 +39,62 @@ def check_precision(precision: str, owner: str = "RecShardStrategy") -> None:
 
 
 def check_trainer_flags(trainer: Any, has_tables: bool, owner: str = "RecShardStrategy") -> None:
-    """Refuse gradient accumulation with tables; warn that clipping reaches dense gradients only."""
+    """Refuse what cannot work with fused tables (gradient accumulation, weight averaging, pruning callbacks); warn
+    that clipping reaches dense gradients only. Called before anything is sharded or trained."""
     if trainer.accumulate_grad_batches != 1 and has_tables:
         raise ValueError(
             f"{owner} does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: "
             "embedding rows are updated inside every backward pass (FBGEMM fused optimizers), so their "
             "gradients cannot be accumulated. HINT: increase the batch size instead."
         )
+    if has_tables:
+        for callback in trainer.callbacks:
+            if isinstance(callback, StochasticWeightAveraging):
+                raise ValueError(
+                    f"{owner} does not support the StochasticWeightAveraging callback: it averages `parameters()` of "
+                    "a copy of the module taken before the tables were sharded with those of the sharded module, "
+                    "whose table parameters are other tensors (the local shards, updated inside the backward pass), "
+                    "so the tables would be averaged with the wrong tensors or not at all. HINT: remove "
+                    "StochasticWeightAveraging, or average checkpoints offline (`load_from_checkpoint` gives whole "
+                    "tables)."
+                )
+            if isinstance(callback, ModelPruning):
+                raise ValueError(
+                    f"{owner} does not support the ModelPruning callback: it collects the modules to prune before "
+                    "the tables are sharded, so it would prune embedding modules that sharding replaces (the "
+                    "trained tables stay unpruned) while keeping the unsharded tables alive. HINT: prune the dense "
+                    "layers yourself with `torch.nn.utils.prune` (e.g. in `on_train_epoch_end`)."
+                )
     if trainer.gradient_clip_val:
         rank_zero_warn(
             f"{owner}: gradient_clip_val applies to the dense parameters only; embedding "
             "gradients are consumed inside the backward pass by the fused optimizer and never materialised."
         )
+
+
+def check_frozen_tables(named_tables: Iterable["tuple[str, nn.Parameter]"], owner: str = "RecShardStrategy") -> None:
+    """Refuse table parameters with ``requires_grad=False`` (frozen by hand or by a finetuning callback such as
+    ``BackboneFinetuning``): a fused kernel updates every row its backward pass reaches, frozen or not."""
+    frozen = [name for name, p in named_tables if not p.requires_grad]
+    if frozen:
+        raise ValueError(
+            f"{owner}: {', '.join(repr(n) for n in frozen)} {'has' if len(frozen) == 1 else 'have'} "
+            "requires_grad=False, but the FBGEMM fused optimizer updates table rows inside the backward pass "
+            "whatever requires_grad says, so a frozen table would silently train. HINT: to keep the tables fixed, leave "
+            "requires_grad=True and declare `configure_embedding_optimizer()` returning "
+            "`EmbeddingOptimizer('sgd', lr=0.0)` (or the strategy's `embedding_optimizer=`); freeze only dense layers "
+            "(e.g. BackboneFinetuning on a dense backbone)."
+        )
+
+
+def backward_without_step_error(batch_idx: int, owner: str = "RecShardStrategy") -> RuntimeError:
+    """The error for a training batch whose backward pass ran without any optimizer step (checked when the next
+    batch starts)."""
+    return RuntimeError(
+        f"{owner}: the training batch before batch {batch_idx} ran a backward pass but no optimizer step. The "
+        "embedding rows were already updated inside that backward pass (FBGEMM fused optimizer), the dense "
+        "parameters were not, so skipping `optimizer.step()` (gradient accumulation in an `optimizer_step` override, "
+        "or `opt.step()` every other batch in manual optimization) would silently train the tables and the dense "
+        "layers on different batches. HINT: step the optimizer after every backward pass and increase the batch "
+        "size instead of accumulating gradients."
+    )

@@ -70,10 +70,11 @@ from lightning_rec.optim import (
 )
 from lightning_rec.pipeline import SparseDistPipeline
 from lightning_rec.plan_report import PlanReport, write_for_trainer
-from lightning_rec.settings import check_precision, check_trainer_flags
+from lightning_rec.settings import backward_without_step_error, check_frozen_tables, check_precision, check_trainer_flags
 from lightning_rec.sharding import (
     TableConstraints,
     TopologyConfig,
+    embedding_modules,
     embedding_tables,
     make_sharders,
     plan_module,
@@ -201,6 +202,8 @@ class RecShardStrategy(ParallelStrategy):
         self._pipeline: Optional[SparseDistPipeline] = None
         self._rec_optimizer: Optional[RecOptimizer] = None
         self._forward_redirection = ManualOptimizationRedirection()
+        self._backward_without_step = False  # a training backward ran (tables updated) and no optimizer stepped yet
+        self._check_steps = False  # fitting a model with tables: every backward must be followed by a step
 
     # ---------------------------------------------------------------------------------------------------
     # Properties Lightning asks for
@@ -324,9 +327,16 @@ class RecShardStrategy(ParallelStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            check_trainer_flags(
-                trainer, bool(embedding_tables(module, self._module_types())), type(self).__name__
-            )
+            has_tables = bool(embedding_tables(module, self._module_types()))
+            check_trainer_flags(trainer, has_tables, type(self).__name__)
+            if sharded_state(module) is None:  # frozen tables would train anyway (fused update in backward)
+                check_frozen_tables(
+                    ((f"{path}.{n}", p) for path, m in embedding_modules(module, self._module_types()).items()
+                     for n, p in m.named_parameters()),
+                    type(self).__name__,
+                )
+            self._backward_without_step = False
+            self._check_steps = has_tables
 
         state = sharded_state(module)
         if fitting and state is None and self._layer_sync is not None:
@@ -414,7 +424,14 @@ class RecShardStrategy(ParallelStrategy):
         self._input_checks.poll()  # the last steps' losses (nonfinite="error" reads them one step late)
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._backward_without_step = False
+        return out
+
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
+        self._backward_without_step = self._check_steps  # cleared by the next optimizer step
         self._input_checks.check_loss(closure_loss)  # the backward pass would write a NaN into the tables
         if self._pipeline is not None:
             self._pipeline.before_backward()  # the next batch's input all-to-all overlapped this forward
@@ -441,6 +458,8 @@ class RecShardStrategy(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # An LR scheduler may have moved the dense learning rate since the last step; the tables follow it
         # before this step's backward pass (where their update happens).
+        if self._backward_without_step:  # the tables updated in the last batch's backward, the dense part did not
+            raise backward_without_step_error(batch_idx, type(self).__name__)
         if self._rec_optimizer is not None:
             self._rec_optimizer.sync_lr()
 

@@ -179,3 +179,61 @@ def test_lr_scheduler_moves_the_learning_rate_the_fbgemm_kernels_use(optimized):
     # ... which matters: without the scheduler the tables end elsewhere.
     moved = max((tables[f"ebc.{n}"] - torch.tensor(t)).abs().max().item() for n, t in unscheduled["tables"].items())
     assert moved > 1e-2
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    return run_ranks(f"{SCENARIOS}:features", 1, tmp_path_factory.mktemp("features"))[0]
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("swa", ["does not support the StochasticWeightAveraging callback", "HINT:"]),
+        ("pruning", ["does not support the ModelPruning callback", "HINT:", "torch.nn.utils.prune"]),
+        ("frozen", ["'ebc.embedding_bags.t_user.weight'", "requires_grad=False", "silently train", "HINT:", "lr=0.0"]),
+        ("finetuning", ["requires_grad=False", "HINT:"]),  # BaseFinetuning.freeze(ebc): BackboneFinetuning's way
+        ("accumulate", ["accumulate_grad_batches=2", "HINT:"]),
+    ],
+)
+def test_features_that_cannot_work_are_refused_before_anything_changes(features, case, expected):
+    result = features[case]
+    assert result["error"] is not None and result["error"].startswith("ValueError: RecShardStrategy")
+    for text in expected:
+        assert text in result["error"]
+    assert not result["sharded"] and result["tables_unchanged"] and result["global_step"] == 0
+
+
+@pytest.mark.parametrize("case, failing_batch, steps", [("skip_steps", 2, 2), ("manual_every_other", 1, 0)])
+def test_a_backward_pass_without_an_optimizer_step_is_refused_at_the_next_batch(features, case, failing_batch, steps):
+    """An `optimizer_step` override that runs the closure but skips the step (automatic optimization), or manual
+    optimization stepping every other batch: the tables updated in that backward pass, the dense layers did not."""
+    result = features[case]
+    assert result["error"].startswith(
+        f"RuntimeError: RecShardStrategy: the training batch before batch {failing_batch} ran a backward pass but no "
+        "optimizer step."
+    )
+    assert "HINT:" in result["error"]
+    assert result["global_step"] == steps
+
+
+def test_features_that_work_with_fused_tables(features):
+    # The refusal's HINT: tables fixed by a zero learning rate while the dense layers train.
+    fixed = features["fixed_tables"]
+    assert fixed["error"] is None and not fixed["tables_moved"] and fixed["dense_moved"]
+    # detect_anomaly: trains (FBGEMM's backward has no NaN checks to trip on finite values).
+    assert features["anomaly"]["error"] is None and features["anomaly"]["global_step"] == 4
+    assert features["anomaly"]["tables_moved"]
+    # gradient_clip_algorithm="value": the same warning (dense gradients only).
+    clip = features["clip_value"]
+    assert clip["error"] is None and len(clip["warnings"]) == 1 and "dense parameters only" in clip["warnings"][0]
+    # ReduceLROnPlateau (per epoch, on val_loss): the kernels' rate halves with the dense one.
+    plateau = features["plateau"]
+    assert plateau["error"] is None
+    assert [lr for (lr,) in plateau["tbe_lrs"]] == pytest.approx([0.1] * 4 + [0.05] * 4 + [0.025] * 4, rel=1e-6)
+    # LearningRateFinder: the kernels follow its sweep, then the weights are restored before training starts.
+    finder = features["lr_finder"]
+    assert finder["error"] is None and finder["restored_after_fit_start"]
+    swept, trained = [lr for (lr,) in finder["tbe_lrs"][:4]], [lr for (lr,) in finder["tbe_lrs"][4:]]
+    assert swept[0] == pytest.approx(1e-8, rel=1e-6) and swept == sorted(swept) and swept[-1] > 1e3 * swept[0]
+    assert trained == pytest.approx([finder["suggestion"] or 0.1] * 4, rel=1e-6)

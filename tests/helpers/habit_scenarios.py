@@ -329,3 +329,153 @@ def optimizers_and_schedulers(rank: int, world_size: int, out_dir: Path, steps: 
     )
     unscheduled = _reference(HabitModel(lr=2.0, optimizer="sgd"), global_batches(steps, 16), lambda m: [torch.optim.SGD(m.parameters(), lr=2.0)]) if rank == 0 else None
     return {"manual": manual, "scheduled": scheduled, "unscheduled": unscheduled}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Other Lightning features: refused before anything changes, or working with fused tables.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _table_values(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every table tensor this rank holds (unsharded: the module's own; sharded: the local shards), cloned."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.startswith("ebc."):
+            shards = [s.tensor for s in t.local_shards()] if isinstance(t, ShardedTensor) else [t]
+            out[name] = torch.cat([s.detach().flatten().clone() for s in shards])
+    return out
+
+
+def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _SkipEveryOtherStep(HabitModel):
+    """Gradient accumulation by hand in automatic optimization: the closure runs every batch, the step every other."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if batch_idx % 2 == 0:
+            optimizer.step(closure=optimizer_closure)
+        else:
+            optimizer_closure()
+
+
+class _ManualEveryOther(HabitModel):
+    """Manual optimization that steps every other batch (backward every batch)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adagrad(self.parameters(), lr=self.hparams.lr)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch["label"])
+        self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+        return loss
+
+
+class _FrozenTables(HabitModel):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ebc.requires_grad_(False)
+
+
+class _FixedTables(HabitModel):
+    """What the refusal's HINT says: tables kept fixed by a zero learning rate, the dense layers train."""
+
+    def configure_embedding_optimizer(self) -> Any:
+        from lightning_rec import EmbeddingOptimizer
+
+        return EmbeddingOptimizer("sgd", lr=0.0)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adagrad(_dense_params(self), lr=self.hparams.lr)
+
+
+class _Plateau(HabitModel):
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adagrad(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)  # halves per epoch
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}
+
+
+class _Snapshots(L.Callback):
+    """The tables when fitting starts (before any callback's ``on_fit_start``) and when training starts."""
+
+    def __init__(self) -> None:
+        self.at_fit_start: Optional[Dict[str, torch.Tensor]] = None
+        self.at_train_start: Optional[Dict[str, torch.Tensor]] = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.at_fit_start = _table_values(pl_module)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.at_train_start = _table_values(pl_module)
+        self.dense_at_train_start = [p.detach().clone() for p in _dense_params(pl_module)]
+
+
+def features(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
+    """Each case: a fresh model fitted 4 steps (or 3 epochs) with one Lightning feature; reports its error (``None``
+    if none), whether the model was sharded and its tables changed when it failed, and what the case measures."""
+    from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, StochasticWeightAveraging
+    from lightning.pytorch.callbacks import ModelPruning
+
+    from lightning_rec.dmp import sharded_state
+
+    class FreezeTables(BaseFinetuning):  # BackboneFinetuning's mechanism, with the tables as the backbone
+        def freeze_before_training(self, pl_module: Any) -> None:
+            self.freeze(pl_module.ebc)
+
+        def finetune_function(self, pl_module: Any, epoch: int, optimizer: Any) -> None:
+            pass
+
+    train = _loader(global_batches(4, 16), rank, world_size)
+    val = _loader(global_batches(1, 16, seed=VAL_SEED), rank, world_size)
+
+    def case(model: HabitModel, epochs: Optional[int] = None, **trainer_kwargs: Any) -> Dict[str, Any]:
+        L.seed_everything(0)
+        snapshots = _Snapshots()
+        trainer_kwargs["callbacks"] = [snapshots, *trainer_kwargs.get("callbacks", [])]
+        trainer = _trainer(world_size, **({"max_epochs": epochs} if epochs else {"max_steps": 4}), **trainer_kwargs)
+        before = _table_values(model)
+        error = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                trainer.fit(model, train, val)
+            except Exception as e:  # noqa: BLE001 - the refusal is what is measured
+                error = f"{type(e).__name__}: {e}"
+        sharded = sharded_state(model) is not None
+        trained = snapshots.at_train_start is not None
+        return {
+            "tables_moved": trained and not _same(snapshots.at_train_start, _table_values(model)),
+            "dense_moved": trained and not all(torch.equal(a, b) for a, b in zip(snapshots.dense_at_train_start, _dense_params(model))),
+            "error": error, "sharded": sharded, "global_step": trainer.global_step,
+            "tables_unchanged": None if sharded else _same(before, _table_values(model)),
+            "restored_after_fit_start": None if snapshots.at_train_start is None else _same(snapshots.at_fit_start, snapshots.at_train_start),
+            "tbe_lrs": model.tbe_lrs, "warnings": [str(w.message) for w in caught if "RecShardStrategy" in str(w.message)],
+        }
+
+    out: Dict[str, Any] = {}
+    out["swa"] = case(HabitModel(lr=0.1), epochs=3, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)])
+    out["pruning"] = case(HabitModel(lr=0.1), epochs=2, callbacks=[ModelPruning("l1_unstructured", amount=0.5)])
+    out["frozen"] = case(_FrozenTables(lr=0.1))
+    out["finetuning"] = case(HabitModel(lr=0.1), callbacks=[FreezeTables()])
+    out["accumulate"] = case(HabitModel(lr=0.1), accumulate_grad_batches=2)
+    out["skip_steps"] = case(_SkipEveryOtherStep(lr=0.1))
+    out["manual_every_other"] = case(_ManualEveryOther(lr=0.1))
+    # What works:
+    fixed = _FixedTables(lr=0.1)
+    out["fixed_tables"] = case(fixed)
+    out["anomaly"] = case(HabitModel(lr=0.1), detect_anomaly=True)
+    out["clip_value"] = case(HabitModel(lr=0.1), gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    out["plateau"] = case(_Plateau(lr=0.1), epochs=3)
+    finder = LearningRateFinder(num_training_steps=8)
+    out["lr_finder"] = case(HabitModel(lr=0.1), epochs=1, callbacks=[finder])
+    out["lr_finder"]["suggestion"] = finder.optimal_lr.suggestion() if finder.optimal_lr is not None else None
+    return out
