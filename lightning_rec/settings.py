@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+
+try:  # Lightning >= 2.6 (EMA and SWA as one callback); older versions do not have it
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # pragma: no cover - lightning 2.5
+    WeightAveraging = ()  # type: ignore[assignment,misc]  # isinstance(x, ()) is always False
 
 __all__ = ["backward_without_step_error", "check_frozen_tables", "check_precision", "check_trainer_flags"]
 
@@ -49,14 +54,20 @@ def check_trainer_flags(trainer: Any, has_tables: bool, owner: str = "RecShardSt
         )
     if has_tables:
         for callback in trainer.callbacks:
-            if isinstance(callback, StochasticWeightAveraging):
+            if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
                 raise ValueError(
-                    f"{owner} does not support the StochasticWeightAveraging callback: it averages `parameters()` of "
-                    "a copy of the module taken before the tables were sharded with those of the sharded module, "
+                    f"{owner} does not support the {type(callback).__name__} callback: it averages `parameters()` "
+                    "of a copy of the module taken before the tables were sharded with those of the sharded module, "
                     "whose table parameters are other tensors (the local shards, updated inside the backward pass), "
-                    "so the tables would be averaged with the wrong tensors or not at all. HINT: remove "
-                    "StochasticWeightAveraging, or average checkpoints offline (`load_from_checkpoint` gives whole "
+                    f"so the tables would be averaged with the wrong tensors or not at all. HINT: remove "
+                    f"{type(callback).__name__}, or average checkpoints offline (`load_from_checkpoint` gives whole "
                     "tables)."
+                )
+            if isinstance(callback, GradientAccumulationScheduler) and callback.going_to_accumulate_grad_batches():
+                raise ValueError(
+                    f"{owner} does not support GradientAccumulationScheduler(scheduling={callback.scheduling}): "
+                    "embedding rows are updated inside every backward pass (FBGEMM fused optimizers), so their "
+                    "gradients cannot be accumulated. HINT: increase the batch size instead."
                 )
             if isinstance(callback, ModelPruning):
                 raise ValueError(

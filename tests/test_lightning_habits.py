@@ -190,6 +190,8 @@ def features(tmp_path_factory):
     "case, expected",
     [
         ("swa", ["does not support the StochasticWeightAveraging callback", "HINT:"]),
+        ("ema", ["does not support the EMAWeightAveraging callback", "HINT:"]),
+        ("accumulation_scheduler", ["GradientAccumulationScheduler(scheduling={0: 1, 1: 2})", "HINT:"]),
         ("pruning", ["does not support the ModelPruning callback", "HINT:", "torch.nn.utils.prune"]),
         ("frozen", ["'ebc.embedding_bags.t_user.weight'", "requires_grad=False", "silently train", "HINT:", "lr=0.0"]),
         ("finetuning", ["requires_grad=False", "HINT:"]),  # BaseFinetuning.freeze(ebc): BackboneFinetuning's way

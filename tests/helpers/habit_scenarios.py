@@ -423,7 +423,7 @@ def features(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
     """Each case: a fresh model fitted 4 steps (or 3 epochs) with one Lightning feature; reports its error (``None``
     if none), whether the model was sharded and its tables changed when it failed, and what the case measures."""
     from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, StochasticWeightAveraging
-    from lightning.pytorch.callbacks import ModelPruning
+    from lightning.pytorch.callbacks import EMAWeightAveraging, GradientAccumulationScheduler, ModelPruning
 
     from lightning_rec.dmp import sharded_state
 
@@ -463,6 +463,8 @@ def features(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {}
     out["swa"] = case(HabitModel(lr=0.1), epochs=3, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)])
+    out["ema"] = case(HabitModel(lr=0.1), callbacks=[EMAWeightAveraging()])
+    out["accumulation_scheduler"] = case(HabitModel(lr=0.1), epochs=3, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})])
     out["pruning"] = case(HabitModel(lr=0.1), epochs=2, callbacks=[ModelPruning("l1_unstructured", amount=0.5)])
     out["frozen"] = case(_FrozenTables(lr=0.1))
     out["finetuning"] = case(HabitModel(lr=0.1), callbacks=[FreezeTables()])
