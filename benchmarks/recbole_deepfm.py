@@ -4,7 +4,7 @@ The same atomic files as the shipped config (``data/ml-100k``), rating >= 4 posi
 (RecBole's ``RS: [0.8, 0.1, 0.1]``, ``order: RO``, ``mode: labeled``), AUC and log loss, 20 epochs, the best
 epoch chosen on validation AUC (RecBole's own early stopping left at its default patience). Features are
 RecBole's ``context-aware_ml-100k`` quick-start set: user id, age, gender, occupation; item id, release year,
-genres (``class``); RecBole's DeepFM defaults otherwise (embedding 10, MLP [128, 128, 128], dropout 0.2, Adam
+genres (``class``) (``--with-zip`` adds the users' zip code, as lightning_rec's MovieLens features have); RecBole's DeepFM defaults otherwise (embedding 10, MLP [128, 128, 128], dropout 0.2, Adam
 lr 0.001, batch 2048). One CPU process.
 
 RecBole does not install next to this project (it needs ``numpy<2``; and ``pandas<2``: with pandas 3 it fails
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default="data/ml-100k", help="directory holding ml-100k.inter/.user/.item")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--seed", type=int, default=2020, help="RecBole's default seed")
+    parser.add_argument("--with-zip", action="store_true", help="also the users' zip_code (lightning_rec's features)")
     args = parser.parse_args()
 
     data_dir = Path(args.data_dir).resolve()
@@ -82,7 +83,7 @@ def main() -> None:
             "threshold": {"rating": 4},
             "load_col": {
                 "inter": ["user_id", "item_id", "rating", "timestamp"],
-                "user": ["user_id", "age", "gender", "occupation"],
+                "user": ["user_id", "age", "gender", "occupation"] + (["zip_code"] if args.with_zip else []),
                 "item": ["item_id", "release_year", "class"],
             },
             "eval_args": {"split": {"RS": [0.8, 0.1, 0.1]}, "order": "RO", "group_by": None, "mode": "labeled"},
@@ -106,7 +107,7 @@ def main() -> None:
     fit_s = time.perf_counter() - fit_start
     test = trainer.evaluate(test_data, load_best_model=True, show_progress=False)
     print(json.dumps({
-        "model": "recbole DeepFM", "epochs": args.epochs, "rows": {"train": len(train_data.dataset),
+        "model": "recbole DeepFM", "epochs": args.epochs, "with_zip": args.with_zip, "rows": {"train": len(train_data.dataset),
         "valid": len(valid_data.dataset), "test": len(test_data.dataset)},
         "best_valid_auc": round(float(best_valid["auc"]), 4), "best_valid_logloss": round(float(best_valid["logloss"]), 4),
         "test_auc": round(float(test["auc"]), 4), "test_logloss": round(float(test["logloss"]), 4),
