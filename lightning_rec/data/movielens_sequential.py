@@ -168,7 +168,10 @@ class SequenceDataset:
                 "from one leave_one_out() split."
             )
         if num_negatives < 0 or (num_negatives and num_items < 2):
-            raise ValueError(f"SequenceDataset: num_negatives must be >= 0 with >= 2 items, got {num_negatives}.")
+            raise ValueError(
+                f"SequenceDataset: num_negatives must be >= 0 (with >= 2 items), got {num_negatives} with {num_items} "
+                "items. HINT: 0 for evaluation rows, e.g. 100 for training rows."
+            )
         self.users, self.history, self.target, self.seen = users.long(), history, target, seen
         self.num_items, self.num_negatives, self.seed = num_items, num_negatives, seed
         self._negatives: Tuple[int, Optional[torch.Tensor]] = (-1, None)

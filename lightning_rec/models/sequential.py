@@ -71,7 +71,9 @@ class CausalEncoder(nn.Module):
                 f"CausalEncoder: num_heads={num_heads} must divide embedding_dim={embedding_dim}. HINT: e.g. num_heads=2."
             )
         if max_len < 1 or num_blocks < 1:
-            raise ValueError(f"CausalEncoder: max_len ({max_len}) and num_blocks ({num_blocks}) must be >= 1.")
+            raise ValueError(
+                f"CausalEncoder: max_len ({max_len}) and num_blocks ({num_blocks}) must be >= 1. HINT: e.g. 50 and 2."
+            )
         self.embedding_dim, self.max_len = embedding_dim, max_len
         self.position = nn.Embedding(max_len, embedding_dim)
         self.dropout = nn.Dropout(dropout)
