@@ -226,6 +226,8 @@ def test_two_tower_tables_weighted_shared_and_towers_alone(splits) -> None:
 
 def test_metrics_on_two_ranks_equal_one_process_and_towers_work_alone_after_loading(tmp_path: Path, splits) -> None:
     two = run_ranks("tests.helpers.two_tower_scenarios:evaluate", 2, tmp_path, data_dir=str(movielens_dir()))
+    assert two[0]["world_size"] == 2 and two[0]["plan"]["t_user_id"] == two[0]["plan"]["t_history"] == "column_wise"
+    assert two[0]["plan"]["t_item_id"] == "table_wise"
     # one process, plain PyTorch: the same seeded weights, unsharded, every query at once
     module = seeded_module(CASE).eval()
     full = leave_one_out(load_interactions(movielens_dir()))

@@ -65,7 +65,10 @@ class Tower(nn.Module):
     ) -> None:
         super().__init__()
         if not tables or not layer_sizes:
-            raise ValueError(f"Tower: needs tables and layer sizes, got {len(tables)} table(s), layers {list(layer_sizes)}.")
+            raise ValueError(
+                f"Tower: needs tables and layer sizes, got {len(tables)} table(s), layers {list(layer_sizes)}. "
+                "HINT: e.g. layer_sizes=[64, 32]."
+            )
         self.ebc = EmbeddingBagCollection(tables=tables, is_weighted=is_weighted, device=device)
         width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
         layers: List[nn.Module] = []
@@ -124,8 +127,8 @@ def build_two_tower(
 
     Example::
 
-        >>> fs = [SparseFeature("user_id", 10), SparseFeature("history", 20, True), SparseFeature("last_item", 20, True),
-        ...       SparseFeature("item_id", 20), SparseFeature("genres", 5, True)]
+        >>> fs = [SparseFeature("user_id", 10), SparseFeature("history", 20, True),
+        ...       SparseFeature("last_item", 20, True), SparseFeature("item_id", 20), SparseFeature("genres", 5, True)]
         >>> net = build_two_tower(fs, embedding_dim=8, query_layer_sizes=[8], candidate_layer_sizes=[8])
         >>> [t.name for t in net.query_tower.ebc.embedding_bag_configs()], net.query_tower.feature_names
         (['t_user_id', 't_history'], ['user_id', 'history', 'last_item'])
@@ -154,9 +157,9 @@ def build_two_tower(
             features = shared.get(table, [name])
             if any(f not in names for f in features):
                 raise ValueError(f"build_two_tower: shared table {table!r} mixes the towers' features {features}.")
+            rows = max(by_name[f].num_embeddings for f in features)
             out[table] = EmbeddingBagConfig(
-                name=table, embedding_dim=embedding_dim, num_embeddings=max(by_name[f].num_embeddings for f in features),
-                feature_names=features,
+                name=table, embedding_dim=embedding_dim, num_embeddings=rows, feature_names=features
             )
         return list(out.values())
 
@@ -404,7 +407,9 @@ class TwoTowerModule(RecLightningModule):
         self.log_dict(self.test_metrics.compute(), sync_dist=True)
         self.test_metrics.reset()
 
-    def predict_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Dict[str, torch.Tensor]:
+    def predict_step(
+        self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0
+    ) -> Dict[str, torch.Tensor]:
         """Training-format batch: ``{"query", "candidate", "score"}`` (embeddings and their dot products);
         evaluation-format batch: ``{"query", "target", "rank"}``."""
         if "target" in batch:

@@ -16,6 +16,13 @@ from tests.helpers.zoo import seeded_module
 from tests.helpers.zoo_two_tower import CASE
 
 
+# Real sharding on 2 ranks, column-wise included (evaluation only: no optimizer state to differ).
+EVAL_PLAN = {
+    "t_user_id": {"sharding_types": ["column_wise"]}, "t_history": {"sharding_types": ["column_wise"]},
+    "t_item_id": {"sharding_types": ["table_wise"]}, "t_genres": {"sharding_types": ["data_parallel"]},
+}
+
+
 def softmax_inputs(total: int = 7, dim: int = 4) -> Dict[str, torch.Tensor]:
     """A fixed global batch for the gathered softmax: queries, candidates, item ids (with repeats), log q."""
     g = torch.Generator().manual_seed(3)
@@ -41,7 +48,7 @@ def evaluate(rank: int, world_size: int, out_dir: Path, data_dir: str) -> Dict[s
     dm = MovieLensRetrievalDataModule(data_dir, download=False, eval_batch_size=300)
     module = seeded_module(CASE)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=RecShardStrategy(constraints=CASE.constraints[2]),
+        accelerator="cpu", devices=world_size, strategy=RecShardStrategy(constraints=EVAL_PLAN),
         logger=False, enable_progress_bar=False, enable_model_summary=False,
     )
     result: Dict[str, Any] = {}
@@ -63,4 +70,7 @@ def evaluate(rank: int, world_size: int, out_dir: Path, data_dir: str) -> Dict[s
     loss.backward()
     result["softmax"] = {"loss": float(loss), "q_grad": q.grad.tolist(), "c_grad": c.grad.tolist()}
     result["world_size"] = dist.get_world_size()
+    result["plan"] = {
+        table: str(p.sharding_type) for m in trainer.strategy.sharding_plan.plan.values() for table, p in m.items()
+    }
     return result
