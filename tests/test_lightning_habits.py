@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -33,8 +33,8 @@ def fitted(tmp_path_factory):
     return out, results
 
 
-def _expected_stop(history: List[float], patience: int, min_delta: float) -> int:
-    """The validation (0-based) at which EarlyStopping(mode="min") stops, by its documented rule."""
+def _stop_index(history: List[float], patience: int, min_delta: float) -> Optional[int]:
+    """The validation (0-based) at which EarlyStopping(mode="min") stops, by its documented rule (None: never)."""
     best, wait = math.inf, 0
     for i, value in enumerate(history):
         if value < best - min_delta:
@@ -43,12 +43,19 @@ def _expected_stop(history: List[float], patience: int, min_delta: float) -> int
             wait += 1
             if wait >= patience:
                 return i
-    raise AssertionError(f"no early stop in {history}: the scenario must stop before max_epochs")
+    return None
+
+
+def _expected_stop(history: List[float], patience: int, min_delta: float) -> int:
+    stop = _stop_index(history, patience, min_delta)
+    assert stop is not None, f"no early stop in {history}: the scenario must stop before max_epochs"
+    return stop
 
 
 def test_early_stopping_stops_every_rank_at_the_step_patience_implies(fitted):
     _, (r0, r1) = fitted
-    assert r0["val_history"] == r1["val_history"]  # sync_dist=True: one value on every rank
+    synced = [[(h["step"], h["val_loss"]) for h in r["val_history"]] for r in (r0, r1)]
+    assert synced[0] == synced[1]  # sync_dist=True: one value on every rank
     history = [h["val_loss"] for h in r0["val_history"]]
     assert min(history[1:]) < history[0]  # it improved before it stopped improving
     stop = _expected_stop(history, PATIENCE, MIN_DELTA)
@@ -57,6 +64,18 @@ def test_early_stopping_stops_every_rank_at_the_step_patience_implies(fitted):
     for r in (r0, r1):
         assert r["global_step"] == (stop + 1) * STEPS_PER_EPOCH
         assert r["stopped_epoch"] == stop
+
+
+def test_early_stopping_on_a_rank_local_metric_stops_every_rank_together(fitted):
+    """Each rank monitors the loss on its own rows (no sync_dist): their own decisions differ, and Lightning's
+    reduction through the strategy makes every rank stop when the first one's patience runs out."""
+    _, results = fitted
+    own = [_stop_index([h["val_loss_local"] for h in r["local_stop"]["history"]], 1, 0.0) for r in results]
+    assert len(set(own)) > 1, own  # one rank alone would have stopped elsewhere (or never)
+    first = min(i for i in own if i is not None)
+    for r in results:
+        assert len(r["local_stop"]["history"]) == first + 1
+        assert r["local_stop"]["global_step"] == (first + 1) * STEPS_PER_EPOCH
 
 
 def test_model_checkpoint_keeps_top_k_and_validate_best_reproduces_it(fitted):
@@ -92,10 +111,11 @@ def test_tensorboard_and_csv_log_the_same_scalars(fitted):
     out, (r0, _) = fitted
     events = EventAccumulator(str(out / "logs" / "tb" / "version_0"))
     events.Reload()
-    tb = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in ("train_loss", "val_loss")}
+    tags = ("train_loss", "val_loss", "val_loss_local")
+    tb = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in tags}
     logged = _csv_scalars(out / "logs" / "csv" / "version_0" / "metrics.csv")
-    assert tb["train_loss"] == logged["train_loss"]
-    assert tb["val_loss"] == logged["val_loss"]
+    for tag in tags:
+        assert tb[tag] == logged[tag], tag
     assert sorted(tb["train_loss"]) == list(range(r0["global_step"]))  # log_every_n_steps=1: every step
     # Lightning logs a validation at the step before the next one; the values are the synced ones.
     fit_vals = [h["val_loss"] for h in r0["val_history"]]

@@ -92,7 +92,9 @@ class HabitModel(ValuesModel):
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", F.binary_cross_entropy_with_logits(self(batch), batch["label"]), sync_dist=True)
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch["label"])
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_loss_local", loss)  # this rank's own rows only: another value on every rank
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -156,7 +158,11 @@ class _Recorder(L.Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
-            self.val_history.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val_loss"])})
+            metrics = trainer.callback_metrics
+            self.val_history.append({
+                "step": trainer.global_step, "val_loss": float(metrics["val_loss"]),
+                "val_loss_local": float(metrics["val_loss_local"]),
+            })
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.unclipped.append(_grad_norm(pl_module))  # Lightning clips after this hook
@@ -216,6 +222,15 @@ def callbacks_and_loggers(
         "warnings": [str(w.message) for w in caught if "gradient_clip_val" in str(w.message)],
     }
     validated = trainer.validate(model, val, ckpt_path="best", verbose=False)[0]["val_loss"]
+
+    # EarlyStopping on a metric each rank computes on its own rows: the ranks disagree on when to stop, and every
+    # rank must still stop at the same step (as soon as one rank's patience runs out).
+    local_recorder = _Recorder()
+    local = _trainer(
+        world_size, max_epochs=max_epochs, callbacks=[EarlyStopping(monitor="val_loss_local", patience=1), local_recorder]
+    )
+    local.fit(HabitModel(lr=lr), _loader(batches, rank, world_size), val)
+    fit_result["local_stop"] = {"history": local_recorder.val_history, "global_step": local.global_step}
 
     rows = samples(predict_rows, PREDICT_SEED)
     pred_dir = out_dir / "predictions"
