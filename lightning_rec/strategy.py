@@ -456,10 +456,10 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # An LR scheduler may have moved the dense learning rate since the last step; the tables follow it
-        # before this step's backward pass (where their update happens).
         if self._backward_without_step:  # the tables updated in the last batch's backward, the dense part did not
             raise backward_without_step_error(batch_idx, type(self).__name__)
+        # An LR scheduler may have moved the dense learning rate since the last step; the tables follow it
+        # before this step's backward pass (where their update happens).
         if self._rec_optimizer is not None:
             self._rec_optimizer.sync_lr()
 
