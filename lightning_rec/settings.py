@@ -13,7 +13,10 @@ try:  # Lightning >= 2.6 (EMA and SWA as one callback); older versions do not ha
 except ImportError:  # pragma: no cover - lightning 2.5
     WeightAveraging = ()  # type: ignore[assignment,misc]  # isinstance(x, ()) is always False
 
-__all__ = ["backward_without_step_error", "check_frozen_tables", "check_precision", "check_trainer_flags"]
+__all__ = [
+    "backward_without_step_error", "check_frozen_tables", "check_precision", "check_trainer_flags", "raised_in",
+    "toggle_optimizer_error",
+]
 
 
 def check_precision(precision: str, owner: str = "RecShardStrategy") -> None:
@@ -109,3 +112,24 @@ def backward_without_step_error(batch_idx: int, owner: str = "RecShardStrategy")
         "layers on different batches. HINT: step the optimizer after every backward pass and increase the batch "
         "size instead of accumulating gradients."
     )
+
+
+def toggle_optimizer_error(owner: str = "RecShardStrategy") -> RuntimeError:
+    """The error for ``LightningModule.toggle_optimizer`` with fused tables (torch's own is about ShardedTensor)."""
+    return RuntimeError(
+        f"{owner} does not support `toggle_optimizer`: it sets requires_grad=False on the other optimizers' "
+        "parameters so that a backward pass leaves them alone, but the embedding tables are updated by the FBGEMM "
+        "fused optimizer inside every backward pass that reaches them, whatever requires_grad says (and torch "
+        "refuses requires_grad on their sharded tensors). HINT: keep the tables out of a loss whose backward must "
+        "not train them (e.g. `.detach()` the pooled embeddings there) instead of toggling optimizers."
+    )
+
+
+def raised_in(error: BaseException, function: str) -> bool:
+    """Whether ``error`` was raised inside a call of a function named ``function`` (by its traceback)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False

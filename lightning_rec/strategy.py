@@ -70,7 +70,14 @@ from lightning_rec.optim import (
 )
 from lightning_rec.pipeline import SparseDistPipeline
 from lightning_rec.plan_report import PlanReport, write_for_trainer
-from lightning_rec.settings import backward_without_step_error, check_frozen_tables, check_precision, check_trainer_flags
+from lightning_rec.settings import (
+    backward_without_step_error,
+    check_frozen_tables,
+    check_precision,
+    check_trainer_flags,
+    raised_in,
+    toggle_optimizer_error,
+)
 from lightning_rec.sharding import (
     TableConstraints,
     TopologyConfig,
@@ -443,11 +450,16 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._redirect_steps:
-            return super().training_step(*args, **kwargs)  # through DDP's forward, as Lightning's ddp does
-        # One rank: no DDP around the dense part (dmp.DenseDataParallel), and DMP's forward only calls the module.
-        with self.precision_plugin.train_step_context():
-            return self.lightning_module.training_step(*args, **kwargs)
+        try:
+            if self._redirect_steps:
+                return super().training_step(*args, **kwargs)  # through DDP's forward, as Lightning's ddp does
+            # One rank: no DDP around the dense part (dmp.DenseDataParallel), and DMP's forward only calls the module.
+            with self.precision_plugin.train_step_context():
+                return self.lightning_module.training_step(*args, **kwargs)
+        except RuntimeError as error:
+            if raised_in(error, "toggle_optimizer"):  # torch refuses requires_grad on the tables' ShardedTensors
+                raise toggle_optimizer_error(type(self).__name__) from error
+            raise
 
     @override
     def model_to_device(self) -> None:

@@ -239,6 +239,12 @@ def test_a_backward_pass_without_an_optimizer_step_is_refused_at_the_next_batch(
     assert result["global_step"] == steps
 
 
+def test_toggle_optimizer_is_refused_with_a_clear_error(features):
+    result = features["toggle_optimizer"]
+    assert result["error"].startswith("RuntimeError: RecShardStrategy does not support `toggle_optimizer`")
+    assert "HINT:" in result["error"] and result["global_step"] == 0 and not result["tables_moved"]
+
+
 def test_features_that_work_with_fused_tables(features):
     # The refusal's HINT: tables fixed by a zero learning rate while the dense layers train.
     fixed = features["fixed_tables"]

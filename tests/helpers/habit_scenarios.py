@@ -394,6 +394,20 @@ class _ManualEveryOther(HabitModel):
         return loss
 
 
+class _Toggling(HabitModel):
+    """Manual optimization with two optimizers, toggling the dense one around its loss (a GAN-style habit)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt_dense, _ = self.optimizers()
+        self.toggle_optimizer(opt_dense)
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch["label"])
+        self.manual_backward(loss)
+        opt_dense.step()
+        opt_dense.zero_grad()
+        self.untoggle_optimizer(opt_dense)
+        return loss
+
+
 class _FrozenTables(HabitModel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -486,6 +500,7 @@ def features(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
     out["accumulate"] = case(HabitModel(lr=0.1), accumulate_grad_batches=2)
     out["skip_steps"] = case(_SkipEveryOtherStep(lr=0.1))
     out["manual_every_other"] = case(_ManualEveryOther(lr=0.1))
+    out["toggle_optimizer"] = case(_Toggling(lr=0.1, manual=True))
     # What works:
     fixed = _FixedTables(lr=0.1)
     out["fixed_tables"] = case(fixed)
