@@ -154,6 +154,11 @@ class RetrievalSplits:
     Attributes:
         sequences: user id -> that user's positive item ids, time-ordered (all of them).
         num_items: rows of the item table (ids ``0..num_items-1``; 0 is never an item).
+
+    Example::
+
+        splits = leave_one_out(load_interactions("data/ml-100k"))
+        splits.test.item[:3], splits.sequences[1][-1]      # test targets; user 1's last positive is its target
     """
 
     train: RetrievalRows
