@@ -4,15 +4,16 @@ The same atomic files as the shipped config (``data/ml-100k``), rating >= 4 posi
 (RecBole's ``RS: [0.8, 0.1, 0.1]``, ``order: RO``, ``mode: labeled``), AUC and log loss, 20 epochs, the best
 epoch chosen on validation AUC (RecBole's own early stopping left at its default patience). Features are
 RecBole's ``context-aware_ml-100k`` quick-start set: user id, age, gender, occupation; item id, release year,
-genres (``class``) (``--with-zip`` adds the users' zip code, as lightning_rec's MovieLens features have); RecBole's DeepFM defaults otherwise (embedding 10, MLP [128, 128, 128], dropout 0.2, Adam
-lr 0.001, batch 2048). One CPU process.
+genres (``class``); ``--with-zip`` adds the users' zip code (lightning_rec's MovieLens features have it).
+RecBole's DeepFM defaults otherwise (embedding 10, MLP [128, 128, 128], dropout 0.2, Adam lr 0.001, batch 2048).
+One CPU process.
 
 RecBole does not install next to this project (it needs ``numpy<2``; and ``pandas<2``: with pandas 3 it fails
 remapping the ``class`` genre lists); use a venv of its own, outside the repo::
 
     python3.11 -m venv /tmp/recbole-venv
     /tmp/recbole-venv/bin/pip install "recbole==1.2.1" "numpy<2" "setuptools<81" "pandas<2" "torch==2.13.0"
-    /tmp/recbole-venv/bin/python benchmarks/recbole_deepfm.py --data-dir data/ml-100k
+    /tmp/recbole-venv/bin/python benchmarks/recbole_deepfm.py --data-dir data/ml-100k [--with-zip]
 
 Prints one JSON line: best validation AUC and log loss, the test AUC and log loss of that epoch's model, the
 validation AUC per epoch, and the wall time (``fit_s``: training + validation; ``total_s``: with data loading).
@@ -103,13 +104,14 @@ def main() -> None:
     model = DeepFM(config, train_data._dataset).to(config["device"])
     trainer = Trainer(config, model)
     fit_start = time.perf_counter()
-    best_valid_score, best_valid = trainer.fit(train_data, valid_data, saved=True, show_progress=False)
+    _, best_valid = trainer.fit(train_data, valid_data, saved=True, show_progress=False)
     fit_s = time.perf_counter() - fit_start
     test = trainer.evaluate(test_data, load_best_model=True, show_progress=False)
+    rows = {"train": len(train_data.dataset), "valid": len(valid_data.dataset), "test": len(test_data.dataset)}
     print(json.dumps({
-        "model": "recbole DeepFM", "epochs": args.epochs, "with_zip": args.with_zip, "rows": {"train": len(train_data.dataset),
-        "valid": len(valid_data.dataset), "test": len(test_data.dataset)},
-        "best_valid_auc": round(float(best_valid["auc"]), 4), "best_valid_logloss": round(float(best_valid["logloss"]), 4),
+        "model": "recbole DeepFM", "epochs": args.epochs, "with_zip": args.with_zip, "rows": rows,
+        "best_valid_auc": round(float(best_valid["auc"]), 4),
+        "best_valid_logloss": round(float(best_valid["logloss"]), 4),
         "test_auc": round(float(test["auc"]), 4), "test_logloss": round(float(test["logloss"]), 4),
         "valid_auc_per_epoch": collector.aucs,
         "fit_s": round(fit_s, 1), "total_s": round(time.perf_counter() - start, 1),

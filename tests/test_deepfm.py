@@ -143,7 +143,8 @@ def test_shipped_config_builds_with_the_cli_parser() -> None:
     for key, value in shipped["model"]["init_args"].items():
         if key != "embedding_optimizer":
             assert model.hparams[key] == value, key
-    assert model.configure_embedding_optimizer() == EmbeddingOptimizer(**shipped["model"]["init_args"]["embedding_optimizer"])
+    embedding_optimizer = shipped["model"]["init_args"]["embedding_optimizer"]
+    assert model.configure_embedding_optimizer() == EmbeddingOptimizer(**embedding_optimizer)
     tables = model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()
     assert {t.name: t.num_embeddings for t in tables} == {f"t_{f.name}": f.num_embeddings for f in dm.sparse_features}
     dm.setup("fit")
