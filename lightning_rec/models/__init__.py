@@ -1,8 +1,31 @@
-"""Reference models: plain TorchRec ``nn.Module``s wrapped by thin RecLightningModules."""
+"""Reference models: plain TorchRec ``nn.Module``\\ s (tables on ``meta``, sharded from outside) wrapped by thin
+RecLightningModules.
 
+==================  ===========================  ==========================================  ===============================
+task                network                      LightningModule                             config (MovieLens-100K)
+==================  ===========================  ==========================================  ===============================
+CTR                 ``DLRM`` / ``DLRM_DCN``      :class:`DLRMModule`                         ``movielens_dlrm.yaml``
+CTR                 :class:`DeepFMNN`            :class:`DeepFMModule`                       ``movielens_deepfm.yaml``
+retrieval           :class:`TwoTower`            :class:`TwoTowerModule`                     ``movielens_two_tower.yaml``
+next item           :class:`SASRec`              :class:`SequentialRecModule`                ``movielens_sasrec.yaml``
+==================  ===========================  ==========================================  ===============================
+"""
+
+from lightning_rec.models.deepfm import DeepFMModule, DeepFMNN, build_deepfm
 from lightning_rec.models.dlrm import DLRMModule, build_dlrm, table_configs
-from lightning_rec.models.two_tower import TwoTower, TwoTowerModule, build_two_tower  # noqa: F401 (issue 15 model zoo)
-from lightning_rec.models.sequential import SASRec, SequentialRecModule  # noqa: F401 (issue 15 model zoo)
-from lightning_rec.models.deepfm import DeepFMModule, DeepFMNN, build_deepfm  # noqa: F401 (issue 15 model zoo)
+from lightning_rec.models.sequential import SASRec, SequentialRecModule
+from lightning_rec.models.two_tower import TwoTower, TwoTowerModule, build_two_tower
 
-__all__ = ["DLRMModule", "build_dlrm", "table_configs"]
+__all__ = [
+    "DLRMModule",
+    "DeepFMModule",
+    "DeepFMNN",
+    "SASRec",
+    "SequentialRecModule",
+    "TwoTower",
+    "TwoTowerModule",
+    "build_deepfm",
+    "build_dlrm",
+    "build_two_tower",
+    "table_configs",
+]
