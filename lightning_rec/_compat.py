@@ -25,6 +25,12 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
 # before the tables are sharded.
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers  # noqa: F401
 
+# Lightning: `torch.set_num_threads(cpus // processes)` + OMP_NUM_THREADS unless the user set OMP_NUM_THREADS. Its
+# launcher calls it in the launching process only, after starting the other ranks, so they keep one intra-op
+# thread per core each: on 2 cores, rank 1's idle OpenMP threads spun for 44 of its 47 CPU seconds in a 2-process
+# job (BENCHMARKS.md). The strategy calls it on every rank.
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed  # noqa: F401
+
 # Lightning: the `popen` launcher that re-runs the user's script once per local rank (what `ddp` uses).
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher  # noqa: F401
 

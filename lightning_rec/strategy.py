@@ -321,6 +321,8 @@ class RecShardStrategy(ParallelStrategy):
         if self.embedding_optimizer is not None:
             self.embedding_optimizer.validate_for(self.root_device.type)
         super().setup_environment()
+        # As the launching process already did (and torchrun does): one share of the host's cores per local rank.
+        _compat._set_num_threads_if_needed(self.num_processes)
         self._setup_distributed()
         close_process_group_at_exit(self._timeout)  # a finished job must exit 0, not abort in gloo's threads
         # A prefix shared by every rank of this run, under which a failing rank leaves its error for the others.

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -17,11 +18,13 @@ from tests.helpers.dist import REPO, launch
 SCRIPT = ["-m", "tests.helpers.user_script"]
 
 
-def _plain(out: Path, strategy: str) -> subprocess.CompletedProcess:
-    """``python -m tests.helpers.user_script`` as a user starts it: no launcher variables in the environment."""
+def _plain(out: Path, strategy: str, omp_threads: Optional[str] = "1") -> subprocess.CompletedProcess:
+    """``python -m tests.helpers.user_script`` as a user starts it: no launcher variables in the environment
+    (``omp_threads=None``: no OMP_NUM_THREADS either)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", **({"OMP_NUM_THREADS": omp_threads} if omp_threads else {}))
     return subprocess.run(
         [sys.executable, *SCRIPT, "--strategy", strategy, "--out", str(out)],
         cwd=out, env=env, capture_output=True, text=True, timeout=300,
@@ -37,7 +40,8 @@ def ddp_and_recshard(tmp_path_factory) -> Path:
     """The script run once with Lightning's ddp and once with recshard (``<dir>/<strategy>/``)."""
     root = tmp_path_factory.mktemp("scripts")
     for strategy in ("ddp", "recshard"):
-        proc = _plain(root / strategy, strategy)
+        # recshard as a user starts it, OMP_NUM_THREADS unset; ddp with it set (its rank 1 would spin otherwise).
+        proc = _plain(root / strategy, strategy, omp_threads="1" if strategy == "ddp" else None)
         assert (root / strategy / f"{strategy}.rank1.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return root
 
@@ -53,6 +57,14 @@ def test_rank_properties_agree_with_ddp_from_trainer_construction_on(ddp_and_rec
         assert first["rank_zero_only"] == rank
     # Split by rank before fit: the two ranks trained on different rows.
     assert ours[0]["losses"] != ours[1]["losses"]
+
+
+def test_every_rank_takes_its_share_of_the_cores(ddp_and_recshard):
+    """Started plainly without OMP_NUM_THREADS, Lightning's launcher gives its own process cores // 2 intra-op threads
+    but starts rank 1 before that, with one per core; recshard gives every rank its share (as torchrun does). Before,
+    rank 1's idle OpenMP threads took 44 of its 47 CPU seconds in the DeepFM job on 2 cores (BENCHMARKS.md)."""
+    expected = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert [r["threads"] for r in _records(ddp_and_recshard / "recshard", "recshard")] == [expected, expected]
 
 
 def test_the_process_group_is_gone_before_the_interpreter_exits(ddp_and_recshard):

@@ -72,7 +72,7 @@ def main() -> None:
     total = torch.zeros(1)
     for _ in range(args.collectives):
         total += trainer.strategy.reduce(torch.ones(1), reduce_op="sum")
-    out = {"seen": seen, "losses": model.losses, "reduced": float(total)}
+    out = {"seen": seen, "losses": model.losses, "reduced": float(total), "threads": torch.get_num_threads()}
     Path(args.out, f"{args.strategy}.rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
