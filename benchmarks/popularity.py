@@ -1,28 +1,70 @@
-"""The popularity baseline of the retrieval task (issue 15): every item ranked by its number of training positives
-(ties: lower id first), the user's training items (and at test, the validation item) excluded, exactly as
-:class:`~lightning_rec.models.TwoTowerModule` is evaluated on the leave-one-out split of
-:class:`~lightning_rec.data.MovieLensRetrievalDataModule`. Prints one JSON line per split.
+"""Popularity baselines of the model zoo's three MovieLens-100K tasks (issue 15), each evaluated exactly as its model:
 
-    .venv/bin/python benchmarks/popularity.py [--data-dir data/ml-100k] [--ks 10 50]
+* ``ctr``: a rating's score is its item's share of positives among the item's training ratings (add-one smoothed),
+  AUROC on the validation and test rows of :class:`~lightning_rec.data.MovieLensDataModule` with the DeepFM config's
+  80/10/10 split and the main job's 90/10 split;
+* ``retrieval``: every item ranked by its number of training positives (ties: lower id first), the user's training
+  items (and at test, the validation item) excluded, on the leave-one-out split of
+  :class:`~lightning_rec.data.MovieLensRetrievalDataModule` (recall@k, NDCG@k);
+* ``sequential``: the same ranking by training interactions on :class:`~lightning_rec.data.MovieLensSequenceDataModule`
+  (HR@k, NDCG@k).
+
+Prints one JSON line per task and split::
+
+    .venv/bin/python benchmarks/popularity.py [ctr retrieval sequential] [--data-dir data/ml-100k]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Dict
 
-from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule
+import torch
+from torchmetrics.classification import BinaryAUROC
+
+from lightning_rec.data import MovieLensDataModule, MovieLensRetrievalDataModule
+from lightning_rec.data.movielens_sequential import popularity_baseline as sequential_baseline
+
+
+def ctr_baseline(data_dir: str, val_fraction: float, test_fraction: float) -> Dict[str, float]:
+    """AUROC of the items' smoothed training positive rate on the validation (and test) rows."""
+    dm = MovieLensDataModule(data_dir, download=False, val_fraction=val_fraction, test_fraction=test_fraction)
+    dm.setup("fit")
+    item_index = [f.name for f in dm.sparse_features].index("item_id")
+    num_items = dm.sparse_features[item_index].num_embeddings
+
+    def items_and_labels(split: str):
+        data = dm.split(split)
+        return data.sparse["item_id"], data.labels
+
+    train_items, train_labels = items_and_labels("train")
+    positives = torch.zeros(num_items).index_add_(0, train_items, train_labels)
+    counts = torch.zeros(num_items).index_add_(0, train_items, torch.ones_like(train_labels))
+    rate = (positives + 1) / (counts + 2)
+    out = {}
+    for split in ("val", "test") if test_fraction else ("val",):
+        items, labels = items_and_labels(split)
+        out[f"{split}/auroc"] = round(float(BinaryAUROC()(rate[items], labels.long())), 4)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("tasks", nargs="*", default=["ctr", "retrieval", "sequential"])
     parser.add_argument("--data-dir", default="data/ml-100k")
     parser.add_argument("--ks", type=int, nargs="+", default=[10, 50])
-    parser.add_argument("--positive-threshold", type=float, default=4.0)
     args = parser.parse_args()
-    dm = MovieLensRetrievalDataModule(args.data_dir, positive_threshold=args.positive_threshold)
-    for split in ("val", "test"):
-        print(json.dumps({k: round(v, 4) for k, v in dm.popularity_baseline(split, args.ks).items()}))
+    if "ctr" in args.tasks:
+        print(json.dumps({"task": "ctr", "split": "80/10/10 (DeepFM)", **ctr_baseline(args.data_dir, 0.1, 0.1)}))
+        print(json.dumps({"task": "ctr", "split": "90/10 (main job)", **ctr_baseline(args.data_dir, 0.1, 0.0)}))
+    if "retrieval" in args.tasks:
+        dm = MovieLensRetrievalDataModule(args.data_dir)
+        for split in ("val", "test"):
+            metrics = dm.popularity_baseline(split, args.ks)
+            print(json.dumps({"task": "retrieval", **{k: round(v, 4) for k, v in metrics.items()}}))
+    if "sequential" in args.tasks:
+        print(json.dumps({"task": "sequential", **sequential_baseline(args.data_dir, tuple(args.ks))}))
 
 
 if __name__ == "__main__":
