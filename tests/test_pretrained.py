@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_rec.pretrained import load_rows, read_rows
 from tests.helpers.dist import run_ranks

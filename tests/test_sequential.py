@@ -10,7 +10,6 @@ from typing import List
 import pytest
 import torch
 from torchrec import EmbeddingCollection
-from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from lightning_rec.data.movielens import load_interactions
 from lightning_rec.data.movielens_sequential import (

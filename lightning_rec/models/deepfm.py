@@ -20,10 +20,9 @@ component next to a factorization machine). Three things differ from ``SimpleDee
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Sequence
+from typing import List, Literal, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchrec import EmbeddingBagCollection
 from torchrec.models.deepfm import DenseArch, FMInteractionArch, SparseArch
@@ -31,11 +30,9 @@ from torchrec.modules.deepfm import DeepFM
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.batch import Batch
 from lightning_rec.data.base import SparseFeature
-from lightning_rec.metrics import ctr_metrics
-from lightning_rec.models.dlrm import _DENSE_OPTIMIZERS, table_configs
-from lightning_rec.module import RecLightningModule
+from lightning_rec.models.base import CTRModule, DenseOptimizerName
+from lightning_rec.models.dlrm import table_configs
 from lightning_rec.optim import EmbeddingOptimizer
 
 __all__ = ["DeepFMModule", "DeepFMNN", "PairwiseFM", "build_deepfm"]
@@ -175,7 +172,7 @@ def build_deepfm(
     return DeepFMNN(ebc, num_dense_features, dense_arch_hidden_size, deep_layer_sizes, over_arch_layer_sizes, fm)
 
 
-class DeepFMModule(RecLightningModule):
+class DeepFMModule(CTRModule):
     """DeepFM trained with binary cross entropy; validation and test report AUROC, log loss, normalized entropy
     and accuracy (exact across ranks), under ``val/`` and ``test/``.
 
@@ -209,74 +206,14 @@ class DeepFMModule(RecLightningModule):
         over_arch_layer_sizes: List[int] = [1],  # noqa: B006
         fm: FMKind = "paper",
         embedding_optimizer: Optional[EmbeddingOptimizer] = None,
-        dense_optimizer: Literal["adam", "adagrad", "sgd"] = "adam",
+        dense_optimizer: DenseOptimizerName = "adam",
         dense_lr: float = 1e-3,
         dense_weight_decay: float = 0.0,
     ) -> None:
         super().__init__()
-        if dense_optimizer not in _DENSE_OPTIMIZERS:
-            raise ValueError(
-                f"DeepFMModule: unknown dense_optimizer {dense_optimizer!r}. HINT: choose one of"
-                f" {sorted(_DENSE_OPTIMIZERS)}."
-            )
         self.save_hyperparameters()
         self.model = build_deepfm(
             sparse_features, num_dense_features, embedding_dim, dense_arch_hidden_size, deep_layer_sizes,
             over_arch_layer_sizes, fm,
         )
-        self.embedding_optimizer = embedding_optimizer or EmbeddingOptimizer("rowwise_adagrad", lr=0.05)
-        self.val_metrics = ctr_metrics(prefix="val/")
-        self.test_metrics = ctr_metrics(prefix="test/")
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits, shape ``(B,)``.
-
-        Example::
-
-            probabilities = torch.sigmoid(model(batch))
-        """
-        return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
-
-    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
-        return loss
-
-    def _evaluate(self, batch: Batch, metrics: nn.Module) -> None:
-        metrics.update(torch.sigmoid(self(batch)), batch.labels.long())
-        self.log_dict(metrics, batch_size=batch.labels.numel())
-
-    def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        self._evaluate(batch, self.val_metrics)
-
-    def test_step(self, batch: Batch, batch_idx: int) -> None:
-        self._evaluate(batch, self.test_metrics)
-
-    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> Dict[str, Any]:
-        """``{"probability": (B,), "label": (B,)}`` tensors.
-
-        Example::
-
-            preds = trainer.predict(model, dm)    # one dict per batch
-        """
-        return {"probability": torch.sigmoid(self(batch)), "label": batch.labels}
-
-    def configure_embedding_optimizer(self) -> EmbeddingOptimizer:
-        """The fused table optimizer given as ``embedding_optimizer`` (row-wise Adagrad, lr 0.05, by default).
-
-        Example::
-
-            DeepFMModule(fs, 2, embedding_optimizer=EmbeddingOptimizer("adagrad", lr=0.1))
-        """
-        return self.embedding_optimizer
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """The dense optimizer over the MLPs (the strategy leaves the tables to the fused one).
-
-        Example::
-
-            DeepFMModule(fs, 2, dense_optimizer="adagrad", dense_lr=0.01)
-        """
-        return _DENSE_OPTIMIZERS[self.hparams.dense_optimizer](
-            self.parameters(), lr=self.hparams.dense_lr, weight_decay=self.hparams.dense_weight_decay
-        )
+        self.use_optimizers(embedding_optimizer, dense_optimizer)

@@ -8,24 +8,19 @@ loss (binary cross entropy on logits), the optimizers and the metrics (:func:`li
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Sequence
+from typing import List, Literal, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 
-from lightning_rec.batch import Batch
 from lightning_rec.data.base import SparseFeature
-from lightning_rec.metrics import ctr_metrics
-from lightning_rec.module import RecLightningModule
+from lightning_rec.models.base import CTRModule, DenseOptimizerName
 from lightning_rec.optim import EmbeddingOptimizer
 
 __all__ = ["DLRMModule", "build_dlrm", "table_configs"]
 
 Interaction = Literal["dot", "dcn"]
-_DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 
 
 def table_configs(features: Sequence[SparseFeature], embedding_dim: int) -> List[EmbeddingBagConfig]:
@@ -88,7 +83,7 @@ def build_dlrm(
     raise ValueError(f"build_dlrm: interaction must be 'dot' or 'dcn', got {interaction!r}.")
 
 
-class DLRMModule(RecLightningModule):
+class DLRMModule(CTRModule):
     """DLRM / DLRM-DCNv2 trained with binary cross entropy; validation and test report AUROC, log loss,
     normalized entropy and accuracy (exact across ranks), under ``val/`` and ``test/``.
 
@@ -123,7 +118,7 @@ class DLRMModule(RecLightningModule):
         dcn_num_layers: int = 2,
         dcn_low_rank_dim: int = 16,
         embedding_optimizer: Optional[EmbeddingOptimizer] = None,
-        dense_optimizer: Literal["adam", "adagrad", "sgd"] = "adam",
+        dense_optimizer: DenseOptimizerName = "adam",
         dense_lr: float = 1e-3,
         dense_weight_decay: float = 0.0,
     ) -> None:
@@ -133,37 +128,4 @@ class DLRMModule(RecLightningModule):
             sparse_features, num_dense_features, embedding_dim, dense_arch_layer_sizes, over_arch_layer_sizes,
             interaction, dcn_num_layers, dcn_low_rank_dim,
         )
-        self.embedding_optimizer = embedding_optimizer or EmbeddingOptimizer("rowwise_adagrad", lr=0.05)
-        self.val_metrics = ctr_metrics(prefix="val/")
-        self.test_metrics = ctr_metrics(prefix="test/")
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits, shape ``(B,)``."""
-        return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
-
-    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
-        return loss
-
-    def _evaluate(self, batch: Batch, metrics: nn.Module) -> None:
-        metrics.update(torch.sigmoid(self(batch)), batch.labels.long())
-        self.log_dict(metrics, batch_size=batch.labels.numel())
-
-    def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        self._evaluate(batch, self.val_metrics)
-
-    def test_step(self, batch: Batch, batch_idx: int) -> None:
-        self._evaluate(batch, self.test_metrics)
-
-    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> Dict[str, Any]:
-        return {"probability": torch.sigmoid(self(batch)), "label": batch.labels}
-
-    def configure_embedding_optimizer(self) -> EmbeddingOptimizer:
-        return self.embedding_optimizer
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        # The tables are left to the fused optimizer above; the strategy drops them from this one.
-        return _DENSE_OPTIMIZERS[self.hparams.dense_optimizer](
-            self.parameters(), lr=self.hparams.dense_lr, weight_decay=self.hparams.dense_weight_decay
-        )
+        self.use_optimizers(embedding_optimizer, dense_optimizer)

@@ -14,10 +14,9 @@ The table lives on ``meta`` until the strategy shards it; the rest is ordinary d
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Literal, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
@@ -25,12 +24,11 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from lightning_rec.data.base import SparseFeature
 from lightning_rec.data.movielens_sequential import FEATURES, exclusion_mask
 from lightning_rec.metrics import RankingMetrics, target_rank
-from lightning_rec.module import RecLightningModule
+from lightning_rec.models.base import DenseOptimizerName, TwoOptimizerModule
 from lightning_rec.optim import EmbeddingOptimizer
 
 __all__ = ["CausalEncoder", "SASRec", "SequentialRecModule", "catalog_scores", "sampled_softmax_loss"]
 
-_DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 
 
 def _padded(jt: JaggedTensor, length: int) -> torch.Tensor:
@@ -188,7 +186,7 @@ def _padded_ids(jt: JaggedTensor, length: int) -> torch.Tensor:
     return _padded(JaggedTensor(values=jt.values().unsqueeze(1), lengths=jt.lengths()), length).squeeze(-1)
 
 
-class SequentialRecModule(RecLightningModule):
+class SequentialRecModule(TwoOptimizerModule):
     """Trains :class:`SASRec` on sequence batches (:class:`~lightning_rec.data.MovieLensSequenceDataModule`):
     sampled softmax per position; validation and test report ``hr@k`` and ``ndcg@k`` (exact across ranks) under
     ``val/`` and ``test/`` over the whole catalog, without the items each user has seen.
@@ -222,7 +220,7 @@ class SequentialRecModule(RecLightningModule):
         dropout: float = 0.1,
         ks: List[int] = [10],  # noqa: B006 (jsonargparse shows list defaults)
         embedding_optimizer: Optional[EmbeddingOptimizer] = None,
-        dense_optimizer: Literal["adam", "adagrad", "sgd"] = "adam",
+        dense_optimizer: DenseOptimizerName = "adam",
         dense_lr: float = 1e-3,
         dense_weight_decay: float = 0.0,
     ) -> None:
@@ -235,7 +233,7 @@ class SequentialRecModule(RecLightningModule):
         self.save_hyperparameters()
         self.num_items = sparse_features[0].num_embeddings
         self.model = SASRec(self.num_items, embedding_dim, max_len, num_blocks, num_heads, dropout)
-        self.embedding_optimizer = embedding_optimizer or EmbeddingOptimizer("rowwise_adagrad", lr=0.05)
+        self.use_optimizers(embedding_optimizer, dense_optimizer)
         self.val_metrics = RankingMetrics(ks, prefix="val/", hit_name="hr")
         self.test_metrics = RankingMetrics(ks, prefix="test/", hit_name="hr")
 
@@ -291,11 +289,3 @@ class SequentialRecModule(RecLightningModule):
 
     def predict_step(self, batch: Dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Dict[str, Any]:
         return {"users": batch["users"], "rank": self.ranks(batch)}
-
-    def configure_embedding_optimizer(self) -> EmbeddingOptimizer:
-        return self.embedding_optimizer
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return _DENSE_OPTIMIZERS[self.hparams.dense_optimizer](
-            self.parameters(), lr=self.hparams.dense_lr, weight_decay=self.hparams.dense_weight_decay
-        )

@@ -35,12 +35,13 @@ import importlib
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping
 
 import lightning as L
 import pytest
 import torch
 from torch import nn
+from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.pretrained import _tables, load_rows
@@ -77,6 +78,16 @@ class ZooCase:
     constraints: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     steps: int = 4
     tol: float = 1e-5
+
+
+def adam_and_rowwise_adagrad(
+    module: nn.Module, tables: List[nn.Parameter], dense_lr: float, table_lr: float, table_eps: float
+) -> List[torch.optim.Optimizer]:
+    """Plain ``Adam`` on every parameter but ``tables``, and ``torchrec.optim.RowWiseAdagrad`` (FBGEMM's exact row-wise
+    Adagrad, in plain PyTorch) on ``tables``: what the shipped models train with."""
+    ids = {id(p) for p in tables}
+    dense = [p for p in module.parameters() if id(p) not in ids]
+    return [torch.optim.Adam(dense, lr=dense_lr), RowWiseAdagrad(tables, lr=table_lr, eps=table_eps)]
 
 
 def load_case(name: str) -> ZooCase:

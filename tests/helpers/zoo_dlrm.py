@@ -1,34 +1,32 @@
-"""The zoo case of DLRM-DCNv2 (:class:`lightning_rec.models.DLRMModule`) on MovieLens-100K rows."""
+"""The zoo cases of the CTR models on MovieLens-100K rows: DLRM-DCNv2 (:class:`lightning_rec.models.DLRMModule`)
+here, DeepFM in :mod:`tests.helpers.zoo_deepfm` through :func:`ctr_case`."""
 
 from __future__ import annotations
 
-from typing import Any, List
+from functools import lru_cache
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec.optim import RowWiseAdagrad
 
 from lightning_rec.data.movielens import load_movielens
 from lightning_rec.models import DLRMModule
+from lightning_rec.models.base import CTRModule
 from tests.helpers.data import movielens_dir
-from tests.helpers.zoo import ZooCase, share_rows
+from tests.helpers.zoo import ZooCase, adam_and_rowwise_adagrad, share_rows
 
 BATCH = 64
 
 
-def _data():
+@lru_cache(maxsize=1)
+def movielens():
+    """MovieLens-100K ratings (a ``RecDataset``) and their features, read once per process."""
     return load_movielens(movielens_dir())
 
 
-def _build() -> DLRMModule:
-    _, features = _data()
-    return DLRMModule(features, 2, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
-                      interaction="dcn")
-
-
 def _batches(steps: int) -> List[Any]:
-    ds, _ = _data()
+    ds, _ = movielens()
     return [ds[torch.arange(i * BATCH, (i + 1) * BATCH)] for i in range(steps)]
 
 
@@ -36,22 +34,24 @@ def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(module(batch), batch.labels)
 
 
-def _optimizers(module: DLRMModule) -> List[torch.optim.Optimizer]:
-    tables = {id(p) for p in module.model.sparse_arch.parameters()}
-    dense = [p for p in module.parameters() if id(p) not in tables]
+def _optimizers(module: CTRModule) -> List[torch.optim.Optimizer]:
     emb = module.embedding_optimizer
-    return [torch.optim.Adam(dense, lr=module.hparams.dense_lr),
-            RowWiseAdagrad(list(module.model.sparse_arch.parameters()), lr=emb.lr, eps=emb.eps)]
+    tables = list(module.model.sparse_arch.parameters())
+    return adam_and_rowwise_adagrad(module, tables, module.hparams.dense_lr, emb.lr, emb.eps)
 
 
-CASE = ZooCase(
-    build=_build,
-    batches=_batches,
-    heldout=lambda: _data()[0][torch.arange(5000, 5032)],
-    share=share_rows,
-    loss=_loss,
-    optimizers=_optimizers,
-    constraints={
+def ctr_case(build: Callable[[], CTRModule], constraints: Dict[int, Dict[str, Any]]) -> ZooCase:
+    """A CTR model (``model.sparse_arch`` holds its tables) on consecutive MovieLens ratings."""
+    return ZooCase(
+        build=build, batches=_batches, heldout=lambda: movielens()[0][torch.arange(5000, 5032)], share=share_rows,
+        loss=_loss, optimizers=_optimizers, constraints=constraints,
+    )
+
+
+CASE = ctr_case(
+    lambda: DLRMModule(movielens()[1], 2, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
+                       interaction="dcn"),
+    {
         1: {"t_user_id": {"sharding_types": ["column_wise"]}},
         2: {"t_user_id": {"sharding_types": ["column_wise"]}, "t_item_id": {"sharding_types": ["table_wise"]},
             "t_genres": {"sharding_types": ["data_parallel"]}},

@@ -9,13 +9,12 @@ from typing import Any, List
 
 import torch
 from torch import nn
-from torchrec.optim import RowWiseAdagrad
 
 from lightning_rec.data.movielens import load_interactions
 from lightning_rec.data.movielens_retrieval import RetrievalSplits, leave_one_out
 from lightning_rec.models.two_tower import TwoTowerModule
 from tests.helpers.data import movielens_dir
-from tests.helpers.zoo import ZooCase, share_rows
+from tests.helpers.zoo import ZooCase, adam_and_rowwise_adagrad, share_rows
 
 BATCH = 64
 
@@ -49,12 +48,8 @@ def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def _optimizers(module: TwoTowerModule) -> List[torch.optim.Optimizer]:
-    tables = module.table_parameters()
-    ids = {id(p) for p in tables}
-    return [
-        torch.optim.Adam([p for p in module.parameters() if id(p) not in ids], lr=module.hparams.dense_lr),
-        RowWiseAdagrad(tables, lr=module.hparams.table_lr, eps=module.hparams.table_eps),
-    ]
+    hp = module.hparams
+    return adam_and_rowwise_adagrad(module, module.table_parameters(), hp.dense_lr, hp.table_lr, hp.table_eps)
 
 
 CASE = ZooCase(

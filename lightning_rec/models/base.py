@@ -1,0 +1,109 @@
+"""What the shipped LightningModules share: a fused table optimizer next to a dense one chosen by name, and for the
+click-prediction models (:class:`CTRModule`) the loss, the metrics and the predictions."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_rec.batch import Batch
+from lightning_rec.metrics import ctr_metrics
+from lightning_rec.module import RecLightningModule
+from lightning_rec.optim import EmbeddingOptimizer
+
+__all__ = ["CTRModule", "DENSE_OPTIMIZERS", "DenseOptimizerName", "TwoOptimizerModule"]
+
+DenseOptimizerName = Literal["adam", "adagrad", "sgd"]
+DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
+
+
+class TwoOptimizerModule(RecLightningModule):
+    """A module whose tables train with a fused :class:`~lightning_rec.optim.EmbeddingOptimizer` and whose other
+    parameters with a dense optimizer named by the hyperparameters ``dense_optimizer``, ``dense_lr`` and
+    ``dense_weight_decay`` (a subclass's ``__init__`` takes them and calls ``save_hyperparameters()``).
+
+    Example::
+
+        class MyModel(TwoOptimizerModule):
+            def __init__(self, embedding_optimizer=None, dense_optimizer="adam", dense_lr=1e-3, dense_weight_decay=0.0):
+                super().__init__()
+                self.save_hyperparameters()
+                self.use_optimizers(embedding_optimizer, dense_optimizer)
+    """
+
+    def use_optimizers(self, embedding_optimizer: Optional[EmbeddingOptimizer], dense_optimizer: str) -> None:
+        """Check the dense optimizer's name and keep the fused one (default: row-wise Adagrad, lr 0.05)."""
+        if dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ValueError(
+                f"{type(self).__name__}: unknown dense_optimizer {dense_optimizer!r}. HINT: choose one of "
+                f"{sorted(DENSE_OPTIMIZERS)}."
+            )
+        self.embedding_optimizer = embedding_optimizer or EmbeddingOptimizer("rowwise_adagrad", lr=0.05)
+
+    def configure_embedding_optimizer(self) -> EmbeddingOptimizer:
+        """The fused table optimizer given as ``embedding_optimizer``."""
+        return self.embedding_optimizer
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """The dense optimizer (the strategy leaves the tables to the fused one)."""
+        return DENSE_OPTIMIZERS[self.hparams.dense_optimizer](
+            self.parameters(), lr=self.hparams.dense_lr, weight_decay=self.hparams.dense_weight_decay
+        )
+
+
+class CTRModule(TwoOptimizerModule):
+    """Click prediction on :class:`~lightning_rec.batch.Batch`\\ es: ``self.model(dense, sparse)`` gives logits, trained
+    with binary cross entropy; validation and test report AUROC, log loss, normalized entropy and accuracy (exact
+    across ranks) under ``val/`` and ``test/``; ``predict_step`` gives ``{"probability", "label"}``.
+
+    Example::
+
+        class MyCTR(CTRModule):
+            def __init__(self, sparse_features, num_dense_features, dense_optimizer="adam", dense_lr=1e-3,
+                         dense_weight_decay=0.0):
+                super().__init__()
+                self.save_hyperparameters()
+                self.model = build_dlrm(sparse_features, num_dense_features)
+                self.use_optimizers(None, dense_optimizer)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_metrics = ctr_metrics(prefix="val/")
+        self.test_metrics = ctr_metrics(prefix="test/")
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits, shape ``(B,)``.
+
+        Example::
+
+            probabilities = torch.sigmoid(model(batch))
+        """
+        return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
+        return loss
+
+    def _evaluate(self, batch: Batch, metrics: nn.Module) -> None:
+        metrics.update(torch.sigmoid(self(batch)), batch.labels.long())
+        self.log_dict(metrics, batch_size=batch.labels.numel())
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, self.val_metrics)
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, self.test_metrics)
+
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> Dict[str, Any]:
+        """``{"probability": (B,), "label": (B,)}`` tensors.
+
+        Example::
+
+            preds = trainer.predict(model, dm)    # one dict per batch
+        """
+        return {"probability": torch.sigmoid(self(batch)), "label": batch.labels}
