@@ -1,4 +1,14 @@
-"""Test isolation for runs inside the pytest process (e.g. the CLI tests' ``run([...])``).
+"""Test tiers, and test isolation for runs inside the pytest process (e.g. the CLI tests' ``run([...])``).
+
+Tiers: a test that starts processes (gloo ranks through ``tests.helpers.dist``, the ``lightning-rec`` CLI or a
+script in a subprocess, torchrun, Lightning's own launcher) or runs a whole CLI ``fit`` in this process is marked
+``dist`` (the slow tier). The fast, single-process tier runs in about a minute::
+
+    pytest -m "not dist"
+
+and ``pytest -m dist`` runs the slow tier alone; plain ``pytest`` runs both.
+
+Isolation:
 
 Lightning's launcher writes MASTER_ADDR/MASTER_PORT/... into ``os.environ`` and leaves the process group (and
 its TCP store, holding that port) alive. A later test that starts processes of its own would inherit that
@@ -10,6 +20,10 @@ import os
 
 import pytest
 import torch.distributed as dist
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "dist: starts processes (gloo ranks, the CLI, torchrun); the slow tier")
 
 
 @pytest.fixture(autouse=True)

@@ -26,6 +26,7 @@ def _bench(*args: str, timeout: float = 300):
     return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.dist
 def test_bench_tiny_runs_and_reports_the_ratios():
     out = subprocess.run(
         [sys.executable, "-m", "lightning_rec.bench", "--quick", "--sizes", "tiny", "--repeats", "1", "--variants", "raw,recshard"],
@@ -54,6 +55,7 @@ def _check_bandwidth(final, label, variants):
         assert 0 < row["emb_bw_frac"] and math.isfinite(row["emb_bw_frac"])  # CPU caches can take it above 1
 
 
+@pytest.mark.dist
 def test_bench_gpu_size_shrunk_on_cpu_reports_both_plain_lightning_peers():
     variants = ["raw", "recshard", "lightning_sparse", "lightning_ddp"]
     stdout, final = _bench("--sizes", "criteo_multihot", "--rows", "1000", "--batch-sizes", "128", "--steps", "4",
@@ -73,6 +75,7 @@ def test_bench_gpu_size_shrunk_on_cpu_reports_both_plain_lightning_peers():
     assert "emb/copy" in stdout
 
 
+@pytest.mark.dist
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the CUDA build of FBGEMM")
 def test_bench_criteo_onehot_on_a_gpu():
@@ -204,6 +207,7 @@ def test_bench_without_a_gpu_refuses_row_wise_and_runs_the_gpu_sizes_with_fewer_
     assert final["measured"]["criteo_onehot"]["rows"] == 100_000 and final["measured"]["criteo_onehot"]["tables"] == 26
 
 
+@pytest.mark.dist
 def test_profile_step_times_the_phases_and_lightnings_hooks():
     out = subprocess.run(
         [sys.executable, "benchmarks/profile_step.py", "recshard", "--size", "tiny", "--steps", "30", "--hooks"],
@@ -228,6 +232,7 @@ def test_lightnings_own_overhead_and_recshards_beyond_it():
     assert final_record(results, repeats=1)["recshard_overhead_beyond_lightnings_ms"] is None
 
 
+@pytest.mark.dist
 def test_paired_overhead_pairs_each_lightning_step_with_its_baseline():
     out = subprocess.run(
         [sys.executable, "benchmarks/paired_overhead.py", "--size", "tiny", "--steps", "20"],

@@ -27,6 +27,7 @@ def _weights(directory: Path, tag: str, world_size: int):
     return assemble([torch.load(directory / f"{tag}.weights{r}.pt") for r in range(world_size)])
 
 
+@pytest.mark.dist
 def test_exact_resume_on_two_processes(tmp_path):
     """N epochs straight == k epochs, a new job, resume to N: same per-step losses and final weights."""
     straight = run_ranks(S + "fit_epochs", 2, tmp_path / "straight", tag="w", epochs=3)
@@ -56,6 +57,7 @@ def test_exact_resume_on_two_processes(tmp_path):
     assert all(is_checkpoint(tmp_path / "split" / "ckpts" / n) for n in names)
 
 
+@pytest.mark.dist
 def test_reshard_across_world_sizes_and_plans_and_export(tmp_path):
     """2 ranks -> 1 and 2, 1 rank -> 1 and 2, each onto table-wise, column-wise and data-parallel plans: identical
     predictions on a fixed batch; fit resumes across plans with the optimizer state; export matches too."""

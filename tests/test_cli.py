@@ -24,6 +24,7 @@ def test_all_three_configs_are_shipped() -> None:
     assert {p.name for p in CONFIGS} >= {"movielens_dlrm.yaml", "synthetic_dlrm.yaml", "criteo_dlrm.yaml"}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(config: Path, tmp_path: Path) -> None:
     out = subprocess.run(
@@ -52,6 +53,7 @@ def _fit(args: List[str], tmp_path: Path) -> Dict[str, float]:
     return last
 
 
+@pytest.mark.dist
 def test_strategy_arguments_and_constraints_from_flags(tmp_path: Path) -> None:
     cli = run([
         "fit", "--config", str(REPO / "examples/configs/synthetic_dlrm.yaml"), "--trainer.devices=1",
@@ -70,6 +72,7 @@ def test_strategy_arguments_and_constraints_from_flags(tmp_path: Path) -> None:
     assert strategy.sharding_plan.get_plan_for_module("model.sparse_arch.embedding_bag_collection")["t_user"].sharding_type == "table_wise"
 
 
+@pytest.mark.dist
 def test_synthetic_fit_logs_metrics_and_throughput(tmp_path: Path) -> None:
     last = _fit([
         "--config", str(REPO / "examples/configs/synthetic_dlrm.yaml"), "--trainer.max_epochs=1",
@@ -80,6 +83,7 @@ def test_synthetic_fit_logs_metrics_and_throughput(tmp_path: Path) -> None:
     assert 0.0 <= last["val/auroc"] <= 1.0
 
 
+@pytest.mark.dist
 def test_criteo_fit_on_a_generated_file(tmp_path: Path) -> None:
     from lightning_rec.data.criteo import write_criteo_tsv
 
@@ -94,6 +98,7 @@ def test_criteo_fit_on_a_generated_file(tmp_path: Path) -> None:
     assert "val/auroc" in last and "train/loss" in last
 
 
+@pytest.mark.dist
 def test_prepare_subcommand(tmp_path: Path) -> None:
     data = movielens_dir()
     out = subprocess.run(
@@ -103,6 +108,7 @@ def test_prepare_subcommand(tmp_path: Path) -> None:
     assert out.returncode == 0 and str(data) in out.stdout, out.stderr
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
 def test_evaluation_subcommands(subcommand: str, tmp_path: Path) -> None:
     cli = run([

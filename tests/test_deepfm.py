@@ -119,6 +119,7 @@ def test_deepfm_module_optimizers() -> None:
     assert dense.defaults["lr"] == 0.01 and dense.defaults["weight_decay"] == 1e-4
 
 
+@pytest.mark.dist
 def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
     check_case(tmp_path, "tests.helpers.zoo_deepfm:CASE")
 

@@ -14,6 +14,8 @@ import torch
 from tests.helpers.dist import REPO, run_ranks
 from tests.helpers.models import assemble
 
+pytestmark = pytest.mark.dist
+
 
 def _weights(directory: Path, tag: str, world_size: int):
     return assemble([torch.load(directory / f"{tag}.weights{r}.pt") for r in range(world_size)])

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_rec.faults import FailureBoard, describe_position, explain, is_communication_error
@@ -26,6 +27,7 @@ def _weights(directory: Path, tag: str):
     return assemble([torch.load(directory / f"{tag}.weights{r}.pt") for r in range(2)])
 
 
+@pytest.mark.dist
 def test_a_rank_that_raises_stops_the_other_at_once_with_its_error(tmp_path):
     run = launch(S + "fit_epochs", 2, tmp_path, tag="x", epochs=3, fail={"rank": 1, "step": 6, "how": "raise"})
     rank0, rank1 = run.processes
@@ -38,6 +40,7 @@ def test_a_rank_that_raises_stops_the_other_at_once_with_its_error(tmp_path):
     assert "ckpt_path='last'" in rank0.log
 
 
+@pytest.mark.dist
 def test_a_killed_rank_ends_the_job_quickly_and_a_resume_loses_nothing(tmp_path):
     straight = run_ranks(S + "fit_epochs", 2, tmp_path / "straight", tag="w", epochs=3)
 
@@ -59,6 +62,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_a_resume_loses_nothing(tmp_path)
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.dist
 def test_a_hung_rank_is_given_up_on_after_the_configured_timeout(tmp_path):
     timeout = 20.0
     run = launch(
@@ -74,6 +78,7 @@ def test_a_hung_rank_is_given_up_on_after_the_configured_timeout(tmp_path):
     assert "stopped answering for longer than the collective timeout (0:00:20" in rank0.log
 
 
+@pytest.mark.dist
 def test_lightning_launched_job_ends_when_a_child_rank_is_killed(tmp_path):
     """`Trainer(devices=2)` with Lightning's own launcher (rank 1 is rank 0's child process): the job ends non-zero."""
     script = [sys.executable, "-m", "tests.helpers.launched_job", "--out", str(tmp_path), "--fail", "1:3:kill"]

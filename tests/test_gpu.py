@@ -8,6 +8,7 @@ import torch
 from tests.helpers.dist import run_ranks
 
 pytestmark = [
+    pytest.mark.dist,
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the CUDA build of FBGEMM"),
 ]

@@ -44,6 +44,7 @@ EXPECTED_ERRORS = {
 }
 
 
+@pytest.mark.dist
 def test_each_bad_batch_fails_at_its_step_naming_what_is_wrong_and_changes_nothing(tmp_path):
     results = run_ranks(S + "bad_batches", 1, tmp_path, cases=list(EXPECTED_ERRORS) + ["none", "permuted", "int32_ids"])[0]
     for case, expected in EXPECTED_ERRORS.items():
@@ -60,6 +61,7 @@ def test_each_bad_batch_fails_at_its_step_naming_what_is_wrong_and_changes_nothi
         assert results[case]["losses"] == good["losses"], case
 
 
+@pytest.mark.dist
 def test_a_non_finite_loss_is_named_a_step_late_by_default_and_refused_before_its_update_when_strict(tmp_path):
     """Dense inputs so large that the loss overflows to inf at step 3. By default the loss is read one step late
     (no host sync): step 4's backward is refused, naming step 3; "strict" refuses step 3 itself."""
@@ -78,6 +80,7 @@ def test_a_non_finite_loss_is_named_a_step_late_by_default_and_refused_before_it
     assert strict["steps_done"] == 3 and strict["weights_unchanged"] and strict["optimizer_unchanged"]
 
 
+@pytest.mark.dist
 def test_a_non_finite_loss_at_the_last_step_fails_the_fit_and_no_checkpoint_holds_it(tmp_path):
     """The last step's loss is read before `fit` returns, and before any checkpoint is written after it."""
     results = run_ranks(S + "nan_loss_at_end", 1, tmp_path)[0]
@@ -86,6 +89,7 @@ def test_a_non_finite_loss_at_the_last_step_fails_the_fit_and_no_checkpoint_hold
     assert results["checkpoints"] == ["step=3.ckpt"], results  # after step 2; the one after step 5 was refused
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("how, door_reads", [("rebuilt", 4), ("in_place", 1)])
 def test_ids_the_host_never_saw_are_checked_at_the_tables_door(tmp_path, how, door_reads):
     """A KJT rebuilt inside ``forward``, or the batch's own changed in place there, is read at the module's door
@@ -96,6 +100,7 @@ def test_ids_the_host_never_saw_are_checked_at_the_tables_door(tmp_path, how, do
     assert result["door_reads"] == door_reads  # rebuilt: every step; in place: only the step that changed it
 
 
+@pytest.mark.dist
 def test_pipelined_training_refuses_a_bad_batch_before_its_step(tmp_path):
     results = run_ranks(S + "bad_batches", 1, tmp_path, cases=["id_too_large", "nan_dense"], strategy={"pipeline": True})[0]
     for case in ("id_too_large", "nan_dense"):
@@ -106,6 +111,7 @@ def test_pipelined_training_refuses_a_bad_batch_before_its_step(tmp_path):
     assert results["nan_dense"]["steps_done"] == 2
 
 
+@pytest.mark.dist
 def test_warn_modes_train_on(tmp_path):
     results = run_ranks(
         S + "bad_batches", 1, tmp_path, cases=["id_too_large", "nan_dense"],
@@ -118,6 +124,7 @@ def test_warn_modes_train_on(tmp_path):
     assert any(w.startswith("training step 3 (epoch 0, batch 3): the dense input") for w in nan["warnings"])
 
 
+@pytest.mark.dist
 def test_a_bad_batch_on_one_rank_stops_both_naming_it(tmp_path):
     run = launch("tests.helpers.checkpoint_scenarios:fit_epochs", 2, tmp_path, tag="x", epochs=2, fail={"rank": 1, "step": 5, "how": "bad_id"})
     rank0, rank1 = run.processes
@@ -130,6 +137,7 @@ def test_a_bad_batch_on_one_rank_stops_both_naming_it(tmp_path):
     assert "because rank 1 failed first: " + bad in rank0.log
 
 
+@pytest.mark.dist
 def test_different_batch_sizes_on_each_rank_train_as_torchrec_does(tmp_path):
     """Rank 0 gets 32 samples per batch, rank 1 gets 7: the same numbers as the hand-written TorchRec loop."""
     ours = run_ranks("train", 2, tmp_path, tag="uneven", steps=5, batch_size=[32, 7])
@@ -138,6 +146,7 @@ def test_different_batch_sizes_on_each_rank_train_as_torchrec_does(tmp_path):
         assert ours[rank]["losses"] == pytest.approx(ref[rank]["losses"], abs=1e-5)
 
 
+@pytest.mark.dist
 def test_random_malformed_kjts_give_a_correct_step_or_a_clear_error(tmp_path):
     """Property-based (hypothesis): in a real 1-process fit, every random KJT either trains one correct step (its
     loss equals a hand computation from the weights before it) or raises an InputError and changes nothing; valid

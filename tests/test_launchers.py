@@ -7,8 +7,12 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from lightning_rec.checkpoint import is_checkpoint
 from tests.helpers.dist import REPO, launch, run_ranks
+
+pytestmark = pytest.mark.dist
 
 STEPS = 6
 

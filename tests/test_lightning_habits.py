@@ -18,6 +18,8 @@ import torch
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import assemble
 
+pytestmark = pytest.mark.dist
+
 SCENARIOS = "tests.helpers.habit_scenarios"
 STEPS_PER_EPOCH, MAX_EPOCHS, PATIENCE, MIN_DELTA, TOP_K, CLIP, LR = 4, 12, 2, 0.0, 2, 0.1, 0.05
 PREDICT_ROWS = 24

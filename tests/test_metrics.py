@@ -85,6 +85,7 @@ def test_bad_inputs_say_what_is_wrong() -> None:
     assert math.isfinite(unchecked.compute().item())
 
 
+@pytest.mark.dist
 def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     rows = 1001
     shares = [s.stop - s.start for s in rank_slices(rows, 2)]

@@ -43,6 +43,7 @@ def test_dlrm_module_forward_and_loss_on_unsharded_tables(interaction: str) -> N
     assert torch.isfinite(loss)
 
 
+@pytest.mark.dist
 def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path: Path) -> None:
     """The same weights and the same validation rows give the same AUROC/NE/log loss/accuracy whether the rows
     are split over 2 processes (sharded tables, metric states synced) or seen by one."""
@@ -55,6 +56,7 @@ def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path: Path) -> None:
     assert abs(one["val/auroc"] - 0.5) > 1e-4, "predictions should not be constant"
 
 
+@pytest.mark.dist
 def test_dlrm_dcn_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
     """The zoo harness (tests/helpers/zoo.py): 1 and 2 processes vs plain PyTorch, pipelined, 2 <-> 1, loaded."""
     check_case(tmp_path, "tests.helpers.zoo_dlrm:CASE")

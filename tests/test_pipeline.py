@@ -6,6 +6,8 @@ import pytest
 
 from tests.helpers.dist import run_ranks
 
+pytestmark = pytest.mark.dist
+
 S = "tests.helpers.pipeline_scenarios:"
 
 

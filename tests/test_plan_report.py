@@ -164,6 +164,7 @@ def test_write_creates_the_directory_and_survives_failures(tmp_path: Path, monke
     assert (tmp_path / "no_mpl" / "sharding_plan.json").exists()  # the JSON does not need matplotlib
 
 
+@pytest.mark.dist
 def test_two_process_fit_writes_once_on_rank_zero_into_the_log_dir(tmp_path: Path) -> None:
     res = run_ranks("tests.helpers.report_scenarios:fit_report", 2, tmp_path)
     log_dir = Path(res[0]["log_dir"])
@@ -197,6 +198,7 @@ def test_two_process_fit_writes_once_on_rank_zero_into_the_log_dir(tmp_path: Pat
     assert "imbalance (max/mean over ranks)" in log, "rank 0 logs the table with the estimates"
 
 
+@pytest.mark.dist
 def test_report_without_logger_with_fixed_plan_disabled_and_unwritable(tmp_path: Path) -> None:
     res = run_ranks("tests.helpers.report_scenarios:report_variants", 1, tmp_path)[0]
     # logger=False: the plan is logged, no file is written (not in default_root_dir, not in the working directory).

@@ -85,6 +85,7 @@ def test_errors_name_the_table_and_change_nothing(tmp_path: Path) -> None:
         load_rows(torch.nn.Linear(2, 2), {"t_user": good})
 
 
+@pytest.mark.dist
 def test_every_plan_starts_from_the_files_rows(tmp_path: Path) -> None:
     """Tables built on meta, rows from .npy / .pt files through the PretrainedRows callback: on 2 ranks, under
     table-wise, column-wise, table-column-wise and data-parallel plans, every shard holds exactly the file's rows."""

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from lightning_rec.checkpoint import is_checkpoint
 from tests.helpers.dist import REPO
 
@@ -20,6 +22,7 @@ def test_readme_quickstart_is_the_example_file():
     assert _readme_block().strip() == (REPO / "examples" / "quickstart.py").read_text().strip()
 
 
+@pytest.mark.dist
 def test_quickstart_trains_on_two_processes_and_saves_a_sharded_checkpoint(tmp_path):
     script = tmp_path / "quickstart.py"
     script.write_text(_readme_block())

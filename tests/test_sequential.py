@@ -229,6 +229,7 @@ def test_errors_name_the_bad_value() -> None:
         target_rank(torch.zeros(1, 3), torch.tensor([1]), torch.tensor([[False, True, False]]))
 
 
+@pytest.mark.dist
 def test_hr_ndcg_on_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     """2 processes (item table split column-wise over both) vs the same weights unsharded in this one process."""
     from tests.helpers.sequential_scenarios import seeded_model
@@ -252,6 +253,7 @@ def test_hr_ndcg_on_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     assert [by_user_two[u] for u in ds["test"].users.tolist()] == one["test"].tolist()   # every user's rank
 
 
+@pytest.mark.dist
 def test_config_runs_with_the_cli(tmp_path: Path) -> None:
     from lightning_rec.cli import run
 
@@ -271,6 +273,7 @@ def test_config_runs_with_the_cli(tmp_path: Path) -> None:
     assert 0.0 <= float(metrics["val/ndcg@10"]) <= float(metrics["val/hr@10"]) <= 1.0
 
 
+@pytest.mark.dist
 def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
     """The zoo harness (tests/helpers/zoo.py): 1 and 2 processes vs plain PyTorch, pipelined, 2 <-> 1, loaded."""
     movielens_dir()

@@ -10,6 +10,8 @@ from tests.helpers.models import assemble
 
 from tests.helpers.scenarios import MIXED_PLAN as CONSTRAINTS
 
+pytestmark = pytest.mark.dist
+
 
 def _weights(tmp_path, tag, world_size):
     return assemble([torch.load(tmp_path / f"{tag}.weights{r}.pt", weights_only=False) for r in range(world_size)])

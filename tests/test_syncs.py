@@ -13,6 +13,7 @@ from tests.helpers.dist import run_ranks
 SYNCS = "tests.helpers.user_scenarios:syncs"
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "fmt, pipeline, ranks", [("batch", False, 1), ("batch", True, 1), ("dict", False, 1), ("dict", True, 1), ("batch", False, 2)]
 )

@@ -224,6 +224,7 @@ def test_two_tower_tables_weighted_shared_and_towers_alone(splits) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.dist
 def test_metrics_on_two_ranks_equal_one_process_and_towers_work_alone_after_loading(tmp_path: Path, splits) -> None:
     two = run_ranks("tests.helpers.two_tower_scenarios:evaluate", 2, tmp_path, data_dir=str(movielens_dir()))
     assert two[0]["world_size"] == 2 and two[0]["plan"]["t_user_id"] == two[0]["plan"]["t_history"] == "column_wise"
@@ -271,10 +272,12 @@ def test_metrics_on_two_ranks_equal_one_process_and_towers_work_alone_after_load
         assert torch.allclose(torch.tensor(r["softmax"]["c_grad"]), 2 * c.grad[rows], atol=1e-6)
 
 
+@pytest.mark.dist
 def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
     check_case(tmp_path, "tests.helpers.zoo_two_tower:CASE")
 
 
+@pytest.mark.dist
 def test_shipped_config_trains_through_the_cli(tmp_path: Path) -> None:
     cli = run([
         "fit", "--config", str(REPO / "examples/configs/movielens_two_tower.yaml"), "--trainer.devices=1",

@@ -47,6 +47,7 @@ def _check_against_reference(results, out: Path, world_size: int):
         torch.testing.assert_close(start[name], rows, atol=0, rtol=0, msg=name)
 
 
+@pytest.mark.dist
 def test_a_values_model_trains_like_plain_pytorch_on_any_plan_reshards_and_loads(tmp_path):
     two = run_ranks(FIT, 2, tmp_path / "two", constraints=REORDERING_PLAN, save="ckpt")
     one = run_ranks(FIT, 1, tmp_path / "one", constraints=TABLE_WISE_PLAN, save="ckpt")
@@ -77,6 +78,7 @@ def test_a_values_model_trains_like_plain_pytorch_on_any_plan_reshards_and_loads
     assert not list(tmp_path.rglob("sharding_plan.*"))
 
 
+@pytest.mark.dist
 def test_pipelined_training_takes_dict_and_tuple_batches(tmp_path):
     dicts = run_ranks(FIT, 2, tmp_path / "dict", constraints=REORDERING_PLAN, pipeline=True)
     _check_against_reference(dicts, tmp_path / "dict", 2)
@@ -84,6 +86,7 @@ def test_pipelined_training_takes_dict_and_tuple_batches(tmp_path):
     _check_against_reference(tuples, tmp_path / "tuple", 1)
 
 
+@pytest.mark.dist
 def test_ranks_holding_different_rows_start_from_rank_zeros(tmp_path):
     """As DDP does for dense layers: every replica and shard starts from rank 0's rows, with a warning."""
     res = run_ranks(FIT, 2, tmp_path, constraints=REORDERING_PLAN, rows_per_rank=True, steps=2)
@@ -91,12 +94,14 @@ def test_ranks_holding_different_rows_start_from_rank_zeros(tmp_path):
     assert len(res[0]["warnings"]) == 1 and "ebc.embedding_bags.t_user.weight" in res[0]["warnings"][0]
 
 
+@pytest.mark.dist
 def test_an_embedding_collection_keeps_its_output_order_and_rows(tmp_path):
     res = run_ranks("tests.helpers.user_scenarios:ec_order", 1, tmp_path)[0]
     assert res["sharded_keys"] == res["unsharded_keys"] == ["user", "genre", "item"]
     assert res["same_values"]
 
 
+@pytest.mark.dist
 def test_sync_batchnorm_is_applied_like_ddp_does(tmp_path):
     """`Trainer(sync_batchnorm=True)` is not ignored: the BatchNorm layers become SyncBatchNorm before DDP wraps the
     dense part, as under Lightning's ddp, whose DDP then refuses them on CPU with the same error."""
@@ -182,6 +187,7 @@ def test_meta_dense_layers_are_initialised_or_refused():
     assert torch.equal(kept.pos_embedding, before) and not math.isnan(float(before.sum()))
 
 
+@pytest.mark.dist
 def test_lightnings_transfer_hooks_run_and_the_batch_they_build_is_checked(tmp_path):
     """``on_before_batch_transfer`` builds the KJT batch from raw rows on the host: recshard checks what it built
     (before the copy), calls the user's ``transfer_batch_to_device`` and ``on_after_batch_transfer``, and trains as

@@ -15,6 +15,8 @@ import pytest
 
 from tests.helpers.dist import REPO, launch
 
+pytestmark = pytest.mark.dist
+
 SCRIPT = ["-m", "tests.helpers.user_script"]
 
 
