@@ -1,7 +1,8 @@
 """Test tiers, and test isolation for runs inside the pytest process (e.g. the CLI tests' ``run([...])``).
 
 Tiers: a test that starts processes (gloo ranks through ``tests.helpers.dist``, the ``lightning-rec`` CLI or a
-script in a subprocess, torchrun, Lightning's own launcher) or runs a whole CLI ``fit`` in this process is marked
+script in a subprocess, torchrun, Lightning's own launcher, spawned DataLoader workers) or runs a whole CLI
+``fit`` in this process is marked
 ``dist`` (the slow tier). The fast, single-process tier runs in about a minute::
 
     pytest -m "not dist"

@@ -195,6 +195,7 @@ def test_bench_refuses_unknown_names_and_a_plot_without_a_sweep(capsys):
     assert "invalid choice: 'adam'" in capsys.readouterr().err
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.is_available(), reason="for machines without a GPU")
 def test_bench_without_a_gpu_refuses_row_wise_and_runs_the_gpu_sizes_with_fewer_rows(capsys):
     with pytest.raises(SystemExit):

@@ -178,6 +178,7 @@ def test_workers_split_rounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, w
         assert interleaved == alone and sum(map(len, per_worker)) == len(alone)
 
 
+@pytest.mark.dist
 def test_datamodule_with_two_spawned_workers(tmp_path: Path) -> None:
     path = tmp_path / "day_0.gz"
     write_criteo_tsv(path, 700, seed=5)
