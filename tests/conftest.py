@@ -2,8 +2,7 @@
 
 Tiers: a test that starts processes (gloo ranks through ``tests.helpers.dist``, the ``lightning-rec`` CLI or a
 script in a subprocess, torchrun, Lightning's own launcher, spawned DataLoader workers) or runs a whole CLI
-``fit`` in this process is marked
-``dist`` (the slow tier). The fast, single-process tier runs in about a minute::
+``fit`` in this process is marked ``dist`` (the slow tier). The fast, single-process tier runs in about a minute::
 
     pytest -m "not dist"
 
