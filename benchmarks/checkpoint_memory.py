@@ -70,8 +70,10 @@ class Model(lightning_rec.RecLightningModule):
         super().__init__()
         self.features = [f"f{i}" for i in range(tables)]
         self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f])
-                    for i, f in enumerate(self.features)],
+            tables=[
+                EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f])
+                for i, f in enumerate(self.features)
+            ],
             device=torch.device("meta"),
         )
         self.head = torch.nn.Linear(tables * dim, 1)
@@ -97,10 +99,14 @@ class MeasuredStrategy(RecShardStrategy):
         return out
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self._measure("save", lambda: super(MeasuredStrategy, self).save_checkpoint(checkpoint, filepath, storage_options))
+        self._measure(
+            "save", lambda: super(MeasuredStrategy, self).save_checkpoint(checkpoint, filepath, storage_options)
+        )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> Dict[str, Any]:
-        return self._measure("load", lambda: super(MeasuredStrategy, self).load_checkpoint(checkpoint_path, weights_only))
+        return self._measure(
+            "load", lambda: super(MeasuredStrategy, self).load_checkpoint(checkpoint_path, weights_only)
+        )
 
 
 def batches(tables: int, rows: int, n: int, batch_size: int = 256) -> DataLoader:
@@ -112,7 +118,13 @@ def batches(tables: int, rows: int, n: int, batch_size: int = 256) -> DataLoader
             values=torch.randint(0, rows, (tables * batch_size,), generator=g),
             lengths=torch.ones(tables * batch_size, dtype=torch.int32),
         )
-        out.append(Batch(dense_features=torch.zeros(batch_size, 0), sparse_features=kjt, labels=torch.rand(batch_size, generator=g).round()))
+        out.append(
+            Batch(
+                dense_features=torch.zeros(batch_size, 0),
+                sparse_features=kjt,
+                labels=torch.rand(batch_size, generator=g).round(),
+            )
+        )
     return DataLoader(out, batch_size=None)
 
 
@@ -140,8 +152,15 @@ def main() -> None:
     root = Path(args.dir or os.environ.get("CKPT_BENCH_DIR") or tempfile.mkdtemp(prefix="ckpt_bench_"))
     os.environ["CKPT_BENCH_DIR"] = str(root)  # the launcher re-runs this script per rank: share the directory
     constraints = {f"t{i}": {"sharding_types": ["table_wise"]} for i in range(args.tables)}
-    common = dict(accelerator="cpu", devices=args.devices, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    common = dict(
+        accelerator="cpu",
+        devices=args.devices,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
 
     model = Model(args.tables, args.rows, args.dim)
     trainer = L.Trainer(strategy=MeasuredStrategy(constraints=constraints, plan_report=False), max_steps=2, **common)
@@ -156,8 +175,11 @@ def main() -> None:
     trainer2.fit(model2, batches(args.tables, args.rows, 2), ckpt_path=path)  # restores, then has nothing to train
     full = args.tables * args.rows * args.dim * 4 * 2  # every table + its Adagrad accumulator, fp32
     result = {
-        "rank": trainer.global_rank, "local_state_mb": local / 2**20, "full_model_state_mb": full / 2**20,
-        "save_peak_mb": saved["save"] / 2**20, "load_peak_mb": MeasuredStrategy.measured["load"] / 2**20,
+        "rank": trainer.global_rank,
+        "local_state_mb": local / 2**20,
+        "full_model_state_mb": full / 2**20,
+        "save_peak_mb": saved["save"] / 2**20,
+        "load_peak_mb": MeasuredStrategy.measured["load"] / 2**20,
     }
     print(json.dumps(result), flush=True)
     everything = [None] * dist.get_world_size()
@@ -166,14 +188,20 @@ def main() -> None:
         worst_save = max(r["save_peak_mb"] for r in everything)
         worst_load = max(r["load_peak_mb"] for r in everything)
         biggest_local = max(r["local_state_mb"] for r in everything)
-        print(json.dumps({
-            "summary": True, "devices": args.devices,
-            "save_peak_over_local_state": round(worst_save / biggest_local, 3),
-            "load_peak_over_local_state": round(worst_load / biggest_local, 3),
-            "save_peak_over_full_model": round(worst_save / result["full_model_state_mb"], 3),
-            "load_peak_over_full_model": round(worst_load / result["full_model_state_mb"], 3),
-            "largest_tensor_mb": args.rows * args.dim * 4 / 2**20,
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "summary": True,
+                    "devices": args.devices,
+                    "save_peak_over_local_state": round(worst_save / biggest_local, 3),
+                    "load_peak_over_local_state": round(worst_load / biggest_local, 3),
+                    "save_peak_over_full_model": round(worst_save / result["full_model_state_mb"], 3),
+                    "load_peak_over_full_model": round(worst_load / result["full_model_state_mb"], 3),
+                    "largest_tensor_mb": args.rows * args.dim * 4 / 2**20,
+                }
+            ),
+            flush=True,
+        )
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
 

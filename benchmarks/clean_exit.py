@@ -63,8 +63,10 @@ def _recshard_job() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.ebc = EmbeddingBagCollection(
-                tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{i}"])
-                        for i in range(3)],
+                tables=[
+                    EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{i}"])
+                    for i in range(3)
+                ],
                 device=torch.device("meta"),
             )
             self.over = torch.nn.Linear(24, 1)
@@ -79,14 +81,23 @@ def _recshard_job() -> None:
     def batch(seed: int):
         g = torch.Generator().manual_seed(seed)
         kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=["f0", "f1", "f2"], values=torch.randint(0, 50, (48,), generator=g), lengths=torch.ones(48, dtype=torch.int32)
+            keys=["f0", "f1", "f2"],
+            values=torch.randint(0, 50, (48,), generator=g),
+            lengths=torch.ones(48, dtype=torch.int32),
         )
         return kjt, torch.randint(0, 2, (16,), generator=g).float()
 
     L.seed_everything(0)
     trainer = L.Trainer(
-        strategy="recshard", accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        strategy="recshard",
+        accelerator="cpu",
+        devices=2,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
     )
     trainer.fit(Model(), DataLoader([batch(trainer.global_rank * 10 + i) for i in range(4)], batch_size=None))
     for _ in range(30):
@@ -110,8 +121,11 @@ def _run_once(mode: str) -> bool:
     port = str(_free_port())
     procs = [
         subprocess.Popen(
-            command, env={**env, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            command,
+            env={**env, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(2)
     ]

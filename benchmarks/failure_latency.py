@@ -41,8 +41,15 @@ def main() -> None:
             d = root / f"{how}{rep}"
             strategy = {"timeout": args.hang_timeout} if how == "hang" else {}
             run = launch(
-                SCENARIO, 2, d, tag="x", epochs=3, strategy=strategy, fail={"rank": 1, "step": 6, "how": how},
-                wait_for=["rank0"], timeout=args.hang_timeout + 240,
+                SCENARIO,
+                2,
+                d,
+                tag="x",
+                epochs=3,
+                strategy=strategy,
+                fail={"rank": 1, "step": 6, "how": how},
+                wait_for=["rank0"],
+                timeout=args.hang_timeout + 240,
             )
             rank0 = run.processes[0]
             assert rank0.returncode not in (0, None), f"{how}: rank 0 did not fail\n{rank0.log[-3000:]}"
@@ -50,11 +57,16 @@ def main() -> None:
         timeout = args.hang_timeout if how == "hang" else DEFAULT_TIMEOUT_S
         med = statistics.median(latencies)
         out[how] = {
-            "seconds": [round(x, 2) for x in latencies], "median_s": round(med, 2),
-            "vs_timeout": round(med / timeout, 4), "timeout_s": timeout,
+            "seconds": [round(x, 2) for x in latencies],
+            "median_s": round(med, 2),
+            "vs_timeout": round(med / timeout, 4),
+            "timeout_s": timeout,
         }
-        print(f"{how:7s} rank 0 exited {med:6.2f} s after rank 1 failed (median of {args.repeats}); "
-              f"{med / timeout:.3f} x the timeout of {timeout:.0f} s", flush=True)
+        print(
+            f"{how:7s} rank 0 exited {med:6.2f} s after rank 1 failed (median of {args.repeats}); "
+            f"{med / timeout:.3f} x the timeout of {timeout:.0f} s",
+            flush=True,
+        )
     print(json.dumps(out))
 
 

@@ -45,9 +45,13 @@ def measure(size_name: str, steps: int) -> dict:
         topology=Topology(world_size=1, compute_device="cpu", local_world_size=1),
         constraints={t: ParameterConstraints(**c) for t, c in _constraints(size).items()},
     )
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=planner.plan(model, [sharder]), sharders=[sharder])
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=planner.plan(model, [sharder]), sharders=[sharder]
+    )
     _pattern_init(dmp.module)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=0.01))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=0.01)
+    )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")
     spec = specs["tables"]
@@ -71,8 +75,13 @@ def measure(size_name: str, steps: int) -> dict:
             step_s.append((t2 - t1) + (t4 - t3))
     assert checks.door_reads == 0, "the door read contents the host had checked"
     step, check = statistics.median(step_s), statistics.median(check_s)
-    return {"size": size_name, "ids_per_step": size.tables * size.batch_size * size.pooling,
-            "step_ms": round(1000 * step, 3), "checks_ms": round(1000 * check, 4), "checks_vs_step": round(check / step, 5)}
+    return {
+        "size": size_name,
+        "ids_per_step": size.tables * size.batch_size * size.pooling,
+        "step_ms": round(1000 * step, 3),
+        "checks_ms": round(1000 * check, 4),
+        "checks_vs_step": round(check / step, 5),
+    }
 
 
 def measure_host(size_name: str, steps: int) -> dict:
@@ -92,8 +101,12 @@ def measure_host(size_name: str, steps: int) -> dict:
         if i >= size.warmup:
             times.append(time.perf_counter() - t0)
     ids = size.tables * size.batch_size * size.pooling
-    return {"size": size_name, "ids_per_step": ids, "host_checks_ms": round(1000 * statistics.median(times), 3),
-            "ns_per_id": round(1e9 * statistics.median(times) / ids, 2)}
+    return {
+        "size": size_name,
+        "ids_per_step": ids,
+        "host_checks_ms": round(1000 * statistics.median(times), 3),
+        "ns_per_id": round(1e9 * statistics.median(times) / ids, 2),
+    }
 
 
 def main() -> None:
@@ -105,8 +118,11 @@ def main() -> None:
     if args.host_only:
         out = [measure_host(name, 20) for name in args.sizes.split(",")]
         for r in out:
-            print(f"{r['size']:16s} host checks {r['host_checks_ms']:8.3f} ms for {r['ids_per_step']} ids "
-                  f"({r['ns_per_id']} ns/id)", flush=True)
+            print(
+                f"{r['size']:16s} host checks {r['host_checks_ms']:8.3f} ms for {r['ids_per_step']} ids "
+                f"({r['ns_per_id']} ns/id)",
+                flush=True,
+            )
         print(json.dumps(out))
         return
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -120,8 +136,11 @@ def main() -> None:
         steps = args.steps if SIZES[name].batch_size < 1024 else max(20, args.steps // 10)
         r = measure(name, steps)
         out.append(r)
-        print(f"{name:10s} step {r['step_ms']:8.2f} ms  checks {r['checks_ms']:7.3f} ms  = {100 * r['checks_vs_step']:.2f}% "
-              f"of the step ({r['ids_per_step']} ids)", flush=True)
+        print(
+            f"{name:10s} step {r['step_ms']:8.2f} ms  checks {r['checks_ms']:7.3f} ms  = {100 * r['checks_vs_step']:.2f}% "
+            f"of the step ({r['ids_per_step']} ids)",
+            flush=True,
+        )
     print(json.dumps(out))
     dist.destroy_process_group()
 

@@ -40,7 +40,8 @@ def measure(size_name: str, steps: int) -> dict:
     ebc = model.tables
     names = [c.name for c in ebc.embedding_bag_configs()]
     constraints = {
-        n: ParameterConstraints(sharding_types=["column_wise" if i % 2 == 0 else "table_wise"]) for i, n in enumerate(names)
+        n: ParameterConstraints(sharding_types=["column_wise" if i % 2 == 0 else "table_wise"])
+        for i, n in enumerate(names)
     }
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01})
     holder = torch.nn.Module()
@@ -77,8 +78,12 @@ def measure(size_name: str, steps: int) -> dict:
     med_on, med_off = statistics.median(on), statistics.median(off)
     paired = statistics.median(a - b for a, b in zip(on, off))  # each step's two variants ran back to back
     return {
-        "size": size_name, "steps": steps, "plain_ms": 1000 * med_off, "reordered_ms": 1000 * med_on,
-        "added_ms": 1000 * paired, "ratio": 1 + paired / med_off,
+        "size": size_name,
+        "steps": steps,
+        "plain_ms": 1000 * med_off,
+        "reordered_ms": 1000 * med_on,
+        "added_ms": 1000 * paired,
+        "ratio": 1 + paired / med_off,
     }
 
 

@@ -93,11 +93,21 @@ def measure(size: Size, steps: int, warmup: int = 20, lr: float = 0.01) -> Dict[
 
         paired = _Paired(make_baseline, batches)
         trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=1, max_steps=warmup + steps, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            use_distributed_sampler=False, callbacks=[paired],
+            strategy=strategy,
+            accelerator="cpu",
+            devices=1,
+            max_steps=warmup + steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[paired],
         )
-        trainer.fit(module, torch.utils.data.DataLoader([batches[i % len(batches)] for i in range(warmup + steps)], batch_size=None))
+        trainer.fit(
+            module,
+            torch.utils.data.DataLoader([batches[i % len(batches)] for i in range(warmup + steps)], batch_size=None),
+        )
         out[f"{name}_ms"] = round(statistics.median(paired.lightning_ms()[warmup:]), 4)
         out[f"{name}_baseline_ms"] = round(statistics.median(paired.baseline_ms[warmup:]), 4)
     out["overhead_ms"] = round(out["recshard_ms"] - out["recshard_baseline_ms"], 4)
@@ -111,9 +121,20 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--steps", type=int, default=1000)
     args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29573"), WORLD_SIZE="1",
-                      RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK="0")
-    print(json.dumps({"size": args.size, "steps": args.steps, **measure(replace(SIZES[args.size], world_size=1), args.steps)}))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29573"),
+        WORLD_SIZE="1",
+        RANK="0",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        NODE_RANK="0",
+    )
+    print(
+        json.dumps(
+            {"size": args.size, "steps": args.steps, **measure(replace(SIZES[args.size], world_size=1), args.steps)}
+        )
+    )
 
 
 if __name__ == "__main__":

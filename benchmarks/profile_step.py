@@ -72,12 +72,23 @@ def _instrument_lightning(events: List[Tuple[str, float]]) -> None:
     mark = lambda name: events.append((name, time.perf_counter()))  # noqa: E731
 
     class Hooks(L.Callback):
-        def on_train_batch_start(self, *args): mark("on_train_batch_start")  # noqa: E704
-        def on_before_zero_grad(self, *args): mark("on_before_zero_grad")  # noqa: E704
-        def on_before_backward(self, *args): mark("on_before_backward")  # noqa: E704
-        def on_after_backward(self, *args): mark("on_after_backward")  # noqa: E704
-        def on_before_optimizer_step(self, *args): mark("on_before_optimizer_step")  # noqa: E704
-        def on_train_batch_end(self, *args): mark("on_train_batch_end")  # noqa: E704
+        def on_train_batch_start(self, *args):
+            mark("on_train_batch_start")  # noqa: E704
+
+        def on_before_zero_grad(self, *args):
+            mark("on_before_zero_grad")  # noqa: E704
+
+        def on_before_backward(self, *args):
+            mark("on_before_backward")  # noqa: E704
+
+        def on_after_backward(self, *args):
+            mark("on_after_backward")  # noqa: E704
+
+        def on_before_optimizer_step(self, *args):
+            mark("on_before_optimizer_step")  # noqa: E704
+
+        def on_train_batch_end(self, *args):
+            mark("on_train_batch_end")  # noqa: E704
 
     trainer = L.Trainer
 
@@ -148,8 +159,14 @@ def _phases(events: List[Tuple[str, float]], skip: int) -> Dict[str, float]:
     ms = lambda xs: round(1000 * statistics.median(xs), 3)  # noqa: E731
     between = [s["bwd0"] - s["fwd1"] for s in steps]  # loss handling, closure, zero_grad (Lightning), hooks
     after = [b["fwd0"] - a["bwd1"] for a, b in zip(steps, steps[1:])]  # optimizer step, next batch, hooks
-    return {"forward": ms(fwd), "backward": ms(bwd), "fwd_to_bwd": ms(between), "bwd_to_next_fwd": ms(after),
-            "rest": round(ms(cycles) - ms(fwd) - ms(bwd), 3), "cycle": ms(cycles)}
+    return {
+        "forward": ms(fwd),
+        "backward": ms(bwd),
+        "fwd_to_bwd": ms(between),
+        "bwd_to_next_fwd": ms(after),
+        "rest": round(ms(cycles) - ms(fwd) - ms(bwd), 3),
+        "cycle": ms(cycles),
+    }
 
 
 def main() -> None:
@@ -159,11 +176,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--cprofile", action="store_true", help="Python functions instead of torch ops")
-    parser.add_argument("--hooks", action="store_true", help="recshard variants: time between Lightning's per-step hooks")
+    parser.add_argument(
+        "--hooks", action="store_true", help="recshard variants: time between Lightning's per-step hooks"
+    )
     args = parser.parse_args()
     if "RANK" not in os.environ:  # one process; under torchrun, its environment wins
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29571"), WORLD_SIZE="1",
-                          RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", "29571"),
+            WORLD_SIZE="1",
+            RANK="0",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            NODE_RANK="0",
+        )
     world_size = int(os.environ["WORLD_SIZE"])
     size = replace(SIZES[args.size], world_size=world_size, steps=args.steps, warmup=args.warmup)
     events: List[Tuple[str, float]] = []
@@ -187,10 +213,13 @@ def main() -> None:
         record["all_ops_ms"] = round(sum(e.self_cpu_time_total for e in ops) / 1000, 1)
     record["phases_ms"] = _phases(events, args.warmup)
     record["rank"], record["world_size"] = int(os.environ["RANK"]), world_size
-    timed = broadcasts[-args.steps:]
+    timed = broadcasts[-args.steps :]
     if timed:
-        record["broadcast_ms"] = {"calls": len(broadcasts), "median": round(1000 * statistics.median(timed), 3),
-                                  "mean": round(1000 * statistics.mean(timed), 3)}
+        record["broadcast_ms"] = {
+            "calls": len(broadcasts),
+            "median": round(1000 * statistics.median(timed), 3),
+            "mean": round(1000 * statistics.mean(timed), 3),
+        }
     if args.hooks:
         record["timeline_ms"] = _timeline(events, args.warmup)
     print(json.dumps(record))

@@ -108,14 +108,23 @@ def main() -> None:
     fit_s = time.perf_counter() - fit_start
     test = trainer.evaluate(test_data, load_best_model=True, show_progress=False)
     rows = {"train": len(train_data.dataset), "valid": len(valid_data.dataset), "test": len(test_data.dataset)}
-    print(json.dumps({
-        "model": "recbole DeepFM", "epochs": args.epochs, "with_zip": args.with_zip, "rows": rows,
-        "best_valid_auc": round(float(best_valid["auc"]), 4),
-        "best_valid_logloss": round(float(best_valid["logloss"]), 4),
-        "test_auc": round(float(test["auc"]), 4), "test_logloss": round(float(test["logloss"]), 4),
-        "valid_auc_per_epoch": collector.aucs,
-        "fit_s": round(fit_s, 1), "total_s": round(time.perf_counter() - start, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "model": "recbole DeepFM",
+                "epochs": args.epochs,
+                "with_zip": args.with_zip,
+                "rows": rows,
+                "best_valid_auc": round(float(best_valid["auc"]), 4),
+                "best_valid_logloss": round(float(best_valid["logloss"]), 4),
+                "test_auc": round(float(test["auc"]), 4),
+                "test_logloss": round(float(test["logloss"]), 4),
+                "valid_auc_per_epoch": collector.aucs,
+                "fit_s": round(fit_s, 1),
+                "total_s": round(time.perf_counter() - start, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

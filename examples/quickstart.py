@@ -54,7 +54,11 @@ def make_rows(n: int = 4096, num_users: int = 100, num_items: int = 200, seed: i
     labels = (user_score[users] + item_score[items] > 0).float()
     noise = torch.rand(n, generator=g)
     return [
-        {"dense": [float(noise[i])], "sparse": {"user": int(users[i]), "item": int(items[i])}, "label": float(labels[i])}
+        {
+            "dense": [float(noise[i])],
+            "sparse": {"user": int(users[i]), "item": int(items[i])},
+            "label": float(labels[i]),
+        }
         for i in range(n)
     ]
 
@@ -69,8 +73,12 @@ def main() -> None:
     L.seed_everything(0)
     loader = DataLoader(make_rows(), batch_size=128, shuffle=True, collate_fn=RowCollator(FEATURES))
     trainer = L.Trainer(
-        strategy="recshard", accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
-        max_epochs=args.max_epochs, default_root_dir=args.root_dir,
+        strategy="recshard",
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        max_epochs=args.max_epochs,
+        default_root_dir=args.root_dir,
         # metrics.csv and the plan report in root-dir; sharded checkpoints under root-dir/checkpoints
         logger=CSVLogger(args.root_dir, name="", version=""),
     )

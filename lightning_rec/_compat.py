@@ -67,11 +67,13 @@ def planner_sharding_options(planner: object) -> "Optional[list]":
 def pipeline_rewrite(pipeline: object) -> None:
     """Rewrite the sharded modules' forwards to read pre-distributed inputs, and start the head batch's input
     distribution (first time, or again after ``detach()``)."""
-    if getattr(pipeline, "_pipelined_modules"):
+    if pipeline._pipelined_modules:  # type: ignore[attr-defined]
         pipeline.attach()  # type: ignore[attr-defined]  # re-rewrites with batches[0]
     else:
         pipeline._init_pipelined_modules(  # type: ignore[attr-defined]
-            pipeline.batches[0], pipeline.contexts[0], pipeline._pipelined_forward_type  # type: ignore[attr-defined]
+            pipeline.batches[0],
+            pipeline.contexts[0],
+            pipeline._pipelined_forward_type,  # type: ignore[attr-defined]
         )
 
 

@@ -137,6 +137,7 @@ def custom_batch_hooks(module: Any, datamodule: Optional[Any] = None) -> Tuple[b
         >>> custom_batch_hooks(L.LightningModule())
         (False, False)
     """
+
     def overridden(name: str) -> bool:
         return is_overridden(name, module) or (datamodule is not None and is_overridden(name, datamodule))
 

@@ -68,9 +68,13 @@ def _export(argv: List[str]) -> None:
         description="Write the weights of a sharded checkpoint (any world size, any plan) as one unsharded state "
         "dict: safetensors for *.safetensors, else a torch.save file that loads with weights_only=True.",
     )
-    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. lightning_logs/version_0/checkpoints/last.ckpt")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory, e.g. lightning_logs/version_0/checkpoints/last.ckpt"
+    )
     parser.add_argument("output", help="e.g. model.safetensors or model.pt")
-    parser.add_argument("--prefix", default="", help='export only the weights under this prefix, without it (e.g. "model.")')
+    parser.add_argument(
+        "--prefix", default="", help='export only the weights under this prefix, without it (e.g. "model.")'
+    )
     args = parser.parse_args(argv)
     from lightning_rec.checkpoint import export
 

@@ -78,7 +78,8 @@ def table_parameters(module: nn.Module, plan: ShardingPlan) -> List[Tuple[str, n
     """Parameters (by FQN) of the modules ``plan`` sharded."""
     paths = tuple(plan.plan)
     return [
-        (n, p) for n, p in module.named_parameters()
+        (n, p)
+        for n, p in module.named_parameters()
         if any(n.startswith(f"{path}.") if path else True for path in paths)
     ]
 
@@ -200,7 +201,9 @@ def shard_with_dmp(
         device=device,
         plan=plan,
         sharders=sharders,
-        data_parallel_wrapper=DenseDataParallel(static_graph=static_graph, find_unused_parameters=find_unused_parameters),
+        data_parallel_wrapper=DenseDataParallel(
+            static_graph=static_graph, find_unused_parameters=find_unused_parameters
+        ),
     )
 
 
@@ -242,7 +245,11 @@ def shard_module(
     held = capture_weights(module, module_types)
     orders = output_orders(module, module_types)
     dmp = shard_with_dmp(
-        module, plan, sharders, device, pg,
+        module,
+        plan,
+        sharders,
+        device,
+        pg,
         # DDP's static-graph first step assumes backward runs after forward returns; manual optimization breaks that.
         static_graph=static_graph and module.automatic_optimization,
         find_unused_parameters=find_unused_parameters,

@@ -33,7 +33,11 @@ from lightning_rec.inputs import NonFiniteError
 from lightning_rec.kjt_check import InputError
 
 __all__ = [
-    "FailureBoard", "close_process_group_at_exit", "describe_position", "explain", "is_communication_error",
+    "FailureBoard",
+    "close_process_group_at_exit",
+    "describe_position",
+    "explain",
+    "is_communication_error",
     "note_failure",
 ]
 
@@ -164,7 +168,11 @@ class FailureBoard:
             log.debug("could not publish a failure", exc_info=True)
 
     def handle(
-        self, exception: BaseException, position: str, world_size: int, timeout: Optional[timedelta],
+        self,
+        exception: BaseException,
+        position: str,
+        world_size: int,
+        timeout: Optional[timedelta],
         owner: str = "RecShardStrategy",
     ) -> None:
         """What a rank does with the exception that stops it: publish it if it is its own, or, if a collective failed
@@ -192,7 +200,11 @@ class FailureBoard:
 
 
 def explain(
-    rank: int, world_size: int, position: str, first: Optional[Tuple[int, str]], timeout: Optional[timedelta],
+    rank: int,
+    world_size: int,
+    position: str,
+    first: Optional[Tuple[int, str]],
+    timeout: Optional[timedelta],
     owner: str = "RecShardStrategy",
 ) -> str:
     """The message of a rank whose collective failed because another rank failed or stopped answering.
@@ -253,7 +265,9 @@ def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False, 
     loops = {
         RunningStage.SANITY_CHECKING: ("sanity-check validation", trainer.fit_loop.epoch_loop.val_loop),
         RunningStage.VALIDATING: (
-            "validation", trainer.fit_loop.epoch_loop.val_loop if trainer.training or trainer.state.fn == "fit"
+            "validation",
+            trainer.fit_loop.epoch_loop.val_loop
+            if trainer.training or trainer.state.fn == "fit"
             else trainer.validate_loop,
         ),
         RunningStage.TESTING: ("test", trainer.test_loop),

@@ -51,8 +51,15 @@ from lightning_rec.kjt_check import FeatureTables, InputError, ModuleInputs, che
 from lightning_rec.kjt_check import host_numpy
 
 __all__ = [
-    "InputChecks", "InputError", "ModuleInputs", "NonFiniteError", "batch_leaves", "check_features", "check_finite",
-    "check_on_host", "input_specs",
+    "InputChecks",
+    "InputError",
+    "ModuleInputs",
+    "NonFiniteError",
+    "batch_leaves",
+    "check_features",
+    "check_finite",
+    "check_on_host",
+    "input_specs",
 ]
 
 NonFinitePolicy = Literal["error", "strict", "warn", "ignore"]
@@ -220,10 +227,11 @@ class InputChecks:
                     object.__delattr__(sharded, "_lightning_rec_input_dist")
                 continue
             original = original or sharded.input_dist
-            checks = self
 
-            def input_dist(ctx: Any, features: Any, *args: Any, _original=original, _spec=spec, **kwargs: Any) -> Any:
-                features = checks.at_door(features, _spec)
+            def input_dist(
+                ctx: Any, features: Any, *args: Any, _original=original, _spec=spec, _checks=self, **kwargs: Any
+            ) -> Any:
+                features = _checks.at_door(features, _spec)
                 return _original(ctx, features, *args, **kwargs)
 
             # An instance attribute shadows the method: TorchRec calls `module.input_dist(...)` both from the
@@ -286,7 +294,9 @@ class InputChecks:
             return None
         entry = self._trusted.get(values.untyped_storage().data_ptr())
         if (
-            entry is None or entry.values() is None or entry.lengths_storage != _lengths_storage(kjt)
+            entry is None
+            or entry.values() is None
+            or entry.lengths_storage != _lengths_storage(kjt)
             or entry.versions != _versions(kjt)
         ):
             return None
@@ -397,8 +407,12 @@ def _same_form(host: KeyedJaggedTensor, device: KeyedJaggedTensor) -> bool:
     """Whether ``device`` is ``host`` copied: the same keys and sizes (metadata only)."""
     if host is device:
         return True
-    pairs = [(host.values(), device.values()), (host.lengths_or_none(), device.lengths_or_none()),
-             (host.offsets_or_none(), device.offsets_or_none()), (host.weights_or_none(), device.weights_or_none())]
+    pairs = [
+        (host.values(), device.values()),
+        (host.lengths_or_none(), device.lengths_or_none()),
+        (host.offsets_or_none(), device.offsets_or_none()),
+        (host.weights_or_none(), device.weights_or_none()),
+    ]
     return host.keys() == device.keys() and all(
         (a is None) == (b is None) and (a is None or a.shape == b.shape) for a, b in pairs
     )

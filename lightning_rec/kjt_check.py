@@ -30,7 +30,15 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["FeatureTable", "FeatureTables", "InputError", "ModuleInputs", "check_features", "check_on_host", "input_specs"]
+__all__ = [
+    "FeatureTable",
+    "FeatureTables",
+    "InputError",
+    "ModuleInputs",
+    "check_features",
+    "check_on_host",
+    "input_specs",
+]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 _HINT_IDS = (
@@ -38,9 +46,11 @@ _HINT_IDS = (
     "or enlarge the table; `RecShardStrategy(bounds_check='warn')` restores TorchRec's default (bad ids read row 0)."
 )
 
+
 class InputError(ValueError):
     """A batch the embedding tables cannot take. The message names the module, feature, table, offending value
     and what was expected, and where in training it happened; nothing was updated with the batch."""
+
 
 @dataclass(frozen=True)
 class ModuleInputs:
@@ -146,7 +156,11 @@ def input_specs(module: nn.Module, module_types: Sequence[type]) -> Dict[str, Mo
 
 
 def check_features(
-    kjt: Any, spec: ModuleInputs, *, check_ids: bool = True, where: Union[str, Callable[[], str]] = "",
+    kjt: Any,
+    spec: ModuleInputs,
+    *,
+    check_ids: bool = True,
+    where: Union[str, Callable[[], str]] = "",
     data: bool = True,
 ) -> KeyedJaggedTensor:
     """Check a ``KeyedJaggedTensor`` against what ``spec``'s module expects; return it in the module's feature order.
@@ -203,7 +217,10 @@ def check_features(
 
 
 def check_on_host(
-    kjt: KeyedJaggedTensor, tables: "FeatureTables", *, check_ids: bool = True,
+    kjt: KeyedJaggedTensor,
+    tables: "FeatureTables",
+    *,
+    check_ids: bool = True,
     where: Union[str, Callable[[], str]] = "",
 ) -> FrozenSet[str]:
     """Check the contents of a KJT on the host, before it is copied to the device: what :func:`check_features`
@@ -239,7 +256,9 @@ def _check_keys(keys: List[str], spec: ModuleInputs, fail: Callable[[str], Input
     unknown = [k for k in dict.fromkeys(keys) if k not in spec.tables]
     problems = []
     if missing:
-        problems.append(f"lacks feature(s) {missing} (" + ", ".join(f"table {spec.tables[f][0]!r}" for f in missing) + ")")
+        problems.append(
+            f"lacks feature(s) {missing} (" + ", ".join(f"table {spec.tables[f][0]!r}" for f in missing) + ")"
+        )
     if unknown:
         problems.append(f"has feature(s) {unknown} that no table of this module reads")
     if duplicated:
@@ -329,7 +348,9 @@ def _samples_per_key(
     if kjt.variable_stride_per_key():
         per_key = [int(s) for s in kjt.stride_per_key()]
         if sum(per_key) != lengths.numel():
-            raise fail(f"there are {lengths.numel()} lengths but the per-feature batch sizes {per_key} add up to {sum(per_key)}.")
+            raise fail(
+                f"there are {lengths.numel()} lengths but the per-feature batch sizes {per_key} add up to {sum(per_key)}."
+            )
         return per_key
     n = lengths.numel()
     if n % len(keys):
@@ -394,8 +415,7 @@ def _host_summary(form: _Form) -> _Summary:
         id_range=_host_minmax(form.values) if values.size else None,
         offsets_ends=(int(offsets[0]), int(offsets[-1])) if offsets is not None else None,
         lengths_agree=(
-            form.given_lengths is None or offsets is None
-            or bool((host_numpy(form.given_lengths) == lengths).all())
+            form.given_lengths is None or offsets is None or bool((host_numpy(form.given_lengths) == lengths).all())
         ),
         weights_finite=weights is None or bool(np.isfinite(weights).all()),
     )
@@ -437,7 +457,10 @@ def _host_minmax(t: torch.Tensor) -> Tuple[int, int]:
 
 
 def _check_contents(
-    form: _Form, rows: Mapping[str, int], describe: Callable[[str], str], fail: Callable[[str], InputError],
+    form: _Form,
+    rows: Mapping[str, int],
+    describe: Callable[[str], str],
+    fail: Callable[[str], InputError],
     on_host: bool,
 ) -> None:
     """Offsets, lengths, weights and (for the features in ``rows``) id ranges: on the host with numpy, or on the
@@ -484,8 +507,13 @@ def _sample(keys: List[str], per_key: List[int], position: int) -> str:
 
 
 def _check_id_ranges(
-    form: _Form, ids_per_key: List[int], id_range: Tuple[int, int], rows: Mapping[str, int],
-    describe: Callable[[str], str], fail: Callable[[str], InputError], on_host: bool,
+    form: _Form,
+    ids_per_key: List[int],
+    id_range: Tuple[int, int],
+    rows: Mapping[str, int],
+    describe: Callable[[str], str],
+    fail: Callable[[str], InputError],
+    on_host: bool,
 ) -> None:
     # Fast path: every id fits the smallest of these tables (``id_range``: the smallest and largest id).
     if id_range[0] >= 0 and id_range[1] < min(rows.values()):

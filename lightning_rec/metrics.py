@@ -192,7 +192,9 @@ class RankingMetrics(Metric):
         super().__init__(**kwargs)
         ks = [int(k) for k in ks]
         if not ks or min(ks) < 1 or len(set(ks)) != len(ks):
-            raise ValueError(f"RankingMetrics: ks must be distinct integers >= 1, got {list(ks)}. HINT: e.g. ks=[10, 50].")
+            raise ValueError(
+                f"RankingMetrics: ks must be distinct integers >= 1, got {list(ks)}. HINT: e.g. ks=[10, 50]."
+            )
         self.ks = ks
         self.prefix = prefix
         self.hit_name = hit_name
@@ -204,7 +206,7 @@ class RankingMetrics(Metric):
         """Add queries: ``rank`` holds each held-out item's 0-based rank (see :func:`target_rank`)."""
         rank = rank.reshape(-1).to(self.hits.device)
         k = torch.tensor(self.ks, device=rank.device, dtype=rank.dtype)
-        hit = rank.unsqueeze(0) < k.unsqueeze(1)                               # (len(ks), B)
+        hit = rank.unsqueeze(0) < k.unsqueeze(1)  # (len(ks), B)
         gain = 1.0 / torch.log2(rank.double() + 2.0)
         self.hits += hit.double().sum(1)
         self.ndcg += (hit.double() * gain.unsqueeze(0)).sum(1)

@@ -91,8 +91,14 @@ class RecLightningModule(pl.LightningModule):
                     f"{cls.__name__}.load_from_checkpoint: for checkpoint directories `map_location` must be a device, "
                     f"got {type(map_location).__name__}."
                 )
-            return load_module(cls, checkpoint_path, map_location=map_location, strict=strict, weights_only=weights_only, **kwargs)
+            return load_module(
+                cls, checkpoint_path, map_location=map_location, strict=strict, weights_only=weights_only, **kwargs
+            )
         return super().load_from_checkpoint(  # type: ignore[return-value]
-            checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict,
-            weights_only=weights_only, **kwargs,
+            checkpoint_path,
+            map_location=map_location,
+            hparams_file=hparams_file,
+            strict=strict,
+            weights_only=weights_only,
+            **kwargs,
         )

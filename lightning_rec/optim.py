@@ -25,7 +25,9 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 
 from lightning_rec import _compat
 
-OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"]
+OptimizerName = Literal[
+    "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"
+]
 
 _EMB_OPT_TYPES: Dict[str, EmbOptimType] = {
     "sgd": EmbOptimType.EXACT_SGD,
@@ -210,9 +212,7 @@ def embedding_optimizer_from_torch(optimizer: Optimizer, group: Mapping[str, Any
     if kind is torch.optim.Adam:
         _require_default(optimizer, group, "amsgrad", False)
         _require_default(optimizer, group, "weight_decay", 0)
-        return EmbeddingOptimizer(
-            "adam", lr=float(group["lr"]), eps=float(group["eps"]), betas=tuple(group["betas"])
-        )
+        return EmbeddingOptimizer("adam", lr=float(group["lr"]), eps=float(group["eps"]), betas=tuple(group["betas"]))
     raise ValueError(
         f"The embedding tables are in a {kind.__module__}.{kind.__name__} param group, and FBGEMM has no fused "
         "(in-backward) version of it. Fused embedding optimizers: torch.optim.SGD (no momentum), "

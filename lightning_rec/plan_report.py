@@ -65,8 +65,11 @@ class RankEstimate:
     def to_dict(self) -> Dict[str, Any]:
         """``{"rank", "hbm_bytes", "ddr_bytes", "memory_bytes", "cost"}``."""
         return {
-            "rank": self.rank, "hbm_bytes": self.hbm_bytes, "ddr_bytes": self.ddr_bytes,
-            "memory_bytes": self.memory_bytes, "cost": self.cost,
+            "rank": self.rank,
+            "hbm_bytes": self.hbm_bytes,
+            "ddr_bytes": self.ddr_bytes,
+            "memory_bytes": self.memory_bytes,
+            "cost": self.cost,
         }
 
 
@@ -120,7 +123,11 @@ class PlanReport:
 
     @classmethod
     def from_plan(
-        cls, plan: ShardingPlan, world_size: int, device_type: str, sharding_options: Optional[Sequence[Any]] = None,
+        cls,
+        plan: ShardingPlan,
+        world_size: int,
+        device_type: str,
+        sharding_options: Optional[Sequence[Any]] = None,
         local_world_size: Optional[int] = None,
     ) -> "PlanReport":
         """Build the report from ``plan`` and, when the planner ran here, its chosen ``ShardingOption``\\ s.
@@ -185,8 +192,11 @@ class PlanReport:
             "estimates_available": self.estimates_available,
             "tables": [
                 {
-                    "name": t.table, "module": t.module, "sharding_type": t.sharding_type,
-                    "compute_kernel": t.compute_kernel, "ranks": t.ranks,
+                    "name": t.table,
+                    "module": t.module,
+                    "sharding_type": t.sharding_type,
+                    "compute_kernel": t.compute_kernel,
+                    "ranks": t.ranks,
                     "shards": [
                         {"rank": r, "sizes": s, "offsets": o}
                         for r, s, o in zip(t.shard_ranks, t.shard_sizes, t.shard_offsets)

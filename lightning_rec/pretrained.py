@@ -64,7 +64,9 @@ def read_rows(source: Union[str, "os.PathLike[str]"], table: str) -> torch.Tenso
     if isinstance(stored, torch.Tensor):
         return stored
     if not isinstance(stored, Mapping):
-        raise ValueError(f"load_rows: table {table!r}: {path} holds a {type(stored).__name__}, not a tensor or a dict of tensors.")
+        raise ValueError(
+            f"load_rows: table {table!r}: {path} holds a {type(stored).__name__}, not a tensor or a dict of tensors."
+        )
     if table in stored:
         return stored[table]
     matches = [k for k in stored if k.endswith(f".{table}.weight")]
@@ -91,7 +93,9 @@ def _tables(module: nn.Module) -> Dict[str, List[Tuple[str, nn.Module, int, int]
         else:  # pragma: no cover - only the two types are searched
             continue
         for config in configs:
-            found.setdefault(config.name, []).append((path, holders[config.name], config.num_embeddings, config.embedding_dim))
+            found.setdefault(config.name, []).append(
+                (path, holders[config.name], config.num_embeddings, config.embedding_dim)
+            )
     return found
 
 
@@ -149,7 +153,9 @@ def load_rows(module: nn.Module, rows: Mapping[str, Rows]) -> None:
         bad = ~torch.isfinite(tensor)
         if bool(bad.any()):
             row = int(bad.any(dim=1).nonzero()[0])
-            raise ValueError(f"load_rows: table {name!r}: row {row} holds a non-finite value ({tensor[row][bad[row]][0].item()}).")
+            raise ValueError(
+                f"load_rows: table {name!r}: row {row} holds a non-finite value ({tensor[row][bad[row]][0].item()})."
+            )
         staged.append((name, holder, tensor))
     for _, holder, tensor in staged:
         weight = holder.weight

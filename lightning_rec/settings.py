@@ -14,7 +14,11 @@ except ImportError:  # pragma: no cover - lightning 2.5
     WeightAveraging = ()  # type: ignore[assignment,misc]  # isinstance(x, ()) is always False
 
 __all__ = [
-    "backward_without_step_error", "check_frozen_tables", "check_precision", "check_trainer_flags", "raised_in",
+    "backward_without_step_error",
+    "check_frozen_tables",
+    "check_precision",
+    "check_trainer_flags",
+    "raised_in",
     "toggle_optimizer_error",
 ]
 

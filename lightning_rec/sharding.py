@@ -204,7 +204,9 @@ def default_constraints(tables: Mapping[str, BaseEmbeddingConfig], device_type: 
     """Constraints that keep the planner to what ``device_type`` can run (TorchRec's planner would otherwise
     propose CUDA-only row-wise shardings on a CPU job)."""
     return {
-        name: TableConstraints(sharding_types=list(supported_sharding_types(device_type, isinstance(c, EmbeddingConfig))))
+        name: TableConstraints(
+            sharding_types=list(supported_sharding_types(device_type, isinstance(c, EmbeddingConfig)))
+        )
         for name, c in tables.items()
     }
 
@@ -291,7 +293,10 @@ def plan_module(
     """
     tables = embedding_tables(module, module_types)
     planner = make_planner(
-        world_size=world_size, device_type=device_type, topology=topology, local_world_size=local_world_size,
+        world_size=world_size,
+        device_type=device_type,
+        topology=topology,
+        local_world_size=local_world_size,
         constraints={**default_constraints(tables, device_type), **constraints},
     )
     plan = plan_sharding(module, sharders, planner, pg)

@@ -182,7 +182,9 @@ class RecShardStrategy(ParallelStrategy):
             name: c if isinstance(c, TableConstraints) else TableConstraints(**c)
             for name, c in (constraints or {}).items()
         }
-        self.topology = topology if topology is None or isinstance(topology, TopologyConfig) else TopologyConfig(**topology)
+        self.topology = (
+            topology if topology is None or isinstance(topology, TopologyConfig) else TopologyConfig(**topology)
+        )
         self._extra_sharders = list(sharders or [])
         self._plan = plan
         self.embedding_optimizer = (
@@ -192,7 +194,9 @@ class RecShardStrategy(ParallelStrategy):
         )
         self.fused_params = {**bounds_check_params(bounds_check), **dict(fused_params or {})}
         self._input_checks = InputChecks(
-            check_ids=bounds_check == "error", nonfinite=nonfinite, position=self._describe_position,
+            check_ids=bounds_check == "error",
+            nonfinite=nonfinite,
+            position=self._describe_position,
             check_structure=bounds_check != "none",
         )
         self._process_group_backend = process_group_backend
@@ -340,8 +344,11 @@ class RecShardStrategy(ParallelStrategy):
             check_trainer_flags(trainer, has_tables, type(self).__name__)
             if sharded_state(module) is None:  # frozen tables would train anyway (fused update in backward)
                 check_frozen_tables(
-                    ((f"{path}.{n}", p) for path, m in embedding_modules(module, self._module_types()).items()
-                     for n, p in m.named_parameters()),
+                    (
+                        (f"{path}.{n}", p)
+                        for path, m in embedding_modules(module, self._module_types()).items()
+                        for n, p in m.named_parameters()
+                    ),
                     type(self).__name__,
                 )
             self._backward_without_step = False
@@ -375,8 +382,13 @@ class RecShardStrategy(ParallelStrategy):
 
         if fitting:
             self._rec_optimizer, self.optimizers = combine_optimizers(
-                state.dmp.fused_optimizer, optimizers, dict(module.named_parameters()), is_embedding, lr_source,
-                unfused_table_parameters(module, state.plan), state.embedding_optimizer,
+                state.dmp.fused_optimizer,
+                optimizers,
+                dict(module.named_parameters()),
+                is_embedding,
+                lr_source,
+                unfused_table_parameters(module, state.plan),
+                state.embedding_optimizer,
             )
             self.lr_scheduler_configs = lr_scheduler_configs
             if self._write_plan_report and state.report is not None:
@@ -522,7 +534,10 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
         """Reduce ``tensor`` over all ranks with ``reduce_op`` (``"mean"``/``"avg"``, ``"sum"``, ``"max"``,
         ``"min"`` or a ``ReduceOp``); non-tensors are returned unchanged."""
@@ -576,8 +591,11 @@ class RecShardStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         meta = _ckpt.load(
-            path, module, [getattr(o, "_optimizer", o) for o in self.optimizers],
-            strict=getattr(module, "strict_loading", True), weights_only=weights_only,
+            path,
+            module,
+            [getattr(o, "_optimizer", o) for o in self.optimizers],
+            strict=getattr(module, "strict_loading", True),
+            weights_only=weights_only,
         )
         saved = meta.get("lightning_rec", {})
         if saved.get("world_size") not in (None, self.world_size):
@@ -629,7 +647,9 @@ class RecShardStrategy(ParallelStrategy):
 
     def _module_types(self) -> List[type]:
         """Module types that get sharded: TorchRec's two collections plus any extra sharder's."""
-        return list(dict.fromkeys([EmbeddingBagCollection, EmbeddingCollection] + [s.module_type for s in self._extra_sharders]))
+        return list(
+            dict.fromkeys([EmbeddingBagCollection, EmbeddingCollection] + [s.module_type for s in self._extra_sharders])
+        )
 
     def _sharders(self, emb_opt: EmbeddingOptimizer) -> List[ModuleSharder[nn.Module]]:
         return make_sharders({**emb_opt.to_fused_params(), **self.fused_params}, self._extra_sharders)
@@ -640,8 +660,11 @@ class RecShardStrategy(ParallelStrategy):
         """The fused optimizer and the param group whose learning rate it follows (None: its own)."""
         declared = getattr(module, "configure_embedding_optimizer", lambda: None)() or self.embedding_optimizer
         return resolve_embedding_optimizer(
-            optimizers, is_embedding, declared=declared,
-            has_tables=bool(embedding_tables(module, self._module_types())), device_type=self.root_device.type,
+            optimizers,
+            is_embedding,
+            declared=declared,
+            has_tables=bool(embedding_tables(module, self._module_types())),
+            device_type=self.root_device.type,
             owner=type(self).__name__,
         )
 
@@ -652,8 +675,15 @@ class RecShardStrategy(ParallelStrategy):
         local_world_size = (self.topology or TopologyConfig()).ranks_per_host(self.num_processes)
         if plan is None:
             plan, options = plan_module(
-                module, self._module_types(), sharders, self.constraints, self.topology, self.world_size,
-                local_world_size, self.root_device.type, pg,
+                module,
+                self._module_types(),
+                sharders,
+                self.constraints,
+                self.topology,
+                self.world_size,
+                local_world_size,
+                self.root_device.type,
+                pg,
             )
         report = PlanReport.from_plan(plan, self.world_size, self.root_device.type, options, local_world_size)
         rank_zero_info(
@@ -661,7 +691,15 @@ class RecShardStrategy(ParallelStrategy):
             f"{report.format_table()}"
         )
         return shard_module(
-            module, plan, sharders, self.root_device, pg, embedding_optimizer=emb_opt, report=report,
-            inputs=input_specs(module, self._module_types()), module_types=self._module_types(),
-            static_graph=self._static_graph, find_unused_parameters=self._find_unused_parameters,
+            module,
+            plan,
+            sharders,
+            self.root_device,
+            pg,
+            embedding_optimizer=emb_opt,
+            report=report,
+            inputs=input_specs(module, self._module_types()),
+            module_types=self._module_types(),
+            static_graph=self._static_graph,
+            find_unused_parameters=self._find_unused_parameters,
         )

@@ -107,12 +107,16 @@ class _Reorder:
         if kt.key_dim() == 1 and values.dim() == 2:
             kernel = self._kernels.get((tuple(keys), values.device))
             if kernel is None:
-                kernel = self._kernels[(tuple(keys), values.device)] = PermutePooledEmbeddings(lengths, perm, values.device)
+                kernel = self._kernels[(tuple(keys), values.device)] = PermutePooledEmbeddings(
+                    lengths, perm, values.device
+                )
             permuted = kernel(values)
         else:
             parts = values.split(lengths, dim=kt.key_dim())
             permuted = torch.cat([parts[i] for i in perm], dim=kt.key_dim())
-        return KeyedTensor(keys=self.order, length_per_key=[lengths[i] for i in perm], values=permuted, key_dim=kt.key_dim())
+        return KeyedTensor(
+            keys=self.order, length_per_key=[lengths[i] for i in perm], values=permuted, key_dim=kt.key_dim()
+        )
 
 
 def _output_keys(out: Any) -> Optional[List[str]]:
@@ -174,7 +178,9 @@ def capture_weights(module: nn.Module, module_types: Sequence[Type[nn.Module]]) 
     state-dict key; tables on ``meta`` hold nothing and are left out. Call it before sharding."""
     held: Dict[str, Dict[str, torch.Tensor]] = {}
     for path, sub in embedding_modules(module, module_types).items():
-        tensors = {k: t for k, t in sub.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor) and not t.is_meta}
+        tensors = {
+            k: t for k, t in sub.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor) and not t.is_meta
+        }
         if tensors:
             held[path] = {k: t.detach() for k, t in tensors.items()}
     return held
@@ -224,19 +230,27 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Three float64 numbers that tell two tables apart (sum, norm, row-position-weighted sum) without copying."""
     rows = t.reshape(t.shape[0], -1) if t.dim() > 0 else t.reshape(1, 1)
     position = torch.arange(1, rows.shape[0] + 1, dtype=torch.float64, device=t.device)
-    return torch.stack([
-        rows.sum(dtype=torch.float64),
-        torch.linalg.vector_norm(rows, dtype=torch.float64),
-        (rows.sum(1, dtype=torch.float64) * position).sum(),
-    ])
+    return torch.stack(
+        [
+            rows.sum(dtype=torch.float64),
+            torch.linalg.vector_norm(rows, dtype=torch.float64),
+            (rows.sum(1, dtype=torch.float64) * position).sum(),
+        ]
+    )
 
 
 def _agree_with_rank_zero(held: Dict[str, Dict[str, torch.Tensor]], pg: dist.ProcessGroup) -> None:
     names = [(path, key) for path in sorted(held) for key in sorted(held[path])]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
+    )
     # Every rank must take part in the same collectives: the set of held tables comes from the model's
     # construction, identical on every rank; a rank with other tables would fail the shape check below.
-    mine = torch.stack([_fingerprint(held[p][k]) for p, k in names]).to(device) if names else torch.zeros(0, 3, device=device)
+    mine = (
+        torch.stack([_fingerprint(held[p][k]) for p, k in names]).to(device)
+        if names
+        else torch.zeros(0, 3, device=device)
+    )
     count = torch.tensor([len(names)], device=device)
     counts = [torch.zeros_like(count) for _ in range(dist.get_world_size(pg))]
     dist.all_gather(counts, count, group=pg)
@@ -265,7 +279,9 @@ def _agree_with_rank_zero(held: Dict[str, Dict[str, torch.Tensor]], pg: dist.Pro
         _broadcast_in_place(held[path][key], pg, device)
 
 
-def _broadcast_in_place(t: torch.Tensor, pg: dist.ProcessGroup, device: torch.device, chunk_bytes: int = 64 << 20) -> None:
+def _broadcast_in_place(
+    t: torch.Tensor, pg: dist.ProcessGroup, device: torch.device, chunk_bytes: int = 64 << 20
+) -> None:
     """Broadcast ``t`` from rank 0 in place; through ``device`` in row chunks when ``t`` lives elsewhere (NCCL)."""
     src = dist.get_global_rank(pg, 0)
     if t.device == device and t.is_contiguous():
@@ -274,6 +290,6 @@ def _broadcast_in_place(t: torch.Tensor, pg: dist.ProcessGroup, device: torch.de
     rows = t.reshape(t.shape[0], -1) if t.dim() > 0 else t.reshape(1, 1)
     step = max(1, chunk_bytes // max(1, rows.shape[1] * rows.element_size()))
     for start in range(0, rows.shape[0], step):
-        buf = rows[start:start + step].to(device).contiguous()
+        buf = rows[start : start + step].to(device).contiguous()
         dist.broadcast(buf, src=src, group=pg)
-        rows[start:start + step].copy_(buf)
+        rows[start : start + step].copy_(buf)

@@ -20,8 +20,9 @@ from tests.helpers.dist import REPO
 
 
 def _bench(*args: str, timeout: float = 300):
-    out = subprocess.run([sys.executable, "-m", "lightning_rec.bench", *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_rec.bench", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -29,15 +30,38 @@ def _bench(*args: str, timeout: float = 300):
 @pytest.mark.dist
 def test_bench_tiny_runs_and_reports_the_ratios():
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_rec.bench", "--quick", "--sizes", "tiny", "--repeats", "1", "--variants", "raw,recshard"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lightning_rec.bench",
+            "--quick",
+            "--sizes",
+            "tiny",
+            "--repeats",
+            "1",
+            "--variants",
+            "raw,recshard",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "tiny: raw and recshard trained identically (losses, plan, kernels)" in out.stdout
     final = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("recshard_vs_raw", "pipelined_vs_raw_pipeline", "overhead_ms", "recshard_vs_raw_2proc",
-                "recshard_vs_lightning_ddp", "rss_recshard_vs_raw", "rss_recshard_vs_lightning_ddp",
-                "recshard_vs_lightning_sparse", "rss_recshard_vs_lightning_sparse", "recshard_vs_raw_criteo_onehot"):
+    for key in (
+        "recshard_vs_raw",
+        "pipelined_vs_raw_pipeline",
+        "overhead_ms",
+        "recshard_vs_raw_2proc",
+        "recshard_vs_lightning_ddp",
+        "rss_recshard_vs_raw",
+        "rss_recshard_vs_lightning_ddp",
+        "recshard_vs_lightning_sparse",
+        "rss_recshard_vs_lightning_sparse",
+        "recshard_vs_raw_criteo_onehot",
+    ):
         assert key in final
     assert isinstance(final["overhead_ms"], float)
     assert final["optimizer"] == "sgd" and final["measured"]["tiny"]["rows"] == SIZES["tiny"].rows
@@ -58,13 +82,40 @@ def _check_bandwidth(final, label, variants):
 @pytest.mark.dist
 def test_bench_gpu_size_shrunk_on_cpu_reports_both_plain_lightning_peers():
     variants = ["raw", "recshard", "lightning_sparse", "lightning_ddp"]
-    stdout, final = _bench("--sizes", "criteo_multihot", "--rows", "1000", "--batch-sizes", "128", "--steps", "4",
-                           "--warmup", "2", "--repeats", "1", "--optimizer", "adagrad", "--variants", ",".join(variants))
+    stdout, final = _bench(
+        "--sizes",
+        "criteo_multihot",
+        "--rows",
+        "1000",
+        "--batch-sizes",
+        "128",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--repeats",
+        "1",
+        "--optimizer",
+        "adagrad",
+        "--variants",
+        ",".join(variants),
+    )
     # Adagrad: FBGEMM's EXACT_ADAGRAD in the hand-written loop, derived from torch.optim.Adagrad by recshard.
     assert "criteo_multihot: raw and recshard trained identically (losses, plan, kernels)" in stdout
     assert final["measured"]["criteo_multihot"] == {
-        "tables": 26, "rows": 1000, "dim": 128, "batch_size": 128, "pooling": 20, "world_size": 1, "steps": 4,
-        "warmup": 2, "sharding": "table_wise", "dense": 13, "distinct_batches": 4, "optimizer": "adagrad"}
+        "tables": 26,
+        "rows": 1000,
+        "dim": 128,
+        "batch_size": 128,
+        "pooling": 20,
+        "world_size": 1,
+        "steps": 4,
+        "warmup": 2,
+        "sharding": "table_wise",
+        "dense": 13,
+        "distinct_batches": 4,
+        "optimizer": "adagrad",
+    }
     for peer in ("raw", "lightning_sparse", "lightning_ddp"):
         ratio = final[f"recshard_vs_{peer}_criteo_multihot"]
         assert isinstance(ratio, float) and ratio > 0
@@ -79,8 +130,21 @@ def test_bench_gpu_size_shrunk_on_cpu_reports_both_plain_lightning_peers():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the CUDA build of FBGEMM")
 def test_bench_criteo_onehot_on_a_gpu():
-    stdout, final = _bench("--sizes", "criteo_onehot", "--variants", "raw,recshard", "--repeats", "1", "--steps", "5",
-                           "--warmup", "2", "--optimizer", "adagrad", timeout=900)
+    stdout, final = _bench(
+        "--sizes",
+        "criteo_onehot",
+        "--variants",
+        "raw,recshard",
+        "--repeats",
+        "1",
+        "--steps",
+        "5",
+        "--warmup",
+        "2",
+        "--optimizer",
+        "adagrad",
+        timeout=900,
+    )
     assert "criteo_onehot: raw and recshard trained identically (losses, plan, kernels)" in stdout
     assert final["device"] == "cuda" and isinstance(final["recshard_vs_raw_criteo_onehot"], float)
     assert final["measured"]["criteo_onehot"]["rows"] == 1_000_000
@@ -130,7 +194,9 @@ def test_final_record_ratios_and_the_size_where_tables_dominate():
     final = final_record(results, repeats=1)
     assert final["overhead_ms"] == 0.4
     assert final["recshard_vs_raw"] == round(40 / 44, 4) and final["rss_recshard_vs_raw"] == 1.02
-    assert final["tables_dominate_size"] == "realistic" and final["rss_recshard_vs_lightning_ddp"] == round(918 / 1260, 4)
+    assert final["tables_dominate_size"] == "realistic" and final["rss_recshard_vs_lightning_ddp"] == round(
+        918 / 1260, 4
+    )
     results["large"] = {"recshard": _values(50, 2400), "lightning_ddp": _values(600, 4800)}
     final = final_record(results, repeats=1)
     assert final["tables_dominate_size"] == "large"
@@ -148,9 +214,13 @@ def test_final_record_both_plain_lightning_peers_and_the_gpu_sizes():
         "realistic": {"recshard": _values(44, 918), "lightning_sparse": _values(66, 1000)},
         "large": {"recshard": _values(50, 2400), "lightning_ddp": _values(600, 4800)},
         "criteo_multihot": {
-            "raw": _bw(_values(40, 900, 16384), 600.0, 3000.0), "recshard": _bw(_values(42, 910, 16384), 570.0, 3000.0),
-            "lightning_sparse": _values(80, 950, 16384), "lightning_ddp": _values(400, 990, 16384),
-            "raw_pipeline": _values(35, 900, 16384), "recshard_pipelined": _values(36, 900, 16384)},
+            "raw": _bw(_values(40, 900, 16384), 600.0, 3000.0),
+            "recshard": _bw(_values(42, 910, 16384), 570.0, 3000.0),
+            "lightning_sparse": _values(80, 950, 16384),
+            "lightning_ddp": _values(400, 990, 16384),
+            "raw_pipeline": _values(35, 900, 16384),
+            "recshard_pipelined": _values(36, 900, 16384),
+        },
         "criteo_onehot": {"raw": _values(10, 900, 16384)},
     }
     final = final_record(results, repeats=1)
@@ -170,7 +240,10 @@ def test_final_record_both_plain_lightning_peers_and_the_gpu_sizes():
 
 
 def test_plot_batch_sweep_writes_a_png(tmp_path):
-    results = {f"realistic@{b}": {"raw": _values(b / 100, 900, b), "recshard": _values(b / 95, 910, b)} for b in (512, 1024, 2048)}
+    results = {
+        f"realistic@{b}": {"raw": _values(b / 100, 900, b), "recshard": _values(b / 95, 910, b)}
+        for b in (512, 1024, 2048)
+    }
     results["tiny"] = {"raw": _values(1.5, 400, 64)}  # not a sweep: left out of the plot
     path = tmp_path / "sweep.png"
     plot_batch_sweep(results, str(path))
@@ -201,8 +274,22 @@ def test_bench_without_a_gpu_refuses_row_wise_and_runs_the_gpu_sizes_with_fewer_
     with pytest.raises(SystemExit):
         main(["--sizes", "tiny", "--sharding", "row_wise"])
     assert "row_wise needs CUDA" in capsys.readouterr().err
-    final = main(["--sizes", "criteo_onehot", "--variants", "raw", "--repeats", "1", "--steps", "2", "--warmup", "1",
-                  "--batch-sizes", "64"])
+    final = main(
+        [
+            "--sizes",
+            "criteo_onehot",
+            "--variants",
+            "raw",
+            "--repeats",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--batch-sizes",
+            "64",
+        ]
+    )
     out = capsys.readouterr().out
     assert "criteo_onehot is GPU-sized" in out and "13.3 GB" in out and "100,000 rows per table" in out
     assert final["measured"]["criteo_onehot"]["rows"] == 100_000 and final["measured"]["criteo_onehot"]["tables"] == 26
@@ -212,7 +299,11 @@ def test_bench_without_a_gpu_refuses_row_wise_and_runs_the_gpu_sizes_with_fewer_
 def test_profile_step_times_the_phases_and_lightnings_hooks():
     out = subprocess.run(
         [sys.executable, "benchmarks/profile_step.py", "recshard", "--size", "tiny", "--steps", "30", "--hooks"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(_free_port())},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MASTER_PORT": str(_free_port())},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])
@@ -224,8 +315,14 @@ def test_profile_step_times_the_phases_and_lightnings_hooks():
 
 
 def test_lightnings_own_overhead_and_recshards_beyond_it():
-    results = {"tiny": {"raw": _values(1.3, 400, 64), "recshard": _values(1.7, 400, 64),
-                        "plain_sparse": _values(1.0, 400, 64), "lightning_sparse": _values(1.25, 400, 64)}}
+    results = {
+        "tiny": {
+            "raw": _values(1.3, 400, 64),
+            "recshard": _values(1.7, 400, 64),
+            "plain_sparse": _values(1.0, 400, 64),
+            "lightning_sparse": _values(1.25, 400, 64),
+        }
+    }
     final = final_record(results, repeats=1)
     assert final["lightning_overhead_ms"] == 0.25
     assert final["recshard_overhead_beyond_lightnings_ms"] == 0.15  # 0.4 over raw, 0.25 of it Lightning's
@@ -237,11 +334,17 @@ def test_lightnings_own_overhead_and_recshards_beyond_it():
 def test_paired_overhead_pairs_each_lightning_step_with_its_baseline():
     out = subprocess.run(
         [sys.executable, "benchmarks/paired_overhead.py", "--size", "tiny", "--steps", "20"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(_free_port())},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MASTER_PORT": str(_free_port())},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])
     for name in ("recshard", "lightning"):
         assert 0 < record[f"{name}_baseline_ms"] and 0 < record[f"{name}_ms"]
     assert record["overhead_ms"] == round(record["recshard_ms"] - record["recshard_baseline_ms"], 4)
-    assert record["recshard_overhead_beyond_lightnings_ms"] == round(record["overhead_ms"] - record["lightning_overhead_ms"], 4)
+    assert record["recshard_overhead_beyond_lightnings_ms"] == round(
+        record["overhead_ms"] - record["lightning_overhead_ms"], 4
+    )

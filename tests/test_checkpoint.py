@@ -13,7 +13,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_rec import cli
-from lightning_rec.checkpoint import CheckpointError, UnsafeCheckpointError, export, is_checkpoint, layout, load_exported
+from lightning_rec.checkpoint import (
+    CheckpointError,
+    UnsafeCheckpointError,
+    export,
+    is_checkpoint,
+    layout,
+    load_exported,
+)
 from tests.helpers.checkpoint_scenarios import fixed_batch
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import RecModel, assemble, local_weights
@@ -69,21 +76,29 @@ def test_reshard_across_world_sizes_and_plans_and_export(tmp_path):
     checked = 0
     for result in two + one + two_again:
         for key, predictions in result["loaded"].items():
-            torch.testing.assert_close(torch.tensor(predictions), expected[key.split(":")[0]], rtol=0, atol=1e-6, msg=key)
+            torch.testing.assert_close(
+                torch.tensor(predictions), expected[key.split(":")[0]], rtol=0, atol=1e-6, msg=key
+            )
             checked += 1
     assert checked == 2 * 3 + 2 * 3 + 2 * 2 * 3
 
     # Resume fitting on 1 rank from the 2-rank mixed-plan checkpoint under three other plans: the optimizer state
     # (fused accumulators <-> the data-parallel table's torch Adagrad) arrives intact, so training is identical.
-    resumed = run_ranks(S + "resume_on_plans", 1, tmp_path / "resume", ckpt=str(tmp_path / "saved_2.ckpt"), plans=THREE_PLANS)[0]
+    resumed = run_ranks(
+        S + "resume_on_plans", 1, tmp_path / "resume", ckpt=str(tmp_path / "saved_2.ckpt"), plans=THREE_PLANS
+    )[0]
     for plan in THREE_PLANS:
         assert resumed[plan]["restored_sums"] == pytest.approx(two[0]["saved_sums"], rel=1e-6), plan
         assert resumed[plan]["losses"] == pytest.approx(resumed["table_wise"]["losses"], abs=1e-6), plan
         assert resumed[plan]["global_step"] == 6
 
     # A mismatching model on 2 ranks: both ranks raise the same complete error (and nobody hangs).
-    errors = [r["error"] for r in run_ranks(S + "load_mismatching", 2, tmp_path / "bad", ckpt=str(tmp_path / "saved_2.ckpt"))]
-    assert errors[0] == errors[1] and "t_genre.weight: shape (12, 8) in the checkpoint, (13, 8) in the model" in errors[0]
+    errors = [
+        r["error"] for r in run_ranks(S + "load_mismatching", 2, tmp_path / "bad", ckpt=str(tmp_path / "saved_2.ckpt"))
+    ]
+    assert (
+        errors[0] == errors[1] and "t_genre.weight: shape (12, 8) in the checkpoint, (13, 8) in the model" in errors[0]
+    )
 
     # Export: one file per format, loaded into the plain, unsharded model (tables on meta) on this process.
     for name in ("model.safetensors", "model.pt"):
@@ -95,7 +110,10 @@ def test_reshard_across_world_sizes_and_plans_and_export(tmp_path):
         with torch.no_grad():
             predictions = torch.sigmoid(plain(fixed_batch()))
         torch.testing.assert_close(predictions, expected["saved_2.ckpt"], rtol=0, atol=1e-6, msg=name)
-    assert torch.load(tmp_path / "model.pt", weights_only=True).keys() == load_exported(tmp_path / "model.safetensors").keys()
+    assert (
+        torch.load(tmp_path / "model.pt", weights_only=True).keys()
+        == load_exported(tmp_path / "model.safetensors").keys()
+    )
 
 
 def test_export_command_selects_a_submodule(tmp_path, capsys):
@@ -106,7 +124,11 @@ def test_export_command_selects_a_submodule(tmp_path, capsys):
     cli.run(["export", str(tmp_path / "c.ckpt"), str(tmp_path / "ebc.pt"), "--prefix", "ebc."])
     assert "wrote" in capsys.readouterr().out
     state = torch.load(tmp_path / "ebc.pt", weights_only=True)
-    assert sorted(state) == ["embedding_bags.t_genre.weight", "embedding_bags.t_item.weight", "embedding_bags.t_user.weight"]
+    assert sorted(state) == [
+        "embedding_bags.t_genre.weight",
+        "embedding_bags.t_item.weight",
+        "embedding_bags.t_user.weight",
+    ]
     with pytest.raises(CheckpointError, match="no model weights under prefix 'nope.'"):
         export(tmp_path / "c.ckpt", tmp_path / "x.pt", prefix="nope.")
     assert not (tmp_path / "x.pt").exists()
@@ -159,7 +181,9 @@ def test_layout_and_contents(saved):
     assert meta["global_step"] == 3 and meta["loops"] and "lr_schedulers" in meta
     assert meta["lightning_rec"]["embedding_optimizer"]["name"] == "adagrad"
     assert {t["name"]: t["sharding_type"] for t in meta["lightning_rec"]["plan"]["tables"]} == {
-        "t_user": "column_wise", "t_item": "table_wise", "t_genre": "data_parallel"
+        "t_user": "column_wise",
+        "t_item": "table_wise",
+        "t_genre": "data_parallel",
     }
     keys = set(read_metadata(path).state_dict_metadata)
     assert "model/ebc.embedding_bags.t_user.weight" in keys
@@ -228,8 +252,11 @@ def test_mismatching_model_lists_every_problem_before_any_change(saved):
     from tests.helpers.models import tables
 
     model.ebc = EmbeddingBagCollection(
-        tables=[*tables()[:2], EmbeddingBagConfig(name="t_genre", embedding_dim=8, num_embeddings=13, feature_names=["genre"]),
-                EmbeddingBagConfig(name="t_extra", embedding_dim=8, num_embeddings=5, feature_names=["extra"])],
+        tables=[
+            *tables()[:2],
+            EmbeddingBagConfig(name="t_genre", embedding_dim=8, num_embeddings=13, feature_names=["genre"]),
+            EmbeddingBagConfig(name="t_extra", embedding_dim=8, num_embeddings=5, feature_names=["extra"]),
+        ],
         device=torch.device("meta"),
     )
     model.mlp[0] = torch.nn.Linear(34, 16)
@@ -252,7 +279,9 @@ def test_weights_only_checkpoint_cannot_resume_but_can_predict(tmp_path):
     expected = trainer.predict(model, DataLoader([fixed_batch()], batch_size=None))[0]
 
     trainer2, model2 = _fresh_trainer_and_model()
-    predictions = trainer2.predict(model2, DataLoader([fixed_batch()], batch_size=None), ckpt_path=tmp_path / "w.ckpt")[0]
+    predictions = trainer2.predict(model2, DataLoader([fixed_batch()], batch_size=None), ckpt_path=tmp_path / "w.ckpt")[
+        0
+    ]
     torch.testing.assert_close(predictions, expected, rtol=0, atol=1e-6)
     trainer3, model3 = _fresh_trainer_and_model()
     with pytest.raises(CheckpointError, match="no optimizer state"):
@@ -289,7 +318,9 @@ def test_loading_never_unpickles_arbitrary_objects(saved, tmp_path):
 def test_model_checkpoint_top_k_pruning_and_last(tmp_path):
     """save_top_k + every_n_train_steps + save_last: pruned directories are gone, the best and the newest remain,
     `last` is complete and loads; `ckpt_path="last"` resumes from it."""
-    callback = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="train_loss", mode="max", save_top_k=2, every_n_train_steps=2, save_last="link")
+    callback = ModelCheckpoint(
+        dirpath=tmp_path / "ck", monitor="train_loss", mode="max", save_top_k=2, every_n_train_steps=2, save_last="link"
+    )
     trainer = _trainer(1, 8, callbacks=[callback])
     trainer.fit(RecModel(), _loader(0, 8, 8, {}))
     entries = {p.name: p for p in (tmp_path / "ck").iterdir()}

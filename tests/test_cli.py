@@ -29,7 +29,10 @@ def test_all_three_configs_are_shipped() -> None:
 def test_every_shipped_config_loads(config: Path, tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "lightning_rec.cli", "fit", "--config", str(config), "--print_config"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     printed = yaml.safe_load(out.stdout)
@@ -41,8 +44,15 @@ def test_every_shipped_config_loads(config: Path, tmp_path: Path) -> None:
 
 def _fit(args: List[str], tmp_path: Path) -> Dict[str, float]:
     """Run ``fit`` in this process (1 rank) and return the last logged value of each CSV metric."""
-    cli = run(["fit", *args, f"--trainer.default_root_dir={tmp_path}", "--trainer.devices=1",
-                "--trainer.enable_checkpointing=false"])
+    cli = run(
+        [
+            "fit",
+            *args,
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.devices=1",
+            "--trainer.enable_checkpointing=false",
+        ]
+    )
     metrics_csv = Path(cli.trainer.logger.log_dir) / "metrics.csv"
     assert metrics_csv.is_file(), "metrics should land in a CSV log under default_root_dir by default"
     assert metrics_csv.is_relative_to(tmp_path)
@@ -55,29 +65,49 @@ def _fit(args: List[str], tmp_path: Path) -> Dict[str, float]:
 
 @pytest.mark.dist
 def test_strategy_arguments_and_constraints_from_flags(tmp_path: Path) -> None:
-    cli = run([
-        "fit", "--config", str(REPO / "examples/configs/synthetic_dlrm.yaml"), "--trainer.devices=1",
-        f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3", "--trainer.enable_checkpointing=false",
-        "--trainer.strategy=lightning_rec.RecShardStrategy",
-        '--trainer.strategy.constraints={"t_user": {"sharding_types": ["table_wise"]}}',
-        "--trainer.strategy.bounds_check=warn", "--trainer.strategy.nonfinite=ignore", "--trainer.strategy.timeout=90",
-        "--data.init_args.train_rows=2048", "--data.init_args.val_rows=512",
-    ])
+    cli = run(
+        [
+            "fit",
+            "--config",
+            str(REPO / "examples/configs/synthetic_dlrm.yaml"),
+            "--trainer.devices=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=3",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.strategy=lightning_rec.RecShardStrategy",
+            '--trainer.strategy.constraints={"t_user": {"sharding_types": ["table_wise"]}}',
+            "--trainer.strategy.bounds_check=warn",
+            "--trainer.strategy.nonfinite=ignore",
+            "--trainer.strategy.timeout=90",
+            "--data.init_args.train_rows=2048",
+            "--data.init_args.val_rows=512",
+        ]
+    )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, RecShardStrategy)
     assert strategy.constraints["t_user"].sharding_types == ["table_wise"]
     assert strategy.fused_params["bounds_check_mode"].name == "WARNING"
     assert strategy.timeout == timedelta(seconds=90)
     assert strategy._input_checks.nonfinite == "ignore" and not strategy._input_checks.check_ids
-    assert strategy.sharding_plan.get_plan_for_module("model.sparse_arch.embedding_bag_collection")["t_user"].sharding_type == "table_wise"
+    assert (
+        strategy.sharding_plan.get_plan_for_module("model.sparse_arch.embedding_bag_collection")["t_user"].sharding_type
+        == "table_wise"
+    )
 
 
 @pytest.mark.dist
 def test_synthetic_fit_logs_metrics_and_throughput(tmp_path: Path) -> None:
-    last = _fit([
-        "--config", str(REPO / "examples/configs/synthetic_dlrm.yaml"), "--trainer.max_epochs=1",
-        "--trainer.log_every_n_steps=2", "--data.init_args.train_rows=4096", "--data.init_args.val_rows=1024",
-    ], tmp_path)
+    last = _fit(
+        [
+            "--config",
+            str(REPO / "examples/configs/synthetic_dlrm.yaml"),
+            "--trainer.max_epochs=1",
+            "--trainer.log_every_n_steps=2",
+            "--data.init_args.train_rows=4096",
+            "--data.init_args.val_rows=1024",
+        ],
+        tmp_path,
+    )
     assert {"val/auroc", "val/ne", "val/log_loss", "val/accuracy", "train/loss", "train/samples_per_s"} <= set(last)
     assert last["train/samples_per_s"] > 0
     assert 0.0 <= last["val/auroc"] <= 1.0
@@ -90,11 +120,19 @@ def test_criteo_fit_on_a_generated_file(tmp_path: Path) -> None:
     train, val = tmp_path / "train.txt", tmp_path / "val.txt"
     write_criteo_tsv(train, 3000, seed=0)
     write_criteo_tsv(val, 600, seed=1)
-    last = _fit([
-        "--config", str(REPO / "examples/configs/criteo_dlrm.yaml"), "--trainer.max_epochs=1",
-        f"--data.init_args.train=[{train}]", f"--data.init_args.val=[{val}]", "--data.init_args.num_embeddings=1000",
-        "--data.init_args.batch_size=256", "--trainer.log_every_n_steps=2",
-    ], tmp_path)
+    last = _fit(
+        [
+            "--config",
+            str(REPO / "examples/configs/criteo_dlrm.yaml"),
+            "--trainer.max_epochs=1",
+            f"--data.init_args.train=[{train}]",
+            f"--data.init_args.val=[{val}]",
+            "--data.init_args.num_embeddings=1000",
+            "--data.init_args.batch_size=256",
+            "--trainer.log_every_n_steps=2",
+        ],
+        tmp_path,
+    )
     assert "val/auroc" in last and "train/loss" in last
 
 
@@ -103,7 +141,10 @@ def test_prepare_subcommand(tmp_path: Path) -> None:
     data = movielens_dir()
     out = subprocess.run(
         [sys.executable, "-m", "lightning_rec.cli", "prepare", "movielens", "--data_dir", str(data)],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
     assert out.returncode == 0 and str(data) in out.stdout, out.stderr
 
@@ -111,11 +152,18 @@ def test_prepare_subcommand(tmp_path: Path) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
 def test_evaluation_subcommands(subcommand: str, tmp_path: Path) -> None:
-    cli = run([
-        subcommand, "--config", str(REPO / "examples/configs/synthetic_dlrm.yaml"), "--trainer.devices=1",
-        f"--trainer.default_root_dir={tmp_path}", "--data.init_args.train_rows=1024", "--data.init_args.val_rows=700",
-        "--data.init_args.batch_size=256",
-    ])
+    cli = run(
+        [
+            subcommand,
+            "--config",
+            str(REPO / "examples/configs/synthetic_dlrm.yaml"),
+            "--trainer.devices=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--data.init_args.train_rows=1024",
+            "--data.init_args.val_rows=700",
+            "--data.init_args.batch_size=256",
+        ]
+    )
     if subcommand == "predict":
         predictions = cli.trainer.predict_loop.predictions
         assert sum(p["probability"].numel() for p in predictions) == 700

@@ -85,11 +85,15 @@ def test_generated_file_is_realistic_and_unlabelled_files_are_detected(tmp_path:
 def _fake_iopath(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrec's file helpers import iopath (an optional dependency); a local-files stand-in is all they use."""
     file_io = types.ModuleType("iopath.common.file_io")
-    manager = types.SimpleNamespace(open=lambda path, mode="r", **kw: open(path, mode),
-                                    set_strict_kwargs_checking=lambda value: None)
+    manager = types.SimpleNamespace(
+        open=lambda path, mode="r", **kw: open(path, mode), set_strict_kwargs_checking=lambda value: None
+    )
     file_io.PathManagerFactory = lambda: types.SimpleNamespace(get=lambda key: manager)
-    for name, module in [("iopath", types.ModuleType("iopath")), ("iopath.common", types.ModuleType("iopath.common")),
-                         ("iopath.common.file_io", file_io)]:
+    for name, module in [
+        ("iopath", types.ModuleType("iopath")),
+        ("iopath.common", types.ModuleType("iopath.common")),
+        ("iopath.common.file_io", file_io),
+    ]:
         monkeypatch.setitem(sys.modules, name, module)
 
 
@@ -109,8 +113,12 @@ def test_tsv_and_npy_give_identical_batches(tmp_path: Path, monkeypatch: pytest.
     index = [299, 5, 5, 0, 300, 399, 250]
     assert _rows([two[index]]) == [_rows([streamed])[i if i < 300 else i - 100] for i in index]
     # raw integer dense arrays are transformed on reading, with the same result
-    np.save(tmp_path / "raw_dense.npy", np.array([[int(v or 0) for v in line.split("\t")[1:14]]
-                                                  for line in tsv.read_text().splitlines()], dtype=np.int32))
+    np.save(
+        tmp_path / "raw_dense.npy",
+        np.array(
+            [[int(v or 0) for v in line.split("\t")[1:14]] for line in tsv.read_text().splitlines()], dtype=np.int32
+        ),
+    )
     for part in ("sparse", "labels"):
         (tmp_path / f"raw_{part}.npy").write_bytes((tmp_path / f"ours_day_0_{part}.npy").read_bytes())
     _assert_same_batch(CriteoNpyDataset([tmp_path / "raw"], 1000)[torch.arange(300)], streamed)
@@ -265,8 +273,12 @@ def test_datamodule_layouts_ranks_and_features(tmp_path: Path) -> None:
     tsv = CriteoDataModule(train=[str(tmp_path / "day_*")], num_embeddings=BIG, layout="tsv")
     tsv_rows = _rows(tsv.train_dataloader())
     # a glob over the .npy files collapses to their prefixes; "auto" picks .npy; training data is shuffled
-    dm = CriteoDataModule(train=[str(tmp_path / "npy" / "d*")], val=[str(tmp_path / "npy" / "d*_dense.npy")],
-                          num_embeddings=BIG, batch_size=64)
+    dm = CriteoDataModule(
+        train=[str(tmp_path / "npy" / "d*")],
+        val=[str(tmp_path / "npy" / "d*_dense.npy")],
+        num_embeddings=BIG,
+        batch_size=64,
+    )
     train, val = _rows(dm.train_dataloader()), _rows(dm.val_dataloader())
     assert val == tsv_rows and sorted(train) == sorted(tsv_rows) and train != tsv_rows and len(tsv_rows) == 300
     # the DataModule hands the trainer's rank and world size to the stream

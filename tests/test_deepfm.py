@@ -37,8 +37,11 @@ def _unshard(model: DeepFMModule) -> DeepFMModule:
 
 
 def _batch():
-    data = RecDataset(torch.randn(6, 2), torch.tensor([1.0, 0, 1, 0, 1, 0]),
-                      {"user": torch.arange(6), "genre": Jagged.from_lists([[1], [2, 3], [], [4], [0, 1, 2], [3]])})
+    data = RecDataset(
+        torch.randn(6, 2),
+        torch.tensor([1.0, 0, 1, 0, 1, 0]),
+        {"user": torch.arange(6), "genre": Jagged.from_lists([[1], [2, 3], [], [4], [0, 1, 2], [3]])},
+    )
     return data[torch.arange(6)]
 
 
@@ -53,10 +56,13 @@ def test_build_deepfm_rejects_bad_arguments_with_hints() -> None:
         build_deepfm(FEATURES, 2, deep_layer_sizes=[])
     with pytest.raises(ValueError, match=r"HINT: got fm='cross'"):
         build_deepfm(FEATURES, 2, fm="cross")  # type: ignore[arg-type]
-    mixed = EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name="t_a", embedding_dim=4, num_embeddings=3, feature_names=["a"]),
-        EmbeddingBagConfig(name="t_b", embedding_dim=8, num_embeddings=3, feature_names=["b"]),
-    ], device=torch.device("meta"))
+    mixed = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="t_a", embedding_dim=4, num_embeddings=3, feature_names=["a"]),
+            EmbeddingBagConfig(name="t_b", embedding_dim=8, num_embeddings=3, feature_names=["b"]),
+        ],
+        device=torch.device("meta"),
+    )
     with pytest.raises(ValueError, match=r"one embedding_dim.*'t_a': 4, 't_b': 8.*HINT"):
         DeepFMNN(mixed, 2)
     with pytest.raises(ValueError, match=r"HINT: choose one of \['adagrad', 'adam', 'sgd'\]"):
@@ -76,8 +82,10 @@ def test_torchrec_fm_variant_computes_simple_deepfmnn_up_to_its_sigmoid() -> Non
     """With ``fm="torchrec"``, one deep layer and a one-layer over arch, DeepFMNN is TorchRec's SimpleDeepFMNN
     (same weights -> same output) except that it returns the logit where TorchRec applies a sigmoid."""
     torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name=f"t_{f.name}", embedding_dim=4, num_embeddings=f.num_embeddings,
-                                 feature_names=[f.name]) for f in FEATURES]
+    tables = [
+        EmbeddingBagConfig(name=f"t_{f.name}", embedding_dim=4, num_embeddings=f.num_embeddings, feature_names=[f.name])
+        for f in FEATURES
+    ]
     ebc = EmbeddingBagCollection(tables=tables)
     reference = SimpleDeepFMNN(2, ebc, hidden_layer_size=6, deep_fm_dimension=5)
     ours = DeepFMNN(ebc, 2, dense_arch_hidden_size=6, deep_layer_sizes=[5], over_arch_layer_sizes=[1], fm="torchrec")
@@ -92,8 +100,17 @@ def test_torchrec_fm_variant_computes_simple_deepfmnn_up_to_its_sigmoid() -> Non
 
 @pytest.mark.parametrize("fm", ["paper", "torchrec"])
 def test_deepfm_module_forward_loss_and_predict_on_unsharded_tables(fm: str) -> None:
-    model = _unshard(DeepFMModule(FEATURES, 2, embedding_dim=4, dense_arch_hidden_size=8, deep_layer_sizes=[8, 4],
-                                  over_arch_layer_sizes=[4, 1], fm=fm))
+    model = _unshard(
+        DeepFMModule(
+            FEATURES,
+            2,
+            embedding_dim=4,
+            dense_arch_hidden_size=8,
+            deep_layer_sizes=[8, 4],
+            over_arch_layer_sizes=[4, 1],
+            fm=fm,
+        )
+    )
     batch = _batch()
     logits = model(batch)
     assert logits.shape == (6,)
@@ -111,8 +128,14 @@ def test_deepfm_module_forward_loss_and_predict_on_unsharded_tables(fm: str) -> 
 def test_deepfm_module_optimizers() -> None:
     model = DeepFMModule(FEATURES, 2)
     assert model.configure_embedding_optimizer() == EmbeddingOptimizer("rowwise_adagrad", lr=0.05)
-    opt = DeepFMModule(FEATURES, 2, embedding_optimizer=EmbeddingOptimizer("adagrad", lr=0.2),
-                       dense_optimizer="adagrad", dense_lr=0.01, dense_weight_decay=1e-4)
+    opt = DeepFMModule(
+        FEATURES,
+        2,
+        embedding_optimizer=EmbeddingOptimizer("adagrad", lr=0.2),
+        dense_optimizer="adagrad",
+        dense_lr=0.01,
+        dense_weight_decay=1e-4,
+    )
     assert opt.configure_embedding_optimizer() == EmbeddingOptimizer("adagrad", lr=0.2)
     dense = opt.configure_optimizers()
     assert isinstance(dense, torch.optim.Adagrad)
@@ -131,7 +154,11 @@ def test_shipped_config_builds_with_the_cli_parser() -> None:
 
     shipped = yaml.safe_load(CONFIG.read_text())
     cli = RecCLI(
-        LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
         auto_configure_optimizers=False,
         args=["--config", str(CONFIG), f"--data.init_args.data_dir={movielens_dir()}", "--trainer.logger=false"],
     )

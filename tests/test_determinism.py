@@ -41,14 +41,30 @@ def test_two_runs_are_bit_identical(tmp_path, world_size, strategy):
 def test_two_cli_runs_on_two_processes_log_identical_losses(tmp_path):
     """The whole user path: `lightning-rec fit` (Lightning's launcher, 2 processes, shuffled synthetic data, DLRM)."""
     script = Path(sys.executable).with_name("lightning-rec")
-    env = {k: v for k, v in os.environ.items() if k not in {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"}}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"}
+    }
     losses = []
     for i in range(2):
         out = subprocess.run(
-            [str(script), "fit", "--config", "examples/configs/synthetic_dlrm.yaml", f"--trainer.default_root_dir={tmp_path / str(i)}",
-             "--trainer.max_epochs=1", "--trainer.log_every_n_steps=1", "--data.init_args.train_rows=8192",
-             "--data.init_args.val_rows=1024"],
-            cwd=REPO, capture_output=True, text=True, timeout=300, env={**env, "PYTHONWARNINGS": "ignore"},
+            [
+                str(script),
+                "fit",
+                "--config",
+                "examples/configs/synthetic_dlrm.yaml",
+                f"--trainer.default_root_dir={tmp_path / str(i)}",
+                "--trainer.max_epochs=1",
+                "--trainer.log_every_n_steps=1",
+                "--data.init_args.train_rows=8192",
+                "--data.init_args.val_rows=1024",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**env, "PYTHONWARNINGS": "ignore"},
         )
         assert out.returncode == 0, out.stderr[-3000:]
         rows = csv.DictReader(open(next((tmp_path / str(i)).glob("lightning_logs/version_0/metrics.csv"))))

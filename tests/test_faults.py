@@ -36,7 +36,10 @@ def test_a_rank_that_raises_stops_the_other_at_once_with_its_error(tmp_path):
     assert rank0.ended - failure_time(tmp_path, 1) < PROMPT
     # rank 0's own error says who failed first, why, where, and what to do
     assert "rank 0 of 2 stopped at training step 6 (epoch 1, batch 2)" in rank0.log
-    assert "because rank 1 failed first: RuntimeError at training step 6 (epoch 1, batch 2): injected failure on rank 1" in rank0.log
+    assert (
+        "because rank 1 failed first: RuntimeError at training step 6 (epoch 1, batch 2): injected failure on rank 1"
+        in rank0.log
+    )
     assert "ckpt_path='last'" in rank0.log
 
 
@@ -53,7 +56,9 @@ def test_a_killed_rank_ends_the_job_quickly_and_a_resume_loses_nothing(tmp_path)
     # the epoch-0 checkpoint survived the crash; nothing of the interrupted epoch was written
     assert sorted(p.name for p in (crashed / "ckpts").iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
 
-    resumed = run_ranks(S + "fit_epochs", 2, crashed, tag="resumed", epochs=3, ckpt_path=str(crashed / "ckpts" / "last.ckpt"))
+    resumed = run_ranks(
+        S + "fit_epochs", 2, crashed, tag="resumed", epochs=3, ckpt_path=str(crashed / "ckpts" / "last.ckpt")
+    )
     for rank in range(2):
         assert resumed[rank]["global_step"] == 12
         assert resumed[rank]["losses"] == straight[rank]["losses"][4:]  # bit-identical: nothing lost, nothing changed
@@ -66,8 +71,15 @@ def test_a_killed_rank_ends_the_job_quickly_and_a_resume_loses_nothing(tmp_path)
 def test_a_hung_rank_is_given_up_on_after_the_configured_timeout(tmp_path):
     timeout = 20.0
     run = launch(
-        S + "fit_epochs", 2, tmp_path, tag="x", epochs=2, strategy={"timeout": timeout},
-        fail={"rank": 1, "step": 2, "how": "hang"}, wait_for=["rank0"], timeout=240,
+        S + "fit_epochs",
+        2,
+        tmp_path,
+        tag="x",
+        epochs=2,
+        strategy={"timeout": timeout},
+        fail={"rank": 1, "step": 2, "how": "hang"},
+        wait_for=["rank0"],
+        timeout=240,
     )
     rank0 = run.processes[0]
     assert run.processes[1].returncode is None, "the stopped rank never exits by itself"
@@ -96,7 +108,9 @@ def test_lightning_launched_job_ends_when_a_child_rank_is_killed(tmp_path):
 
 
 def test_communication_errors_are_told_from_causes():
-    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    )
     assert is_communication_error(gloo)
     assert is_communication_error(torch.distributed.DistNetworkError("store gone"))
     try:
@@ -139,9 +153,14 @@ def test_positions_follow_lightning_progress():
         return SimpleNamespace(batch_progress=SimpleNamespace(current=SimpleNamespace(ready=ready)))
 
     trainer = SimpleNamespace(
-        state=SimpleNamespace(stage=RunningStage.TRAINING, fn=TrainerFn.FITTING), global_step=12, current_epoch=1,
-        training=True, fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_idx=4, val_loop=progress(3))),
-        validate_loop=progress(8), test_loop=progress(2), predict_loop=progress(5),
+        state=SimpleNamespace(stage=RunningStage.TRAINING, fn=TrainerFn.FITTING),
+        global_step=12,
+        current_epoch=1,
+        training=True,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_idx=4, val_loop=progress(3))),
+        validate_loop=progress(8),
+        test_loop=progress(2),
+        predict_loop=progress(5),
     )
     assert describe_position(trainer) == "training step 12 (epoch 1, batch 4)"
     assert describe_position(trainer, ahead=1) == "training step 13 (epoch 1, batch 5)"
@@ -163,4 +182,6 @@ def test_a_rank_publishes_its_own_error_and_explains_a_consequence():
     consequence = RuntimeError("[/gloo/transport/tcp/pair.cc:1] Connection closed by peer")
     waiting.handle(consequence, "training step 4 (epoch 0, batch 4)", 2, None)
     assert "rank 1 failed first: RuntimeError at training step 4" in consequence.__notes__[0]
-    assert waiting.first() == (1, "RuntimeError at training step 4 (epoch 0, batch 4): boom"), "consequences are not published"
+    assert waiting.first() == (1, "RuntimeError at training step 4 (epoch 0, batch 4): boom"), (
+        "consequences are not published"
+    )

@@ -23,8 +23,14 @@ ROW_WISE_PLAN = {
 def test_row_wise_training_with_nccl_reduces_the_loss(tmp_path):
     world_size = min(2, torch.cuda.device_count())
     res = run_ranks(
-        "train", world_size, tmp_path, steps=40, batch_size=64, model={"lr": 0.2},
-        strategy={"constraints": ROW_WISE_PLAN}, trainer={"accelerator": "gpu"},
+        "train",
+        world_size,
+        tmp_path,
+        steps=40,
+        batch_size=64,
+        model={"lr": 0.2},
+        strategy={"constraints": ROW_WISE_PLAN},
+        trainer={"accelerator": "gpu"},
     )
     assert {r["table"]: r["sharding_type"] for r in res[0]["plan"]}["t_user"] == "row_wise"
     for r in res:
@@ -32,8 +38,9 @@ def test_row_wise_training_with_nccl_reduces_the_loss(tmp_path):
 
 
 def test_fused_adam_is_available_on_cuda(tmp_path):
-    res = run_ranks("train", 1, tmp_path, steps=10, model={"optimizer": "adam", "lr": 0.01},
-                    trainer={"accelerator": "gpu"})
+    res = run_ranks(
+        "train", 1, tmp_path, steps=10, model={"optimizer": "adam", "lr": 0.01}, trainer={"accelerator": "gpu"}
+    )
     assert len(res[0]["losses"]) == 10
 
 
@@ -45,7 +52,9 @@ def test_checkpoint_saved_on_gpu_loads_on_cpu_and_exports(tmp_path):
     from tests.helpers.models import RecModel
 
     S = "tests.helpers.checkpoint_scenarios:reshard"
-    gpu = run_ranks(S, 1, tmp_path, save_plan="row_wise_mixed", load_plans=["row_wise_mixed", "table_wise"], accelerator="gpu")[0]
+    gpu = run_ranks(
+        S, 1, tmp_path, save_plan="row_wise_mixed", load_plans=["row_wise_mixed", "table_wise"], accelerator="gpu"
+    )[0]
     cpu = run_ranks(S, 1, tmp_path, save_plan=None, load_plans=["table_wise", "column_wise", "data_parallel"])[0]
     expected = torch.tensor(gpu["saved"])
     for key, predictions in {**gpu["loaded"], **cpu["loaded"]}.items():

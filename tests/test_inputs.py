@@ -46,7 +46,9 @@ EXPECTED_ERRORS = {
 
 @pytest.mark.dist
 def test_each_bad_batch_fails_at_its_step_naming_what_is_wrong_and_changes_nothing(tmp_path):
-    results = run_ranks(S + "bad_batches", 1, tmp_path, cases=list(EXPECTED_ERRORS) + ["none", "permuted", "int32_ids"])[0]
+    results = run_ranks(
+        S + "bad_batches", 1, tmp_path, cases=list(EXPECTED_ERRORS) + ["none", "permuted", "int32_ids"]
+    )[0]
     for case, expected in EXPECTED_ERRORS.items():
         r = results[case]
         assert r["error"] is not None and r["error"].startswith(expected), (case, r["error"])
@@ -102,7 +104,9 @@ def test_ids_the_host_never_saw_are_checked_at_the_tables_door(tmp_path, how, do
 
 @pytest.mark.dist
 def test_pipelined_training_refuses_a_bad_batch_before_its_step(tmp_path):
-    results = run_ranks(S + "bad_batches", 1, tmp_path, cases=["id_too_large", "nan_dense"], strategy={"pipeline": True})[0]
+    results = run_ranks(
+        S + "bad_batches", 1, tmp_path, cases=["id_too_large", "nan_dense"], strategy={"pipeline": True}
+    )[0]
     for case in ("id_too_large", "nan_dense"):
         assert results[case]["error"].startswith(EXPECTED_ERRORS[case]), results[case]["error"]
         assert results[case]["weights_unchanged"] and results[case]["optimizer_unchanged"]
@@ -114,7 +118,10 @@ def test_pipelined_training_refuses_a_bad_batch_before_its_step(tmp_path):
 @pytest.mark.dist
 def test_warn_modes_train_on(tmp_path):
     results = run_ranks(
-        S + "bad_batches", 1, tmp_path, cases=["id_too_large", "nan_dense"],
+        S + "bad_batches",
+        1,
+        tmp_path,
+        cases=["id_too_large", "nan_dense"],
         strategy={"bounds_check": "warn", "nonfinite": "warn"},
     )[0]
     ids, nan = results["id_too_large"], results["nan_dense"]
@@ -126,7 +133,14 @@ def test_warn_modes_train_on(tmp_path):
 
 @pytest.mark.dist
 def test_a_bad_batch_on_one_rank_stops_both_naming_it(tmp_path):
-    run = launch("tests.helpers.checkpoint_scenarios:fit_epochs", 2, tmp_path, tag="x", epochs=2, fail={"rank": 1, "step": 5, "how": "bad_id"})
+    run = launch(
+        "tests.helpers.checkpoint_scenarios:fit_epochs",
+        2,
+        tmp_path,
+        tag="x",
+        epochs=2,
+        fail={"rank": 1, "step": 5, "how": "bad_id"},
+    )
     rank0, rank1 = run.processes
     bad = (
         "InputError: training step 5 (epoch 1, batch 1): module 'ebc': feature 'user' (table 't_user', 60 rows) has "
@@ -167,7 +181,9 @@ def test_offsets_only_and_feature_order():
         _check(keys=["user", "genre"], values=torch.tensor([4, 1, 7, 8]), offsets=torch.tensor([1, 1, 2, 3, 4]))
     with pytest.raises(InputError, match="lengths and offsets disagree"):
         _check(
-            keys=["user", "genre"], values=torch.tensor([4, 1, 3, 2]), lengths=torch.tensor([1, 1, 1, 1]),
+            keys=["user", "genre"],
+            values=torch.tensor([4, 1, 3, 2]),
+            lengths=torch.tensor([1, 1, 1, 1]),
             offsets=torch.tensor([0, 2, 2, 3, 4]),
         )
 
@@ -175,18 +191,32 @@ def test_offsets_only_and_feature_order():
 @pytest.mark.parametrize(
     "kjt, message",
     [
-        (dict(keys=["user", "user"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1])),
-         r"lacks feature\(s\) \['genre'\] \(table 't_genre'\) and has duplicated feature\(s\) \['user'\]"),
-        (dict(keys=["user", "genre"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]), stride=2),
-         r"the batch size \(stride\) is 2 but the lengths hold 1 samples per feature"),
-        (dict(keys=["user", "genre"], values=torch.tensor([[1, 2]]), lengths=torch.tensor([1, 1])),
-         r"values must be a 1-D tensor of int32/int64 ids, got a 2-D torch.int64 tensor"),
-        (dict(keys=["user", "genre"], values=torch.tensor([1, 2]), lengths=torch.tensor([2, -1, 1, 0])),
-         r"lengths must be >= 0, got -1 at position 1 \(feature 'user', sample 1\)"),
-        (dict(keys=["user", "genre"], values=torch.tensor([1, 5, 9]), lengths=torch.tensor([1, 0, 1, 1])),
-         r"feature 'genre' \(table 't_genre', 5 rows\) has 2 id\(s\) outside \[0, 5\): 5 \(sample 0\), min 5, max 9"),
-        (dict(keys=["user", "genre"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]), weights=torch.ones(2)),
-         r"carries per-id weights but the module's tables are unweighted"),
+        (
+            dict(keys=["user", "user"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1])),
+            r"lacks feature\(s\) \['genre'\] \(table 't_genre'\) and has duplicated feature\(s\) \['user'\]",
+        ),
+        (
+            dict(keys=["user", "genre"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]), stride=2),
+            r"the batch size \(stride\) is 2 but the lengths hold 1 samples per feature",
+        ),
+        (
+            dict(keys=["user", "genre"], values=torch.tensor([[1, 2]]), lengths=torch.tensor([1, 1])),
+            r"values must be a 1-D tensor of int32/int64 ids, got a 2-D torch.int64 tensor",
+        ),
+        (
+            dict(keys=["user", "genre"], values=torch.tensor([1, 2]), lengths=torch.tensor([2, -1, 1, 0])),
+            r"lengths must be >= 0, got -1 at position 1 \(feature 'user', sample 1\)",
+        ),
+        (
+            dict(keys=["user", "genre"], values=torch.tensor([1, 5, 9]), lengths=torch.tensor([1, 0, 1, 1])),
+            r"feature 'genre' \(table 't_genre', 5 rows\) has 2 id\(s\) outside \[0, 5\): 5 \(sample 0\), min 5, max 9",
+        ),
+        (
+            dict(
+                keys=["user", "genre"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]), weights=torch.ones(2)
+            ),
+            r"carries per-id weights but the module's tables are unweighted",
+        ),
     ],
 )
 def test_malformed_kjts_are_named(kjt, message):
@@ -197,7 +227,8 @@ def test_malformed_kjts_are_named(kjt, message):
 def test_weighted_tables_need_finite_weights():
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])],
-        is_weighted=True, device=torch.device("meta"),
+        is_weighted=True,
+        device=torch.device("meta"),
     )
     spec = ModuleInputs.of("ebc", ebc)
     assert spec.weighted and spec.tables == {"f": ("t", 10)}
@@ -212,7 +243,9 @@ def test_weighted_tables_need_finite_weights():
 
 
 def test_not_a_kjt():
-    with pytest.raises(InputError, match=r"module 'ebc': expected a KeyedJaggedTensor of features \['user', 'genre'\], got Tensor"):
+    with pytest.raises(
+        InputError, match=r"module 'ebc': expected a KeyedJaggedTensor of features \['user', 'genre'\], got Tensor"
+    ):
         check_features(torch.zeros(3), SPEC)
 
 
@@ -251,7 +284,10 @@ def test_bounds_check_none_takes_the_checks_away_and_error_puts_them_back():
     root = nn.Module()
     root.ebc = Sharded()
     bad = KeyedJaggedTensor(keys=["user", "genre"], values=torch.tensor([1, 50]), lengths=torch.tensor([1, 1]))
-    checks = {mode: InputChecks(mode == "error", "error", lambda ahead: "", check_structure=mode != "none") for mode in ("error", "none")}
+    checks = {
+        mode: InputChecks(mode == "error", "error", lambda ahead: "", check_structure=mode != "none")
+        for mode in ("error", "none")
+    }
     checks["error"].install(root, {"ebc": SPEC})
     checks["error"].install(root, {"ebc": SPEC})  # idempotent: one wrapper, not two
     with pytest.raises(InputError, match="feature 'genre'"):

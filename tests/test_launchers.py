@@ -45,8 +45,17 @@ def test_two_hosts_under_torchrun_and_slurm_match_one_host(tmp_path):
 
 def test_the_quickstart_script_runs_on_two_hosts_under_torchrun(tmp_path):
     """examples/quickstart.py, unchanged, started by two torchrun agents (`--nnodes=2 --nproc-per-node=1`)."""
-    script = [str(REPO / "examples" / "quickstart.py"), "--devices", "1", "--num-nodes", "2", "--max-epochs", "1",
-              "--root-dir", str(tmp_path / "run")]
+    script = [
+        str(REPO / "examples" / "quickstart.py"),
+        "--devices",
+        "1",
+        "--num-nodes",
+        "2",
+        "--max-epochs",
+        "1",
+        "--root-dir",
+        str(tmp_path / "run"),
+    ]
     run = launch("quickstart", 2, tmp_path, launcher="torchrun", nodes=2, command=script)
     assert [p.returncode for p in run.processes] == [0, 0], run.processes[0].log[-3000:] + run.processes[1].log[-3000:]
     log = run.log("node0") + run.log("node1")

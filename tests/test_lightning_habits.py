@@ -29,8 +29,17 @@ PREDICT_ROWS = 24
 def fitted(tmp_path_factory):
     out = tmp_path_factory.mktemp("habits")
     results = run_ranks(
-        f"{SCENARIOS}:callbacks_and_loggers", 2, out, steps_per_epoch=STEPS_PER_EPOCH, max_epochs=MAX_EPOCHS,
-        patience=PATIENCE, min_delta=MIN_DELTA, top_k=TOP_K, clip=CLIP, lr=LR, predict_rows=PREDICT_ROWS,
+        f"{SCENARIOS}:callbacks_and_loggers",
+        2,
+        out,
+        steps_per_epoch=STEPS_PER_EPOCH,
+        max_epochs=MAX_EPOCHS,
+        patience=PATIENCE,
+        min_delta=MIN_DELTA,
+        top_k=TOP_K,
+        clip=CLIP,
+        lr=LR,
+        predict_rows=PREDICT_ROWS,
     )
     return out, results
 
@@ -152,9 +161,16 @@ def test_prediction_writer_writes_every_ranks_rows(fitted):
 
 
 def test_val_check_interval_mid_epoch_checkpoint_resumes_exactly(tmp_path):
-    r0, r1 = run_ranks(f"{SCENARIOS}:mid_epoch_resume", 2, tmp_path, steps_per_epoch=6, epochs=2, every=3, resume_step=3)
+    r0, r1 = run_ranks(
+        f"{SCENARIOS}:mid_epoch_resume", 2, tmp_path, steps_per_epoch=6, epochs=2, every=3, resume_step=3
+    )
     for r in (r0, r1):
-        assert r["saved"] == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "epoch=1-step=12.ckpt", "epoch=1-step=9.ckpt"]
+        assert r["saved"] == [
+            "epoch=0-step=3.ckpt",
+            "epoch=0-step=6.ckpt",
+            "epoch=1-step=12.ckpt",
+            "epoch=1-step=9.ckpt",
+        ]
         assert r["full_step"] == r["resumed_step"] == 12
         assert len(r["full_losses"]) == 12 and len(r["resumed_losses"]) == 9
         assert r["resumed_losses"] == pytest.approx(r["full_losses"][3:], abs=1e-6)

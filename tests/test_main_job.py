@@ -29,9 +29,19 @@ def test_movielens_main_job_reaches_auroc_078_in_under_5_minutes(tmp_path: Path)
     env["PYTHONWARNINGS"] = "ignore"
     start = time.monotonic()
     out = subprocess.run(
-        [str(script), "fit", "--config", "examples/configs/movielens_dlrm.yaml",
-         f"--data.init_args.data_dir={data}", f"--trainer.default_root_dir={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=420, env=env,
+        [
+            str(script),
+            "fit",
+            "--config",
+            "examples/configs/movielens_dlrm.yaml",
+            f"--data.init_args.data_dir={data}",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=env,
     )
     elapsed = time.monotonic() - start
     assert out.returncode == 0, out.stderr[-4000:]
@@ -70,7 +80,12 @@ def _export_reproduces_the_final_validation(log_dir: Path, data: Path, logged_au
     last = log_dir / "checkpoints" / "last.ckpt"
     assert is_checkpoint(last)
     script = Path(sys.executable).with_name("lightning-rec")
-    out = subprocess.run([str(script), "export", str(last), str(log_dir / "model.safetensors")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(script), "export", str(last), str(log_dir / "model.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     hparams = {k: v for k, v in load_meta(last / "meta.pt")["hyper_parameters"].items() if not k.startswith("_")}
     model = DLRMModule(**hparams).eval()

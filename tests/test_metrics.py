@@ -52,8 +52,13 @@ def test_ne_matches_torchrec() -> None:
     for chunk in torch.arange(777).split(100):
         ours.update(preds[chunk], target[chunk])
     states = get_ne_states(target.double(), preds.double(), torch.ones(777, dtype=torch.float64), eta=1e-12)
-    theirs = compute_ne(states["cross_entropy_sum"], states["weighted_num_samples"], states["pos_labels"],
-                        states["neg_labels"], eta=1e-12)
+    theirs = compute_ne(
+        states["cross_entropy_sum"],
+        states["weighted_num_samples"],
+        states["pos_labels"],
+        states["neg_labels"],
+        eta=1e-12,
+    )
     assert ours.compute().item() == pytest.approx(theirs.item(), rel=1e-9)
 
 

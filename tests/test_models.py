@@ -28,13 +28,17 @@ def test_build_dlrm_checks_layer_sizes() -> None:
 
 @pytest.mark.parametrize("interaction", ["dot", "dcn"])
 def test_dlrm_module_forward_and_loss_on_unsharded_tables(interaction: str) -> None:
-    model = DLRMModule(FEATURES, 2, embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1],
-                       interaction=interaction)
+    model = DLRMModule(
+        FEATURES, 2, embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1], interaction=interaction
+    )
     ebc = model.model.sparse_arch.embedding_bag_collection
     assert all(p.is_meta for p in ebc.parameters()), "tables must stay on meta until the strategy shards them"
     model.model.sparse_arch.embedding_bag_collection = type(ebc)(tables=ebc.embedding_bag_configs())
-    data = RecDataset(torch.randn(6, 2), torch.tensor([1.0, 0, 1, 0, 1, 0]),
-                      {"user": torch.arange(6), "genre": Jagged.from_lists([[1], [2, 3], [], [4], [0, 1, 2], [3]])})
+    data = RecDataset(
+        torch.randn(6, 2),
+        torch.tensor([1.0, 0, 1, 0, 1, 0]),
+        {"user": torch.arange(6), "genre": Jagged.from_lists([[1], [2, 3], [], [4], [0, 1, 2], [3]])},
+    )
     batch = data[torch.arange(6)]
     logits = model(batch)
     assert logits.shape == (6,)

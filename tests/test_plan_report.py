@@ -58,7 +58,9 @@ def test_json_fields_per_rank_sums_and_imbalance() -> None:
     tables = {t["name"]: t for t in doc["tables"]}
     assert set(tables) == {"t0", "t1", "t2"}
     assert {n: (t["sharding_type"], t["compute_kernel"]) for n, t in tables.items()} == {
-        "t0": ("column_wise", "fused"), "t1": ("table_wise", "fused"), "t2": ("data_parallel", "dense"),
+        "t0": ("column_wise", "fused"),
+        "t1": ("table_wise", "fused"),
+        "t2": ("data_parallel", "dense"),
     }
     assert all(t["module"] == "" for t in tables.values())  # the EBC is the planned module itself
     t0 = tables["t0"]
@@ -184,7 +186,10 @@ def test_two_process_fit_writes_once_on_rank_zero_into_the_log_dir(tmp_path: Pat
     for t in doc["tables"]:
         row = plan[t["name"]]
         assert (t["module"], t["sharding_type"], t["compute_kernel"], t["ranks"]) == (
-            row["module"], row["sharding_type"], row["compute_kernel"], row["ranks"]
+            row["module"],
+            row["sharding_type"],
+            row["compute_kernel"],
+            row["ranks"],
         )
         assert [s["sizes"] for s in t["shards"]] == row["shard_sizes"]
         assert [s["offsets"] for s in t["shards"]] == row["shard_offsets"]

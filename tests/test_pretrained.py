@@ -18,8 +18,10 @@ from tests.helpers.pretrained_scenarios import BAG_TABLES, DIM, SEQ_TABLE
 
 def _ebc(device: str = "meta") -> EmbeddingBagCollection:
     return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=5, feature_names=["user"]),
-                EmbeddingBagConfig(name="t_item", embedding_dim=4, num_embeddings=7, feature_names=["item"])],
+        tables=[
+            EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=5, feature_names=["user"]),
+            EmbeddingBagConfig(name="t_item", embedding_dim=4, num_embeddings=7, feature_names=["item"]),
+        ],
         device=torch.device(device),
     )
 
@@ -64,7 +66,9 @@ def test_errors_name_the_table_and_change_nothing(tmp_path: Path) -> None:
     good = torch.ones(5, 4)
     with pytest.raises(KeyError, match=r"no table 't_movie'.*t_item, t_user"):
         load_rows(ebc, {"t_user": good, "t_movie": torch.ones(7, 4)})
-    with pytest.raises(ValueError, match=r"table 't_item' \(<root>\) has 7 rows of 4 values; the rows given are \(7, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"table 't_item' \(<root>\) has 7 rows of 4 values; the rows given are \(7, 5\)"
+    ):
         load_rows(ebc, {"t_user": good, "t_item": torch.ones(7, 5)})
     bad = torch.ones(7, 4)
     bad[3, 1] = float("nan")
@@ -96,10 +100,18 @@ def test_every_plan_starts_from_the_files_rows(tmp_path: Path) -> None:
         files[name] = str(tmp_path / (f"{name}.npy" if i % 2 else f"{name}.pt"))
         np.save(files[name], r.numpy()) if i % 2 else torch.save(r, files[name])
     plans = {
-        "a": {"t_user": {"sharding_types": ["table_wise"]}, "t_genre": {"sharding_types": ["data_parallel"]},
-              "t_item": {"sharding_types": ["column_wise"]}, "t_item_seq": {"sharding_types": ["column_wise"]}},
-        "b": {"t_user": {"sharding_types": ["table_column_wise"]}, "t_genre": {"sharding_types": ["column_wise"]},
-              "t_item": {"sharding_types": ["table_wise"]}, "t_item_seq": {"sharding_types": ["table_wise"]}},
+        "a": {
+            "t_user": {"sharding_types": ["table_wise"]},
+            "t_genre": {"sharding_types": ["data_parallel"]},
+            "t_item": {"sharding_types": ["column_wise"]},
+            "t_item_seq": {"sharding_types": ["column_wise"]},
+        },
+        "b": {
+            "t_user": {"sharding_types": ["table_column_wise"]},
+            "t_genre": {"sharding_types": ["column_wise"]},
+            "t_item": {"sharding_types": ["table_wise"]},
+            "t_item_seq": {"sharding_types": ["table_wise"]},
+        },
     }
     res = run_ranks("tests.helpers.pretrained_scenarios:start_from_files", 2, tmp_path, files=files, plans=plans)
     assert res[0]["types"] == ["column_wise", "data_parallel", "table_column_wise", "table_wise"]

@@ -28,7 +28,10 @@ def test_quickstart_trains_on_two_processes_and_saves_a_sharded_checkpoint(tmp_p
     script.write_text(_readme_block())
     proc = subprocess.run(
         [sys.executable, str(script), "--devices", "2", "--max-epochs", "2", "--root-dir", str(tmp_path / "run")],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     loss = float(re.search(r"final train_loss=([0-9.]+)", proc.stdout).group(1))

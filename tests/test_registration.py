@@ -38,8 +38,16 @@ def test_strategy_object_takes_yaml_shaped_arguments():
 
 def _fit(**kwargs):
     strategy = kwargs.pop("strategy", RecShardStrategy())
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, max_steps=1,
-                        enable_checkpointing=False, enable_progress_bar=False, **kwargs)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        max_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        **kwargs,
+    )
     trainer.fit(RecModel(), DataLoader(make_batches(1, 4, seed=0), batch_size=None))
 
 

@@ -47,29 +47,30 @@ def test_leave_one_out_on_movielens(dm: MovieLensSequenceDataModule) -> None:
     split = dm.leave_one_out
     truth = _user_histories(it)
     assert split.users.tolist() == sorted(truth) and len(truth) == 943
-    assert split.train.values.numel() == 100_000 - 2 * 943          # exactly one val and one test item per user
+    assert split.train.values.numel() == 100_000 - 2 * 943  # exactly one val and one test item per user
     assert (split.val > 0).all() and (split.test > 0).all()
     last_time: dict = {}
     time_of: dict = {}
     for u, i, t in zip(it.user.tolist(), it.item.tolist(), it.timestamp.tolist()):
         last_time[u] = max(last_time.get(u, t), t)
-        time_of[(u, i)] = t                                           # MovieLens rates an item once per user
+        time_of[(u, i)] = t  # MovieLens rates an item once per user
     assert len(time_of) == 100_000
     offsets = split.train.offsets.tolist()
     values, val, test = split.train.values.tolist(), split.val.tolist(), split.test.tolist()
     for row, user in enumerate(split.users.tolist()):
-        train = values[offsets[row]: offsets[row + 1]]
-        assert train + [val[row], test[row]] == truth[user]          # time order, ties by file order
-        assert time_of[(user, test[row])] == last_time[user]         # the test item is (one of) the latest
+        train = values[offsets[row] : offsets[row + 1]]
+        assert train + [val[row], test[row]] == truth[user]  # time order, ties by file order
+        assert time_of[(user, test[row])] == last_time[user]  # the test item is (one of) the latest
         assert all(time_of[(user, i)] <= time_of[(user, val[row])] for i in train)
-        assert test[row] not in train and val[row] not in train      # no leak into history
+        assert test[row] not in train and val[row] not in train  # no leak into history
         assert test[row] != val[row]
 
 
 def test_leave_one_out_ties_and_short_users() -> None:
     # user 5: two items at time 1 (file order decides), user 6: only two items (train only, no evaluation)
-    s = leave_one_out(torch.tensor([5, 6, 5, 5, 6, 5]), torch.tensor([10, 20, 11, 12, 21, 13]),
-                      torch.tensor([1, 0, 1, 0, 1, 2]))
+    s = leave_one_out(
+        torch.tensor([5, 6, 5, 5, 6, 5]), torch.tensor([10, 20, 11, 12, 21, 13]), torch.tensor([1, 0, 1, 0, 1, 2])
+    )
     assert s.users.tolist() == [5, 6]
     assert s.train.values.tolist() == [12, 10, 20, 21] and s.train.offsets.tolist() == [0, 2, 4]
     assert s.val.tolist() == [11, -1] and s.test.tolist() == [13, -1]
@@ -80,7 +81,7 @@ def test_leave_one_out_ties_and_short_users() -> None:
 
 def test_rows_and_batches(dm: MovieLensSequenceDataModule) -> None:
     split, ds = dm.leave_one_out, dm.datasets()
-    train_rows = [split.train.values[split.train.offsets[i]: split.train.offsets[i + 1]] for i in range(943)]
+    train_rows = [split.train.values[split.train.offsets[i] : split.train.offsets[i + 1]] for i in range(943)]
     b = ds["train"][(0, torch.arange(943))]
     kjt = b["features"]
     assert kjt.keys() == list(FEATURES)
@@ -88,7 +89,7 @@ def test_rows_and_batches(dm: MovieLensSequenceDataModule) -> None:
     for i in (0, 1, 500, 942):
         full = train_rows[i]
         assert hist.to_dense()[i].tolist() == full[:-1][-20:].tolist()
-        assert tgt.to_dense()[i].tolist() == full[1:][-20:].tolist()       # shifted by one
+        assert tgt.to_dense()[i].tolist() == full[1:][-20:].tolist()  # shifted by one
     assert kjt["negatives"].lengths().tolist() == [7] * 943 and kjt["catalog"].lengths().sum() == 0
     negatives = kjt["negatives"].values()
     assert int(negatives.min()) >= 1 and int(negatives.max()) < dm.num_items
@@ -100,11 +101,15 @@ def test_rows_and_batches(dm: MovieLensSequenceDataModule) -> None:
     for stage, held in (("val", split.val), ("test", split.test)):
         e = ds[stage][torch.tensor([7, 8])]
         f = e["features"]
-        seen = [torch.cat([train_rows[i], split.val[i: i + 1]]) if stage == "test" else train_rows[i] for i in (7, 8)]
+        seen = [torch.cat([train_rows[i], split.val[i : i + 1]]) if stage == "test" else train_rows[i] for i in (7, 8)]
         assert f["target"].values().tolist() == held[[7, 8]].tolist()
         assert f["history"].to_dense()[1].tolist() == seen[1][-20:].tolist()
-        assert e["seen_values"].tolist() == torch.cat(seen).tolist() and e["seen_lengths"].tolist() == [len(s) for s in seen]
-        assert f["catalog"].lengths().tolist() == [dm.num_items, 0] and f["catalog"].values().tolist() == list(range(dm.num_items))
+        assert e["seen_values"].tolist() == torch.cat(seen).tolist() and e["seen_lengths"].tolist() == [
+            len(s) for s in seen
+        ]
+        assert f["catalog"].lengths().tolist() == [dm.num_items, 0] and f["catalog"].values().tolist() == list(
+            range(dm.num_items)
+        )
         assert f["negatives"].lengths().sum() == 0
         assert all(int(h) not in s.tolist() for h, s in zip(held[[7, 8]], seen))
 
@@ -126,14 +131,14 @@ def _brute_rank(scores: List[float], target: int, excluded: set) -> int:
 def test_ranks_and_metrics_against_brute_force() -> None:
     g = torch.Generator().manual_seed(0)
     b, n = 40, 30
-    scores = torch.randint(0, 6, (b, n), generator=g).double()          # many ties
+    scores = torch.randint(0, 6, (b, n), generator=g).double()  # many ties
     target = torch.randint(1, n, (b,), generator=g)
     lengths = torch.randint(0, 8, (b,), generator=g)
     seen = torch.randint(1, n, (int(lengths.sum()),), generator=g)
     ranks = target_rank(scores, target, exclusion_mask(seen, lengths, target, n))
     starts = torch.cumsum(lengths, 0) - lengths
     brute = [
-        _brute_rank(scores[i].tolist(), int(target[i]), set(seen[starts[i]: starts[i] + lengths[i]].tolist()) | {0})
+        _brute_rank(scores[i].tolist(), int(target[i]), set(seen[starts[i] : starts[i] + lengths[i]].tolist()) | {0})
         for i in range(b)
     ]
     assert ranks.tolist() == brute
@@ -143,7 +148,9 @@ def test_ranks_and_metrics_against_brute_force() -> None:
     got = m.compute()
     for k in (1, 5, 10):
         assert got[f"t/hr@{k}"].item() == sum(r < k for r in brute) / b
-        assert got[f"t/ndcg@{k}"].item() == pytest.approx(sum(1 / math.log2(r + 2) for r in brute if r < k) / b, abs=1e-12)
+        assert got[f"t/ndcg@{k}"].item() == pytest.approx(
+            sum(1 / math.log2(r + 2) for r in brute if r < k) / b, abs=1e-12
+        )
 
 
 def test_popularity_baseline(dm: MovieLensSequenceDataModule) -> None:
@@ -151,16 +158,16 @@ def test_popularity_baseline(dm: MovieLensSequenceDataModule) -> None:
     counts = torch.bincount(split.train.values, minlength=dm.num_items).tolist()
     ranks = popularity_ranks(split, dm.num_items, "test")
     for row in range(0, 943, 47):  # brute force on a sample of users
-        train = set(split.train.values[split.train.offsets[row]: split.train.offsets[row + 1]].tolist())
+        train = set(split.train.values[split.train.offsets[row] : split.train.offsets[row + 1]].tolist())
         excluded = train | {int(split.val[row]), 0}
         assert int(ranks[row]) == _brute_rank(counts, int(split.test[row]), excluded)
     m = RankingMetrics(ks=(10,), hit_name="hr")
     m.update(ranks)
     hits = int(round(m.compute()["hr@10"].item() * 943))
-    assert hits == 81                                    # BENCHMARKS.md: test HR@10 0.0859
+    assert hits == 81  # BENCHMARKS.md: test HR@10 0.0859
     m = RankingMetrics(ks=(10,), hit_name="hr")
     m.update(popularity_ranks(split, dm.num_items, "val"))
-    assert int(round(m.compute()["hr@10"].item() * 943)) == 70   # val HR@10 0.0742
+    assert int(round(m.compute()["hr@10"].item() * 943)) == 70  # val HR@10 0.0742
 
 
 def _unsharded(num_items: int, **kwargs) -> SASRec:
@@ -211,8 +218,12 @@ def test_forward_shapes_causality_and_loss(dm: MovieLensSequenceDataModule) -> N
 
 
 def test_sampled_softmax_loss_masks_collisions() -> None:
-    out = {"hidden": torch.ones(1, 1, 2), "lengths": torch.tensor([1]), "target": torch.ones(1, 1, 2),
-           "negatives": torch.zeros(1, 2, 2)}
+    out = {
+        "hidden": torch.ones(1, 1, 2),
+        "lengths": torch.tensor([1]),
+        "target": torch.ones(1, 1, 2),
+        "negatives": torch.zeros(1, 2, 2),
+    }
     # negatives [5, 9]; the target is 5: only 9 competes -> log(e^2 + e^0) - 2
     got = sampled_softmax_loss(out, torch.tensor([[5]]), torch.tensor([[5, 9]]))
     assert got.item() == pytest.approx(math.log(math.exp(2) + 1) - 2)
@@ -236,7 +247,7 @@ def test_hr_ndcg_on_two_ranks_equal_one_rank(tmp_path: Path) -> None:
 
     two = run_ranks("tests.helpers.sequential_scenarios:rank_metrics", 2, tmp_path, max_len=20, batch_size=100)
     assert two[0]["sharding"] == {"t_item": "column_wise"} and two[0]["shard_ranks"] == {"t_item": [0, 1]}
-    assert two[0]["metrics"] == two[1]["metrics"]                             # every rank logs the global value
+    assert two[0]["metrics"] == two[1]["metrics"]  # every rank logs the global value
     dm = MovieLensSequenceDataModule(str(movielens_dir()), download=False, max_len=20)
     model = seeded_model(dm, train_steps=16).eval()
     ds = dm.datasets()
@@ -247,10 +258,10 @@ def test_hr_ndcg_on_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     m = RankingMetrics(ks=(10,), prefix="val/", hit_name="hr")
     m.update(one["val"])
     assert two[0]["metrics"] == pytest.approx({k: v.item() for k, v in m.compute().items()}, abs=1e-7)  # float32 log
-    assert round(two[0]["metrics"]["val/hr@10"] * 943) == int((one["val"] < 10).sum()) >= 30   # hits, exactly
+    assert round(two[0]["metrics"]["val/hr@10"] * 943) == int((one["val"] < 10).sum()) >= 30  # hits, exactly
     by_user_two = {u: r for res in two for u, r in zip(res["users"], res["ranks"])}
-    assert len(by_user_two) == 943                                            # every user once over the ranks
-    assert [by_user_two[u] for u in ds["test"].users.tolist()] == one["test"].tolist()   # every user's rank
+    assert len(by_user_two) == 943  # every user once over the ranks
+    assert [by_user_two[u] for u in ds["test"].users.tolist()] == one["test"].tolist()  # every user's rank
 
 
 @pytest.mark.dist
@@ -258,14 +269,22 @@ def test_config_runs_with_the_cli(tmp_path: Path) -> None:
     from lightning_rec.cli import run
 
     movielens_dir()
-    cli = run([
-        "fit", "--config", str(REPO / "examples/configs/movielens_sasrec.yaml"), "--trainer.devices=1",
-        f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
-        "--trainer.limit_val_batches=2", "--trainer.check_val_every_n_epoch=1",
-        f"--data.init_args.data_dir={movielens_dir()}",
-    ])
+    cli = run(
+        [
+            "fit",
+            "--config",
+            str(REPO / "examples/configs/movielens_sasrec.yaml"),
+            "--trainer.devices=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=2",
+            "--trainer.check_val_every_n_epoch=1",
+            f"--data.init_args.data_dir={movielens_dir()}",
+        ]
+    )
     assert isinstance(cli.model, SequentialRecModule) and isinstance(cli.datamodule, MovieLensSequenceDataModule)
-    assert cli.model.num_items == cli.datamodule.num_items == 1683          # linked from the DataModule
+    assert cli.model.num_items == cli.datamodule.num_items == 1683  # linked from the DataModule
     plan = cli.trainer.strategy.sharding_plan.get_plan_for_module("model.item_ec")
     assert plan["t_item"].sharding_type == "column_wise"
     metrics = cli.trainer.callback_metrics

@@ -41,7 +41,10 @@ def test_data_parallel_embedding_collection_is_refused_on_cpu():
 
 
 def test_every_problem_is_listed():
-    bad = {"nope": TableConstraints(), "t_user": TableConstraints(sharding_types=["row_wise"], compute_kernels=["fused_uvm"])}
+    bad = {
+        "nope": TableConstraints(),
+        "t_user": TableConstraints(sharding_types=["row_wise"], compute_kernels=["fused_uvm"]),
+    }
     with pytest.raises(ValueError) as info:
         validate_constraints(bad, _tables(), "cpu")
     msg = str(info.value)
@@ -52,15 +55,22 @@ def test_tables_are_found_at_any_depth_and_names_must_be_unique():
     model = RecModel(with_ec=True)
     types = [EmbeddingBagCollection, type(model.towers.inner["ec"])]
     assert set(embedding_tables(model, types)) == {"t_user", "t_item", "t_genre", "t_tag"}
-    dup = torch.nn.ModuleDict({"a": EmbeddingBagCollection(tables(), device=torch.device("meta")),
-                               "b": EmbeddingBagCollection(tables(), device=torch.device("meta"))})
+    dup = torch.nn.ModuleDict(
+        {
+            "a": EmbeddingBagCollection(tables(), device=torch.device("meta")),
+            "b": EmbeddingBagCollection(tables(), device=torch.device("meta")),
+        }
+    )
     with pytest.raises(ValueError, match="'t_user' is used by both 'a' and 'b'"):
         embedding_tables(dup, types)
 
 
 def test_planner_honours_constraints_and_the_report_names_every_table():
     model = RecModel()
-    constraints = {name: TableConstraints(sharding_types=list(supported_sharding_types("cpu"))) for name in ("t_user", "t_item", "t_genre")}
+    constraints = {
+        name: TableConstraints(sharding_types=list(supported_sharding_types("cpu")))
+        for name in ("t_user", "t_item", "t_genre")
+    }
     constraints["t_user"] = TableConstraints(sharding_types=["column_wise"])
     constraints["t_item"] = TableConstraints(sharding_types=["table_wise"])
     planner = make_planner(world_size=2, device_type="cpu", topology=None, constraints=constraints)

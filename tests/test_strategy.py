@@ -90,7 +90,12 @@ def test_batch_formats_workers_nested_ec_and_cpu_tables(tmp_path):
     same numbers as Batch objects with meta tables."""
     base = run_ranks("train", 2, tmp_path, tag="base", steps=5, model={"with_ec": True})
     other = run_ranks(
-        "train", 2, tmp_path, tag="other", steps=5, num_workers=2,
+        "train",
+        2,
+        tmp_path,
+        tag="other",
+        steps=5,
+        num_workers=2,
         model={"with_ec": True, "batch_format": "dict", "table_device": "cpu"},
     )
     assert {r["table"] for r in base[0]["plan"]} == {"t_user", "t_item", "t_genre", "t_tag"}
@@ -102,7 +107,9 @@ def test_batch_formats_workers_nested_ec_and_cpu_tables(tmp_path):
 
 
 def test_bf16_mixed_trains(tmp_path):
-    res = run_ranks("train", 1, tmp_path, steps=30, batch_size=64, model={"lr": 0.2}, trainer={"precision": "bf16-mixed"})
+    res = run_ranks(
+        "train", 1, tmp_path, steps=30, batch_size=64, model={"lr": 0.2}, trainer={"precision": "bf16-mixed"}
+    )
     losses = res[0]["losses"]
     assert all(l == l for l in losses)  # no NaN
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5

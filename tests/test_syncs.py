@@ -15,7 +15,8 @@ SYNCS = "tests.helpers.user_scenarios:syncs"
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "fmt, pipeline, ranks", [("batch", False, 1), ("batch", True, 1), ("dict", False, 1), ("dict", True, 1), ("batch", False, 2)]
+    "fmt, pipeline, ranks",
+    [("batch", False, 1), ("batch", True, 1), ("dict", False, 1), ("dict", True, 1), ("batch", False, 2)],
 )
 def test_a_recshard_step_syncs_no_more_than_the_hand_written_torchrec_loop(tmp_path, fmt, pipeline, ranks):
     """Same model, plan, optimizers and batches; the raw loop is TorchRec's tutorial loop (TrainPipelineSparseDist

@@ -46,7 +46,9 @@ def splits(interactions) -> RetrievalSplits:
 def _brute_sequences(it, threshold: float = 4.0) -> Dict[int, List[int]]:
     """Each user's positives by (timestamp, file position), from the raw columns, one rating at a time."""
     rows: Dict[int, list] = {}
-    for pos, (u, i, r, t) in enumerate(zip(it.user.tolist(), it.item.tolist(), it.rating.tolist(), it.timestamp.tolist())):
+    for pos, (u, i, r, t) in enumerate(
+        zip(it.user.tolist(), it.item.tolist(), it.rating.tolist(), it.timestamp.tolist())
+    ):
         if r >= threshold:
             rows.setdefault(u, []).append((t, pos, i))
     return {u: [i for _, _, i in sorted(rows[u])] for u in sorted(rows)}
@@ -77,19 +79,24 @@ def test_leave_one_out_holds_out_each_users_last_two_positives(interactions, spl
     # histories: the newest <= 5 earlier positives, time-ordered; weights are stars / 5
     hist = _jagged_rows(splits.train.history)
     k = 0
-    for u, s in seqs.items():
+    for s in seqs.values():
         for t in range(len(s) - 2 if len(s) >= 3 else len(s)):
-            assert hist[k] == s[max(0, t - 5):t]
+            assert hist[k] == s[max(0, t - 5) : t]
             k += 1
-    stars = {(u, i): r for u, i, r in zip(interactions.user.tolist(), interactions.item.tolist(), interactions.rating.tolist())}
+    stars = {
+        (u, i): r
+        for u, i, r in zip(interactions.user.tolist(), interactions.item.tolist(), interactions.rating.tolist())
+    }
     w = _jagged_rows(splits.train.history_weight)
-    assert all(wt == pytest.approx([stars[(u, i)] / 5 for i in h]) for u, h, wt in zip(splits.train.user.tolist(), hist, w))
+    assert all(
+        wt == pytest.approx([stars[(u, i)] / 5 for i in h]) for u, h, wt in zip(splits.train.user.tolist(), hist, w)
+    )
     # evaluation: history ends right before the target; exclusions are id 0 + every earlier positive (val joins at test)
     for rows, back in ((splits.val, 2), (splits.test, 1)):
         for u, h, ex in zip(rows.user.tolist(), _jagged_rows(rows.history), _jagged_rows(rows.exclude)):
             s = seqs[u]
-            assert h == s[:len(s) - back][-5:]
-            assert ex == [0] + s[:len(s) - back] and s[-back] not in ex
+            assert h == s[: len(s) - back][-5:]
+            assert ex == [0] + s[: len(s) - back] and s[-back] not in ex
 
 
 def test_batches_and_features(splits) -> None:
@@ -155,7 +162,9 @@ def test_target_rank_and_ranking_metrics_against_numpy() -> None:
     out = {k: float(v) for k, v in m.compute().items()}
     for k in (1, 5, 10):
         assert out[f"x/recall@{k}"] == sum(r < k for r in expected) / 200
-        assert out[f"x/ndcg@{k}"] == pytest.approx(sum(1 / math.log2(r + 2) for r in expected if r < k) / 200, abs=1e-15)
+        assert out[f"x/ndcg@{k}"] == pytest.approx(
+            sum(1 / math.log2(r + 2) for r in expected if r < k) / 200, abs=1e-15
+        )
     with pytest.raises(ValueError, match=r"target is excluded.*HINT"):
         target_rank(scores[:1], target[:1], torch.ones(1, 30, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"ks must be distinct.*\[0\].*HINT"):
@@ -200,7 +209,9 @@ def test_two_tower_tables_weighted_shared_and_towers_alone(splits) -> None:
     q_ebc, c_ebc = module.model.query_tower.ebc, module.model.candidate_tower.ebc
     assert q_ebc.is_weighted() and not c_ebc.is_weighted()
     shared = [t for t in q_ebc.embedding_bag_configs() if len(t.feature_names) > 1]
-    assert [(t.name, t.feature_names, t.num_embeddings) for t in shared] == [("t_history", ["history", "last_item"], 1683)]
+    assert [(t.name, t.feature_names, t.num_embeddings) for t in shared] == [
+        ("t_history", ["history", "last_item"], 1683)
+    ]
     batch = splits.train[torch.arange(6)]
     with torch.no_grad():
         q, c = module(batch)
@@ -213,8 +224,10 @@ def test_two_tower_tables_weighted_shared_and_towers_alone(splits) -> None:
         moved = (module.model.query_tower(doubled) - q).abs().sum(1)
         assert (moved[batch["query"]["history"].lengths() > 0] > 1e-4).all()
     with pytest.raises(ValueError, match=r"\['genre'\] are not among the sparse features.*HINT"):
-        build_two_tower(MovieLensRetrievalDataModule(str(movielens_dir()), download=False).sparse_features,
-                        candidate_features=["item_id", "genre"])
+        build_two_tower(
+            MovieLensRetrievalDataModule(str(movielens_dir()), download=False).sparse_features,
+            candidate_features=["item_id", "genre"],
+        )
     with pytest.raises(ValueError, match=r"num_dense_features=2.*HINT"):
         TwoTowerModule(module.hparams.sparse_features, num_dense_features=2)
 
@@ -279,16 +292,25 @@ def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> No
 
 @pytest.mark.dist
 def test_shipped_config_trains_through_the_cli(tmp_path: Path) -> None:
-    cli = run([
-        "fit", "--config", str(REPO / "examples/configs/movielens_two_tower.yaml"), "--trainer.devices=1",
-        f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
-        "--trainer.limit_val_batches=1",
-        "--trainer.enable_progress_bar=false",
-    ])
+    cli = run(
+        [
+            "fit",
+            "--config",
+            str(REPO / "examples/configs/movielens_two_tower.yaml"),
+            "--trainer.devices=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=3",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
     model = cli.model
     assert isinstance(model, TwoTowerModule) and not model.automatic_optimization
     assert [f.name for f in model.hparams.sparse_features] == [*QUERY_FEATURES, *CANDIDATE_FEATURES]
     assert cli.trainer.global_step == 3  # one step per batch, though two optimizers step
-    assert {"val/recall@10", "val/ndcg@10", "val/recall@50", "val/ndcg@50", "train/loss"} <= set(cli.trainer.callback_metrics)
+    assert {"val/recall@10", "val/ndcg@10", "val/recall@50", "val/ndcg@50", "train/loss"} <= set(
+        cli.trainer.callback_metrics
+    )
     constraints = cli.trainer.strategy.constraints
     assert constraints["t_user_id"].sharding_types == ["column_wise"] and "t_history" in constraints

@@ -61,8 +61,11 @@ def test_a_values_model_trains_like_plain_pytorch_on_any_plan_reshards_and_loads
     # Resharding both ways: a fresh model (other rows) predicts from the other world size's checkpoint.
     for src, ranks, plan in (("two", 1, TABLE_WISE_PLAN), ("one", 2, REORDERING_PLAN)):
         res = run_ranks(
-            "tests.helpers.user_scenarios:predict_from", ranks, tmp_path / f"{src}-to-{ranks}",
-            ckpt=str(tmp_path / src / "ckpt"), constraints=plan,
+            "tests.helpers.user_scenarios:predict_from",
+            ranks,
+            tmp_path / f"{src}-to-{ranks}",
+            ckpt=str(tmp_path / src / "ckpt"),
+            constraints=plan,
         )
         assert _logits(res) == pytest.approx(two[0]["ref_logits"], abs=TOL), src
 
@@ -177,8 +180,11 @@ def test_meta_dense_layers_are_initialised_or_refused():
 
     for extra, name in ((_Randn("meta"), "'extra.pos_embedding'"), (_Buffer("meta"), "'extra.table'")):
         m = build(extra)
-        with pytest.raises(ValueError, match=rf"{name} was created on the meta device.*{type(extra).__name__} has no "
-                                             r"`reset_parameters\(\)`.*HINT"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{name} was created on the meta device.*{type(extra).__name__} has no "
+            r"`reset_parameters\(\)`.*HINT",
+        ):
             materialize_dense(m, torch.device("cpu"), skip=[])
 
     kept = _Randn("cpu")  # not on meta: its values are the user's and stay

@@ -26,10 +26,16 @@ def _plain(out: Path, strategy: str, omp_threads: Optional[str] = "1") -> subpro
     out.mkdir(parents=True, exist_ok=True)
     drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", **({"OMP_NUM_THREADS": omp_threads} if omp_threads else {}))
+    env.update(
+        PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", **({"OMP_NUM_THREADS": omp_threads} if omp_threads else {})
+    )
     return subprocess.run(
         [sys.executable, *SCRIPT, "--strategy", strategy, "--out", str(out)],
-        cwd=out, env=env, capture_output=True, text=True, timeout=300,
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -87,7 +93,9 @@ def test_the_process_group_is_gone_before_the_interpreter_exits(ddp_and_recshard
 def test_a_finished_job_exits_zero_under_lightnings_launcher(tmp_path, run):
     proc = _plain(tmp_path, "recshard")
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "terminate called" not in output and "Fatal Python error" not in output, output[-4000:]
+    assert proc.returncode == 0 and "terminate called" not in output and "Fatal Python error" not in output, output[
+        -4000:
+    ]
     records = _records(tmp_path, "recshard")
     assert [r["reduced"] for r in records] == [60.0, 60.0]  # 30 sums over 2 ranks after fit, then a normal exit
 

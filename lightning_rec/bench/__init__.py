@@ -57,9 +57,33 @@ the ratios (medians over repeats) and ``by_size``, every label's medians per var
     python -m lightning_rec.bench --sizes criteo_multihot --rows 1000 --batch-sizes 128 --steps 4 --warmup 2 --repeats 1
 """
 
-from lightning_rec.bench.runner import MALLOC_SETTINGS, SHARDINGS, check_identical, final_record, main, measure, plot_batch_sweep, run_variant
+from lightning_rec.bench.runner import (
+    MALLOC_SETTINGS,
+    SHARDINGS,
+    check_identical,
+    final_record,
+    main,
+    measure,
+    plot_batch_sweep,
+    run_variant,
+)
 from lightning_rec.bench.worker import copy_bandwidth
 from lightning_rec.bench.workload import GPU_SIZES, OPTIMIZERS, SIZES, VARIANTS, Size, fused_params
 
-__all__ = ["GPU_SIZES", "MALLOC_SETTINGS", "OPTIMIZERS", "SHARDINGS", "SIZES", "VARIANTS", "Size", "check_identical",
-           "copy_bandwidth", "final_record", "fused_params", "main", "measure", "plot_batch_sweep", "run_variant"]
+__all__ = [
+    "GPU_SIZES",
+    "MALLOC_SETTINGS",
+    "OPTIMIZERS",
+    "SHARDINGS",
+    "SIZES",
+    "VARIANTS",
+    "Size",
+    "check_identical",
+    "copy_bandwidth",
+    "final_record",
+    "fused_params",
+    "main",
+    "measure",
+    "plot_batch_sweep",
+    "run_variant",
+]

@@ -31,12 +31,18 @@ def _free_port() -> int:
 # same for every variant, so that ratios measure the code; "default" leaves glibc as it is. Variables the user
 # already set win.
 MALLOC_SETTINGS = {
-    "steady": {"MALLOC_TRIM_THRESHOLD_": str(512 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TOP_PAD_": str(64 << 20)},
+    "steady": {
+        "MALLOC_TRIM_THRESHOLD_": str(512 << 20),
+        "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+        "MALLOC_TOP_PAD_": str(64 << 20),
+    },
     "default": {},
 }
 
 
-def run_variant(variant: str, size: Size, lr: float = 0.01, timeout: float = 600, malloc: str = "steady") -> List[Dict[str, Any]]:
+def run_variant(
+    variant: str, size: Size, lr: float = 0.01, timeout: float = 600, malloc: str = "steady"
+) -> List[Dict[str, Any]]:
     """Run ``variant`` at ``size`` on ``size.world_size`` fresh processes; every rank's record.
 
     Args:
@@ -48,16 +54,36 @@ def run_variant(variant: str, size: Size, lr: float = 0.01, timeout: float = 600
         # Every variant gets the thread count Lightning's launcher would pick (cores / processes): two processes
         # with a full set of threads each would fight over the cores, more in some variants than in others.
         threads = str(max(1, (os.cpu_count() or 1) // size.world_size))
-        env = {**MALLOC_SETTINGS[malloc], "OMP_NUM_THREADS": threads, **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size.world_size),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size.world_size), "NODE_RANK": "0",
-               "PYTHONWARNINGS": "ignore"}
-        cmd = [sys.executable, "-m", "lightning_rec.bench", "--worker", variant, "--size-json", json.dumps(asdict(size)), "--lr", str(lr)]
+        env = {
+            **MALLOC_SETTINGS[malloc],
+            "OMP_NUM_THREADS": threads,
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(size.world_size),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(size.world_size),
+            "NODE_RANK": "0",
+            "PYTHONWARNINGS": "ignore",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_rec.bench",
+            "--worker",
+            variant,
+            "--size-json",
+            json.dumps(asdict(size)),
+            "--lr",
+            str(lr),
+        ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     records, logs = [], []
     for p in procs:
         out, _ = p.communicate(timeout=timeout)
         logs.append(out)
-        records += [json.loads(line[len(_RESULT):]) for line in out.splitlines() if line.startswith(_RESULT)]
+        records += [json.loads(line[len(_RESULT) :]) for line in out.splitlines() if line.startswith(_RESULT)]
     if any(p.returncode for p in procs) or len(records) != size.world_size:
         raise RuntimeError(f"bench variant {variant} at {size.name} failed:\n" + "\n".join(log[-3000:] for log in logs))
     return sorted(records, key=lambda r: r["rank"])
@@ -65,9 +91,12 @@ def run_variant(variant: str, size: Size, lr: float = 0.01, timeout: float = 600
 
 def _summary(records: List[Dict[str, Any]], size: Size) -> Dict[str, float]:
     ms = max(r["ms_per_step"] for r in records)  # ranks step together; the slowest sets the pace
-    out = {"ms_per_step": ms, "samples_per_s": 1000 * size.batch_size * size.world_size / ms,
-           "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
-           "page_faults_per_step": max(r["page_faults_per_step"] for r in records)}
+    out = {
+        "ms_per_step": ms,
+        "samples_per_s": 1000 * size.batch_size * size.world_size / ms,
+        "peak_rss_mb": max(r["peak_rss_bytes"] for r in records) / 2**20,
+        "page_faults_per_step": max(r["page_faults_per_step"] for r in records),
+    }
     if all(r.get("copy_gb_s") for r in records):
         # The bandwidth model of lightning_rec.bench.worker, at the pace of the slowest rank, over the slowest
         # copy bandwidth: per rank, as every rank moves its own share of the rows.
@@ -86,7 +115,9 @@ def check_identical(a: List[Dict[str, Any]], c: List[Dict[str, Any]], atol: floa
             raise AssertionError(f"plans differ: raw {ra['plan']} vs recshard {rc['plan']}")
         diffs = [abs(x - y) for x, y in zip(ra["losses"], rc["losses"])]
         if len(ra["losses"]) != len(rc["losses"]) or max(diffs) > atol:
-            raise AssertionError(f"per-step losses differ (max {max(diffs):.2e}): raw {ra['losses'][:5]} vs recshard {rc['losses'][:5]}")
+            raise AssertionError(
+                f"per-step losses differ (max {max(diffs):.2e}): raw {ra['losses'][:5]} vs recshard {rc['losses'][:5]}"
+            )
 
 
 def _ratio(results, size: str, num: str, den: str, key: str = "samples_per_s") -> Optional[float]:
@@ -103,7 +134,9 @@ CPU_ROWS = 100_000
 def _difference(results, size: str, a: str, b: str) -> Optional[float]:
     """Median ms/step of ``a`` minus ``b`` at ``size`` (``None`` unless both were measured)."""
     try:
-        return round(statistics.median(results[size][a]["ms_per_step"]) - statistics.median(results[size][b]["ms_per_step"]), 4)
+        return round(
+            statistics.median(results[size][a]["ms_per_step"]) - statistics.median(results[size][b]["ms_per_step"]), 4
+        )
     except (KeyError, statistics.StatisticsError):
         return None
 
@@ -111,28 +144,35 @@ def _difference(results, size: str, a: str, b: str) -> Optional[float]:
 def _beyond(results) -> Optional[float]:
     """recshard's overhead over raw TorchRec at ``tiny`` minus Lightning's own over a plain loop (issue 14's GPU
     target: <= 0.3 ms)."""
-    ours, lightnings = _difference(results, "tiny", "recshard", "raw"), _difference(results, "tiny", "lightning_sparse", "plain_sparse")
+    ours, lightnings = (
+        _difference(results, "tiny", "recshard", "raw"),
+        _difference(results, "tiny", "lightning_sparse", "plain_sparse"),
+    )
     return None if ours is None or lightnings is None else round(ours - lightnings, 4)
 
 
 Results = Dict[str, Dict[str, Dict[str, List[float]]]]  # size label -> variant -> metric -> one value per repeat
 
 
-def measure(size: Size, variants: List[str], repeats: int, lr: float = 0.01, malloc: str = "steady") -> Dict[str, Dict[str, List[float]]]:
+def measure(
+    size: Size, variants: List[str], repeats: int, lr: float = 0.01, malloc: str = "steady"
+) -> Dict[str, Dict[str, List[float]]]:
     """Run every variant ``repeats`` times at ``size`` (order rotating), check that ``raw``, ``recshard`` and
     ``recshard_pipelined`` trained identically, and return variant -> metric -> values."""
     per_variant: Dict[str, Dict[str, List[float]]] = {}
     first: Dict[str, List[Dict[str, Any]]] = {}
     for rep in range(repeats):
-        order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+        order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
         for variant in order:
             records = run_variant(variant, size, lr, malloc=malloc)
             first.setdefault(variant, records)
             for key, value in _summary(records, size).items():
                 per_variant.setdefault(variant, {}).setdefault(key, []).append(value)
-            print(f"{size.name:16s} b{size.batch_size:<6d} rep {rep} {variant:18s} {records[0]['ms_per_step']:9.2f} ms/step "
-                  f"{records[0]['page_faults_per_step']:8.0f} page faults/step {records[0]['emb_bw_frac']:8.4f} of copy bandwidth",
-                  flush=True)
+            print(
+                f"{size.name:16s} b{size.batch_size:<6d} rep {rep} {variant:18s} {records[0]['ms_per_step']:9.2f} ms/step "
+                f"{records[0]['page_faults_per_step']:8.0f} page faults/step {records[0]['emb_bw_frac']:8.4f} of copy bandwidth",
+                flush=True,
+            )
     for other in ("recshard", "recshard_pipelined", "recshard_unchecked", "recshard_strict"):
         if "raw" in first and other in first:
             check_identical(first["raw"], first[other])
@@ -147,8 +187,10 @@ def _peer_size(results: Results, peer: str) -> str:
 
 
 def _medians(per_variant: Dict[str, Dict[str, List[float]]]) -> Dict[str, Dict[str, float]]:
-    return {variant: {key: round(statistics.median(values), 6) for key, values in metrics.items() if values}
-            for variant, metrics in per_variant.items()}
+    return {
+        variant: {key: round(statistics.median(values), 6) for key, values in metrics.items() if values}
+        for variant, metrics in per_variant.items()
+    }
 
 
 def final_record(results: Results, repeats: int) -> Dict[str, Any]:
@@ -165,7 +207,9 @@ def final_record(results: Results, repeats: int) -> Dict[str, Any]:
     tiny = results.get("tiny", {})
     overhead = None
     if "recshard" in tiny and "raw" in tiny:
-        overhead = round(statistics.median(tiny["recshard"]["ms_per_step"]) - statistics.median(tiny["raw"]["ms_per_step"]), 4)
+        overhead = round(
+            statistics.median(tiny["recshard"]["ms_per_step"]) - statistics.median(tiny["raw"]["ms_per_step"]), 4
+        )
     big, sparse_big = _peer_size(results, "lightning_ddp"), _peer_size(results, "lightning_sparse")
     record: Dict[str, Any] = {
         "recshard_vs_raw": _ratio(results, "realistic", "recshard", "raw"),
@@ -193,7 +237,9 @@ def final_record(results: Results, repeats: int) -> Dict[str, Any]:
         record[f"pipelined_vs_raw_pipeline_{name}"] = _ratio(results, name, "recshard_pipelined", "raw_pipeline")
         record[f"recshard_vs_lightning_sparse_{name}"] = _ratio(results, name, "recshard", "lightning_sparse")
         record[f"recshard_vs_lightning_ddp_{name}"] = _ratio(results, name, "recshard", "lightning_ddp")
-        record[f"pipelined_vs_lightning_sparse_{name}"] = _ratio(results, name, "recshard_pipelined", "lightning_sparse")
+        record[f"pipelined_vs_lightning_sparse_{name}"] = _ratio(
+            results, name, "recshard_pipelined", "lightning_sparse"
+        )
     record["by_size"] = {label: _medians(per_variant) for label, per_variant in results.items()}
     record["repeats"] = repeats
     return record
@@ -213,7 +259,9 @@ def plot_batch_sweep(results: Results, path: str) -> None:
         if not batch:
             continue
         for variant, values in per_variant.items():
-            sweeps.setdefault(name, {}).setdefault(variant, []).append((int(batch), statistics.median(values["samples_per_s"])))
+            sweeps.setdefault(name, {}).setdefault(variant, []).append(
+                (int(batch), statistics.median(values["samples_per_s"]))
+            )
     fig = Figure(figsize=(6.5 * max(1, len(sweeps)), 4.5))
     FigureCanvasAgg(fig)
     for i, (name, per_variant) in enumerate(sorted(sweeps.items())):
@@ -242,24 +290,48 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     from lightning_rec.sharding import supported_sharding_types
 
-    parser = argparse.ArgumentParser(prog="python -m lightning_rec.bench", description="recshard vs hand-written TorchRec vs plain Lightning, A/B alternated")
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (sizes tiny/realistic/2proc in a few minutes on 2 cores)")
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_rec.bench",
+        description="recshard vs hand-written TorchRec vs plain Lightning, A/B alternated",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer steps and repeats (sizes tiny/realistic/2proc in a few minutes on 2 cores)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="alternated repeats per variant (default 3, quick 2)")
-    parser.add_argument("--sizes", default="tiny,realistic,realistic_2proc", help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument(
+        "--sizes", default="tiny,realistic,realistic_2proc", help=f"comma-separated, of {', '.join(SIZES)}"
+    )
     parser.add_argument("--variants", default=None, help=f"comma-separated (default: {','.join(VARIANTS)})")
-    parser.add_argument("--batch-sizes", default=None,
-                        help="comma-separated: sweep every size over these batch sizes (one value: that batch size, no sweep)")
-    parser.add_argument("--rows", type=int, default=None, help="rows of every table at every size (shrinks the GPU sizes for CPU)")
+    parser.add_argument(
+        "--batch-sizes",
+        default=None,
+        help="comma-separated: sweep every size over these batch sizes (one value: that batch size, no sweep)",
+    )
+    parser.add_argument(
+        "--rows", type=int, default=None, help="rows of every table at every size (shrinks the GPU sizes for CPU)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps at every size (after --quick)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first at every size (after --quick)")
     parser.add_argument("--plot", default=None, help="PNG path: samples/s against batch size (with --batch-sizes)")
     parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
-                        help="torch.optim.SGD/Adagrad for the dense layers and the plain-Lightning tables, FBGEMM's exact "
-                             "equivalent (EXACT_SGD/EXACT_ADAGRAD) fused for TorchRec's tables (default: sgd)")
-    parser.add_argument("--malloc", choices=sorted(MALLOC_SETTINGS), default="steady",
-                        help="glibc heap settings of every variant's processes (default: steady; see BENCHMARKS.md)")
-    parser.add_argument("--sharding", choices=SHARDINGS, default="table_wise", help="every table's sharding type (row_wise: CUDA only)")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="sgd",
+        help="torch.optim.SGD/Adagrad for the dense layers and the plain-Lightning tables, FBGEMM's exact "
+        "equivalent (EXACT_SGD/EXACT_ADAGRAD) fused for TorchRec's tables (default: sgd)",
+    )
+    parser.add_argument(
+        "--malloc",
+        choices=sorted(MALLOC_SETTINGS),
+        default="steady",
+        help="glibc heap settings of every variant's processes (default: steady; see BENCHMARKS.md)",
+    )
+    parser.add_argument(
+        "--sharding", choices=SHARDINGS, default="table_wise", help="every table's sharding type (row_wise: CUDA only)"
+    )
     parser.add_argument("--allow-cpu", action="store_true", help="run the GPU sizes at full size without a GPU")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size-json", default=None, help=argparse.SUPPRESS)
@@ -275,27 +347,35 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     size_names = [n for n in args.sizes.split(",") if n]
     unknown = sorted(set(variants) - set(VARIANTS + EXTRA_VARIANTS)) + sorted(set(size_names) - set(SIZES))
     if unknown:
-        parser.error(f"unknown variant/size {unknown}; variants are {list(VARIANTS + EXTRA_VARIANTS)}, sizes {list(SIZES)}")
+        parser.error(
+            f"unknown variant/size {unknown}; variants are {list(VARIANTS + EXTRA_VARIANTS)}, sizes {list(SIZES)}"
+        )
     for flag, value in (("--rows", args.rows), ("--steps", args.steps), ("--warmup", args.warmup)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value} (the first step allocates: it is never timed)")
     cuda = torch.cuda.is_available()
     if not cuda and args.sharding not in supported_sharding_types("cpu"):
-        parser.error(f"{args.sharding} needs CUDA: TorchRec's EmbeddingBagCollectionSharder offers row_wise and "
-                     "table_row_wise only with FBGEMM's CUDA kernels, and there is no GPU here. HINT: on CPU use one of "
-                     f"{', '.join(t for t in SHARDINGS if t in supported_sharding_types('cpu'))}.")
+        parser.error(
+            f"{args.sharding} needs CUDA: TorchRec's EmbeddingBagCollectionSharder offers row_wise and "
+            "table_row_wise only with FBGEMM's CUDA kernels, and there is no GPU here. HINT: on CPU use one of "
+            f"{', '.join(t for t in SHARDINGS if t in supported_sharding_types('cpu'))}."
+        )
     for name in size_names:
         size = SIZES[name]
         if size.gpu and not cuda and args.rows is None and not args.allow_cpu:
-            print(f"{name} is GPU-sized ({size.tables} tables x {size.rows:,} rows x {size.dim} = "
-                  f"{_gb(size.table_bytes())} of fp32 tables; lightning_ddp needs as much again for its dense "
-                  f"gradients, adagrad once more) and there is no GPU here: it runs with {CPU_ROWS:,} rows per table "
-                  "(the same batches and model). --rows N sets another number, --allow-cpu runs it at full size.",
-                  flush=True)
+            print(
+                f"{name} is GPU-sized ({size.tables} tables x {size.rows:,} rows x {size.dim} = "
+                f"{_gb(size.table_bytes())} of fp32 tables; lightning_ddp needs as much again for its dense "
+                f"gradients, adagrad once more) and there is no GPU here: it runs with {CPU_ROWS:,} rows per table "
+                "(the same batches and model). --rows N sets another number, --allow-cpu runs it at full size.",
+                flush=True,
+            )
         if cuda and size.world_size > 1 and "lightning_sparse" in variants and args.variants:
-            parser.error(f"lightning_sparse cannot run at {name} ({size.world_size} processes) on CUDA: DDP would "
-                         "all-reduce sparse gradients, which gloo does and NCCL does not. HINT: use a 1-process size, "
-                         "or leave lightning_sparse out of --variants.")
+            parser.error(
+                f"lightning_sparse cannot run at {name} ({size.world_size} processes) on CUDA: DDP would "
+                "all-reduce sparse gradients, which gloo does and NCCL does not. HINT: use a 1-process size, "
+                "or leave lightning_sparse out of --variants."
+            )
     results: Results = {}
     measured: Dict[str, Dict[str, Any]] = {}
     for size_name in size_names:
@@ -307,8 +387,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         size_variants = variants
         if cuda and size.world_size > 1 and "lightning_sparse" in variants:
             size_variants = [v for v in variants if v != "lightning_sparse"]
-            print(f"{size.name}: lightning_sparse left out ({size.world_size} processes on CUDA: NCCL has no sparse "
-                  "all-reduce for DDP); its ratios there are None", flush=True)
+            print(
+                f"{size.name}: lightning_sparse left out ({size.world_size} processes on CUDA: NCCL has no sparse "
+                "all-reduce for DDP); its ratios there are None",
+                flush=True,
+            )
         if size.world_size > 1 and "plain_sparse" in size_variants:
             size_variants = [v for v in size_variants if v != "plain_sparse"]
             print(f"{size.name}: plain_sparse left out (a plain loop runs one process)", flush=True)
@@ -317,18 +400,28 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             sized = replace(size, batch_size=batch)
             results[label] = measure(sized, size_variants, repeats, args.lr, args.malloc)
             measured[label] = {k: v for k, v in asdict(sized).items() if k not in ("name", "gpu")}
-    print(f"\n{'size':22s} {'variant':18s} {'ms/step':>9s} {'samples/s':>11s} {'peak RSS MB':>12s} {'faults/step':>12s} "
-          f"{'emb GB/s':>9s} {'copy GB/s':>10s} {'emb/copy':>9s}")
+    print(
+        f"\n{'size':22s} {'variant':18s} {'ms/step':>9s} {'samples/s':>11s} {'peak RSS MB':>12s} {'faults/step':>12s} "
+        f"{'emb GB/s':>9s} {'copy GB/s':>10s} {'emb/copy':>9s}"
+    )
     for label, per_variant in results.items():
         for variant, values in per_variant.items():
-            print(f"{label:22s} {variant:18s} {statistics.median(values['ms_per_step']):9.2f} "
-                  f"{statistics.median(values['samples_per_s']):11.0f} {statistics.median(values['peak_rss_mb']):12.0f} "
-                  f"{statistics.median(values['page_faults_per_step']):12.0f} {statistics.median(values['emb_gb_s']):9.3f} "
-                  f"{statistics.median(values['copy_gb_s']):10.2f} {statistics.median(values['emb_bw_frac']):9.4f}")
+            print(
+                f"{label:22s} {variant:18s} {statistics.median(values['ms_per_step']):9.2f} "
+                f"{statistics.median(values['samples_per_s']):11.0f} {statistics.median(values['peak_rss_mb']):12.0f} "
+                f"{statistics.median(values['page_faults_per_step']):12.0f} {statistics.median(values['emb_gb_s']):9.3f} "
+                f"{statistics.median(values['copy_gb_s']):10.2f} {statistics.median(values['emb_bw_frac']):9.4f}"
+            )
     if args.plot:
         plot_batch_sweep(results, args.plot)
         print(f"plot: {args.plot}")
-    final = {**final_record(results, repeats), "malloc": args.malloc, "optimizer": args.optimizer,
-             "sharding": args.sharding, "device": "cuda" if cuda else "cpu", "measured": measured}
+    final = {
+        **final_record(results, repeats),
+        "malloc": args.malloc,
+        "optimizer": args.optimizer,
+        "sharding": args.sharding,
+        "device": "cuda" if cuda else "cpu",
+        "measured": measured,
+    }
     print(json.dumps(final), flush=True)
     return final

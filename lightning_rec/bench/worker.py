@@ -56,7 +56,10 @@ class _Clock:
 
     def tick(self) -> None:
         """Stamp the end of a step (synchronising the device first where the timing needs it)."""
-        if self.device.type == "cuda" and len(self.stamps) + 1 in (self.size.warmup, self.size.warmup + self.size.steps):
+        if self.device.type == "cuda" and len(self.stamps) + 1 in (
+            self.size.warmup,
+            self.size.warmup + self.size.steps,
+        ):
             import torch
 
             torch.cuda.synchronize(self.device)
@@ -66,7 +69,7 @@ class _Clock:
 def _step_ms(stamps: List[Tuple[float, int]], warmup: int, device_type: str) -> float:
     """Milliseconds per timed step: the median of the per-step times on CPU, the mean between the synchronised
     stamps on CUDA."""
-    timed = stamps[warmup - 1:]
+    timed = stamps[warmup - 1 :]
     if device_type == "cuda":
         return 1000 * (timed[-1][0] - timed[0][0]) / (len(timed) - 1)
     return 1000 * statistics.median(b[0] - a[0] for a, b in zip(timed, timed[1:]))
@@ -109,8 +112,9 @@ def _loader(size: Size, rank: int, device):
     CPU pinning has nothing to do)."""
     import torch
 
-    return torch.utils.data.DataLoader(_batches(size, rank, size.warmup + size.steps), batch_size=None,
-                                       pin_memory=device.type == "cuda")
+    return torch.utils.data.DataLoader(
+        _batches(size, rank, size.warmup + size.steps), batch_size=None, pin_memory=device.type == "cuda"
+    )
 
 
 def _planner_hbm(device) -> Dict[str, Any]:
@@ -135,15 +139,20 @@ def raw_torchrec(size: Size, lr: float, device):
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(size.optimizer, lr))
     constraints = {t: ParameterConstraints(**c) for t, c in _constraints(size).items()}
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=size.world_size, compute_device=device.type, local_world_size=size.world_size,
-                          **_planner_hbm(device)),
+        topology=Topology(
+            world_size=size.world_size,
+            compute_device=device.type,
+            local_world_size=size.world_size,
+            **_planner_hbm(device),
+        ),
         constraints=constraints,
     )
     plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
     _pattern_init(dmp.module)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda ps: torch_optimizer(size.optimizer, ps, lr))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch_optimizer(size.optimizer, ps, lr)
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -225,7 +234,12 @@ def _lightning_module(size: Size, lr: float, plain_tables: bool, sparse: bool = 
 
 
 def _run_lightning(
-    size: Size, lr: float, device, plain_tables: bool, pipeline: bool = False, checks: str = "default",
+    size: Size,
+    lr: float,
+    device,
+    plain_tables: bool,
+    pipeline: bool = False,
+    checks: str = "default",
     sparse: bool = False,
 ) -> Dict[str, Any]:
     import contextlib
@@ -254,15 +268,27 @@ def _run_lightning(
         _pattern_init(module.model)
         strategy: Any = "ddp" if size.world_size > 1 else "auto"
     else:
-        unchecked = {"default": {}, "none": {"bounds_check": "none", "nonfinite": "ignore"},
-                     "strict": {"nonfinite": "strict"}}[checks]
+        unchecked = {
+            "default": {},
+            "none": {"bounds_check": "none", "nonfinite": "ignore"},
+            "strict": {"nonfinite": "strict"},
+        }[checks]
         topology = TopologyConfig(**_planner_hbm(device)) if device.type == "cuda" else None
-        strategy = RecShardStrategy(constraints=_constraints(size), plan_report=False, pipeline=pipeline,
-                                    topology=topology, **unchecked)
+        strategy = RecShardStrategy(
+            constraints=_constraints(size), plan_report=False, pipeline=pipeline, topology=topology, **unchecked
+        )
     trainer = L.Trainer(
-        accelerator=device.type if device.type == "cpu" else "gpu", devices=size.world_size, strategy=strategy,
-        max_steps=size.warmup + size.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, callbacks=[Clock()],
+        accelerator=device.type if device.type == "cpu" else "gpu",
+        devices=size.world_size,
+        strategy=strategy,
+        max_steps=size.warmup + size.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        callbacks=[Clock()],
     )
     trainer.fit(module, _loader(size, int(os.environ["RANK"]), device))
     plan = None if plain_tables else _plan_rows(trainer.strategy.sharding_plan)
@@ -304,12 +330,15 @@ def _worker(variant: str, size: Size, lr: float, bandwidth: bool = True) -> None
         out = _run_plain(size, lr, device)
     else:
         out = _run_lightning(
-            size, lr, device, plain_tables=variant in ("lightning_ddp", "lightning_sparse"),
+            size,
+            lr,
+            device,
+            plain_tables=variant in ("lightning_ddp", "lightning_sparse"),
             pipeline=variant == "recshard_pipelined",
             checks={"recshard_unchecked": "none", "recshard_strict": "strict"}.get(variant, "default"),
             sparse=variant == "lightning_sparse",
         )
-    timed = out["stamps"][size.warmup - 1:]
+    timed = out["stamps"][size.warmup - 1 :]
     ms = _step_ms(out["stamps"], size.warmup, device.type)
     faults = (timed[-1][1] - timed[0][1]) / max(1, len(timed) - 1)
     # Read before the bandwidth measurement, whose buffers are not the variant's.
@@ -319,11 +348,20 @@ def _worker(variant: str, size: Size, lr: float, bandwidth: bool = True) -> None
     copy_gb_s = _bandwidth_in_turn(device) if bandwidth else None
     emb_gb_s = emb_bytes / (ms / 1000) / 1e9
     record = {
-        "variant": variant, "size": size.name, "rank": int(os.environ["RANK"]), "ms_per_step": ms,
-        "page_faults_per_step": faults, "peak_rss_bytes": rss, "peak_device_mem_bytes": device_mem,
-        "emb_bytes_per_step": emb_bytes, "emb_gb_s": emb_gb_s, "copy_gb_s": copy_gb_s,
+        "variant": variant,
+        "size": size.name,
+        "rank": int(os.environ["RANK"]),
+        "ms_per_step": ms,
+        "page_faults_per_step": faults,
+        "peak_rss_bytes": rss,
+        "peak_device_mem_bytes": device_mem,
+        "emb_bytes_per_step": emb_bytes,
+        "emb_gb_s": emb_gb_s,
+        "copy_gb_s": copy_gb_s,
         "emb_bw_frac": emb_gb_s / copy_gb_s if copy_gb_s else None,
-        "losses": out["losses"], "plan": out["plan"], "device": device.type,
+        "losses": out["losses"],
+        "plan": out["plan"],
+        "device": device.type,
     }
     print(_RESULT + json.dumps(record), flush=True)
     if dist.is_initialized():

@@ -68,10 +68,32 @@ SIZES = {
     "large": Size("large", tables=8, rows=1_000_000, dim=64, batch_size=4096, steps=8, warmup=3),
     # GPU-sized, Criteo-like (26 sparse features, 13 dense; 13.3 GB of fp32 tables), one process: one-hot and
     # multi-hot (20 ids per feature: 8.5M ids, 68 MB of int64 per batch; 4 distinct batches, cycled).
-    "criteo_onehot": Size("criteo_onehot", tables=26, rows=1_000_000, dim=128, batch_size=16384, pooling=1, steps=30,
-                          warmup=5, dense=13, distinct_batches=4, gpu=True),
-    "criteo_multihot": Size("criteo_multihot", tables=26, rows=1_000_000, dim=128, batch_size=16384, pooling=20,
-                            steps=30, warmup=5, dense=13, distinct_batches=4, gpu=True),
+    "criteo_onehot": Size(
+        "criteo_onehot",
+        tables=26,
+        rows=1_000_000,
+        dim=128,
+        batch_size=16384,
+        pooling=1,
+        steps=30,
+        warmup=5,
+        dense=13,
+        distinct_batches=4,
+        gpu=True,
+    ),
+    "criteo_multihot": Size(
+        "criteo_multihot",
+        tables=26,
+        rows=1_000_000,
+        dim=128,
+        batch_size=16384,
+        pooling=20,
+        steps=30,
+        warmup=5,
+        dense=13,
+        distinct_batches=4,
+        gpu=True,
+    ),
 }
 GPU_SIZES = tuple(name for name, size in SIZES.items() if size.gpu)
 OPTIMIZERS = ("sgd", "adagrad")
@@ -110,9 +132,6 @@ def torch_optimizer(optimizer: str, params, lr: float):
     raise ValueError(f"bench: unknown optimizer {optimizer!r}; choose one of {OPTIMIZERS}")
 
 
-
-
-
 def _model_parts(size: Size, plain_tables: bool, sparse: bool = False):
     import torch
     from torch import nn
@@ -120,14 +139,23 @@ def _model_parts(size: Size, plain_tables: bool, sparse: bool = False):
 
     features = [f"f{i}" for i in range(size.tables)]
     if plain_tables:
-        tables = nn.ModuleDict({f: nn.EmbeddingBag(size.rows, size.dim, mode="sum", include_last_offset=True, sparse=sparse) for f in features})
+        tables = nn.ModuleDict(
+            {
+                f: nn.EmbeddingBag(size.rows, size.dim, mode="sum", include_last_offset=True, sparse=sparse)
+                for f in features
+            }
+        )
     else:
         tables = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=f"t_{f}", embedding_dim=size.dim, num_embeddings=size.rows, feature_names=[f])
-                    for f in features],
+            tables=[
+                EmbeddingBagConfig(name=f"t_{f}", embedding_dim=size.dim, num_embeddings=size.rows, feature_names=[f])
+                for f in features
+            ],
             device=torch.device("meta"),
         )
-    mlp = nn.Sequential(nn.Linear(size.tables * size.dim + size.dense, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 1))
+    mlp = nn.Sequential(
+        nn.Linear(size.tables * size.dim + size.dense, 256), nn.ReLU(), nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 1)
+    )
     return features, tables, mlp
 
 
@@ -155,7 +183,9 @@ class _BenchModel:
                 return [out[f] for f in self.features]
 
             def forward(self, batch):
-                logits = self.mlp(torch.cat([*self.pooled(batch.sparse_features), batch.dense_features], dim=1)).squeeze(1)
+                logits = self.mlp(
+                    torch.cat([*self.pooled(batch.sparse_features), batch.dense_features], dim=1)
+                ).squeeze(1)
                 loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
                 return loss, (loss.detach(), logits.detach())  # TorchRec's pipeline returns the second part
 
@@ -176,8 +206,13 @@ def _batches(size: Size, rank: int, n: int):
             values=torch.randint(0, size.rows, (count,), generator=g),
             lengths=torch.full((size.tables * size.batch_size,), size.pooling, dtype=torch.int32),
         )
-        out.append(Batch(dense_features=torch.rand(size.batch_size, size.dense, generator=g), sparse_features=kjt,
-                         labels=torch.randint(0, 2, (size.batch_size,), generator=g).float()))
+        out.append(
+            Batch(
+                dense_features=torch.rand(size.batch_size, size.dense, generator=g),
+                sparse_features=kjt,
+                labels=torch.randint(0, 2, (size.batch_size,), generator=g).float(),
+            )
+        )
     return [out[i % len(out)] for i in range(n)]
 
 
@@ -192,9 +227,11 @@ def _pattern_init(module) -> None:
         # computed where the table lives (a GPU fills 13 GB of Criteo-like tables in seconds).
         phase = sum(map(ord, name.replace("tables.", "").replace(".weight", ""))) % 97
         for start in range(0, out.shape[0], block):
-            rows = out[start:start + block]
-            idx = [torch.arange(o, o + s, dtype=torch.float64, device=out.device)
-                   for o, s in zip([offsets[0] + start, *offsets[1:]], rows.shape)]
+            rows = out[start : start + block]
+            idx = [
+                torch.arange(o, o + s, dtype=torch.float64, device=out.device)
+                for o, s in zip([offsets[0] + start, *offsets[1:]], rows.shape)
+            ]
             grid = idx[0] * 0.37 if len(idx) == 1 else idx[0][:, None] * 0.37 + idx[1][None, :] * 0.11
             rows.copy_((0.05 * torch.sin(grid + phase)).float())
 
@@ -208,7 +245,6 @@ def _pattern_init(module) -> None:
                 fill(t, key, [0] * t.dim())
 
 
-
 def _constraints(size: Size) -> Dict[str, Dict[str, Any]]:
     return {f"t_f{i}": {"sharding_types": [size.sharding], "compute_kernels": ["fused"]} for i in range(size.tables)}
 
@@ -217,4 +253,3 @@ def _plan_rows(plan) -> Dict[str, Any]:
     from lightning_rec.sharding import plan_rows
 
     return {r.table: [r.sharding_type, r.compute_kernel, r.ranks] for r in plan_rows(plan)}
-

@@ -33,8 +33,16 @@ from lightning_rec.checkpoint.optimizer_state import OptimizerTarget, canonical_
 from lightning_rec.checkpoint.safe_io import UnsafeCheckpointError
 
 __all__ = [
-    "CheckpointError", "UnsafeCheckpointError", "canonical_state", "export", "is_checkpoint", "load_exported", "load",
-    "load_module", "remove", "save",
+    "CheckpointError",
+    "UnsafeCheckpointError",
+    "canonical_state",
+    "export",
+    "is_checkpoint",
+    "load_exported",
+    "load",
+    "load_module",
+    "remove",
+    "save",
 ]
 
 log = logging.getLogger(__name__)
@@ -159,7 +167,7 @@ def _saved_entries(metadata: Metadata) -> Tuple[Dict[str, TensorStorageMetadata]
         if not isinstance(md, TensorStorageMetadata):
             raise UnsafeCheckpointError(f"{key}: a pickled object in the tensor data; this format never writes one")
         if key.startswith(MODEL_PREFIX):
-            model[key[len(MODEL_PREFIX):]] = md
+            model[key[len(MODEL_PREFIX) :]] = md
         elif key.startswith(OPTIM_PREFIX):
             _, i, fqn, name = key.split("/", 3)
             optim.setdefault(int(i), {}).setdefault(fqn, {})[name] = (md.size, md.properties.dtype)
@@ -173,9 +181,7 @@ def _column_widths(md: TensorStorageMetadata) -> List[int]:
     return [w for _, w in sorted({(c.offsets[1], c.sizes[1]) for c in md.chunks})]
 
 
-def _model_problems(
-    live: Mapping[str, Any], saved: Mapping[str, TensorStorageMetadata], strict: bool
-) -> List[str]:
+def _model_problems(live: Mapping[str, Any], saved: Mapping[str, TensorStorageMetadata], strict: bool) -> List[str]:
     problems = []
     for key, value in live.items():
         if not is_tensor(value):
@@ -184,7 +190,9 @@ def _model_problems(
             if strict:
                 problems.append(f"{key}: in the model, missing from the checkpoint")
         elif tuple(saved[key].size) != tuple(value.size()):
-            problems.append(f"{key}: shape {tuple(saved[key].size)} in the checkpoint, {tuple(value.size())} in the model")
+            problems.append(
+                f"{key}: shape {tuple(saved[key].size)} in the checkpoint, {tuple(value.size())} in the model"
+            )
     if strict:
         problems += [f"{key}: in the checkpoint, not in the model" for key in saved if key not in live]
     return problems
@@ -249,7 +257,12 @@ def load(
             named = dict(module.named_parameters())
             for i, opt in enumerate(optimizers):
                 target = OptimizerTarget(
-                    opt, named, live, saved_optim.get(i, {}), saved_opt_meta[i].get("param_groups", []), widths,
+                    opt,
+                    named,
+                    live,
+                    saved_optim.get(i, {}),
+                    saved_opt_meta[i].get("param_groups", []),
+                    widths,
                     saved_extra=saved_opt_meta[i].get("extra"),
                 )
                 problems += [f"optimizer {i}: {p}" for p in target.problems]

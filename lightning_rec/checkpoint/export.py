@@ -29,7 +29,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_rec.checkpoint import layout, safe_io
 
 
-def export(checkpoint: "str | Path", output: "str | Path", *, prefix: str = "", verify_hashes: bool = True) -> Dict[str, torch.Size]:
+def export(
+    checkpoint: "str | Path", output: "str | Path", *, prefix: str = "", verify_hashes: bool = True
+) -> Dict[str, torch.Size]:
     """Write the model weights of a sharded checkpoint as one unsharded state dict file (one process, no GPU).
 
     Every table is assembled whole from its shards (so this needs memory for the whole model, once);
@@ -76,7 +78,7 @@ def _assemble(path: Path, prefix: str, verify_hashes: bool) -> Dict[str, torch.T
     if not targets:
         raise layout.CheckpointError(f"{str(path)!r} has no model weights under prefix {prefix!r}.")
     dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(path), no_dist=True)
-    return {key[len(layout.MODEL_PREFIX + prefix):]: tensor.contiguous() for key, tensor in targets.items()}
+    return {key[len(layout.MODEL_PREFIX + prefix) :]: tensor.contiguous() for key, tensor in targets.items()}
 
 
 M = TypeVar("M", bound=pl.LightningModule)
@@ -135,7 +137,8 @@ def load_module(
         problems += [f"{k}: in the checkpoint, not in {cls.__name__}" for k in unexpected]
     problems += [
         f"{k}: checkpoint shape {tuple(state[k].shape)}, {cls.__name__} shape {tuple(live[k].shape)}"
-        for k in set(state) & set(live) if isinstance(live[k], torch.Tensor) and tuple(live[k].shape) != tuple(state[k].shape)
+        for k in set(state) & set(live)
+        if isinstance(live[k], torch.Tensor) and tuple(live[k].shape) != tuple(state[k].shape)
     ]
     if problems:
         raise layout.CheckpointError(

@@ -59,7 +59,9 @@ def _table_state_to_canonical(state: Dict[str, Any]) -> Dict[str, Any]:
         if name == "step":
             continue  # the fused kernels keep no step; Adagrad's only matters with lr_decay, which they lack
         canonical = _TORCH_TO_FUSED.get(name, name)
-        out[canonical] = value.reshape(-1) if canonical == _ROWWISE and value.dim() == 2 and value.shape[1] == 1 else value
+        out[canonical] = (
+            value.reshape(-1) if canonical == _ROWWISE and value.dim() == 2 and value.shape[1] == 1 else value
+        )
     return out
 
 
@@ -117,7 +119,11 @@ class OptimizerTarget:
         owners: Dict[str, str] = {}  # fqn -> "dense"/"table"/"fused"
         if isinstance(self.optimizer, RecOptimizer):
             live = canonical_state(self.optimizer, named_parameters)["state"]
-            live = {fqn: e for fqn, e in live.items() if fqn not in self.optimizer.dense_params and fqn not in self.optimizer.table_params}
+            live = {
+                fqn: e
+                for fqn, e in live.items()
+                if fqn not in self.optimizer.dense_params and fqn not in self.optimizer.table_params
+            }
             # Every sharded table is the fused optimizer's, also on ranks that hold none of it (no local state).
             owners.update({fqn: "fused" for fqn, v in model_state.items() if isinstance(v, _compat.ShardedTensor)})
             owners.update({fqn: "fused" for fqn in live})
@@ -136,7 +142,9 @@ class OptimizerTarget:
             self._torch.append((self.optimizer, names))
 
         for fqn in sorted(set(saved) - set(owners)):
-            self.problems.append(f"optimizer state for {fqn}: in the checkpoint, but the optimizer has no such parameter")
+            self.problems.append(
+                f"optimizer state for {fqn}: in the checkpoint, but the optimizer has no such parameter"
+            )
         for fqn, entries in sorted(live.items()):
             if entries and fqn not in saved:
                 self.problems.append(f"optimizer state for {fqn}: missing from the checkpoint")
@@ -167,8 +175,12 @@ class OptimizerTarget:
     def _rowwise_convertible(self, fqn: str, name: str, target: Any, shape: Sequence[int]) -> bool:
         rows = self._rows.get(fqn)
         return (
-            name == _ROWWISE and rows is not None and len(shape) == 1 and target.dim() == 1
-            and shape[0] % rows == 0 and target.size(0) % rows == 0
+            name == _ROWWISE
+            and rows is not None
+            and len(shape) == 1
+            and target.dim() == 1
+            and shape[0] % rows == 0
+            and target.size(0) % rows == 0
         )
 
     def _check_groups(self) -> None:
@@ -193,7 +205,11 @@ class OptimizerTarget:
             self.optimizer.restore_embedding_lrs(embedding_lrs)
 
     def _load_torch(
-        self, optimizer: Optimizer, names: Mapping[int, str], is_table: bool, global_step: int,
+        self,
+        optimizer: Optimizer,
+        names: Mapping[int, str],
+        is_table: bool,
+        global_step: int,
         saved_groups: Optional[Sequence[Mapping[str, Any]]],
     ) -> None:
         by_name: Dict[str, Dict[str, Any]] = {fqn: dict(self._extra.get(fqn, {})) for fqn in names.values()}
@@ -219,7 +235,9 @@ class OptimizerTarget:
                         for k, v in entries.items()
                     }
 
-    def _table_state_from_canonical(self, optimizer: Optimizer, fqn: str, entries: Dict[str, Tensor], global_step: int) -> Dict[str, Tensor]:
+    def _table_state_from_canonical(
+        self, optimizer: Optimizer, fqn: str, entries: Dict[str, Tensor], global_step: int
+    ) -> Dict[str, Tensor]:
         mapping = _FUSED_TO_TORCH.get(type(optimizer).__name__, {})
         out = {mapping.get(k, k): v for k, v in entries.items()}
         if "sum" in out and type(optimizer).__name__ == "RowWiseAdagrad":
@@ -234,7 +252,9 @@ class OptimizerTarget:
         if blocks.shape[0] == 1:
             return blocks[0]
         widths = self._table_widths.get(fqn) or []
-        weights = torch.tensor(widths if len(widths) == blocks.shape[0] else [1.0] * blocks.shape[0], dtype=blocks.dtype)
+        weights = torch.tensor(
+            widths if len(widths) == blocks.shape[0] else [1.0] * blocks.shape[0], dtype=blocks.dtype
+        )
         rank_zero_warn(
             f"{fqn}: row-wise Adagrad accumulators were saved for {blocks.shape[0]} column shards and are loaded "
             "into another plan; each row gets the width-weighted mean of its saved accumulators. Training continues "

@@ -21,8 +21,14 @@ from typing_extensions import override
 # Classes DCP's metadata pickle refers to (module -> names). Anything else is refused.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "_MEM_FORMAT_ENCODING", "StorageMeta", "MetadataIndex",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "StorageMeta",
+        "MetadataIndex",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.distributed.checkpoint._extension": {"StreamTransformExtension"},
@@ -97,7 +103,9 @@ def load_meta(path: Path, weights_only: Optional[bool] = None) -> Dict[str, Any]
         with torch.serialization.safe_globals(_plain_classes()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        reason = next((line.strip() for line in str(err).splitlines() if "Unsupported global" in line), str(err).splitlines()[0])
+        reason = next(
+            (line.strip() for line in str(err).splitlines() if "Unsupported global" in line), str(err).splitlines()[0]
+        )
         raise UnsafeCheckpointError(
             f"{path} holds objects that are not plain data, so it was not unpickled ({reason}).\n"
             "HINT: keep hyperparameters plain (numbers, strings, lists, dicts), or, for a checkpoint you trust, "

@@ -136,11 +136,11 @@ class RecDataset(Dataset):
         lengths: List[torch.Tensor] = []
         for col in self.sparse.values():
             if isinstance(col, Jagged):
-                v, l = col.take(index)
+                v, n = col.take(index)
             else:
-                v, l = col[index], torch.ones(index.numel(), dtype=torch.long)
+                v, n = col[index], torch.ones(index.numel(), dtype=torch.long)
             values.append(v)
-            lengths.append(l)
+            lengths.append(n)
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=list(self.sparse), values=torch.cat(values).long(), lengths=torch.cat(lengths).int()
         )
@@ -151,9 +151,9 @@ class RecDataset(Dataset):
         sparse: Dict[str, Column] = {}
         for name, col in self.sparse.items():
             if isinstance(col, Jagged):
-                v, l = col.take(index)
+                v, n = col.take(index)
                 offsets = torch.zeros(index.numel() + 1, dtype=torch.long)
-                torch.cumsum(l, 0, out=offsets[1:])
+                torch.cumsum(n, 0, out=offsets[1:])
                 sparse[name] = Jagged(v, offsets)
             else:
                 sparse[name] = col[index]

@@ -282,10 +282,10 @@ class CriteoNpyDataset:
             # sorted, unique reads from the memory map; `inverse` restores the requested order
             local, inverse = np.unique(idx[where.numpy()] - self._starts[k], return_inverse=True)
             inverse = torch.from_numpy(inverse.reshape(-1))
-            d, s, l = (torch.from_numpy(np.array(a[local])) for a in self._arrays()[k])
+            d, s, y = (torch.from_numpy(np.array(a[local])) for a in self._arrays()[k])
             d = d if d.is_floating_point() else transform_dense(d)
             dense[where], ids[where] = d.float()[inverse], s.long()[inverse] % self.sizes
-            labels[where] = l.reshape(-1).float().clamp(min=0)[inverse]
+            labels[where] = y.reshape(-1).float().clamp(min=0)[inverse]
         return _make_batch(dense, ids, labels)
 
 

@@ -231,7 +231,7 @@ def leave_one_out(
         return [history_decay ** (n - 1 - j) for j in range(n)]
 
     train_counts = torch.zeros(it.num_items, dtype=torch.float64)
-    for u, seq in sequences.items():
+    for seq in sequences.values():
         n_train = len(seq) - 2 if len(seq) >= min_positives else len(seq)
         train_counts += torch.bincount(torch.tensor(seq[:n_train], dtype=torch.long), minlength=it.num_items).double()
     item_log_q = torch.log(train_counts.clamp(min=1.0) / train_counts.sum()).float()

@@ -329,7 +329,7 @@ class MovieLensSequenceDataModule(RecDataModule):
     @property
     def num_items(self) -> int:
         """Rows of the item table (the largest item id + 1)."""
-        self.leave_one_out
+        self.leave_one_out  # noqa: B018 (computed on first access; it sets _num_items)
         return self._num_items
 
     @property

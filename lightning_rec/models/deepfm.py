@@ -213,7 +213,12 @@ class DeepFMModule(CTRModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = build_deepfm(
-            sparse_features, num_dense_features, embedding_dim, dense_arch_hidden_size, deep_layer_sizes,
-            over_arch_layer_sizes, fm,
+            sparse_features,
+            num_dense_features,
+            embedding_dim,
+            dense_arch_hidden_size,
+            deep_layer_sizes,
+            over_arch_layer_sizes,
+            fm,
         )
         self.use_optimizers(embedding_optimizer, dense_optimizer)

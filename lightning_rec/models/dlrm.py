@@ -73,8 +73,10 @@ def build_dlrm(
         raise ValueError(f"build_dlrm: the last over layer must be 1 (one logit), got {list(over_arch_layer_sizes)}.")
     ebc = EmbeddingBagCollection(tables=table_configs(sparse_features, embedding_dim), device=torch.device("meta"))
     common = dict(
-        embedding_bag_collection=ebc, dense_in_features=num_dense_features,
-        dense_arch_layer_sizes=list(dense_arch_layer_sizes), over_arch_layer_sizes=list(over_arch_layer_sizes),
+        embedding_bag_collection=ebc,
+        dense_in_features=num_dense_features,
+        dense_arch_layer_sizes=list(dense_arch_layer_sizes),
+        over_arch_layer_sizes=list(over_arch_layer_sizes),
     )
     if interaction == "dot":
         return DLRM(**common)
@@ -125,7 +127,13 @@ class DLRMModule(CTRModule):
         super().__init__()
         self.save_hyperparameters()
         self.model = build_dlrm(
-            sparse_features, num_dense_features, embedding_dim, dense_arch_layer_sizes, over_arch_layer_sizes,
-            interaction, dcn_num_layers, dcn_low_rank_dim,
+            sparse_features,
+            num_dense_features,
+            embedding_dim,
+            dense_arch_layer_sizes,
+            over_arch_layer_sizes,
+            interaction,
+            dcn_num_layers,
+            dcn_low_rank_dim,
         )
         self.use_optimizers(embedding_optimizer, dense_optimizer)

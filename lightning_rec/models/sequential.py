@@ -30,7 +30,6 @@ from lightning_rec.optim import EmbeddingOptimizer
 __all__ = ["CausalEncoder", "SASRec", "SequentialRecModule", "catalog_scores", "sampled_softmax_loss"]
 
 
-
 def _padded(jt: JaggedTensor, length: int) -> torch.Tensor:
     """``(B, length, D)`` from a JaggedTensor of ``(N, D)`` embeddings (rows left-aligned, zeros after them)."""
     lengths = jt.lengths().long()
@@ -62,7 +61,9 @@ class CausalEncoder(nn.Module):
         torch.Size([2, 4, 8])
     """
 
-    def __init__(self, embedding_dim: int, max_len: int, num_blocks: int = 2, num_heads: int = 2, dropout: float = 0.1) -> None:
+    def __init__(
+        self, embedding_dim: int, max_len: int, num_blocks: int = 2, num_heads: int = 2, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         if embedding_dim % num_heads:
             raise ValueError(
@@ -99,7 +100,12 @@ class CausalEncoder(nn.Module):
         x = _padded(history, self.max_len) * math.sqrt(self.embedding_dim) + self.position.weight.unsqueeze(0)
         hidden = self.norm(self.blocks(self.dropout(x), mask=self.causal, is_causal=True))
         last = hidden[torch.arange(lengths.numel(), device=hidden.device), (lengths - 1).clamp(min=0)]
-        out = {"hidden": hidden, "lengths": lengths, "last": last, "target": _padded(embeddings["target"], self.max_len)}
+        out = {
+            "hidden": hidden,
+            "lengths": lengths,
+            "last": last,
+            "target": _padded(embeddings["target"], self.max_len),
+        }
         negatives = embeddings.get("negatives")
         if negatives is not None and negatives.values().numel():
             out["negatives"] = negatives.values().reshape(lengths.numel(), -1, self.embedding_dim)
@@ -126,15 +132,25 @@ class SASRec(nn.Module):
     """
 
     def __init__(
-        self, num_items: int, embedding_dim: int = 64, max_len: int = 50, num_blocks: int = 2, num_heads: int = 2,
-        dropout: float = 0.1, table_name: str = "t_item", features: Sequence[str] = FEATURES,
+        self,
+        num_items: int,
+        embedding_dim: int = 64,
+        max_len: int = 50,
+        num_blocks: int = 2,
+        num_heads: int = 2,
+        dropout: float = 0.1,
+        table_name: str = "t_item",
+        features: Sequence[str] = FEATURES,
     ) -> None:
         super().__init__()
         if num_items < 2:
             raise ValueError(f"SASRec: num_items must be >= 2, got {num_items}. HINT: the item table's size.")
         self.item_ec = EmbeddingCollection(
-            tables=[EmbeddingConfig(name=table_name, embedding_dim=embedding_dim, num_embeddings=num_items,
-                                    feature_names=list(features))],
+            tables=[
+                EmbeddingConfig(
+                    name=table_name, embedding_dim=embedding_dim, num_embeddings=num_items, feature_names=list(features)
+                )
+            ],
             device=torch.device("meta"),
         )
         self.encoder = CausalEncoder(embedding_dim, max_len, num_blocks, num_heads, dropout)
@@ -144,7 +160,9 @@ class SASRec(nn.Module):
         return self.encoder(self.item_ec(features))
 
 
-def sampled_softmax_loss(out: Dict[str, torch.Tensor], target_ids: torch.Tensor, negative_ids: torch.Tensor) -> torch.Tensor:
+def sampled_softmax_loss(
+    out: Dict[str, torch.Tensor], target_ids: torch.Tensor, negative_ids: torch.Tensor
+) -> torch.Tensor:
     """Mean over rows of each row's mean cross entropy over its positions: at every position the true next item
     competes with the row's sampled negatives (a negative equal to the target is left out).
 
@@ -161,11 +179,11 @@ def sampled_softmax_loss(out: Dict[str, torch.Tensor], target_ids: torch.Tensor,
         1.3863
     """
     hidden, lengths = out["hidden"], out["lengths"]
-    positive = (hidden * out["target"]).sum(-1, keepdim=True)                        # (B, L, 1)
-    negative = torch.einsum("bld,bkd->blk", hidden, out["negatives"])              # (B, L, K)
+    positive = (hidden * out["target"]).sum(-1, keepdim=True)  # (B, L, 1)
+    negative = torch.einsum("bld,bkd->blk", hidden, out["negatives"])  # (B, L, K)
     negative = negative.masked_fill(negative_ids.unsqueeze(1) == target_ids.unsqueeze(2), float("-inf"))
     logits = torch.cat([positive, negative], dim=-1)
-    per_position = torch.logsumexp(logits, -1) - positive.squeeze(-1)              # CE with the target first
+    per_position = torch.logsumexp(logits, -1) - positive.squeeze(-1)  # CE with the target first
     valid = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) < lengths.unsqueeze(1)
     per_row = (per_position * valid).sum(1) / lengths.clamp(min=1)
     return per_row.mean()

@@ -60,8 +60,11 @@ class Tower(nn.Module):
     """
 
     def __init__(
-        self, tables: List[EmbeddingBagConfig], layer_sizes: Sequence[int], is_weighted: bool = False,
-        device: torch.device = torch.device("meta"),
+        self,
+        tables: List[EmbeddingBagConfig],
+        layer_sizes: Sequence[int],
+        is_weighted: bool = False,
+        device: torch.device = torch.device("meta"),  # noqa: B008 (a constant: tables start on meta)
     ) -> None:
         super().__init__()
         if not tables or not layer_sizes:
@@ -188,7 +191,7 @@ class _GatherRows(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad)
         start = dist.get_rank() * ctx.n
-        return grad[start:start + ctx.n]
+        return grad[start : start + ctx.n]
 
 
 def gather_candidates(
@@ -232,8 +235,12 @@ def gather_candidates(
 
 
 def in_batch_softmax_loss(
-    queries: torch.Tensor, candidates: torch.Tensor, item_ids: torch.Tensor, temperature: float = 0.05,
-    mask_duplicates: bool = True, log_q: Optional[torch.Tensor] = None,
+    queries: torch.Tensor,
+    candidates: torch.Tensor,
+    item_ids: torch.Tensor,
+    temperature: float = 0.05,
+    mask_duplicates: bool = True,
+    log_q: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Sampled-softmax loss with in-batch negatives, over the global batch on several ranks.
 

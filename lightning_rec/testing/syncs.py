@@ -25,16 +25,18 @@ __all__ = ["SyncCounter"]
 
 _aten = torch.ops.aten
 # Ops whose output the host must read from the device (values, or a data-dependent shape).
-SYNC_OPS = frozenset({
-    _aten._local_scalar_dense.default,  # .item(), float(t), int(t), bool(t)
-    _aten.is_nonzero.default,
-    _aten.equal.default,
-    _aten.nonzero.default,
-    _aten.masked_select.default,
-    _aten._unique2.default,
-    _aten.unique_consecutive.default,
-    _aten.unique_dim.default,
-})
+SYNC_OPS = frozenset(
+    {
+        _aten._local_scalar_dense.default,  # .item(), float(t), int(t), bool(t)
+        _aten.is_nonzero.default,
+        _aten.equal.default,
+        _aten.nonzero.default,
+        _aten.masked_select.default,
+        _aten._unique2.default,
+        _aten.unique_consecutive.default,
+        _aten.unique_dim.default,
+    }
+)
 _THIS_FILE = str(Path(__file__).resolve())
 # torch's own plumbing between an op and the mode (dynamo's disable wrapper, the dispatch-mode helpers).
 _PLUMBING = ("torch/_dynamo/", "torch/_compile.py", "torch/utils/_python_dispatch.py")
@@ -43,8 +45,10 @@ _PLUMBING = ("torch/_dynamo/", "torch/_compile.py", "torch/utils/_python_dispatc
 def _origin() -> Tuple[str, int, str]:
     """The innermost Python frame that is neither this module nor torch's dispatch plumbing: (file, line, function)."""
     for frame in reversed(traceback.extract_stack()):
-        if frame.filename != _THIS_FILE and str(Path(frame.filename).resolve()) != _THIS_FILE and not any(
-            part in frame.filename for part in _PLUMBING
+        if (
+            frame.filename != _THIS_FILE
+            and str(Path(frame.filename).resolve()) != _THIS_FILE
+            and not any(part in frame.filename for part in _PLUMBING)
         ):
             return frame.filename, frame.lineno or 0, frame.name
     return "?", 0, "?"

@@ -18,7 +18,9 @@ from tests.helpers.scenarios import _loader, _trainer
 
 PLANS = {
     "table_wise": {t: {"sharding_types": ["table_wise"]} for t in ("t_user", "t_item", "t_genre")},
-    "column_wise": {t: {"sharding_types": ["column_wise"], "min_partition": 4} for t in ("t_user", "t_item", "t_genre")},
+    "column_wise": {
+        t: {"sharding_types": ["column_wise"], "min_partition": 4} for t in ("t_user", "t_item", "t_genre")
+    },
     "data_parallel": {t: {"sharding_types": ["data_parallel"]} for t in ("t_user", "t_item", "t_genre")},
     "row_wise_mixed": {  # CUDA only
         "t_user": {"sharding_types": ["row_wise"]},
@@ -62,13 +64,25 @@ class RecordRestoredState(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.sums = optimizer_sums(trainer, pl_module)
-        self.lrs = [g["lr"] for g in trainer.strategy._rec_optimizer.dense.param_groups] + trainer.strategy._rec_optimizer.embedding_lrs
+        self.lrs = [
+            g["lr"] for g in trainer.strategy._rec_optimizer.dense.param_groups
+        ] + trainer.strategy._rec_optimizer.embedding_lrs
 
 
 def fit_epochs(
-    rank: int, world_size: int, out_dir: Path, tag: str, epochs: int, plan: str = "mixed", steps: int = 4,
-    ckpt_path: Optional[str] = None, optimizer: str = "adagrad", emb_optimizer: Optional[Dict[str, Any]] = None,
-    save_every_n_epochs: int = 1, accelerator: str = "cpu", fail: Optional[Dict[str, Any]] = None,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    tag: str,
+    epochs: int,
+    plan: str = "mixed",
+    steps: int = 4,
+    ckpt_path: Optional[str] = None,
+    optimizer: str = "adagrad",
+    emb_optimizer: Optional[Dict[str, Any]] = None,
+    save_every_n_epochs: int = 1,
+    accelerator: str = "cpu",
+    fail: Optional[Dict[str, Any]] = None,
     strategy: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """Fit ``epochs`` epochs (resuming from ``ckpt_path`` if given) with ModelCheckpoint(save_last, every epoch).
@@ -77,11 +91,17 @@ def fit_epochs(
 
     L.seed_everything(0)
     model = RecModel(optimizer=optimizer, scheduler=SCHEDULER, emb_optimizer=emb_optimizer)
-    ckpt_cb = ModelCheckpoint(dirpath=out_dir / "ckpts", save_last=True, save_top_k=-1, every_n_epochs=save_every_n_epochs)
+    ckpt_cb = ModelCheckpoint(
+        dirpath=out_dir / "ckpts", save_last=True, save_top_k=-1, every_n_epochs=save_every_n_epochs
+    )
     restored = RecordRestoredState()
     trainer = _trainer(
-        world_size, -1, {"constraints": PLANS[plan], **(strategy or {})}, det_init=ckpt_path is None,
-        max_epochs=epochs, accelerator=accelerator,
+        world_size,
+        -1,
+        {"constraints": PLANS[plan], **(strategy or {})},
+        det_init=ckpt_path is None,
+        max_epochs=epochs,
+        accelerator=accelerator,
         callbacks=[ckpt_cb, restored] + ([FailAt(out_dir=str(out_dir), **fail)] if fail else []),
     )
     trainer.fit(model, _loader(rank, steps, 16, {}), ckpt_path=ckpt_path)
@@ -108,7 +128,12 @@ def predict_with(world_size: int, plan: str, ckpt: str, accelerator: str = "cpu"
 
 
 def reshard(
-    rank: int, world_size: int, out_dir: Path, save_plan: Optional[str], load_plans: List[str], steps: int = 3,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    save_plan: Optional[str],
+    load_plans: List[str],
+    steps: int = 3,
     accelerator: str = "cpu",
 ) -> Dict[str, Any]:
     """Optionally train + save a checkpoint under ``save_plan`` (predictions recorded), then predict from the
@@ -125,12 +150,16 @@ def reshard(
         out["saved_sums"] = optimizer_sums(trainer, model)
     sources = sorted(out_dir.glob("saved_*.ckpt"))
     out["loaded"] = {
-        f"{src.name}:{plan}": predict_with(world_size, plan, str(src), accelerator) for src in sources for plan in load_plans
+        f"{src.name}:{plan}": predict_with(world_size, plan, str(src), accelerator)
+        for src in sources
+        for plan in load_plans
     }
     return out
 
 
-def resume_on_plans(rank: int, world_size: int, out_dir: Path, ckpt: str, plans: List[str], max_steps: int = 6) -> Dict[str, Any]:
+def resume_on_plans(
+    rank: int, world_size: int, out_dir: Path, ckpt: str, plans: List[str], max_steps: int = 6
+) -> Dict[str, Any]:
     """For each plan: resume fitting from ``ckpt`` (saved on another plan/world size) up to ``max_steps``."""
     out: Dict[str, Any] = {}
     for plan in plans:
@@ -154,7 +183,10 @@ def load_mismatching(rank: int, world_size: int, out_dir: Path, ckpt: str) -> Di
 
     model = RecModel()
     model.ebc = EmbeddingBagCollection(
-        tables=[*tables()[:2], EmbeddingBagConfig(name="t_genre", embedding_dim=8, num_embeddings=13, feature_names=["genre"])],
+        tables=[
+            *tables()[:2],
+            EmbeddingBagConfig(name="t_genre", embedding_dim=8, num_embeddings=13, feature_names=["genre"]),
+        ],
         device=torch.device("meta"),
     )
     trainer = _trainer(world_size, 1, {"constraints": PLANS["mixed"]}, det_init=False)

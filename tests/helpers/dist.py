@@ -73,13 +73,25 @@ def _commands(launcher: str, worker: List[str], world_size: int, nodes: int) -> 
     per_node = world_size // nodes
     if launcher == "torchrun":
         rdzv = [
-            f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=lightning_rec_{port}", "--local-addr=127.0.0.1",
-            "--max-restarts=0", "--monitor-interval=0.5",
+            f"--nnodes={nodes}",
+            f"--nproc-per-node={per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=lightning_rec_{port}",
+            "--local-addr=127.0.0.1",
+            "--max-restarts=0",
+            "--monitor-interval=0.5",
         ]
         return {
             f"node{n}": (
-                [sys.executable, "-m", "torch.distributed.run", *rdzv, *(["--rdzv-conf=is_host=false"] if n else []), *worker],
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    *rdzv,
+                    *(["--rdzv-conf=is_host=false"] if n else []),
+                    *worker,
+                ],
                 {},
             )
             for n in range(nodes)
@@ -89,14 +101,26 @@ def _commands(launcher: str, worker: List[str], world_size: int, nodes: int) -> 
         node, local = divmod(rank, per_node)
         if launcher == "env":
             env = {
-                "RANK": rank, "LOCAL_RANK": local, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": per_node,
-                "NODE_RANK": node, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                "RANK": rank,
+                "LOCAL_RANK": local,
+                "WORLD_SIZE": world_size,
+                "LOCAL_WORLD_SIZE": per_node,
+                "NODE_RANK": node,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
             }
         elif launcher == "slurm":
             env = {
-                "SLURM_PROCID": rank, "SLURM_LOCALID": local, "SLURM_NODEID": node, "SLURM_NTASKS": world_size,
-                "SLURM_NTASKS_PER_NODE": per_node, "SLURM_NNODES": nodes, "SLURM_JOB_ID": port,
-                "SLURM_JOB_NAME": "lightning_rec_test", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": port,
+                "SLURM_PROCID": rank,
+                "SLURM_LOCALID": local,
+                "SLURM_NODEID": node,
+                "SLURM_NTASKS": world_size,
+                "SLURM_NTASKS_PER_NODE": per_node,
+                "SLURM_NNODES": nodes,
+                "SLURM_JOB_ID": port,
+                "SLURM_JOB_NAME": "lightning_rec_test",
+                "SLURM_NODELIST": "127.0.0.1",
+                "MASTER_PORT": port,
             }
         else:
             raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
@@ -167,7 +191,9 @@ def launch(
             f.close()
     processes = [
         Process(
-            name, None if running[name] else p.returncode, None if running[name] else ended.get(name),
+            name,
+            None if running[name] else p.returncode,
+            None if running[name] else ended.get(name),
             Path(logs[name].name).read_text(),
         )
         for name, p in procs.items()
@@ -180,7 +206,13 @@ def launch(
 
 
 def run_ranks(
-    scenario: str, world_size: int, out_dir: Path, timeout: float = 300, *, launcher: str = "env", nodes: int = 1,
+    scenario: str,
+    world_size: int,
+    out_dir: Path,
+    timeout: float = 300,
+    *,
+    launcher: str = "env",
+    nodes: int = 1,
     **config: Any,
 ) -> List[Dict[str, Any]]:
     """Run ``scenario`` on ``world_size`` ranks (see :func:`launch`) and expect every process to succeed.

@@ -25,7 +25,9 @@ class FailAt(L.Callback):
     def __init__(self, rank: int, step: int, how: str, out_dir: str) -> None:
         self.rank, self.step, self.how, self.out_dir = rank, step, how, Path(out_dir)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
         (self.out_dir / f"failed.rank{self.rank}").write_text(repr(time.time()))

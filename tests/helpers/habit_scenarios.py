@@ -40,17 +40,23 @@ def table_kernels(module: torch.nn.Module) -> List[SplitTableBatchedEmbeddingBag
     of their weights (what ``split_embedding_weights()`` returns is what the module's sharded state_dict views)."""
     storages = {
         shard.tensor.untyped_storage().data_ptr()
-        for t in module.state_dict().values() if isinstance(t, ShardedTensor) for shard in t.local_shards()
+        for t in module.state_dict().values()
+        if isinstance(t, ShardedTensor)
+        for shard in t.local_shards()
     }
     return [
-        k for k in gc.get_objects() if isinstance(k, SplitTableBatchedEmbeddingBagsCodegen)
+        k
+        for k in gc.get_objects()
+        if isinstance(k, SplitTableBatchedEmbeddingBagsCodegen)
         and any(w.untyped_storage().data_ptr() in storages for w in k.split_embedding_weights())
     ]
 
 
 def _local_tables(model: torch.nn.Module) -> Dict[str, List[Any]]:
     """This rank's table shards: ``{name: [[offsets, rows], ...]}`` (JSON)."""
-    return {n: [[o, t.tolist()] for o, t in shards] for n, shards in local_weights(model).items() if n.startswith("ebc.")}
+    return {
+        n: [[o, t.tolist()] for o, t in shards] for n, shards in local_weights(model).items() if n.startswith("ebc.")
+    }
 
 
 def _dense_params(model: torch.nn.Module) -> List[torch.nn.Parameter]:
@@ -63,8 +69,15 @@ class HabitModel(ValuesModel):
     optimization with two optimizers (``Adam`` for the dense part, ``RowWiseAdagrad`` for the tables)."""
 
     def __init__(
-        self, seed: int = 7, lr: float = 0.05, optimizer: str = "adagrad", step_lr: Optional[Dict[str, float]] = None,
-        manual: bool = False, dense_lr: float = 0.01, fmt: str = "dict", batchnorm: bool = False,
+        self,
+        seed: int = 7,
+        lr: float = 0.05,
+        optimizer: str = "adagrad",
+        step_lr: Optional[Dict[str, float]] = None,
+        manual: bool = False,
+        dense_lr: float = 0.01,
+        fmt: str = "dict",
+        batchnorm: bool = False,
     ) -> None:
         super().__init__(seed=seed, lr=lr, fmt=fmt, batchnorm=batchnorm)
         self.save_hyperparameters()
@@ -99,7 +112,10 @@ class HabitModel(ValuesModel):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         if hp.manual:
-            return [torch.optim.Adam(_dense_params(self), lr=hp.dense_lr), RowWiseAdagrad(self.ebc.parameters(), lr=hp.lr)]
+            return [
+                torch.optim.Adam(_dense_params(self), lr=hp.dense_lr),
+                RowWiseAdagrad(self.ebc.parameters(), lr=hp.lr),
+            ]
         opt = (torch.optim.SGD if hp.optimizer == "sgd" else torch.optim.Adagrad)(self.parameters(), lr=hp.lr)
         if hp.step_lr is None:
             return opt
@@ -109,8 +125,14 @@ class HabitModel(ValuesModel):
 
 def _trainer(world_size: int, **kwargs: Any) -> L.Trainer:
     defaults: Dict[str, Any] = dict(
-        accelerator="cpu", devices=world_size, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=world_size,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
     defaults.update(kwargs)
     if any(isinstance(c, ModelCheckpoint) for c in defaults.get("callbacks", [])):
@@ -123,12 +145,19 @@ def _loader(batches: Sequence[Sequence[Dict[str, Any]]], rank: int, world_size: 
 
 
 def _reference(
-    model: HabitModel, batches: Sequence[Sequence[Dict[str, Any]]], make_optimizers: Any, step_lr: Optional[Dict[str, float]] = None
+    model: HabitModel,
+    batches: Sequence[Sequence[Dict[str, Any]]],
+    make_optimizers: Any,
+    step_lr: Optional[Dict[str, float]] = None,
 ) -> Dict[str, Any]:
     """Plain PyTorch on whole batches: per-step losses and the final tables."""
     model = copy.deepcopy(model)
     optimizers = make_optimizers(model)
-    scheds = [torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=int(step_lr["step_size"]), gamma=step_lr["gamma"])] if step_lr else []
+    scheds = (
+        [torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=int(step_lr["step_size"]), gamma=step_lr["gamma"])]
+        if step_lr
+        else []
+    )
     losses = []
     for rows in batches:
         batch = to_batch(rows)
@@ -159,10 +188,13 @@ class _Recorder(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
             metrics = trainer.callback_metrics
-            self.val_history.append({
-                "step": trainer.global_step, "val_loss": float(metrics["val_loss"]),
-                "val_loss_local": float(metrics["val_loss_local"]),
-            })
+            self.val_history.append(
+                {
+                    "step": trainer.global_step,
+                    "val_loss": float(metrics["val_loss"]),
+                    "val_loss_local": float(metrics["val_loss_local"]),
+                }
+            )
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.unclipped.append(_grad_norm(pl_module))  # Lightning clips after this hook
@@ -189,8 +221,17 @@ class _RowWriter(BasePredictionWriter):
 
 
 def callbacks_and_loggers(
-    rank: int, world_size: int, out_dir: Path, steps_per_epoch: int = 4, max_epochs: int = 12, lr: float = 0.5,
-    patience: int = 2, min_delta: float = 0.0, clip: float = 0.05, top_k: int = 2, predict_rows: int = 24,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    steps_per_epoch: int = 4,
+    max_epochs: int = 12,
+    lr: float = 0.5,
+    patience: int = 2,
+    min_delta: float = 0.0,
+    clip: float = 0.05,
+    top_k: int = 2,
+    predict_rows: int = 24,
     batch_size: int = 128,
 ) -> Dict[str, Any]:
     """Fit with EarlyStopping(val_loss), ModelCheckpoint(val_loss, top-k), TensorBoard + CSV loggers and
@@ -203,20 +244,34 @@ def callbacks_and_loggers(
     val = _loader(global_batches(2, 32, seed=VAL_SEED), rank, world_size)
     ckpt_dir = out_dir / "best"
     stopper = EarlyStopping(monitor="val_loss", mode="min", patience=patience, min_delta=min_delta)
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=top_k, filename="{epoch}-{step}")
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir, monitor="val_loss", mode="min", save_top_k=top_k, filename="{epoch}-{step}"
+    )
     recorder = _Recorder()
-    loggers = [CSVLogger(out_dir / "logs", name="csv", version=0), TensorBoardLogger(out_dir / "logs", name="tb", version=0)]
+    loggers = [
+        CSVLogger(out_dir / "logs", name="csv", version=0),
+        TensorBoardLogger(out_dir / "logs", name="tb", version=0),
+    ]
     trainer = _trainer(
-        world_size, max_epochs=max_epochs, callbacks=[stopper, checkpoint, recorder], logger=loggers,
-        log_every_n_steps=1, gradient_clip_val=clip,
+        world_size,
+        max_epochs=max_epochs,
+        callbacks=[stopper, checkpoint, recorder],
+        logger=loggers,
+        log_every_n_steps=1,
+        gradient_clip_val=clip,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, _loader(batches, rank, world_size), val)
     fit_result = {
-        "global_step": trainer.global_step, "current_epoch": trainer.current_epoch, "stopped_epoch": stopper.stopped_epoch,
-        "val_history": recorder.val_history, "unclipped": recorder.unclipped, "clipped": model.dense_grad_norms,
-        "best_model_path": checkpoint.best_model_path, "best_model_score": float(checkpoint.best_model_score),
+        "global_step": trainer.global_step,
+        "current_epoch": trainer.current_epoch,
+        "stopped_epoch": stopper.stopped_epoch,
+        "val_history": recorder.val_history,
+        "unclipped": recorder.unclipped,
+        "clipped": model.dense_grad_norms,
+        "best_model_path": checkpoint.best_model_path,
+        "best_model_score": float(checkpoint.best_model_score),
         "best_k_models": {k: float(v) for k, v in checkpoint.best_k_models.items()},
         "ckpt_dir_entries": sorted(p.name for p in ckpt_dir.iterdir()),
         "warnings": [str(w.message) for w in caught if "gradient_clip_val" in str(w.message)],
@@ -227,7 +282,9 @@ def callbacks_and_loggers(
     # rank must still stop at the same step (as soon as one rank's patience runs out).
     local_recorder = _Recorder()
     local = _trainer(
-        world_size, max_epochs=max_epochs, callbacks=[EarlyStopping(monitor="val_loss_local", patience=1), local_recorder]
+        world_size,
+        max_epochs=max_epochs,
+        callbacks=[EarlyStopping(monitor="val_loss_local", patience=1), local_recorder],
     )
     local.fit(HabitModel(lr=lr), _loader(batches, rank, world_size), val)
     fit_result["local_stop"] = {"history": local_recorder.val_history, "global_step": local.global_step}
@@ -278,7 +335,13 @@ class ResumableBatches:
 
 
 def mid_epoch_resume(
-    rank: int, world_size: int, out_dir: Path, steps_per_epoch: int = 6, epochs: int = 2, every: int = 3, resume_step: int = 3,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    steps_per_epoch: int = 6,
+    epochs: int = 2,
+    every: int = 3,
+    resume_step: int = 3,
 ) -> Dict[str, Any]:
     """An uninterrupted fit validating every ``every`` steps (a checkpoint at each validation, kept), then a fresh
     model (other rows) resumed from the mid-epoch checkpoint of step ``resume_step``: both runs' per-step losses."""
@@ -303,8 +366,11 @@ def mid_epoch_resume(
     path = ckpt_dir / f"epoch={(resume_step - 1) // steps_per_epoch}-step={resume_step}.ckpt"
     resumed_trainer = run(resumed, path)
     return {
-        "saved": saved, "full_losses": full.losses, "resumed_losses": resumed.losses,
-        "full_step": full_trainer.global_step, "resumed_step": resumed_trainer.global_step,
+        "saved": saved,
+        "full_losses": full.losses,
+        "resumed_losses": resumed.losses,
+        "full_step": full_trainer.global_step,
+        "resumed_step": resumed_trainer.global_step,
         "resume_warnings": run.warnings,  # type: ignore[attr-defined]
     }
 
@@ -315,7 +381,12 @@ def mid_epoch_resume(
 
 
 def _fit_and_reference(
-    rank: int, world_size: int, model: HabitModel, steps: int, make_optimizers: Any, step_lr: Optional[Dict[str, float]] = None,
+    rank: int,
+    world_size: int,
+    model: HabitModel,
+    steps: int,
+    make_optimizers: Any,
+    step_lr: Optional[Dict[str, float]] = None,
 ) -> Dict[str, Any]:
     batches = global_batches(steps, 16)
     result: Dict[str, Any] = {}
@@ -324,7 +395,10 @@ def _fit_and_reference(
     trainer = _trainer(world_size, max_epochs=1)  # manual optimization counts a global step per optimizer step
     trainer.fit(model, _loader(batches, rank, world_size))
     return {
-        **result, "losses": model.losses, "global_step": trainer.global_step, "tbe_lrs": model.tbe_lrs,
+        **result,
+        "losses": model.losses,
+        "global_step": trainer.global_step,
+        "tbe_lrs": model.tbe_lrs,
         "tables": _local_tables(model),
     }
 
@@ -334,15 +408,30 @@ def optimizers_and_schedulers(rank: int, world_size: int, out_dir: Path, steps: 
     each with its plain-PyTorch reference on whole batches (rank 0)."""
     L.seed_everything(0)
     manual = _fit_and_reference(
-        rank, world_size, HabitModel(lr=0.1, manual=True, dense_lr=0.02), steps,
+        rank,
+        world_size,
+        HabitModel(lr=0.1, manual=True, dense_lr=0.02),
+        steps,
         lambda m: [torch.optim.Adam(_dense_params(m), lr=0.02), RowWiseAdagrad(m.ebc.parameters(), lr=0.1)],
     )
     step_lr = {"step_size": 2, "gamma": 0.1}
     scheduled = _fit_and_reference(
-        rank, world_size, HabitModel(lr=2.0, optimizer="sgd", step_lr=step_lr), steps,
-        lambda m: [torch.optim.SGD(m.parameters(), lr=2.0)], step_lr,
+        rank,
+        world_size,
+        HabitModel(lr=2.0, optimizer="sgd", step_lr=step_lr),
+        steps,
+        lambda m: [torch.optim.SGD(m.parameters(), lr=2.0)],
+        step_lr,
     )
-    unscheduled = _reference(HabitModel(lr=2.0, optimizer="sgd"), global_batches(steps, 16), lambda m: [torch.optim.SGD(m.parameters(), lr=2.0)]) if rank == 0 else None
+    unscheduled = (
+        _reference(
+            HabitModel(lr=2.0, optimizer="sgd"),
+            global_batches(steps, 16),
+            lambda m: [torch.optim.SGD(m.parameters(), lr=2.0)],
+        )
+        if rank == 0
+        else None
+    )
     return {"manual": manual, "scheduled": scheduled, "unscheduled": unscheduled}
 
 
@@ -429,7 +518,9 @@ class _FixedTables(HabitModel):
 class _Plateau(HabitModel):
     def configure_optimizers(self) -> Any:
         opt = torch.optim.Adagrad(self.parameters(), lr=self.hparams.lr)
-        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)  # halves per epoch
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            opt, factor=0.5, patience=0, threshold=10.0
+        )  # halves per epoch
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}
 
 
@@ -483,17 +574,25 @@ def features(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
         trained = snapshots.at_train_start is not None
         return {
             "tables_moved": trained and not _same(snapshots.at_train_start, _table_values(model)),
-            "dense_moved": trained and not all(torch.equal(a, b) for a, b in zip(snapshots.dense_at_train_start, _dense_params(model))),
-            "error": error, "sharded": sharded, "global_step": trainer.global_step,
+            "dense_moved": trained
+            and not all(torch.equal(a, b) for a, b in zip(snapshots.dense_at_train_start, _dense_params(model))),
+            "error": error,
+            "sharded": sharded,
+            "global_step": trainer.global_step,
             "tables_unchanged": None if sharded else _same(before, _table_values(model)),
-            "restored_after_fit_start": None if snapshots.at_train_start is None else _same(snapshots.at_fit_start, snapshots.at_train_start),
-            "tbe_lrs": model.tbe_lrs, "warnings": [str(w.message) for w in caught if "RecShardStrategy" in str(w.message)],
+            "restored_after_fit_start": None
+            if snapshots.at_train_start is None
+            else _same(snapshots.at_fit_start, snapshots.at_train_start),
+            "tbe_lrs": model.tbe_lrs,
+            "warnings": [str(w.message) for w in caught if "RecShardStrategy" in str(w.message)],
         }
 
     out: Dict[str, Any] = {}
     out["swa"] = case(HabitModel(lr=0.1), epochs=3, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)])
     out["ema"] = case(HabitModel(lr=0.1), callbacks=[EMAWeightAveraging()])
-    out["accumulation_scheduler"] = case(HabitModel(lr=0.1), epochs=3, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})])
+    out["accumulation_scheduler"] = case(
+        HabitModel(lr=0.1), epochs=3, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})]
+    )
     out["pruning"] = case(HabitModel(lr=0.1), epochs=2, callbacks=[ModelPruning("l1_unstructured", amount=0.5)])
     out["frozen"] = case(_FrozenTables(lr=0.1))
     out["finetuning"] = case(HabitModel(lr=0.1), callbacks=[FreezeTables()])

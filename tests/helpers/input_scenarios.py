@@ -36,7 +36,11 @@ def corrupt(batch: Batch, case: str) -> Batch:
     elif case == "missing_feature":
         keys, values, lengths = keys[:2], values[: 2 * n], lengths[: 2 * n]
     elif case == "unknown_feature":
-        keys, values, lengths = keys + ["age"], torch.cat([values, torch.zeros(n, dtype=values.dtype)]), torch.cat([lengths, torch.ones(n, dtype=lengths.dtype)])
+        keys, values, lengths = (
+            keys + ["age"],
+            torch.cat([values, torch.zeros(n, dtype=values.dtype)]),
+            torch.cat([lengths, torch.ones(n, dtype=lengths.dtype)]),
+        )
     elif case == "lengths_mismatch":
         lengths[-1] += 1
     elif case == "float_values":
@@ -78,13 +82,16 @@ class Snapshots(L.Callback):
 
 
 def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(x[1], y[1]) for k in a for x, y in zip(a[k], b[k])
-    )
+    return a.keys() == b.keys() and all(torch.equal(x[1], y[1]) for k in a for x, y in zip(a[k], b[k]))
 
 
 def bad_batches(
-    rank: int, world_size: int, out_dir: Path, cases: List[str], at_step: int = 3, steps: int = 6,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    cases: List[str],
+    at_step: int = 3,
+    steps: int = 6,
     strategy: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """For each case: fit ``steps`` batches, batch ``at_step`` made malformed by the case; report the error (or the
@@ -92,7 +99,9 @@ def bad_batches(
     return {case: _bad_batch(world_size, case, at_step, steps, strategy) for case in cases}
 
 
-def _bad_batch(world_size: int, case: str, at_step: int, steps: int, strategy: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def _bad_batch(
+    world_size: int, case: str, at_step: int, steps: int, strategy: Optional[Dict[str, Any]]
+) -> Dict[str, Any]:
     L.seed_everything(0)
     batches = make_batches(steps, 16, seed=100)
     batches[at_step] = corrupt(batches[at_step], case)
@@ -151,7 +160,9 @@ def ids_changed_in_forward(rank: int, world_size: int, out_dir: Path, how: str, 
     except Exception as e:  # noqa: BLE001 - the test inspects it
         error = f"{type(e).__name__}: {e}"
     return {
-        "error": error, "steps_done": snapshots.steps, "door_reads": trainer.strategy._input_checks.door_reads,
+        "error": error,
+        "steps_done": snapshots.steps,
+        "door_reads": trainer.strategy._input_checks.door_reads,
         "weights_unchanged": _same(snapshots.weights, local_weights(model)),
         "optimizer_unchanged": snapshots.optimizer == optimizer_sums(trainer, model),
     }
@@ -163,8 +174,10 @@ def nan_loss_at_end(rank: int, world_size: int, out_dir: Path, steps: int = 6) -
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     result: Dict[str, Any] = {}
-    for name, callbacks in (("error", [ModelCheckpoint(out_dir / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)]),
-                            ("error_without_checkpoints", [])):
+    for name, callbacks in (
+        ("error", [ModelCheckpoint(out_dir / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)]),
+        ("error_without_checkpoints", []),
+    ):
         L.seed_everything(0)
         batches = make_batches(steps, 16, seed=100)
         batches[-1] = corrupt(batches[-1], "overflowing_dense")
@@ -242,7 +255,9 @@ def _kjt_cases():
             kwargs["stride"] = batch + 1
             defects.append("stride")
         kjt = KeyedJaggedTensor(
-            keys=keys, values=torch.tensor(values, dtype=values_dtype), lengths=torch.tensor(lengths, dtype=lengths_dtype),
+            keys=keys,
+            values=torch.tensor(values, dtype=values_dtype),
+            lengths=torch.tensor(lengths, dtype=lengths_dtype),
             **kwargs,
         )
         return kjt, batch, sorted(set(defects))
@@ -250,7 +265,9 @@ def _kjt_cases():
     return build()
 
 
-def _expected_loss(weights: Dict[str, torch.Tensor], kjt: KeyedJaggedTensor, dense: torch.Tensor, labels: torch.Tensor) -> float:
+def _expected_loss(
+    weights: Dict[str, torch.Tensor], kjt: KeyedJaggedTensor, dense: torch.Tensor, labels: torch.Tensor
+) -> float:
     """The loss RecModel must compute on a valid batch, from its weights before the step, by hand."""
     import torch.nn.functional as F
 
@@ -277,7 +294,9 @@ def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60)
 
     L.seed_everything(0)
     model = RecModel(lr=0.05)
-    _trainer(world_size, 1, {"constraints": ONE_TABLE_PLAN}).fit(model, DataLoader(make_batches(1, 4, seed=0), batch_size=None))
+    _trainer(world_size, 1, {"constraints": ONE_TABLE_PLAN}).fit(
+        model, DataLoader(make_batches(1, 4, seed=0), batch_size=None)
+    )
     outcomes: Dict[str, int] = {}
 
     @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None)
@@ -286,7 +305,8 @@ def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60)
         kjt, batch_size, defects = case
         g = torch.Generator().manual_seed(batch_size)
         batch = Batch(
-            dense_features=torch.rand(batch_size, 2, generator=g), sparse_features=kjt,
+            dense_features=torch.rand(batch_size, 2, generator=g),
+            sparse_features=kjt,
             labels=(torch.rand(batch_size, generator=g) > 0.5).float(),
         )
         before = local_weights(model)
@@ -303,7 +323,12 @@ def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60)
         assert not defects, f"a batch with defects {defects} was trained on"
         expected = _expected_loss(assemble([before]), kjt, batch.dense_features, batch.labels)
         assert math.isclose(model.losses[-1], expected, rel_tol=1e-5, abs_tol=1e-6), (
-            model.losses[-1], expected, kjt.keys(), kjt.values(), kjt.lengths(), kjt.weights_or_none(),
+            model.losses[-1],
+            expected,
+            kjt.keys(),
+            kjt.values(),
+            kjt.lengths(),
+            kjt.weights_or_none(),
         )
         assert not _same(before, local_weights(model)), "a correct step trains"
         outcomes["trained"] = outcomes.get("trained", 0) + 1

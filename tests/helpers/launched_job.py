@@ -28,8 +28,15 @@ def main() -> None:
         callbacks.append(FailAt(int(rank), int(step), how, args.out))
     L.seed_everything(0)
     trainer = L.Trainer(
-        strategy=RecShardStrategy(), accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        strategy=RecShardStrategy(),
+        accelerator="cpu",
+        devices=2,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
     )
     trainer.fit(RecModel(), DataLoader(make_batches(args.steps, 32, seed=trainer.global_rank), batch_size=None))
     (Path(args.out) / f"finished.rank{trainer.global_rank}").write_text("ok")

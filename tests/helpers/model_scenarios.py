@@ -21,14 +21,27 @@ class _InitBeforeValidation(L.Callback):
         deterministic_init(pl_module)
 
 
-def validate_movielens(rank: int, world_size: int, out_dir: Path, data_dir: str, interaction: str = "dcn") -> Dict[str, Any]:
+def validate_movielens(
+    rank: int, world_size: int, out_dir: Path, data_dir: str, interaction: str = "dcn"
+) -> Dict[str, Any]:
     """Validate a DLRM with plan-independent weights on MovieLens; report the epoch metrics."""
     dm = MovieLensDataModule(data_dir, download=False, batch_size=700)
-    model = DLRMModule(dm.sparse_features, dm.num_dense_features, embedding_dim=8, dense_arch_layer_sizes=[16, 8],
-                       over_arch_layer_sizes=[16, 1], interaction=interaction)
+    model = DLRMModule(
+        dm.sparse_features,
+        dm.num_dense_features,
+        embedding_dim=8,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+        interaction=interaction,
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=RecShardStrategy(constraints=MOVIELENS_PLAN),
-        callbacks=[_InitBeforeValidation()], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=RecShardStrategy(constraints=MOVIELENS_PLAN),
+        callbacks=[_InitBeforeValidation()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.validate(model, dm)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -33,10 +33,14 @@ class Towers(nn.Module):
     def __init__(self, device: torch.device, dim: int = 8) -> None:
         super().__init__()
         self.inner = nn.ModuleDict(
-            {"ec": EmbeddingCollection(
-                tables=[EmbeddingConfig(name="t_tag", embedding_dim=dim, num_embeddings=TAGS, feature_names=["tag"])],
-                device=device,
-            )}
+            {
+                "ec": EmbeddingCollection(
+                    tables=[
+                        EmbeddingConfig(name="t_tag", embedding_dim=dim, num_embeddings=TAGS, feature_names=["tag"])
+                    ],
+                    device=device,
+                )
+            }
         )
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
@@ -162,7 +166,11 @@ def make_batches(n_batches: int, batch_size: int, seed: int, with_ec: bool = Fal
         items = torch.randint(0, ITEMS, (batch_size,), generator=g)
         n_genres = torch.randint(0, 4, (batch_size,), generator=g)
         genres = torch.randint(0, GENRES, (int(n_genres.sum()),), generator=g)
-        keys, values, lengths = ["user", "item", "genre"], [users, items, genres], [torch.ones(batch_size), torch.ones(batch_size), n_genres]
+        keys, values, lengths = (
+            ["user", "item", "genre"],
+            [users, items, genres],
+            [torch.ones(batch_size), torch.ones(batch_size), n_genres],
+        )
         if with_ec:
             n_tags = torch.randint(1, 4, (batch_size,), generator=g)
             keys.append("tag")

@@ -38,8 +38,9 @@ def fit(rank: int, world_size: int, out_dir: Path, pipeline: bool, steps: int = 
     model = RecModel()
     counter = Observe()
     ckpt = ModelCheckpoint(dirpath=out_dir / f"ckpt_{pipeline}", save_last=True)
-    trainer = _trainer(world_size, -1, {"pipeline": pipeline}, max_epochs=epochs, limit_val_batches=2,
-                       callbacks=[counter, ckpt])
+    trainer = _trainer(
+        world_size, -1, {"pipeline": pipeline}, max_epochs=epochs, limit_val_batches=2, callbacks=[counter, ckpt]
+    )
     trainer.fit(model, _loader(rank, steps, 16, {}), _loader(rank, 2, 16, {}, seed=300))
     logged_train_loss = float(trainer.callback_metrics["train_loss"])
     predictions = trainer.predict(model, DataLoader([fixed_batch()], batch_size=None))[0]

@@ -29,12 +29,16 @@ class MetaModel(lightning_rec.RecLightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f]) for t, f, n in BAG_TABLES],
+            tables=[
+                EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f])
+                for t, f, n in BAG_TABLES
+            ],
             device=torch.device("meta"),
         )
         t, f, n = SEQ_TABLE
         self.ec = EmbeddingCollection(
-            tables=[EmbeddingConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f])], device=torch.device("meta")
+            tables=[EmbeddingConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f])],
+            device=torch.device("meta"),
         )
         self.over = torch.nn.Linear(len(BAG_TABLES) * DIM + 2, 1)
 
@@ -65,11 +69,18 @@ def start_from_files(
     types = set()
     for tag, constraints in plans.items():
         trainer = L.Trainer(
-            strategy=lightning_rec.RecShardStrategy(constraints=constraints), accelerator="cpu", devices=world_size,
-            max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            use_distributed_sampler=False, callbacks=[PretrainedRows(files), _Start(out_dir / f"{tag}.start{rank}.pt")],
+            strategy=lightning_rec.RecShardStrategy(constraints=constraints),
+            accelerator="cpu",
+            devices=world_size,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[PretrainedRows(files), _Start(out_dir / f"{tag}.start{rank}.pt")],
         )
-        batch = to_batch(samples(8, 3)[rank * 4:(rank + 1) * 4])
+        batch = to_batch(samples(8, 3)[rank * 4 : (rank + 1) * 4])
         trainer.fit(MetaModel(), DataLoader([batch], batch_size=None))
         types.update(s.sharding_type for m in trainer.strategy.sharding_plan.plan.values() for s in m.values())
     return {"types": sorted(types)}

@@ -81,7 +81,10 @@ def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -
     def fit(tag: str, strategy: Dict[str, Any], root: Path, logger: Any = True) -> L.Trainer:
         L.seed_everything(0)
         tr = _trainer(
-            world_size, steps, strategy=strategy, default_root_dir=str(root),
+            world_size,
+            steps,
+            strategy=strategy,
+            default_root_dir=str(root),
             logger=CSVLogger(root, name="", version="") if logger is True else logger,
         )
         tr.fit(RecModel(), _loader(rank, steps, 16, {}))

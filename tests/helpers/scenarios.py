@@ -35,11 +35,20 @@ MIXED_PLAN = {
 }
 
 
-def _trainer(world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = None, det_init: bool = True, **kwargs: Any) -> L.Trainer:
+def _trainer(
+    world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = None, det_init: bool = True, **kwargs: Any
+) -> L.Trainer:
     num_nodes = kwargs.pop("num_nodes", 1)
     defaults = dict(
-        accelerator="cpu", devices=world_size // num_nodes, num_nodes=num_nodes, max_steps=steps, use_distributed_sampler=False, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size // num_nodes,
+        num_nodes=num_nodes,
+        max_steps=steps,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     extra_callbacks = kwargs.pop("callbacks", [])
@@ -54,21 +63,37 @@ def _trainer(world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = N
 
 
 def _loader(
-    rank: int, steps: int, batch_size: Union[int, List[int]], model: Dict[str, Any], num_workers: int = 0, seed: int = 100
+    rank: int,
+    steps: int,
+    batch_size: Union[int, List[int]],
+    model: Dict[str, Any],
+    num_workers: int = 0,
+    seed: int = 100,
 ) -> DataLoader:
     """``steps`` batches of ``batch_size`` samples (a list: one size per rank), different on every rank."""
     fmt = model.get("batch_format", "batch")
     batch_size = batch_size if isinstance(batch_size, int) else batch_size[rank]
-    batches = [as_format(b, fmt) for b in make_batches(steps, batch_size, seed=seed + rank, with_ec=model.get("with_ec", False))]
+    batches = [
+        as_format(b, fmt)
+        for b in make_batches(steps, batch_size, seed=seed + rank, with_ec=model.get("with_ec", False))
+    ]
     # spawn, not fork: forking a process whose gloo threads are running can deadlock the child.
     context = "spawn" if num_workers > 0 else None
     return DataLoader(batches, batch_size=None, num_workers=num_workers, multiprocessing_context=context)
 
 
 def train(
-    rank: int, world_size: int, out_dir: Path, tag: str = "train", steps: int = 8, batch_size: Union[int, List[int]] = 32,
-    model: Optional[Dict[str, Any]] = None, strategy: Optional[Dict[str, Any]] = None,
-    trainer: Optional[Dict[str, Any]] = None, num_workers: int = 0, epochs: int = 1,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    tag: str = "train",
+    steps: int = 8,
+    batch_size: Union[int, List[int]] = 32,
+    model: Optional[Dict[str, Any]] = None,
+    strategy: Optional[Dict[str, Any]] = None,
+    trainer: Optional[Dict[str, Any]] = None,
+    num_workers: int = 0,
+    epochs: int = 1,
 ) -> Dict[str, Any]:
     """Fit a RecModel with recshard; report losses, closure calls, learning rates, plan; save local weights."""
     model = model or {}
@@ -112,8 +137,15 @@ def fit_error(rank: int, world_size: int, out_dir: Path, **kwargs: Any) -> Dict[
 
 
 def reference(
-    rank: int, world_size: int, out_dir: Path, plan_from: str, tag: str = "reference", steps: int = 8,
-    batch_size: Union[int, List[int]] = 32, lr: float = 0.1, model: Optional[Dict[str, Any]] = None,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    plan_from: str,
+    tag: str = "reference",
+    steps: int = 8,
+    batch_size: Union[int, List[int]] = 32,
+    lr: float = 0.1,
+    model: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """The hand-written TorchRec loop a TorchRec user would write: DMP + CombinedOptimizer, same plan and data."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -215,8 +247,11 @@ def dense_only(rank: int, world_size: int, out_dir: Path, steps: int = 20) -> Di
         tr = _trainer(world_size, steps, strategy={"constraints": {}}, det_init=False)
         tr.fit(m, DataLoader(batches, batch_size=None))
     weights = [float(v) for v in m.net.weight.detach().reshape(-1)]
-    return {"warned": any("nothing to shard" in str(w.message) for w in caught), "weights": weights,
-            "global_step": tr.global_step}
+    return {
+        "warned": any("nothing to shard" in str(w.message) for w in caught),
+        "weights": weights,
+        "global_step": tr.global_step,
+    }
 
 
 def validate_then_fit(rank: int, world_size: int, out_dir: Path, steps: int = 4) -> Dict[str, Any]:

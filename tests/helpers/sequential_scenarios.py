@@ -23,7 +23,11 @@ def seeded_model(dm: MovieLensSequenceDataModule, seed: int = 0, train_steps: in
     deterministic, identical on every rank), so that its rankings have hits to compare."""
     torch.manual_seed(seed)
     model = SequentialRecModule(
-        [SparseFeature("item", dm.num_items)], embedding_dim=16, max_len=dm.max_len, num_blocks=1, num_heads=2,
+        [SparseFeature("item", dm.num_items)],
+        embedding_dim=16,
+        max_len=dm.max_len,
+        num_blocks=1,
+        num_heads=2,
         dropout=0.0,
     )
     configs = model.model.item_ec.embedding_configs()
@@ -44,7 +48,11 @@ def seeded_model(dm: MovieLensSequenceDataModule, seed: int = 0, train_steps: in
 
 
 def rank_metrics(
-    rank: int, world_size: int, out_dir: Path, max_len: int = 20, batch_size: int = 100,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    max_len: int = 20,
+    batch_size: int = 100,
     train_steps: int = 16,
 ) -> Dict[str, Any]:
     """Validate and predict (test split) one seeded model with the item table column-wise: the logged HR/NDCG and
@@ -53,7 +61,11 @@ def rank_metrics(
     model = seeded_model(dm, train_steps=train_steps)
     trainer = L.Trainer(
         strategy=RecShardStrategy(constraints={"t_item": {"sharding_types": ["column_wise"], "min_partition": 8}}),
-        accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         enable_checkpointing=False,
     )
     metrics = trainer.validate(model, dm, verbose=False)[0]

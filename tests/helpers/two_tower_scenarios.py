@@ -18,8 +18,10 @@ from tests.helpers.zoo_two_tower import CASE
 
 # Real sharding on 2 ranks, column-wise included (evaluation only: no optimizer state to differ).
 EVAL_PLAN = {
-    "t_user_id": {"sharding_types": ["column_wise"]}, "t_history": {"sharding_types": ["column_wise"]},
-    "t_item_id": {"sharding_types": ["table_wise"]}, "t_genres": {"sharding_types": ["data_parallel"]},
+    "t_user_id": {"sharding_types": ["column_wise"]},
+    "t_history": {"sharding_types": ["column_wise"]},
+    "t_item_id": {"sharding_types": ["table_wise"]},
+    "t_genres": {"sharding_types": ["data_parallel"]},
 }
 
 
@@ -48,8 +50,12 @@ def evaluate(rank: int, world_size: int, out_dir: Path, data_dir: str) -> Dict[s
     dm = MovieLensRetrievalDataModule(data_dir, download=False, eval_batch_size=300)
     module = seeded_module(CASE)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=RecShardStrategy(constraints=EVAL_PLAN),
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=RecShardStrategy(constraints=EVAL_PLAN),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     result: Dict[str, Any] = {}
     trainer.validate(module, dm)

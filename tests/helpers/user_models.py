@@ -41,7 +41,9 @@ class ValuesModel(lightning_rec.RecLightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f]) for t, f, n in TABLES],
+            tables=[
+                EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f]) for t, f, n in TABLES
+            ],
             device=torch.device("cpu"),
         )
         g = torch.Generator().manual_seed(seed)
@@ -84,10 +86,15 @@ def samples(n: int, seed: int) -> List[Dict[str, Any]]:
     for _ in range(n):
         user, item = int(torch.randint(0, 60, (1,), generator=g)), int(torch.randint(0, 90, (1,), generator=g))
         genres = torch.randint(0, 20, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
-        out.append({
-            "user": [user], "genre": genres, "item": [item], "dense": torch.rand(2, generator=g).tolist(),
-            "label": float((user % 3 == 0) ^ (item % 2 == 0)),
-        })
+        out.append(
+            {
+                "user": [user],
+                "genre": genres,
+                "item": [item],
+                "dense": torch.rand(2, generator=g).tolist(),
+                "label": float((user % 3 == 0) ^ (item % 2 == 0)),
+            }
+        )
     return out
 
 
@@ -109,16 +116,18 @@ def to_batch(rows: Sequence[Dict[str, Any]], fmt: str = "dict") -> Any:
 def global_batches(steps: int, batch_size: int, seed: int = 11) -> List[List[Dict[str, Any]]]:
     """``steps`` global batches of ``batch_size`` samples (as sample lists)."""
     rows = samples(steps * batch_size, seed)
-    return [rows[i * batch_size:(i + 1) * batch_size] for i in range(steps)]
+    return [rows[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
 
 
 def rank_share(rows: Sequence[Dict[str, Any]], rank: int, world_size: int) -> List[Dict[str, Any]]:
     """This rank's contiguous share of a global batch."""
     per = len(rows) // world_size
-    return list(rows[rank * per:(rank + 1) * per])
+    return list(rows[rank * per : (rank + 1) * per])
 
 
-def reference(model: nn.Module, batches: Sequence[Sequence[Dict[str, Any]]], heldout: Sequence[Dict[str, Any]], lr: float):
+def reference(
+    model: nn.Module, batches: Sequence[Sequence[Dict[str, Any]]], heldout: Sequence[Dict[str, Any]], lr: float
+):
     """Plain PyTorch, unsharded, on whole batches: per-step losses and the trained model's logits (in eval mode) on
     ``heldout``."""
     model = copy.deepcopy(model)

@@ -19,7 +19,13 @@ from torch.utils.data import DataLoader
 from lightning_rec import RecShardStrategy
 from tests.helpers.models import local_weights
 from tests.helpers.user_models import (
-    TABLE_WISE_PLAN, ValuesModel, global_batches, rank_share, reference, samples, to_batch,
+    TABLE_WISE_PLAN,
+    ValuesModel,
+    global_batches,
+    rank_share,
+    reference,
+    samples,
+    to_batch,
 )
 
 LR = 0.05
@@ -45,9 +51,16 @@ def _trainer(
     world_size: int, steps: int, sync_batchnorm: bool = False, accelerator: str = "cpu", **strategy: Any
 ) -> L.Trainer:
     return L.Trainer(
-        strategy=RecShardStrategy(**strategy), accelerator=accelerator, devices=world_size, max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, sync_batchnorm=sync_batchnorm,
+        strategy=RecShardStrategy(**strategy),
+        accelerator=accelerator,
+        devices=world_size,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        sync_batchnorm=sync_batchnorm,
     )
 
 
@@ -56,8 +69,16 @@ def _heldout(rank: int, world_size: int, fmt: str = "dict") -> DataLoader:
 
 
 def fit(
-    rank: int, world_size: int, out_dir: Path, constraints: Optional[Dict[str, Any]] = None, pipeline: bool = False,
-    steps: int = 5, batch_size: int = 16, save: Optional[str] = None, fmt: str = "dict", rows_per_rank: bool = False,
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    constraints: Optional[Dict[str, Any]] = None,
+    pipeline: bool = False,
+    steps: int = 5,
+    batch_size: int = 16,
+    save: Optional[str] = None,
+    fmt: str = "dict",
+    rows_per_rank: bool = False,
     sync_batchnorm: bool = False,
 ) -> Dict[str, Any]:
     """Fit :class:`ValuesModel` on this rank's share of every global batch; predict the held-out rows; rank 0 also
@@ -75,12 +96,17 @@ def fit(
     trainer.callbacks.append(probe)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, DataLoader([to_batch(rank_share(b, rank, world_size), fmt) for b in batches], batch_size=None))
+        trainer.fit(
+            model, DataLoader([to_batch(rank_share(b, rank, world_size), fmt) for b in batches], batch_size=None)
+        )
     if save:
         trainer.save_checkpoint(out_dir / save)
     logits = torch.cat(trainer.predict(model, _heldout(rank, world_size, fmt))).tolist()
     return {
-        **result, "losses": model.losses, "logits": logits, "reordered": probe.reordered,
+        **result,
+        "losses": model.losses,
+        "logits": logits,
+        "reordered": probe.reordered,
         "warnings": [str(w.message) for w in caught if "different weights on different ranks" in str(w.message)],
     }
 
@@ -97,7 +123,6 @@ def predict_from(
     return {"logits": logits}
 
 
-
 def ec_order(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
     """An EmbeddingCollection (user, genre, item) under a plan that groups them by sharding type: the keys of its
     output dict, sharded, and the unsharded module's outputs for comparison."""
@@ -109,7 +134,9 @@ def ec_order(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
         def __init__(self) -> None:
             super().__init__()
             self.ec = EmbeddingCollection(
-                tables=[EmbeddingConfig(name=t, embedding_dim=8, num_embeddings=n, feature_names=[f]) for t, f, n in TABLES],
+                tables=[
+                    EmbeddingConfig(name=t, embedding_dim=8, num_embeddings=n, feature_names=[f]) for t, f, n in TABLES
+                ],
                 device=torch.device("cpu"),
             )
 
@@ -122,11 +149,15 @@ def ec_order(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
     batch = to_batch(samples(8, HELDOUT_SEED))
     with torch.no_grad():
         unsharded = {k: jt.values().tolist() for k, jt in model.ec(batch["sparse"]).items()}
-    plan = {"t_user": {"sharding_types": ["column_wise"]}, "t_genre": {"sharding_types": ["table_wise"]},
-            "t_item": {"sharding_types": ["column_wise"]}}
+    plan = {
+        "t_user": {"sharding_types": ["column_wise"]},
+        "t_genre": {"sharding_types": ["table_wise"]},
+        "t_item": {"sharding_types": ["column_wise"]},
+    }
     out = _trainer(world_size, 1, constraints=plan).predict(model, DataLoader([batch], batch_size=None))[0]
     return {
-        "unsharded_keys": list(unsharded), "sharded_keys": out["keys"],
+        "unsharded_keys": list(unsharded),
+        "sharded_keys": out["keys"],
         "same_values": all(torch.equal(torch.tensor(unsharded[k]), v) for k, v in zip(out["keys"], out["values"])),
     }
 
@@ -163,13 +194,19 @@ class _Window:
         if active and not self.counter.active:
             self._since = len(self.caught)
         elif not active and self.counter.active:
-            self.cuda += sum("synchronizing" in str(w.message) for w in self.caught[self._since:])
+            self.cuda += sum("synchronizing" in str(w.message) for w in self.caught[self._since :])
         self.counter.active = active
 
 
 def syncs(
-    rank: int, world_size: int, out_dir: Path, pipeline: bool = False, steps: int = 8, fmt: str = "dict",
-    loop: str = "recshard", accelerator: str = "cpu",
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    pipeline: bool = False,
+    steps: int = 8,
+    fmt: str = "dict",
+    loop: str = "recshard",
+    accelerator: str = "cpu",
 ) -> Dict[str, Any]:
     """Count host syncs per training step (steps 3 to ``steps`` - 2), by who asked for them, in a recshard fit
     (``loop="recshard"``) or in the hand-written TorchRec loop of the same model (``loop="raw"``: DMP, fused
@@ -193,11 +230,14 @@ def syncs(
             with counter:
                 _raw_torchrec_loop(model, batches, window, pipeline, torch.device("cuda" if cuda else "cpu"))
         else:
+
             class Window(L.Callback):
                 def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
                     window.set(3 <= trainer.global_step < steps - 1)  # steps 3 to steps - 2, as the raw loop
 
-            trainer = _trainer(world_size, steps - 1, constraints=TABLE_WISE_PLAN, pipeline=pipeline, accelerator=accelerator)
+            trainer = _trainer(
+                world_size, steps - 1, constraints=TABLE_WISE_PLAN, pipeline=pipeline, accelerator=accelerator
+            )
             trainer.callbacks.append(Window())
             with counter:
                 trainer.fit(model, DataLoader(batches, batch_size=None, pin_memory=cuda))
@@ -210,9 +250,13 @@ def syncs(
         "lightning_rec": counter.count_from("/lightning_rec/") / measured,
         "lightning_rec_functions": sorted({fn for (_, (f, _, fn)) in counter.origins if "/lightning_rec/" in f}),
         "lightning_loop": counter.count_from("/lightning/pytorch/loops/") / measured,
-        "lightning_loop_functions": sorted({fn for (_, (f, _, fn)) in counter.origins if "/lightning/pytorch/loops/" in f}),
+        "lightning_loop_functions": sorted(
+            {fn for (_, (f, _, fn)) in counter.origins if "/lightning/pytorch/loops/" in f}
+        ),
         "by_op": {op: n / measured for op, n in sorted(_by_op(counter).items())},
-        "origins": sorted(f"{op} {Path(f).name}:{line} {fn} x{n}" for (op, (f, line, fn)), n in counter.origins.items()),
+        "origins": sorted(
+            f"{op} {Path(f).name}:{line} {fn} x{n}" for (op, (f, line, fn)), n in counter.origins.items()
+        ),
     }
 
 
@@ -248,7 +292,9 @@ def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR, "eps": 1e-10})
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR, "eps": 1e-10}
+    )
     root = WithLoss(model) if pipeline else model
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=dist.get_world_size(), compute_device=device.type),
@@ -256,7 +302,9 @@ def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline
     )
     plan = planner.collective_plan(root, [sharder], dist.group.WORLD)
     dmp = DistributedModelParallel(root, device=device, plan=plan, sharders=[sharder])
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.Adagrad(ps, lr=LR))
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.Adagrad(ps, lr=LR)
+    )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     loader = DataLoader(batches, batch_size=None, pin_memory=device.type == "cuda")
     if pipeline:
@@ -274,7 +322,8 @@ def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline
                 break
             window.set(3 <= step)
             batch = (
-                batch.to(device, non_blocking=True) if not isinstance(batch, dict)
+                batch.to(device, non_blocking=True)
+                if not isinstance(batch, dict)
                 else {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             )
             optimizer.zero_grad()
@@ -324,5 +373,10 @@ def transfer_hooks(rank: int, world_size: int, out_dir: Path, bad_step: int = -1
         )
     except Exception as e:  # noqa: BLE001 - the test inspects it
         error = f"{type(e).__name__}: {e}"
-    return {"losses": model.losses, "ref_losses": ref_losses, "transfers": model.transfers, "after": model.after,
-            "error": error}
+    return {
+        "losses": model.losses,
+        "ref_losses": ref_losses,
+        "transfers": model.transfers,
+        "after": model.after,
+        "error": error,
+    }

@@ -26,9 +26,14 @@ from tests.helpers.user_models import ValuesModel, global_batches, rank_share, t
 
 def ranks(trainer: L.Trainer) -> Dict[str, Any]:
     return {
-        "global_rank": trainer.global_rank, "local_rank": trainer.local_rank, "node_rank": trainer.node_rank,
-        "world_size": trainer.world_size, "is_global_zero": trainer.is_global_zero,
-        "num_devices": trainer.num_devices, "num_nodes": trainer.num_nodes, "rank_zero_only": rank_zero_only.rank,
+        "global_rank": trainer.global_rank,
+        "local_rank": trainer.local_rank,
+        "node_rank": trainer.node_rank,
+        "world_size": trainer.world_size,
+        "is_global_zero": trainer.is_global_zero,
+        "num_devices": trainer.num_devices,
+        "num_nodes": trainer.num_nodes,
+        "rank_zero_only": rank_zero_only.rank,
         "sampler": trainer.strategy.distributed_sampler_kwargs,
     }
 
@@ -56,9 +61,16 @@ def main() -> None:
     seen: List[Any] = []
     L.seed_everything(0)
     trainer = L.Trainer(
-        strategy=args.strategy, accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
-        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, callbacks=[Record(seen)],
+        strategy=args.strategy,
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[Record(seen)],
     )
     seen.append(["after Trainer()", ranks(trainer)])
     exit_record = Path(args.out, f"{args.strategy}.rank{trainer.global_rank}.exit.json")

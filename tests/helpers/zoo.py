@@ -150,7 +150,9 @@ def slice_kjt(kjt: KeyedJaggedTensor, start: int, end: int) -> KeyedJaggedTensor
     values = torch.cat([kjt.values()[a:b] for a, b in spans])
     weights = kjt.weights_or_none()
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=keys, values=values, lengths=lengths[:, start:end].reshape(-1),
+        keys=keys,
+        values=values,
+        lengths=lengths[:, start:end].reshape(-1),
         weights=None if weights is None else torch.cat([weights[a:b] for a, b in spans]),
     )
 
@@ -163,13 +165,15 @@ def share_rows(batch: Any, rank: int, world_size: int) -> Any:
         return slice_kjt(batch, rank * per, (rank + 1) * per)
     if isinstance(batch, torch.Tensor):
         per = batch.shape[0] // world_size
-        return batch[rank * per:(rank + 1) * per]
+        return batch[rank * per : (rank + 1) * per]
     if isinstance(batch, Mapping):
         return {k: share_rows(v, rank, world_size) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
         return type(batch)(share_rows(v, rank, world_size) for v in batch)
     if dataclasses.is_dataclass(batch):
-        return type(batch)(**{f.name: share_rows(getattr(batch, f.name), rank, world_size) for f in dataclasses.fields(batch)})
+        return type(batch)(
+            **{f.name: share_rows(getattr(batch, f.name), rank, world_size) for f in dataclasses.fields(batch)}
+        )
     return batch
 
 
@@ -192,7 +196,12 @@ def check_case(tmp_path: Path, case_name: str) -> None:
     tol = case.tol
     one = run_ranks(f"{SCENARIOS}:fit", 1, tmp_path / "one", case=case_name, save="ckpt")
     two = run_ranks(
-        f"{SCENARIOS}:fit", 2, tmp_path / "two", case=case_name, save="ckpt", predict_ckpt=str(tmp_path / "one" / "ckpt")
+        f"{SCENARIOS}:fit",
+        2,
+        tmp_path / "two",
+        case=case_name,
+        save="ckpt",
+        predict_ckpt=str(tmp_path / "one" / "ckpt"),
     )
     back = run_ranks(f"{SCENARIOS}:predict", 1, tmp_path / "back", case=case_name, ckpt=str(tmp_path / "two" / "ckpt"))
     ref = one[0]["reference"]
@@ -214,4 +223,6 @@ def check_case(tmp_path: Path, case_name: str) -> None:
     # The checkpoint directory loads unsharded in this process (no process group) and predicts the same.
     module = seeded_module(case)
     loaded = type(module).load_from_checkpoint(tmp_path / "two" / "ckpt")
-    assert _flat(predict_unsharded(loaded, case.heldout()).tolist()) == pytest.approx(expected, abs=tol), "load_from_checkpoint"
+    assert _flat(predict_unsharded(loaded, case.heldout()).tolist()) == pytest.approx(expected, abs=tol), (
+        "load_from_checkpoint"
+    )

@@ -43,17 +43,31 @@ def _optimizers(module: CTRModule) -> List[torch.optim.Optimizer]:
 def ctr_case(build: Callable[[], CTRModule], constraints: Dict[int, Dict[str, Any]]) -> ZooCase:
     """A CTR model (``model.sparse_arch`` holds its tables) on consecutive MovieLens ratings."""
     return ZooCase(
-        build=build, batches=_batches, heldout=lambda: movielens()[0][torch.arange(5000, 5032)], share=share_rows,
-        loss=_loss, optimizers=_optimizers, constraints=constraints,
+        build=build,
+        batches=_batches,
+        heldout=lambda: movielens()[0][torch.arange(5000, 5032)],
+        share=share_rows,
+        loss=_loss,
+        optimizers=_optimizers,
+        constraints=constraints,
     )
 
 
 CASE = ctr_case(
-    lambda: DLRMModule(movielens()[1], 2, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
-                       interaction="dcn"),
+    lambda: DLRMModule(
+        movielens()[1],
+        2,
+        embedding_dim=8,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+        interaction="dcn",
+    ),
     {
         1: {"t_user_id": {"sharding_types": ["column_wise"]}},
-        2: {"t_user_id": {"sharding_types": ["column_wise"]}, "t_item_id": {"sharding_types": ["table_wise"]},
-            "t_genres": {"sharding_types": ["data_parallel"]}},
+        2: {
+            "t_user_id": {"sharding_types": ["column_wise"]},
+            "t_item_id": {"sharding_types": ["table_wise"]},
+            "t_genres": {"sharding_types": ["data_parallel"]},
+        },
     },
 )

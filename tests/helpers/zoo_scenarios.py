@@ -27,8 +27,15 @@ class _Losses(L.Callback):
 def _trainer(case: ZooCase, world_size: int, pipeline: bool = False) -> L.Trainer:
     return L.Trainer(
         strategy=RecShardStrategy(constraints=case.constraints.get(world_size), pipeline=pipeline),
-        accelerator="cpu", devices=world_size, max_steps=case.steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=case.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
         limit_val_batches=0,
     )
 
@@ -37,8 +44,9 @@ def _loader(batches: List[Any]) -> DataLoader:
     return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 
-def _predict(trainer: L.Trainer, module: L.LightningModule, case: ZooCase, rank: int, world_size: int,
-             ckpt: Optional[str] = None) -> List[List[float]]:
+def _predict(
+    trainer: L.Trainer, module: L.LightningModule, case: ZooCase, rank: int, world_size: int, ckpt: Optional[str] = None
+) -> List[List[float]]:
     shares = _loader([case.share(case.heldout(), rank, world_size)])
     return torch.cat([flatten(p) for p in trainer.predict(module, shares, ckpt_path=ckpt)]).tolist()
 

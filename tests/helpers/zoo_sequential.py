@@ -49,8 +49,16 @@ def _build() -> SequentialRecModule:
     num_items = _data()["train"].num_items
     # Element-wise Adagrad: row-wise Adagrad keeps one accumulator per row *and column shard*, so a table split
     # column-wise over 2 ranks would not update like the unsharded one (README "Checkpoints").
-    return _Module([SparseFeature("item", num_items)], embedding_dim=16, max_len=MAX_LEN, num_blocks=1, num_heads=2,
-                   dropout=0.0, dense_lr=0.003, embedding_optimizer=EmbeddingOptimizer("adagrad", lr=0.05))
+    return _Module(
+        [SparseFeature("item", num_items)],
+        embedding_dim=16,
+        max_len=MAX_LEN,
+        num_blocks=1,
+        num_heads=2,
+        dropout=0.0,
+        dense_lr=0.003,
+        embedding_optimizer=EmbeddingOptimizer("adagrad", lr=0.05),
+    )
 
 
 def _batches(steps: int) -> List[Any]:

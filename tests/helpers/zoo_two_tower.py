@@ -64,7 +64,11 @@ CASE = ZooCase(
     # evaluates with column-wise tables instead.
     constraints={
         1: {"t_user_id": {"sharding_types": ["column_wise"]}},
-        2: {"t_user_id": {"sharding_types": ["table_wise"]}, "t_item_id": {"sharding_types": ["table_wise"]},
-            "t_history": {"sharding_types": ["table_wise"]}, "t_genres": {"sharding_types": ["data_parallel"]}},
+        2: {
+            "t_user_id": {"sharding_types": ["table_wise"]},
+            "t_item_id": {"sharding_types": ["table_wise"]},
+            "t_history": {"sharding_types": ["table_wise"]},
+            "t_genres": {"sharding_types": ["data_parallel"]},
+        },
     },
 )
