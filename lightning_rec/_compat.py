@@ -116,3 +116,10 @@ def call_batch_hook(module: object, name: str, *args: object) -> object:
     """Run the LightningModule's (or the datamodule's) batch hook ``name`` the way Lightning does (its private
     ``_call_batch_hook``: the datamodule's override wins, with Lightning's profiling)."""
     return module._call_batch_hook(name, *args)  # type: ignore[attr-defined]
+
+
+# TorchRec: DMP keeps the module it wrapped for data parallelism (the dense part's DDP, or the module itself) in
+# `_dmp_wrapped_module`; its public `module` property unwraps DDP, so the DDP itself has no public name.
+def dmp_inner_module(dmp: object) -> object:
+    """The module DMP wrapped (its dense part's DDP when there is one), or ``None``."""
+    return getattr(dmp, "_dmp_wrapped_module", None)

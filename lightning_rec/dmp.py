@@ -70,7 +70,7 @@ class ManualOptimizationRedirection(_compat._ForwardRedirection):
 
 def dense_ddp(model: Optional[nn.Module]) -> Optional[DistributedDataParallel]:
     """The DDP wrapper DMP puts around the dense part, if any."""
-    inner = getattr(model, "_dmp_wrapped_module", None) if isinstance(model, DistributedModelParallel) else None
+    inner = _compat.dmp_inner_module(model) if isinstance(model, DistributedModelParallel) else None
     return inner if isinstance(inner, DistributedDataParallel) else None
 
 

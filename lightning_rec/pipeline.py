@@ -235,8 +235,3 @@ class PipelinedLoader:
         if name in ("dataloader", "pipeline"):
             raise AttributeError(name)
         return getattr(self.dataloader, name)
-
-
-def is_pipelined_loader(obj: Optional[Any]) -> bool:
-    """Whether ``obj`` is a :class:`PipelinedLoader`."""
-    return isinstance(obj, PipelinedLoader)

@@ -210,7 +210,7 @@ class RecShardStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._write_plan_report = plan_report
         self.pipeline = pipeline
-        self._pipeline: Optional[SparseDistPipeline] = None
+        self._sparse_dist: Optional[SparseDistPipeline] = None
         self._rec_optimizer: Optional[RecOptimizer] = None
         self._forward_redirection = ManualOptimizationRedirection()
         self._backward_without_step = False  # a training backward ran (tables updated) and no optimizer stepped yet
@@ -393,15 +393,15 @@ class RecShardStrategy(ParallelStrategy):
             self.lr_scheduler_configs = lr_scheduler_configs
             if self._write_plan_report and state.report is not None:
                 write_for_trainer(state.report, trainer, self.global_rank)  # every rank: it may broadcast
-            self._pipeline = (
+            self._sparse_dist = (
                 SparseDistPipeline(state.dmp, self.root_device, self._input_checks) if self.pipeline else None
             )
         self.setup_precision_plugin()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if self._pipeline is not None and self.lightning_module.trainer.training:
-            return self._pipeline.wrap(dataloader)  # batches are copied and queued as Lightning fetches them
+        if self._sparse_dist is not None and self.lightning_module.trainer.training:
+            return self._sparse_dist.wrap(dataloader)  # batches are copied and queued as Lightning fetches them
         return dataloader
 
     @override
@@ -413,8 +413,8 @@ class RecShardStrategy(ParallelStrategy):
         memory, e.g. ``DataLoader(pin_memory=True)``, the copy then overlaps the GPU's work). A
         ``transfer_batch_to_device`` override (module or datamodule) is called instead, as Lightning calls it."""
         self._transferring = True  # Lightning counts the batch only once it is on the device (reset on exception)
-        if self._pipeline is not None and self.lightning_module.trainer.training:
-            batch = self._pipeline.begin_step()  # already on the device, checked on the host and distributed
+        if self._sparse_dist is not None and self.lightning_module.trainer.training:
+            batch = self._sparse_dist.begin_step()  # already on the device, checked on the host and distributed
         else:
             checked = self._input_checks.check_host(batch)
             module = self.lightning_module
@@ -433,15 +433,15 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         self._input_checks.poll()  # report a non-finite training loss before evaluating its weights
-        if self._pipeline is not None:
-            self._pipeline.detach()  # evaluation runs the sharded modules' own forwards
+        if self._sparse_dist is not None:
+            self._sparse_dist.detach()  # evaluation runs the sharded modules' own forwards
 
     on_test_start = on_predict_start = on_validation_start
 
     @override
     def on_train_end(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.reset()
+        if self._sparse_dist is not None:
+            self._sparse_dist.reset()
         self._input_checks.poll()  # the last steps' losses (nonfinite="error" reads them one step late)
 
     @override
@@ -454,8 +454,8 @@ class RecShardStrategy(ParallelStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         self._backward_without_step = self._check_steps  # cleared by the next optimizer step
         self._input_checks.check_loss(closure_loss)  # the backward pass would write a NaN into the tables
-        if self._pipeline is not None:
-            self._pipeline.before_backward()  # the next batch's input all-to-all overlapped this forward
+        if self._sparse_dist is not None:
+            self._sparse_dist.before_backward()  # the next batch's input all-to-all overlapped this forward
         # Manual optimization calls backward inside training_step, i.e. inside DDP's forward; DDP's reducer was
         # kept out of that forward (see dmp.ManualOptimizationRedirection) and is prepared here instead.
         ddp = dense_ddp(self.model)

@@ -53,6 +53,6 @@ def fit(rank: int, world_size: int, out_dir: Path, pipeline: bool, steps: int = 
         "logged_train_loss": logged_train_loss,
         "predictions": [float(x) for x in predictions],
         "last_complete": is_checkpoint(Path(ckpt.last_model_path)),
-        "pipelined": type(trainer.strategy._pipeline).__name__ if pipeline else None,
+        "pipelined": type(trainer.strategy._sparse_dist).__name__ if pipeline else None,
         "forwards": {k: sorted(v) for k, v in counter.forwards.items()},
     }
