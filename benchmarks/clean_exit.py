@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from lightning_rec.testing.ports import free_port
 
 MODES = ("gloo", "gloo_destroy", "gloo_clean", "recshard")
 _HELD: list = []
@@ -104,12 +105,6 @@ def _recshard_job() -> None:
         trainer.strategy.reduce(torch.ones(1), reduce_op="sum")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_once(mode: str) -> bool:
     """One 2-process run; True if any process aborted or exited non-zero."""
     repo = Path(__file__).resolve().parents[1]
@@ -118,7 +113,7 @@ def _run_once(mode: str) -> bool:
     if mode == "recshard":  # Lightning's launcher starts rank 1
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         return proc.returncode != 0 or "terminate called" in proc.stdout + proc.stderr
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             command,

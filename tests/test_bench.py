@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lightning_rec.bench import SIZES, check_identical, final_record, fused_params, main, plot_batch_sweep
-from lightning_rec.bench.runner import _free_port
 from lightning_rec.bench.workload import _batches
+from lightning_rec.testing.ports import free_port
 from tests.helpers.dist import REPO
 
 
@@ -303,7 +303,7 @@ def test_profile_step_times_the_phases_and_lightnings_hooks():
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "MASTER_PORT": str(_free_port())},
+        env={**os.environ, "MASTER_PORT": str(free_port())},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])
@@ -338,7 +338,7 @@ def test_paired_overhead_pairs_each_lightning_step_with_its_baseline():
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "MASTER_PORT": str(_free_port())},
+        env={**os.environ, "MASTER_PORT": str(free_port())},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     record = json.loads(out.stdout.strip().splitlines()[-1])

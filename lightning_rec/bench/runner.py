@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -14,15 +13,10 @@ from typing import Any, Dict, List, Optional
 
 from lightning_rec.bench.worker import _RESULT, _worker
 from lightning_rec.bench.workload import EXTRA_VARIANTS, GPU_SIZES, OPTIMIZERS, SIZES, VARIANTS, Size
+from lightning_rec.testing.ports import free_port
 
 # Sharding types the bench can ask of every table (all on the fused kernel); row_wise and table_row_wise need CUDA.
 SHARDINGS = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # glibc's default heap trimming is adaptive: whether a process hands ~10 MB back to the OS and page-faults it in
@@ -49,7 +43,7 @@ def run_variant(
         malloc: ``"steady"`` (glibc keeps freed memory: no per-step page faults, in every variant) or
             ``"default"`` (glibc as configured); see :data:`MALLOC_SETTINGS`.
     """
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for rank in range(size.world_size):
         # Every variant gets the thread count Lightning's launcher would pick (cores / processes): two processes
         # with a full set of threads each would fight over the cores, more in some variants than in others.

@@ -2,8 +2,10 @@
 
 * :class:`~lightning_rec.testing.syncs.SyncCounter`: count the host-device synchronisations a piece of code makes,
   and which Python frame asked for each.
+* :func:`~lightning_rec.testing.ports.free_port`: a free TCP port on ``127.0.0.1`` for ``MASTER_PORT``.
 """
 
+from lightning_rec.testing.ports import free_port
 from lightning_rec.testing.syncs import SyncCounter
 
-__all__ = ["SyncCounter"]
+__all__ = ["SyncCounter", "free_port"]
