@@ -11,10 +11,10 @@ Example::
 
 from lightning_rec import _compat
 from lightning_rec.batch import Batch, RowCollator, collate_rows
-from lightning_rec.inputs import InputError, NonFiniteError
+from lightning_rec.config import EmbeddingOptimizer, TableConstraints, TopologyConfig
+from lightning_rec.errors import InputError, NonFiniteError
 from lightning_rec.module import RecLightningModule
-from lightning_rec.optim import EmbeddingOptimizer, RecOptimizer
-from lightning_rec.sharding import TableConstraints, TopologyConfig
+from lightning_rec.optim import RecOptimizer
 from lightning_rec.strategy import RecShardStrategy
 
 __version__ = "0.1.0"

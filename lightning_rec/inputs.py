@@ -47,7 +47,8 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec import _compat
-from lightning_rec.kjt_check import FeatureTables, InputError, ModuleInputs, check_features, check_on_host, input_specs
+from lightning_rec.errors import InputError, NonFiniteError  # re-exported: the old paths keep working
+from lightning_rec.kjt_check import FeatureTables, ModuleInputs, check_features, check_on_host, input_specs
 from lightning_rec.kjt_check import host_numpy
 
 __all__ = [
@@ -64,11 +65,6 @@ __all__ = [
 
 NonFinitePolicy = Literal["error", "strict", "warn", "ignore"]
 _POLICIES = ("error", "strict", "warn", "ignore")
-
-
-class NonFiniteError(ValueError):
-    """NaN or infinity in a dense input (refused before the step) or in the loss (see ``nonfinite`` of
-    :class:`~lightning_rec.RecShardStrategy`)."""
 
 
 def check_finite(tensor: torch.Tensor, what: str, where: Union[str, Callable[[], str]] = "") -> Optional[str]:

@@ -30,6 +30,9 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_rec.errors import InputError  # re-exported: the old path keeps working
+from lightning_rec.tables import embedding_modules
+
 __all__ = [
     "FeatureTable",
     "FeatureTables",
@@ -45,11 +48,6 @@ _HINT_IDS = (
     "HINT: hash or bucketize raw ids into [0, num_embeddings) in the data pipeline (e.g. `id % num_embeddings`), "
     "or enlarge the table; `RecShardStrategy(bounds_check='warn')` restores TorchRec's default (bad ids read row 0)."
 )
-
-
-class InputError(ValueError):
-    """A batch the embedding tables cannot take. The message names the module, feature, table, offending value
-    and what was expected, and where in training it happened; nothing was updated with the batch."""
 
 
 @dataclass(frozen=True)
@@ -149,8 +147,6 @@ class FeatureTables:
 def input_specs(module: nn.Module, module_types: Sequence[type]) -> Dict[str, ModuleInputs]:
     """:class:`ModuleInputs` of every embedding module of ``module`` that will be sharded, by module path (read
     before sharding: the sharded modules keep their table configs private)."""
-    from lightning_rec.sharding import embedding_modules
-
     specs = {path: ModuleInputs.of(path, m) for path, m in embedding_modules(module, module_types).items()}
     return {path: spec for path, spec in specs.items() if spec is not None}
 
@@ -197,7 +193,7 @@ def check_features(
         >>> check_features(kjt, spec)
         Traceback (most recent call last):
         ...
-        lightning_rec.kjt_check.InputError: module 'ebc': feature 'user' (table 't_user', 10 rows) has 1 id(s) outside [0, 10): 12 (sample 1). ...
+        lightning_rec.errors.InputError: module 'ebc': feature 'user' (table 't_user', 10 rows) has 1 id(s) outside [0, 10): 12 (sample 1). ...
     """
     fail = _failure(f"module {spec.path!r}", where)
     if not isinstance(kjt, KeyedJaggedTensor):

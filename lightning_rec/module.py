@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import Self
 
-from lightning_rec.optim import EmbeddingOptimizer
+from lightning_rec.config import EmbeddingOptimizer
 
 
 class RecLightningModule(pl.LightningModule):

@@ -1,9 +1,9 @@
 """Embedding (fused, in-backward) optimizers and how they combine with the user's dense optimizers.
 
-TorchRec's FBGEMM kernels update embedding rows inside the backward pass. This module
+TorchRec's FBGEMM kernels update embedding rows inside the backward pass. Such an optimizer is described by
+:class:`~lightning_rec.config.EmbeddingOptimizer` (typed configuration, which validates itself for a device and
+turns itself into TorchRec ``fused_params``; importable from here too). This module
 
-* describes such an optimizer (:class:`EmbeddingOptimizer`), validates it for a device and turns it into
-  TorchRec ``fused_params``;
 * derives it from the optimizer a user returned from ``configure_optimizers`` (same family, same
   hyperparameters) or refuses with a clear error when FBGEMM has no equivalent kernel;
 * removes embedding parameters from the user's optimizer (so they are never updated twice);
@@ -12,34 +12,18 @@ TorchRec's FBGEMM kernels update embedding rows inside the backward pass. This m
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterable, List, Literal, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 from torch.optim import Optimizer
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
 from lightning_rec import _compat
 
-OptimizerName = Literal[
-    "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"
-]
-
-_EMB_OPT_TYPES: Dict[str, EmbOptimType] = {
-    "sgd": EmbOptimType.EXACT_SGD,
-    "adagrad": EmbOptimType.EXACT_ADAGRAD,
-    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    "adam": EmbOptimType.ADAM,
-    "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM,
-    "lamb": EmbOptimType.LAMB,
-    "partial_rowwise_lamb": EmbOptimType.PARTIAL_ROWWISE_LAMB,
-}
-# FBGEMM ships CPU kernels only for these; the others are CUDA-only.
-_CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+# re-exported: the old paths keep working
+from lightning_rec.config import EmbeddingOptimizer, OptimizerName as OptimizerName
+from lightning_rec.config import supported_optimizers as supported_optimizers
 
 _BOUNDS_CHECK_MODES: Dict[str, BoundsCheckMode] = {
     "error": BoundsCheckMode.FATAL,
@@ -47,100 +31,6 @@ _BOUNDS_CHECK_MODES: Dict[str, BoundsCheckMode] = {
     "ignore": BoundsCheckMode.IGNORE,
     "none": BoundsCheckMode.NONE,
 }
-
-
-def supported_optimizers(device_type: str) -> Tuple[str, ...]:
-    """Names of the fused embedding optimizers FBGEMM can run on ``device_type``.
-
-    Example::
-
-        >>> supported_optimizers("cpu")
-        ('sgd', 'adagrad', 'rowwise_adagrad')
-    """
-    return tuple(_EMB_OPT_TYPES) if device_type == "cuda" else _CPU_OPTIMIZERS
-
-
-@dataclass
-class EmbeddingOptimizer:
-    """A fused embedding optimizer: which FBGEMM update rule runs in the backward pass, and its hyperparameters.
-
-    Args:
-        name: the update rule. ``rowwise_adagrad`` keeps one accumulator per row (the usual choice for big
-            tables); ``adagrad`` one per element; ``sgd`` none. ``adam``/``lamb`` and their partial-row-wise
-            variants exist on CUDA only.
-        lr: learning rate.
-        eps: the epsilon of Adagrad/Adam style updates.
-        weight_decay: L2 weight decay (0 disables it).
-        betas: Adam/LAMB moment coefficients.
-
-    Example::
-
-        >>> EmbeddingOptimizer("rowwise_adagrad", lr=0.05).to_fused_params()["learning_rate"]
-        0.05
-    """
-
-    name: OptimizerName = "rowwise_adagrad"
-    lr: float = 0.01
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    betas: Tuple[float, float] = (0.9, 0.999)
-
-    def __post_init__(self) -> None:
-        if self.name not in _EMB_OPT_TYPES:
-            raise ValueError(
-                f"EmbeddingOptimizer: unknown optimizer {self.name!r}. Choose one of {sorted(_EMB_OPT_TYPES)}."
-            )
-        if not (self.lr >= 0 and math.isfinite(self.lr)):
-            raise ValueError(f"EmbeddingOptimizer: lr must be a finite number >= 0, got {self.lr!r}.")
-        self.betas = tuple(self.betas)  # YAML gives lists
-
-    def validate_for(self, device_type: str) -> None:
-        """Raise if FBGEMM has no kernel for this optimizer on ``device_type`` (``"cpu"`` or ``"cuda"``)."""
-        ok = supported_optimizers(device_type)
-        if self.name not in ok:
-            raise ValueError(
-                f"The fused embedding optimizer {self.name!r} has no FBGEMM kernel on {device_type.upper()}. "
-                f"Supported there: {', '.join(ok)}. HINT: use `rowwise_adagrad` (the usual choice for large "
-                "tables), declare it with `RecLightningModule.configure_embedding_optimizer()` or the strategy's "
-                "`embedding_optimizer=` argument, or train on CUDA."
-            )
-
-    def to_fused_params(self) -> Dict[str, Any]:
-        """TorchRec ``fused_params`` (FBGEMM TBE keyword arguments) for this optimizer."""
-        params: Dict[str, Any] = {
-            "optimizer": _EMB_OPT_TYPES[self.name],
-            "learning_rate": self.lr,
-            "eps": self.eps,
-            "beta1": self.betas[0],
-            "beta2": self.betas[1],
-        }
-        if self.weight_decay:
-            params["weight_decay"] = self.weight_decay
-            params["weight_decay_mode"] = WeightDecayMode.L2
-        return params
-
-    def torch_optimizer(self, params: Iterable[torch.Tensor]) -> Optimizer:
-        """The same update rule as an ordinary torch optimizer, for tables TorchRec keeps on a non-fused
-        (``dense``) kernel, e.g. ``data_parallel`` tables on CPU."""
-        params = list(params)
-        if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
-        if self.name == "adagrad":
-            return torch.optim.Adagrad(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
-        if self.name == "rowwise_adagrad":
-            from torchrec.optim import RowWiseAdagrad
-
-            return RowWiseAdagrad(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
-        if self.name == "adam":
-            return torch.optim.Adam(params, lr=self.lr, eps=self.eps, betas=self.betas, weight_decay=self.weight_decay)
-        raise ValueError(
-            f"EmbeddingOptimizer {self.name!r} exists only as a fused kernel; a table on a non-fused kernel "
-            "needs sgd, adagrad, rowwise_adagrad or adam. HINT: constrain that table to the 'fused' compute kernel."
-        )
-
-    def as_dict(self) -> Dict[str, Any]:
-        """Plain-data form, for logs and checkpoints."""
-        return asdict(self)
 
 
 def bounds_check_params(mode: str) -> Dict[str, Any]:

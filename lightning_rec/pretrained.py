@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
-from lightning_rec.sharding import embedding_modules
+from lightning_rec.tables import embedding_modules
 
 __all__ = ["Rows", "load_rows", "read_rows"]
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
@@ -22,6 +22,8 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
 
 from lightning_rec import _compat
+from lightning_rec.config import TableConstraints, TopologyConfig  # re-exported: the old paths keep working
+from lightning_rec.tables import embedding_modules  # re-exported: the old path keeps working
 
 # What TorchRec can shard on each device (ROW_WISE/TABLE_ROW_WISE/GRID_SHARD need CUDA kernels).
 _CPU_SHARDING_TYPES = (
@@ -62,70 +64,6 @@ def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[
     return types
 
 
-@dataclass
-class TableConstraints:
-    """What the planner may do with one table (a YAML-friendly ``ParameterConstraints``).
-
-    Args:
-        sharding_types: allowed sharding types, e.g. ``["table_wise", "column_wise"]`` (names of
-            ``torchrec.distributed.types.ShardingType`` values, case-insensitive).
-        compute_kernels: allowed compute kernels, e.g. ``["fused"]``.
-        min_partition: smallest column block when sharding column-wise.
-        pooling_factors: expected ids per sample for each feature of the table (helps the cost model).
-
-    Example::
-
-        RecShardStrategy(constraints={"item_id": TableConstraints(sharding_types=["column_wise"])})
-    """
-
-    sharding_types: Optional[List[str]] = None
-    compute_kernels: Optional[List[str]] = None
-    min_partition: Optional[int] = None
-    pooling_factors: Optional[List[float]] = None
-
-    def __post_init__(self) -> None:
-        if self.sharding_types is not None:
-            self.sharding_types = [s.lower() for s in self.sharding_types]
-        if self.compute_kernels is not None:
-            self.compute_kernels = [k.lower() for k in self.compute_kernels]
-
-    def to_torchrec(self) -> ParameterConstraints:
-        """The equivalent ``torchrec.distributed.planner.ParameterConstraints``."""
-        kwargs = dict(
-            sharding_types=self.sharding_types,
-            compute_kernels=self.compute_kernels,
-            min_partition=self.min_partition,
-        )
-        if self.pooling_factors is not None:
-            kwargs["pooling_factors"] = list(self.pooling_factors)
-        return ParameterConstraints(**kwargs)
-
-
-@dataclass
-class TopologyConfig:
-    """Overrides for the planner's view of the machines (everything else is detected).
-
-    Args:
-        hbm_cap: device (GPU) memory per rank in bytes the planner may fill.
-        ddr_cap: host memory per rank in bytes (the table memory on CPU training).
-        local_world_size: ranks per host (affects intra- vs inter-host communication costs).
-        batch_size: per-rank batch size the planner assumes for its cost model.
-
-    Example::
-
-        RecShardStrategy(topology=TopologyConfig(ddr_cap=8 * 1024**3, batch_size=4096))
-    """
-
-    hbm_cap: Optional[int] = None
-    ddr_cap: Optional[int] = None
-    local_world_size: Optional[int] = None
-    batch_size: Optional[int] = None
-
-    def ranks_per_host(self, launched: int) -> int:
-        """The planner's local world size: this override, else ``launched`` (ranks per host as started)."""
-        return self.local_world_size or launched
-
-
 def embedding_tables(module: nn.Module, module_types: Sequence[Type[nn.Module]]) -> Dict[str, BaseEmbeddingConfig]:
     """Every table of every shardable embedding module in ``module``, by table name.
 
@@ -145,22 +83,6 @@ def embedding_tables(module: nn.Module, module_types: Sequence[Type[nn.Module]])
             tables[config.name] = config
             owners[config.name] = path
     return tables
-
-
-def embedding_modules(module: nn.Module, module_types: Sequence[Type[nn.Module]]) -> Dict[str, nn.Module]:
-    """The outermost submodules of ``module`` that a sharder can shard, by module path."""
-    found: Dict[str, nn.Module] = {}
-    types = tuple(module_types)
-
-    def visit(mod: nn.Module, path: str) -> None:
-        if isinstance(mod, types):
-            found[path] = mod
-            return
-        for name, child in mod.named_children():
-            visit(child, f"{path}.{name}" if path else name)
-
-    visit(module, "")
-    return found
 
 
 def validate_constraints(

@@ -43,7 +43,7 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from lightning_rec import _compat
-from lightning_rec.sharding import embedding_modules
+from lightning_rec.tables import embedding_modules
 
 __all__ = ["capture_weights", "output_orders", "restore_output_order", "restore_weights"]
 

@@ -28,9 +28,8 @@ from torch.optim import Optimizer
 
 from lightning_rec.checkpoint import layout, safe_io
 from lightning_rec.checkpoint.export import export, load_exported, load_module
-from lightning_rec.checkpoint.layout import CheckpointError
 from lightning_rec.checkpoint.optimizer_state import OptimizerTarget, canonical_state, is_tensor
-from lightning_rec.checkpoint.safe_io import UnsafeCheckpointError
+from lightning_rec.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
     "CheckpointError",

@@ -24,6 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List
 
+from lightning_rec.errors import CheckpointError  # re-exported: the old path keeps working
+
 META_FILE = "meta.pt"
 COMPLETE_FILE = "COMPLETE"
 METADATA_FILE = ".metadata"
@@ -31,10 +33,6 @@ FORMAT = "lightning_rec.checkpoint/1"
 MODEL_PREFIX = "model/"  # DCP keys of the model state_dict
 OPTIM_PREFIX = "optim/"  # DCP keys of optimizer state: optim/<i>/<fqn>/<state name>
 _CHUNK = 1 << 22
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded as asked: incomplete, corrupt, or not matching the model."""
 
 
 def staging_path(path: Path) -> Path:

@@ -18,6 +18,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from typing_extensions import override
 
+from lightning_rec.errors import UnsafeCheckpointError  # re-exported: the old path keeps working
+
 # Classes DCP's metadata pickle refers to (module -> names). Anything else is refused.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
@@ -39,10 +41,6 @@ _METADATA_GLOBALS = {
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "slice"},
 }
-
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint file refers to a Python object that loading will not create."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -113,16 +111,26 @@ def load_meta(path: Path, weights_only: Optional[bool] = None) -> Dict[str, Any]
         ) from None
 
 
+# Where the configuration classes lived before `lightning_rec.config`: checkpoints written then name them so.
+_OLD_CONFIG_PATHS = {
+    "SparseFeature": "lightning_rec.data.base.SparseFeature",
+    "EmbeddingOptimizer": "lightning_rec.optim.EmbeddingOptimizer",
+    "TableConstraints": "lightning_rec.sharding.TableConstraints",
+    "TopologyConfig": "lightning_rec.sharding.TopologyConfig",
+}
+
+
 def _plain_classes() -> list:
-    """Classes ``meta.pt`` may contain: data holders whose unpickling runs no code of theirs."""
+    """Classes ``meta.pt`` may contain: data holders whose unpickling runs no code of theirs (each under its
+    module path, and the configuration classes also under the paths older checkpoints name them by)."""
     from lightning.fabric.utilities.data import AttributeDict
 
-    from lightning_rec.data.base import SparseFeature
+    from lightning_rec.config import EmbeddingOptimizer, SparseFeature, TableConstraints, TopologyConfig
     from lightning_rec.data.synthetic import SyntheticTable
-    from lightning_rec.optim import EmbeddingOptimizer
-    from lightning_rec.sharding import TableConstraints, TopologyConfig
 
-    return [AttributeDict, SparseFeature, SyntheticTable, EmbeddingOptimizer, TableConstraints, TopologyConfig]
+    configs = [SparseFeature, EmbeddingOptimizer, TableConstraints, TopologyConfig]
+    old_paths = [(cls, _OLD_CONFIG_PATHS[cls.__name__]) for cls in configs]
+    return [AttributeDict, SyntheticTable, *configs, *old_paths]
 
 
 def dumps_meta(meta: Dict[str, Any]) -> bytes:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.batch import Batch
+from lightning_rec.config import SparseFeature  # re-exported: the old path keeps working
 
 __all__ = [
     "DistributedBatchSampler",
@@ -28,33 +29,6 @@ __all__ = [
     "batch_loader",
     "rank_batches",
 ]
-
-
-@dataclass(frozen=True)
-class SparseFeature:
-    """A categorical feature and the number of rows its embedding table needs.
-
-    DataModules publish their features as a list of these; models build one table per feature from it (the
-    CLI links ``data.sparse_features`` to ``model.sparse_features``).
-
-    Args:
-        name: the feature's key in the ``KeyedJaggedTensor`` (and the table's name, prefixed ``t_``).
-        num_embeddings: ids run from 0 to ``num_embeddings - 1``.
-        multi_hot: whether a sample may carry several ids (or none), e.g. a movie's genres.
-
-    Example::
-
-        >>> SparseFeature("user_id", 944)
-        SparseFeature(name='user_id', num_embeddings=944, multi_hot=False)
-    """
-
-    name: str
-    num_embeddings: int
-    multi_hot: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_embeddings < 1:
-            raise ValueError(f"SparseFeature {self.name!r}: num_embeddings must be >= 1, got {self.num_embeddings}.")
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.batch import Batch
-from lightning_rec.data.base import RecDataModule, SparseFeature
+from lightning_rec.config import SparseFeature
+from lightning_rec.data.base import RecDataModule
 
 __all__ = [
     "CriteoDataModule", "CriteoNpyDataset", "CriteoTSVStream", "parse_lines", "transform_dense", "tsv_to_npy",

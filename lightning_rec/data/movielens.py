@@ -37,7 +37,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset, SparseFeature
+from lightning_rec.config import SparseFeature
+from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset
 
 __all__ = ["Interactions", "MovieLensDataModule", "load_interactions", "load_movielens", "prepare_movielens"]
 

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.data.base import Jagged, RecDataModule, SparseFeature
+from lightning_rec.config import SparseFeature
+from lightning_rec.data.base import Jagged, RecDataModule
 from lightning_rec.data.movielens import Interactions, load_interactions, prepare_movielens
 from lightning_rec.metrics import RankingMetrics, target_rank
 

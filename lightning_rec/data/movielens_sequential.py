@@ -38,7 +38,8 @@ import torch
 from torch.utils.data import DataLoader
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.data.base import DistributedBatchSampler, Jagged, RecDataModule, SparseFeature, _identity
+from lightning_rec.config import SparseFeature
+from lightning_rec.data.base import DistributedBatchSampler, Jagged, RecDataModule, _identity
 from lightning_rec.data.movielens import load_interactions, prepare_movielens
 from lightning_rec.metrics import target_rank
 

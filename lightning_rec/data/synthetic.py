@@ -14,7 +14,8 @@ from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 
-from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset, SparseFeature
+from lightning_rec.config import SparseFeature
+from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset
 
 __all__ = ["SyntheticDataModule", "SyntheticTable", "make_synthetic_dataset"]
 

@@ -12,7 +12,7 @@ from torch import nn
 from lightning_rec.batch import Batch
 from lightning_rec.metrics import ctr_metrics
 from lightning_rec.module import RecLightningModule
-from lightning_rec.optim import EmbeddingOptimizer
+from lightning_rec.config import EmbeddingOptimizer
 
 __all__ = ["CTRModule", "DENSE_OPTIMIZERS", "DenseOptimizerName", "TwoOptimizerModule"]
 

@@ -30,10 +30,10 @@ from torchrec.modules.deepfm import DeepFM
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.data.base import SparseFeature
+from lightning_rec.config import SparseFeature
 from lightning_rec.models.base import CTRModule, DenseOptimizerName
 from lightning_rec.models.dlrm import table_configs
-from lightning_rec.optim import EmbeddingOptimizer
+from lightning_rec.config import EmbeddingOptimizer
 
 __all__ = ["DeepFMModule", "DeepFMNN", "PairwiseFM", "build_deepfm"]
 

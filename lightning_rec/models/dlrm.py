@@ -14,9 +14,9 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 
-from lightning_rec.data.base import SparseFeature
+from lightning_rec.config import SparseFeature
 from lightning_rec.models.base import CTRModule, DenseOptimizerName
-from lightning_rec.optim import EmbeddingOptimizer
+from lightning_rec.config import EmbeddingOptimizer
 
 __all__ = ["DLRMModule", "build_dlrm", "table_configs"]
 

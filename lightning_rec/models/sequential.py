@@ -21,11 +21,11 @@ from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from lightning_rec.data.base import SparseFeature
+from lightning_rec.config import SparseFeature
 from lightning_rec.data.movielens_sequential import FEATURES, exclusion_mask
 from lightning_rec.metrics import RankingMetrics, target_rank
 from lightning_rec.models.base import DenseOptimizerName, TwoOptimizerModule
-from lightning_rec.optim import EmbeddingOptimizer
+from lightning_rec.config import EmbeddingOptimizer
 
 __all__ = ["CausalEncoder", "SASRec", "SequentialRecModule", "catalog_scores", "sampled_softmax_loss"]
 

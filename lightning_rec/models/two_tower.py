@@ -31,10 +31,10 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.data.base import SparseFeature
+from lightning_rec.config import SparseFeature
 from lightning_rec.metrics import RankingMetrics, target_rank
 from lightning_rec.module import RecLightningModule
-from lightning_rec.optim import EmbeddingOptimizer
+from lightning_rec.config import EmbeddingOptimizer
 
 __all__ = ["Tower", "TwoTower", "TwoTowerModule", "build_two_tower", "gather_candidates", "in_batch_softmax_loss"]
 

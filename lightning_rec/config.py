@@ -1,0 +1,249 @@
+"""The typed configuration users write: embedding optimizers, sharding constraints and topology, sparse features.
+
+These are plain dataclasses (YAML-friendly: the CLI builds them from configs, ``save_hyperparameters()`` records
+them, checkpoints' allow-list admits them), kept below every other module so that models, checkpoints, input
+checks and reports import configuration, never the strategy's machinery. Each is also importable from its old
+home (``lightning_rec.optim.EmbeddingOptimizer``, ``lightning_rec.sharding.TableConstraints``,
+``lightning_rec.data.base.SparseFeature``, ...) and the strategy's from ``lightning_rec``.
+
+Example::
+
+    >>> TableConstraints(sharding_types=["COLUMN_WISE"]).sharding_types
+    ['column_wise']
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterable, List, Literal, Optional, Tuple
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+from torch.optim import Optimizer
+from torchrec.distributed.planner import ParameterConstraints
+
+__all__ = [
+    "EmbeddingOptimizer",
+    "OptimizerName",
+    "SparseFeature",
+    "TableConstraints",
+    "TopologyConfig",
+    "supported_optimizers",
+]
+
+# ---------------------------------------------------------------------------------------------------------
+# The fused embedding optimizer.
+# ---------------------------------------------------------------------------------------------------------
+
+OptimizerName = Literal[
+    "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"
+]
+
+_EMB_OPT_TYPES: Dict[str, EmbOptimType] = {
+    "sgd": EmbOptimType.EXACT_SGD,
+    "adagrad": EmbOptimType.EXACT_ADAGRAD,
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    "adam": EmbOptimType.ADAM,
+    "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM,
+    "lamb": EmbOptimType.LAMB,
+    "partial_rowwise_lamb": EmbOptimType.PARTIAL_ROWWISE_LAMB,
+}
+# FBGEMM ships CPU kernels only for these; the others are CUDA-only.
+_CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+
+def supported_optimizers(device_type: str) -> Tuple[str, ...]:
+    """Names of the fused embedding optimizers FBGEMM can run on ``device_type``.
+
+    Example::
+
+        >>> supported_optimizers("cpu")
+        ('sgd', 'adagrad', 'rowwise_adagrad')
+    """
+    return tuple(_EMB_OPT_TYPES) if device_type == "cuda" else _CPU_OPTIMIZERS
+
+
+@dataclass
+class EmbeddingOptimizer:
+    """A fused embedding optimizer: which FBGEMM update rule runs in the backward pass, and its hyperparameters.
+
+    Args:
+        name: the update rule. ``rowwise_adagrad`` keeps one accumulator per row (the usual choice for big
+            tables); ``adagrad`` one per element; ``sgd`` none. ``adam``/``lamb`` and their partial-row-wise
+            variants exist on CUDA only.
+        lr: learning rate.
+        eps: the epsilon of Adagrad/Adam style updates.
+        weight_decay: L2 weight decay (0 disables it).
+        betas: Adam/LAMB moment coefficients.
+
+    Example::
+
+        >>> EmbeddingOptimizer("rowwise_adagrad", lr=0.05).to_fused_params()["learning_rate"]
+        0.05
+    """
+
+    name: OptimizerName = "rowwise_adagrad"
+    lr: float = 0.01
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    betas: Tuple[float, float] = (0.9, 0.999)
+
+    def __post_init__(self) -> None:
+        if self.name not in _EMB_OPT_TYPES:
+            raise ValueError(
+                f"EmbeddingOptimizer: unknown optimizer {self.name!r}. Choose one of {sorted(_EMB_OPT_TYPES)}."
+            )
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ValueError(f"EmbeddingOptimizer: lr must be a finite number >= 0, got {self.lr!r}.")
+        self.betas = tuple(self.betas)  # YAML gives lists
+
+    def validate_for(self, device_type: str) -> None:
+        """Raise if FBGEMM has no kernel for this optimizer on ``device_type`` (``"cpu"`` or ``"cuda"``)."""
+        ok = supported_optimizers(device_type)
+        if self.name not in ok:
+            raise ValueError(
+                f"The fused embedding optimizer {self.name!r} has no FBGEMM kernel on {device_type.upper()}. "
+                f"Supported there: {', '.join(ok)}. HINT: use `rowwise_adagrad` (the usual choice for large "
+                "tables), declare it with `RecLightningModule.configure_embedding_optimizer()` or the strategy's "
+                "`embedding_optimizer=` argument, or train on CUDA."
+            )
+
+    def to_fused_params(self) -> Dict[str, Any]:
+        """TorchRec ``fused_params`` (FBGEMM TBE keyword arguments) for this optimizer."""
+        params: Dict[str, Any] = {
+            "optimizer": _EMB_OPT_TYPES[self.name],
+            "learning_rate": self.lr,
+            "eps": self.eps,
+            "beta1": self.betas[0],
+            "beta2": self.betas[1],
+        }
+        if self.weight_decay:
+            params["weight_decay"] = self.weight_decay
+            params["weight_decay_mode"] = WeightDecayMode.L2
+        return params
+
+    def torch_optimizer(self, params: Iterable[torch.Tensor]) -> Optimizer:
+        """The same update rule as an ordinary torch optimizer, for tables TorchRec keeps on a non-fused
+        (``dense``) kernel, e.g. ``data_parallel`` tables on CPU."""
+        params = list(params)
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay)
+        if self.name == "adagrad":
+            return torch.optim.Adagrad(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+        if self.name == "rowwise_adagrad":
+            from torchrec.optim import RowWiseAdagrad
+
+            return RowWiseAdagrad(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+        if self.name == "adam":
+            return torch.optim.Adam(params, lr=self.lr, eps=self.eps, betas=self.betas, weight_decay=self.weight_decay)
+        raise ValueError(
+            f"EmbeddingOptimizer {self.name!r} exists only as a fused kernel; a table on a non-fused kernel "
+            "needs sgd, adagrad, rowwise_adagrad or adam. HINT: constrain that table to the 'fused' compute kernel."
+        )
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Plain-data form, for logs and checkpoints."""
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sharding planner's inputs.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TableConstraints:
+    """What the planner may do with one table (a YAML-friendly ``ParameterConstraints``).
+
+    Args:
+        sharding_types: allowed sharding types, e.g. ``["table_wise", "column_wise"]`` (names of
+            ``torchrec.distributed.types.ShardingType`` values, case-insensitive).
+        compute_kernels: allowed compute kernels, e.g. ``["fused"]``.
+        min_partition: smallest column block when sharding column-wise.
+        pooling_factors: expected ids per sample for each feature of the table (helps the cost model).
+
+    Example::
+
+        RecShardStrategy(constraints={"item_id": TableConstraints(sharding_types=["column_wise"])})
+    """
+
+    sharding_types: Optional[List[str]] = None
+    compute_kernels: Optional[List[str]] = None
+    min_partition: Optional[int] = None
+    pooling_factors: Optional[List[float]] = None
+
+    def __post_init__(self) -> None:
+        if self.sharding_types is not None:
+            self.sharding_types = [s.lower() for s in self.sharding_types]
+        if self.compute_kernels is not None:
+            self.compute_kernels = [k.lower() for k in self.compute_kernels]
+
+    def to_torchrec(self) -> ParameterConstraints:
+        """The equivalent ``torchrec.distributed.planner.ParameterConstraints``."""
+        kwargs = dict(
+            sharding_types=self.sharding_types,
+            compute_kernels=self.compute_kernels,
+            min_partition=self.min_partition,
+        )
+        if self.pooling_factors is not None:
+            kwargs["pooling_factors"] = list(self.pooling_factors)
+        return ParameterConstraints(**kwargs)
+
+
+@dataclass
+class TopologyConfig:
+    """Overrides for the planner's view of the machines (everything else is detected).
+
+    Args:
+        hbm_cap: device (GPU) memory per rank in bytes the planner may fill.
+        ddr_cap: host memory per rank in bytes (the table memory on CPU training).
+        local_world_size: ranks per host (affects intra- vs inter-host communication costs).
+        batch_size: per-rank batch size the planner assumes for its cost model.
+
+    Example::
+
+        RecShardStrategy(topology=TopologyConfig(ddr_cap=8 * 1024**3, batch_size=4096))
+    """
+
+    hbm_cap: Optional[int] = None
+    ddr_cap: Optional[int] = None
+    local_world_size: Optional[int] = None
+    batch_size: Optional[int] = None
+
+    def ranks_per_host(self, launched: int) -> int:
+        """The planner's local world size: this override, else ``launched`` (ranks per host as started)."""
+        return self.local_world_size or launched
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the DataModules publish and the models build tables from.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    """A categorical feature and the number of rows its embedding table needs.
+
+    DataModules publish their features as a list of these; models build one table per feature from it (the
+    CLI links ``data.sparse_features`` to ``model.sparse_features``).
+
+    Args:
+        name: the feature's key in the ``KeyedJaggedTensor`` (and the table's name, prefixed ``t_``).
+        num_embeddings: ids run from 0 to ``num_embeddings - 1``.
+        multi_hot: whether a sample may carry several ids (or none), e.g. a movie's genres.
+
+    Example::
+
+        >>> SparseFeature("user_id", 944)
+        SparseFeature(name='user_id', num_embeddings=944, multi_hot=False)
+    """
+
+    name: str
+    num_embeddings: int
+    multi_hot: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_embeddings < 1:
+            raise ValueError(f"SparseFeature {self.name!r}: num_embeddings must be >= 1, got {self.num_embeddings}.")

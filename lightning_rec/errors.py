@@ -1,0 +1,54 @@
+"""Every exception a user of this package can catch, in one place.
+
+This module imports nothing from ``lightning_rec``: every other module may raise these without import cycles.
+Each class is also importable from the module that raises it (``lightning_rec.inputs.InputError``,
+``lightning_rec.checkpoint.CheckpointError``, ...), and the input errors from ``lightning_rec`` itself.
+
+Example::
+
+    >>> from lightning_rec.errors import InputError
+    >>> issubclass(InputError, ValueError)
+    True
+"""
+
+from __future__ import annotations
+
+import pickle
+
+__all__ = ["CheckpointError", "InputError", "NonFiniteError", "UnsafeCheckpointError"]
+
+
+class InputError(ValueError):
+    """A batch the embedding tables cannot take. The message names the module, feature, table, offending value
+    and what was expected, and where in training it happened; nothing was updated with the batch.
+
+    Raised by :func:`~lightning_rec.kjt_check.check_on_host` and :func:`~lightning_rec.kjt_check.check_features`,
+    which :class:`~lightning_rec.inputs.InputChecks` runs on every batch (``bounds_check="error"``, the default of
+    :class:`~lightning_rec.RecShardStrategy`): a missing or extra feature, a wrong dtype or shape, lengths that do
+    not add up, or an id outside its table.
+    """
+
+
+class NonFiniteError(ValueError):
+    """NaN or infinity in a dense input (refused before the step) or in the loss (see ``nonfinite`` of
+    :class:`~lightning_rec.RecShardStrategy`).
+
+    Raised by :class:`~lightning_rec.inputs.InputChecks` with ``nonfinite="error"`` (the default) or ``"strict"``.
+    """
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded as asked: incomplete, corrupt, or not matching the model.
+
+    Raised when loading or exporting a sharded checkpoint (:mod:`lightning_rec.checkpoint`): a missing or
+    mismatching ``COMPLETE`` manifest, a file whose size or SHA-256 differs from it, or tensors the model lacks.
+    """
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file refers to a Python object that loading will not create.
+
+    Raised while reading a checkpoint's ``.metadata`` or ``meta.pt``
+    (:mod:`lightning_rec.checkpoint.safe_io`) when they name a class outside the allow-list; for a checkpoint
+    you trust, pass ``weights_only=False`` to ``trainer.fit/validate/test/predict``.
+    """
