@@ -21,17 +21,97 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from torchrec.distributed.types import ShardingPlan
 
-from lightning_rec.sharding import PlanRow, format_rows, plan_rows
-
-__all__ = ["PlanReport", "RankEstimate", "write_for_trainer", "write_plan_report"]
+__all__ = [
+    "PlanReport",
+    "PlanRow",
+    "RankEstimate",
+    "format_plan",
+    "format_rows",
+    "plan_rows",
+    "write_for_trainer",
+    "write_plan_report",
+]
 
 JSON_NAME = "sharding_plan.json"
 PNG_NAME = "sharding_plan.png"
+
+
+@dataclass
+class PlanRow:
+    """One table of a plan, flattened for display.
+
+    Args:
+        module: path of the embedding module holding the table (``""``: the root module).
+        table: the table name.
+        sharding_type: e.g. ``"column_wise"``.
+        compute_kernel: e.g. ``"fused"``.
+        ranks: ranks holding (part of) the table.
+        shard_sizes: ``[rows, cols]`` of each shard (empty for a replicated, ``data_parallel`` table).
+        shard_offsets: ``[row, col]`` where each shard starts in the whole table.
+        shard_ranks: the rank each shard is placed on (``None`` if the plan does not say).
+    """
+
+    module: str
+    table: str
+    sharding_type: str
+    compute_kernel: str
+    ranks: List[int]
+    shard_sizes: List[List[int]]
+    shard_offsets: List[List[int]] = field(default_factory=list)
+    shard_ranks: List[Optional[int]] = field(default_factory=list)
+
+
+def plan_rows(plan: ShardingPlan) -> List[PlanRow]:
+    """The plan as one :class:`PlanRow` per table, in module then table order."""
+    rows = []
+    for module_path, module_plan in plan.plan.items():
+        for table, ps in module_plan.items():  # type: ignore[union-attr]
+            shards = getattr(ps.sharding_spec, "shards", None) or []
+            rows.append(
+                PlanRow(
+                    module=module_path,
+                    table=table,
+                    sharding_type=ps.sharding_type,
+                    compute_kernel=ps.compute_kernel,
+                    ranks=list(ps.ranks or []),
+                    shard_sizes=[list(s.shard_sizes) for s in shards],
+                    shard_offsets=[list(s.shard_offsets) for s in shards],
+                    shard_ranks=[s.placement.rank() if s.placement is not None else None for s in shards],
+                )
+            )
+    return rows
+
+
+def format_plan(plan: ShardingPlan, world_size: int) -> str:
+    """The plan as a fixed-width text table.
+
+    Example::
+
+        module  table    sharding     ranks  kernel  shards
+        ebc     t_user   table_wise   0      fused   [100, 16]
+        ebc     t_item   column_wise  0,1    fused   [200, 8] [200, 8]
+    """
+    return format_rows(plan_rows(plan), world_size)
+
+
+def format_rows(rows: Sequence[PlanRow], world_size: int) -> str:
+    """Rows (:class:`PlanRow`) as the fixed-width text table of :func:`format_plan`."""
+    header = ("module", "table", "sharding", "ranks", "kernel", "shards")
+    body = []
+    for r in rows:
+        ranks = ",".join(map(str, r.ranks)) if r.ranks else f"all {world_size}"
+        shards = " ".join(str(s) for s in r.shard_sizes) if r.shard_sizes else "replicated"
+        body.append((r.module or "<root>", r.table, r.sharding_type, ranks, r.compute_kernel, shards))
+    if not body:
+        return "(no embedding tables: the model is trained as plain data parallel)"
+    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in [header, *body]]
+    return "\n".join(lines)
 
 
 @dataclass
@@ -99,7 +179,7 @@ class PlanReport:
     Args:
         world_size: number of ranks.
         device_type: ``"cpu"`` or ``"cuda"``.
-        tables: one :class:`~lightning_rec.sharding.PlanRow` per table.
+        tables: one :class:`PlanRow` per table.
         ranks: one :class:`RankEstimate` per rank (its numbers ``None`` without estimates).
         estimates_available: whether ``ranks`` carries the planner's estimates.
         local_world_size: ranks per host the planner assumed (``None``: not recorded).

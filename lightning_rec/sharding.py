@@ -1,13 +1,12 @@
-"""From tables, topology and per-table constraints to a TorchRec ``ShardingPlan``, and the plan report.
+"""From tables, topology and per-table constraints to a TorchRec ``ShardingPlan``.
 
 The planner itself is TorchRec's ``EmbeddingShardingPlanner``; this module turns typed, YAML-friendly
-configuration into its inputs, checks them against the model and device before any distributed work, and
-renders the resulting plan as a table people can read.
+configuration into its inputs and checks them against the model and device before any distributed work (the
+resulting plan as a table people can read is :mod:`lightning_rec.plan_report`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch.distributed as dist
@@ -22,8 +21,12 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
 
 from lightning_rec import _compat
-from lightning_rec.config import TableConstraints, TopologyConfig  # re-exported: the old paths keep working
-from lightning_rec.tables import embedding_modules  # re-exported: the old path keeps working
+
+# Re-exported from where they live now: the old paths keep working (the plan's rows belong to the report).
+from lightning_rec.config import TableConstraints, TopologyConfig
+from lightning_rec.plan_report import PlanRow as PlanRow, format_plan as format_plan
+from lightning_rec.plan_report import format_rows as format_rows, plan_rows as plan_rows
+from lightning_rec.tables import embedding_modules
 
 # What TorchRec can shard on each device (ROW_WISE/TABLE_ROW_WISE/GRID_SHARD need CUDA kernels).
 _CPU_SHARDING_TYPES = (
@@ -223,76 +226,3 @@ def plan_module(
     )
     plan = plan_sharding(module, sharders, planner, pg)
     return plan, _compat.planner_sharding_options(planner)
-
-
-@dataclass
-class PlanRow:
-    """One table of a plan, flattened for display.
-
-    Args:
-        module: path of the embedding module holding the table (``""``: the root module).
-        table: the table name.
-        sharding_type: e.g. ``"column_wise"``.
-        compute_kernel: e.g. ``"fused"``.
-        ranks: ranks holding (part of) the table.
-        shard_sizes: ``[rows, cols]`` of each shard (empty for a replicated, ``data_parallel`` table).
-        shard_offsets: ``[row, col]`` where each shard starts in the whole table.
-        shard_ranks: the rank each shard is placed on (``None`` if the plan does not say).
-    """
-
-    module: str
-    table: str
-    sharding_type: str
-    compute_kernel: str
-    ranks: List[int]
-    shard_sizes: List[List[int]]
-    shard_offsets: List[List[int]] = field(default_factory=list)
-    shard_ranks: List[Optional[int]] = field(default_factory=list)
-
-
-def plan_rows(plan: ShardingPlan) -> List[PlanRow]:
-    """The plan as one :class:`PlanRow` per table, in module then table order."""
-    rows = []
-    for module_path, module_plan in plan.plan.items():
-        for table, ps in module_plan.items():  # type: ignore[union-attr]
-            shards = getattr(ps.sharding_spec, "shards", None) or []
-            rows.append(
-                PlanRow(
-                    module=module_path,
-                    table=table,
-                    sharding_type=ps.sharding_type,
-                    compute_kernel=ps.compute_kernel,
-                    ranks=list(ps.ranks or []),
-                    shard_sizes=[list(s.shard_sizes) for s in shards],
-                    shard_offsets=[list(s.shard_offsets) for s in shards],
-                    shard_ranks=[s.placement.rank() if s.placement is not None else None for s in shards],
-                )
-            )
-    return rows
-
-
-def format_plan(plan: ShardingPlan, world_size: int) -> str:
-    """The plan as a fixed-width text table.
-
-    Example::
-
-        module  table    sharding     ranks  kernel  shards
-        ebc     t_user   table_wise   0      fused   [100, 16]
-        ebc     t_item   column_wise  0,1    fused   [200, 8] [200, 8]
-    """
-    return format_rows(plan_rows(plan), world_size)
-
-
-def format_rows(rows: Sequence[PlanRow], world_size: int) -> str:
-    """Rows (:class:`PlanRow`) as the fixed-width text table of :func:`format_plan`."""
-    header = ("module", "table", "sharding", "ranks", "kernel", "shards")
-    body = []
-    for r in rows:
-        ranks = ",".join(map(str, r.ranks)) if r.ranks else f"all {world_size}"
-        shards = " ".join(str(s) for s in r.shard_sizes) if r.shard_sizes else "replicated"
-        body.append((r.module or "<root>", r.table, r.sharding_type, ranks, r.compute_kernel, shards))
-    if not body:
-        return "(no embedding tables: the model is trained as plain data parallel)"
-    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in [header, *body]]
-    return "\n".join(lines)
