@@ -33,22 +33,22 @@ def measure(size_name: str, steps: int) -> dict:
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from lightning_rec.bench.workload import SIZES, _BenchModel, _batches, _constraints, _pattern_init
+    from lightning_rec.bench.workload import SIZES, BenchModel, make_batches, table_constraints, init_weights
     from lightning_rec.inputs import InputChecks, input_specs
     from lightning_rec.kjt_check import FeatureTables
 
     size = SIZES[size_name]
-    model = _BenchModel.build(size)
+    model = BenchModel.build(size)
     specs = input_specs(model, [type(model.tables)])
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01})
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=1, compute_device="cpu", local_world_size=1),
-        constraints={t: ParameterConstraints(**c) for t, c in _constraints(size).items()},
+        constraints={t: ParameterConstraints(**c) for t, c in table_constraints(size).items()},
     )
     dmp = DistributedModelParallel(
         model, device=torch.device("cpu"), plan=planner.plan(model, [sharder]), sharders=[sharder]
     )
-    _pattern_init(dmp.module)
+    init_weights(dmp.module)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=0.01)
     )
@@ -57,7 +57,7 @@ def measure(size_name: str, steps: int) -> dict:
     spec = specs["tables"]
     checks.tables = FeatureTables.of(specs)
     step_s, check_s = [], []
-    for i, batch in enumerate(_batches(size, 0, size.warmup + steps)):
+    for i, batch in enumerate(make_batches(size, 0, size.warmup + steps)):
         t0 = time.perf_counter()
         checks.trust(checks.check_host(batch), batch)
         checks.at_door(batch.sparse_features, spec)
@@ -86,14 +86,16 @@ def measure(size_name: str, steps: int) -> dict:
 
 def measure_host(size_name: str, steps: int) -> dict:
     """The host checks alone (``check_host`` of each batch, as ``batch_to_device`` runs it before the copy)."""
-    from lightning_rec.bench.workload import SIZES, _batches
+    from lightning_rec.bench.workload import SIZES, make_batches
     from lightning_rec.inputs import InputChecks
     from lightning_rec.kjt_check import FeatureTable, FeatureTables
 
     size = SIZES[size_name]
     checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")
     checks.tables = FeatureTables({f"f{i}": FeatureTable("tables", f"t_f{i}", size.rows) for i in range(size.tables)})
-    batches = _batches(size, 0, min(size.warmup + steps, 4))  # a few distinct batches, cycled (the GPU sizes' are big)
+    batches = make_batches(
+        size, 0, min(size.warmup + steps, 4)
+    )  # a few distinct batches, cycled (the GPU sizes' are big)
     times = []
     for i in range(size.warmup + steps):
         t0 = time.perf_counter()

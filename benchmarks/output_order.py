@@ -32,11 +32,11 @@ def measure(size_name: str, steps: int) -> dict:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
-    from lightning_rec.bench.workload import SIZES, _BenchModel, _batches
+    from lightning_rec.bench.workload import SIZES, BenchModel, make_batches
     from lightning_rec.unsharded import output_orders, restore_output_order
 
     size = SIZES[size_name]
-    model = _BenchModel.build(size)
+    model = BenchModel.build(size)
     ebc = model.tables
     names = [c.name for c in ebc.embedding_bag_configs()]
     constraints = {
@@ -51,7 +51,7 @@ def measure(size_name: str, steps: int) -> dict:
     plan = planner.collective_plan(holder, [sharder], dist.group.WORLD)
     dmp = DistributedModelParallel(holder, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     sharded = dmp.module.ebc
-    batches = _batches(size, 0, 8)
+    batches = make_batches(size, 0, 8)
 
     def timed(batch) -> float:
         start = time.perf_counter()

@@ -33,7 +33,7 @@ import torch
 
 from lightning_rec import RecShardStrategy
 from lightning_rec.bench import SIZES, Size
-from lightning_rec.bench.workload import _BenchModel, _batches, _constraints, _pattern_init, torch_optimizer
+from lightning_rec.bench.workload import BenchModel, make_batches, table_constraints, init_weights, torch_optimizer
 from lightning_rec.bench.worker import _lightning_module, raw_torchrec
 
 
@@ -73,20 +73,20 @@ class _Paired(L.Callback):
 def measure(size: Size, steps: int, warmup: int = 20, lr: float = 0.01) -> Dict[str, float]:
     """Median ms per step of recshard and raw TorchRec, and of plain Lightning and a plain loop, paired."""
     device = torch.device("cpu")
-    batches = _batches(size, 0, 64)
+    batches = make_batches(size, 0, 64)
     out: Dict[str, float] = {}
     for name, plain in (("recshard", False), ("lightning", True)):
         module = _lightning_module(size, lr, plain_tables=plain, sparse=plain)
         if plain:
-            _pattern_init(module.model)
+            init_weights(module.model)
             strategy: Any = "auto"
-            baseline_model = _BenchModel.build(size, plain_tables=True, sparse=True)
-            _pattern_init(baseline_model)
+            baseline_model = BenchModel.build(size, plain_tables=True, sparse=True)
+            init_weights(baseline_model)
 
             def make_baseline(model: Any = baseline_model) -> Callable[[Any], None]:
                 return _step(model, torch_optimizer(size.optimizer, model.parameters(), lr))
         else:
-            strategy = RecShardStrategy(constraints=_constraints(size), plan_report=False)
+            strategy = RecShardStrategy(constraints=table_constraints(size), plan_report=False)
 
             def make_baseline() -> Callable[[Any], None]:
                 return _step(*raw_torchrec(size, lr, device))

@@ -36,7 +36,7 @@ from lightning_rec.bench.worker import _worker
 
 def _instrument(events: List[Tuple[str, float]]) -> None:
     """Time stamps around the model's forward and every ``Tensor.backward`` (the same in every variant)."""
-    build = workload._BenchModel.build
+    build = workload.BenchModel.build
 
     def timed_build(size, plain_tables=False, sparse=False):
         model = build(size, plain_tables, sparse)
@@ -51,7 +51,7 @@ def _instrument(events: List[Tuple[str, float]]) -> None:
         type(model).forward = timed_forward
         return model
 
-    workload._BenchModel.build = staticmethod(timed_build)
+    workload.BenchModel.build = staticmethod(timed_build)
     backward = torch.Tensor.backward
 
     def timed_backward(self, *args, **kwargs):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_rec.bench import SIZES, check_identical, final_record, fused_params, main, plot_batch_sweep
-from lightning_rec.bench.workload import _batches
+from lightning_rec.bench.workload import make_batches
 from lightning_rec.testing.ports import free_port
 from tests.helpers.dist import REPO
 
@@ -166,10 +166,10 @@ def test_raw_loops_fused_optimizer_is_what_recshard_derives_from_the_torch_one()
 
 def test_gpu_sizes_cycle_a_few_distinct_batches_and_the_others_do_not():
     small = replace(SIZES["criteo_multihot"], rows=50, batch_size=8)
-    batches = _batches(small, rank=0, n=10)
+    batches = make_batches(small, rank=0, n=10)
     assert len(batches) == 10 and len({id(b) for b in batches}) == 4 and batches[5] is batches[1]
     assert batches[0].dense_features.shape == (8, 13) and batches[0].sparse_features.values().numel() == 26 * 8 * 20
-    tiny = _batches(SIZES["tiny"], rank=0, n=10)
+    tiny = make_batches(SIZES["tiny"], rank=0, n=10)
     assert len({id(b) for b in tiny}) == 10 and tiny[0].dense_features.shape == (64, 4)
 
 

@@ -24,10 +24,10 @@ from typing import Any, Dict, List, Tuple
 
 from lightning_rec.bench.workload import (
     Size,
-    _BenchModel,
-    _batches,
-    _constraints,
-    _pattern_init,
+    BenchModel,
+    make_batches,
+    table_constraints,
+    init_weights,
     _plan_rows,
     fused_params,
     torch_optimizer,
@@ -113,7 +113,7 @@ def _loader(size: Size, rank: int, device):
     import torch
 
     return torch.utils.data.DataLoader(
-        _batches(size, rank, size.warmup + size.steps), batch_size=None, pin_memory=device.type == "cuda"
+        make_batches(size, rank, size.warmup + size.steps), batch_size=None, pin_memory=device.type == "cuda"
     )
 
 
@@ -135,9 +135,9 @@ def raw_torchrec(size: Size, lr: float, device):
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    model = _BenchModel.build(size)
+    model = BenchModel.build(size)
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(size.optimizer, lr))
-    constraints = {t: ParameterConstraints(**c) for t, c in _constraints(size).items()}
+    constraints = {t: ParameterConstraints(**c) for t, c in table_constraints(size).items()}
     planner = EmbeddingShardingPlanner(
         topology=Topology(
             world_size=size.world_size,
@@ -149,7 +149,7 @@ def raw_torchrec(size: Size, lr: float, device):
     )
     plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
-    _pattern_init(dmp.module)
+    init_weights(dmp.module)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch_optimizer(size.optimizer, ps, lr)
     )
@@ -197,8 +197,8 @@ def _run_plain(size: Size, lr: float, device) -> Dict[str, Any]:
     import torch
 
     with torch.device(device):
-        model = _BenchModel.build(size, plain_tables=True, sparse=True)
-    _pattern_init(model)
+        model = BenchModel.build(size, plain_tables=True, sparse=True)
+    init_weights(model)
     optimizer = torch_optimizer(size.optimizer, model.parameters(), lr)
     clock = _Clock(size, device)
     losses = _plain_loop(model, optimizer, _loader(size, 0, device), device, clock)
@@ -215,7 +215,7 @@ def _lightning_module(size: Size, lr: float, plain_tables: bool, sparse: bool = 
     class Module(base):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
             super().__init__()
-            self.model = _BenchModel.build(size, plain_tables, sparse)
+            self.model = BenchModel.build(size, plain_tables, sparse)
             self.losses: List[Any] = []
 
         def forward(self, batch):
@@ -254,7 +254,7 @@ def _run_lightning(
     class Clock(L.Callback):
         def on_fit_start(self, trainer, pl_module):
             if not plain_tables:
-                _pattern_init(pl_module.model)
+                init_weights(pl_module.model)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             clock.tick()
@@ -265,7 +265,7 @@ def _run_lightning(
     with where:
         module = _lightning_module(size, lr, plain_tables, sparse)
     if plain_tables:
-        _pattern_init(module.model)
+        init_weights(module.model)
         strategy: Any = "ddp" if size.world_size > 1 else "auto"
     else:
         unchecked = {
@@ -275,7 +275,7 @@ def _run_lightning(
         }[checks]
         topology = TopologyConfig(**_planner_hbm(device)) if device.type == "cuda" else None
         strategy = RecShardStrategy(
-            constraints=_constraints(size), plan_report=False, pipeline=pipeline, topology=topology, **unchecked
+            constraints=table_constraints(size), plan_report=False, pipeline=pipeline, topology=topology, **unchecked
         )
     trainer = L.Trainer(
         accelerator=device.type if device.type == "cpu" else "gpu",

@@ -159,7 +159,7 @@ def _model_parts(size: Size, plain_tables: bool, sparse: bool = False):
     return features, tables, mlp
 
 
-class _BenchModel:
+class BenchModel:
     """Factory of the benchmark model: forward(batch) -> (loss, (loss, logits)), the form TorchRec's pipeline expects."""
 
     @staticmethod
@@ -192,7 +192,19 @@ class _BenchModel:
         return BenchModel()
 
 
-def _batches(size: Size, rank: int, n: int):
+def make_batches(size: Size, rank: int, n: int):
+    """``n`` TorchRec batches for ``rank``: random ids, dense features and labels, seeded by the rank.
+
+    Only ``size.distinct_batches`` different batches are built (all ``n`` when it is 0) and cycled through.
+
+    Args:
+        size: the benchmark size (tables, rows, batch size, pooling, dense features).
+        rank: the rank whose batches these are (seed ``1000 + rank``).
+        n: how many batches.
+
+    Returns:
+        A list of ``n`` ``torchrec.datasets.utils.Batch``.
+    """
     import torch
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -216,36 +228,33 @@ def _batches(size: Size, rank: int, n: int):
     return [out[i % len(out)] for i in range(n)]
 
 
-def _pattern_init(module) -> None:
-    """Same starting weights in every variant, whatever the plan: a value per (name, global index)."""
-    import torch
-
-    from lightning_rec import _compat
-
-    def fill(out, name, offsets, block=8192):
-        # Row blocks, so that the float64 temporaries stay a few MB and do not set the peak RSS of the run;
-        # computed where the table lives (a GPU fills 13 GB of Criteo-like tables in seconds).
-        phase = sum(map(ord, name.replace("tables.", "").replace(".weight", ""))) % 97
-        for start in range(0, out.shape[0], block):
-            rows = out[start : start + block]
-            idx = [
-                torch.arange(o, o + s, dtype=torch.float64, device=out.device)
-                for o, s in zip([offsets[0] + start, *offsets[1:]], rows.shape)
-            ]
-            grid = idx[0] * 0.37 if len(idx) == 1 else idx[0][:, None] * 0.37 + idx[1][None, :] * 0.11
-            rows.copy_((0.05 * torch.sin(grid + phase)).float())
-
-    with torch.no_grad():
-        for name, t in module.state_dict().items():
-            key = name.replace("embedding_bags.t_", "").replace("tables.", "")
-            if isinstance(t, _compat.ShardedTensor):  # a sharded table: fill this rank's shards
-                for shard in t.local_shards():
-                    fill(shard.tensor, key, list(shard.metadata.shard_offsets))
-            elif t.is_floating_point():
-                fill(t, key, [0] * t.dim())
+def _phase_name(name: str) -> str:
+    # The table's own name sets the phase ("f0.weight" -> "f0"), whichever module holds it (EBC or ModuleDict).
+    key = name.replace("embedding_bags.t_", "").replace("tables.", "")
+    return key.replace("tables.", "").replace(".weight", "")
 
 
-def _constraints(size: Size) -> Dict[str, Dict[str, Any]]:
+def init_weights(module) -> None:
+    """Same starting weights in every variant, whatever the plan: a value per (table or layer name, global index).
+
+    :func:`lightning_rec.testing.init.deterministic_init` at amplitude 0.05, filled 8192 rows at a time on the
+    table's own device: the float64 temporaries stay a few MB and do not set the peak RSS of the run, and a GPU
+    fills 13 GB of Criteo-like tables in seconds.
+
+    Args:
+        module: a model from :meth:`BenchModel.build`, unsharded or inside ``DistributedModelParallel``.
+    """
+    from lightning_rec.testing.init import deterministic_init
+
+    deterministic_init(module, scale=0.05, phase_name=_phase_name, block_rows=8192)
+
+
+def table_constraints(size: Size) -> Dict[str, Dict[str, Any]]:
+    """The planner constraints of every table: ``size.sharding`` on the fused kernel.
+
+    Returns:
+        ``{table name: ParameterConstraints keyword arguments}``.
+    """
     return {f"t_f{i}": {"sharding_types": [size.sharding], "compute_kernels": ["fused"]} for i in range(size.tables)}
 
 

@@ -1,46 +1,5 @@
-"""Injected failures for the fault tests: a rank that raises, is killed, hangs or gets a bad batch mid-fit."""
+"""Injected failures for the fault tests (now public in :mod:`lightning_rec.testing.failures`, re-exported here)."""
 
-from __future__ import annotations
+from lightning_rec.testing.failures import FailAt, failure_time
 
-import os
-import signal
-import time
-from pathlib import Path
-from typing import Any
-
-import lightning as L
-
-
-class FailAt(L.Callback):
-    """On rank ``rank``, at the start of training step ``step``, fail in the way ``how`` says.
-
-    Args:
-        rank: the global rank that fails.
-        step: the ``global_step`` at which it fails.
-        how: ``"raise"`` (a RuntimeError), ``"kill"`` (SIGKILL itself), ``"hang"`` (SIGSTOP itself: alive, silent)
-            or ``"bad_id"`` (its batch gets an id far outside its table).
-        out_dir: where ``failed.rank<R>`` records the time of the failure (``time.time()``).
-    """
-
-    def __init__(self, rank: int, step: int, how: str, out_dir: str) -> None:
-        self.rank, self.step, self.how, self.out_dir = rank, step, how, Path(out_dir)
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.global_rank != self.rank or trainer.global_step != self.step:
-            return
-        (self.out_dir / f"failed.rank{self.rank}").write_text(repr(time.time()))
-        if self.how == "raise":
-            raise RuntimeError(f"injected failure on rank {self.rank}")
-        if self.how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.how == "hang":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        if self.how == "bad_id":
-            batch.sparse_features.values()[0] = 10**6  # in place: the strategy checks it at the table's door
-
-
-def failure_time(out_dir: Path, rank: int) -> float:
-    """When :class:`FailAt` made ``rank`` fail."""
-    return float((Path(out_dir) / f"failed.rank{rank}").read_text())
+__all__ = ["FailAt", "failure_time"]

@@ -14,6 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_rec
 from lightning_rec import Batch
+from lightning_rec.testing.init import deterministic_init  # noqa: F401  (re-exported: the tests' name for it)
 
 USERS, ITEMS, GENRES, TAGS = 60, 80, 12, 20
 FEATURES = ["user", "item", "genre"]
@@ -191,30 +192,6 @@ def as_format(batch: Batch, fmt: str) -> Any:
     if fmt == "tuple":
         return (batch.dense_features, batch.sparse_features, batch.labels)
     return batch
-
-
-def _pattern(name: str, shape: torch.Size, offsets: List[int]) -> torch.Tensor:
-    """A deterministic value for every global element: depends on the tensor name and global index only."""
-    phase = sum(map(ord, name)) % 97
-    idx = [torch.arange(o, o + s, dtype=torch.float64) for o, s in zip(offsets, shape)]
-    if len(idx) == 1:
-        grid = idx[0] * 0.37
-    else:
-        grid = idx[0][:, None] * 0.37 + idx[1][None, :] * 0.11
-    return (0.1 * torch.sin(grid + phase)).float()
-
-
-@torch.no_grad()
-def deterministic_init(module: nn.Module) -> None:
-    """Overwrite every parameter (sharded or not) with values that depend only on name and global index,
-    so runs with different plans, world sizes or RNG histories start from the same weights."""
-    for name, t in module.state_dict().items():
-        if isinstance(t, ShardedTensor):
-            for shard in t.local_shards():
-                off = list(shard.metadata.shard_offsets)
-                shard.tensor.copy_(_pattern(name, shard.tensor.shape, off))
-        elif t.is_floating_point():
-            t.copy_(_pattern(name, t.shape, [0] * t.dim()))
 
 
 def local_weights(module: nn.Module) -> Dict[str, List]:

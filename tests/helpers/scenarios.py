@@ -20,7 +20,7 @@ from tests.helpers.models import RecModel, as_format, deterministic_init, local_
 
 
 class DeterministicInit(L.Callback):
-    """Start every run from the same weights, whatever the plan or RNG history (see models._pattern)."""
+    """Start every run from the same weights, whatever the plan or RNG history (see lightning_rec.testing.init.pattern)."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         deterministic_init(pl_module)
