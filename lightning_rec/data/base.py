@@ -135,7 +135,13 @@ class RecDataset(Dataset):
 
 
 def rank_batches(
-    num_rows: int, batch_size: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = False, seed: int = 0,
+    num_rows: int,
+    batch_size: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    shuffle: bool = False,
+    seed: int = 0,
     epoch: int = 0,
 ) -> List[torch.Tensor]:
     """Split ``num_rows`` rows into this rank's batches; every rank gets the same number of batches.
@@ -178,7 +184,13 @@ class DistributedBatchSampler(DistributedSampler):
     """
 
     def __init__(
-        self, dataset: Any, batch_size: int, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = False,
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
@@ -187,8 +199,13 @@ class DistributedBatchSampler(DistributedSampler):
 
     def _batches(self) -> List[torch.Tensor]:
         return rank_batches(
-            len(self.dataset), self.batch_size, rank=self.rank, world_size=self.num_replicas, shuffle=self.shuffle,
-            seed=self.seed, epoch=self.epoch,
+            len(self.dataset),
+            self.batch_size,
+            rank=self.rank,
+            world_size=self.num_replicas,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=self.epoch,
         )
 
     def __iter__(self) -> Iterator[torch.Tensor]:  # type: ignore[override]
@@ -203,8 +220,15 @@ def _identity(x: Any) -> Any:
 
 
 def batch_loader(
-    dataset: Any, batch_size: int, *, rank: int = 0, world_size: int = 1, shuffle: bool = False, seed: int = 0,
-    num_workers: int = 0, pin_memory: bool = False,
+    dataset: Any,
+    batch_size: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    shuffle: bool = False,
+    seed: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """A ``DataLoader`` over a dataset indexed by batches of row indices (``dataset[indices] -> Batch``).
 
@@ -220,8 +244,13 @@ def batch_loader(
         dataset, batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
     )
     return DataLoader(
-        dataset, sampler=sampler, batch_size=None, collate_fn=_identity, num_workers=num_workers,
-        multiprocessing_context="spawn" if num_workers > 0 else None, persistent_workers=num_workers > 0,
+        dataset,
+        sampler=sampler,
+        batch_size=None,
+        collate_fn=_identity,
+        num_workers=num_workers,
+        multiprocessing_context="spawn" if num_workers > 0 else None,
+        persistent_workers=num_workers > 0,
         pin_memory=pin_memory,
     )
 
@@ -274,8 +303,14 @@ class RecDataModule(pl.LightningDataModule):
         on CUDA)."""
         rank, world_size = self.rank_and_world_size
         return batch_loader(
-            dataset, batch_size or self.batch_size, rank=rank, world_size=world_size, shuffle=shuffle,
-            seed=self.seed, num_workers=self.num_workers, pin_memory=self.pin_memory,
+            dataset,
+            batch_size or self.batch_size,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
         )
 
     def split(self, name: str) -> Any:

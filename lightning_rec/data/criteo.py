@@ -48,7 +48,12 @@ from lightning_rec.config import SparseFeature
 from lightning_rec.data.base import RecDataModule
 
 __all__ = [
-    "CriteoDataModule", "CriteoNpyDataset", "CriteoTSVStream", "parse_lines", "transform_dense", "tsv_to_npy",
+    "CriteoDataModule",
+    "CriteoNpyDataset",
+    "CriteoTSVStream",
+    "parse_lines",
+    "transform_dense",
+    "tsv_to_npy",
     "write_criteo_tsv",
 ]
 
@@ -194,8 +199,14 @@ class CriteoTSVStream(IterableDataset):
     """
 
     def __init__(
-        self, paths: Sequence[Union[str, Path]], batch_size: int, num_embeddings: Sizes = 100_000, *, rank: int = 0,
-        world_size: int = 1, has_label: Optional[bool] = None,
+        self,
+        paths: Sequence[Union[str, Path]],
+        batch_size: int,
+        num_embeddings: Sizes = 100_000,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        has_label: Optional[bool] = None,
     ) -> None:
         super().__init__()
         if batch_size < 1 or not 0 <= rank < world_size:
@@ -419,10 +430,13 @@ class CriteoDataModule(RecDataModule):
         rank, world_size = self.rank_and_world_size
         stream = CriteoTSVStream(files, self.batch_size, self.sizes, rank=rank, world_size=world_size)
         return DataLoader(
-            stream, batch_size=None, num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-            multiprocessing_context="spawn" if self.num_workers > 0 else None, pin_memory=self.pin_memory,
+            stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            multiprocessing_context="spawn" if self.num_workers > 0 else None,
+            pin_memory=self.pin_memory,
         )
-
 
 
 def write_criteo_tsv(path: Union[str, Path], num_rows: int, seed: int = 0, with_label: bool = True) -> Path:
@@ -440,7 +454,7 @@ def write_criteo_tsv(path: Union[str, Path], num_rows: int, seed: int = 0, with_
     """
     rng = random.Random(seed)
     path = Path(path)
-    with (gzip.open(path, "wt") if path.suffix == ".gz" else open(path, "w")) as f:
+    with gzip.open(path, "wt") if path.suffix == ".gz" else open(path, "w") as f:
         for _ in range(num_rows):
             ints = ["" if rng.random() < 0.1 else str(rng.randint(-3, 2000)) for _ in range(INT_FEATURE_COUNT)]
             cats = ["" if rng.random() < 0.05 else f"{rng.getrandbits(32):08x}" for _ in range(CAT_FEATURE_COUNT)]

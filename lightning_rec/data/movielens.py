@@ -55,8 +55,25 @@ ATOMIC_FILES = {
 GROUPLENS_FILES = ("u.data", "u.user", "u.item")
 # u.item's 19 genre flags, in GroupLens' order (u.genre).
 GROUPLENS_GENRES = (
-    "unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
-    "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller", "War", "Western",
+    "unknown",
+    "Action",
+    "Adventure",
+    "Animation",
+    "Children's",
+    "Comedy",
+    "Crime",
+    "Documentary",
+    "Drama",
+    "Fantasy",
+    "Film-Noir",
+    "Horror",
+    "Musical",
+    "Mystery",
+    "Romance",
+    "Sci-Fi",
+    "Thriller",
+    "War",
+    "Western",
 )
 # MovieLens' own age groups (as in ml-1m): under 18, 18-24, 25-34, 35-44, 45-49, 50-55, 56+.
 AGE_BOUNDARIES = (18, 25, 35, 45, 50, 56)
@@ -141,8 +158,17 @@ def prepare_movielens(root: os.PathLike | str, wheel: Optional[os.PathLike | str
 
 def _download_wheel(dest: Path) -> Path:
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-        "-q", "-d", str(dest), "recbole==1.2.1",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        "recbole==1.2.1",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     path = dest / RECBOLE_WHEEL
@@ -161,8 +187,8 @@ def _download_wheel(dest: Path) -> Path:
 
 @dataclass
 class _Raw:
-    ratings: List[Tuple[str, str, float, int]]         # (user, item, rating, unix timestamp)
-    users: Dict[str, Tuple[int, str, str, str]]        # user -> (age, gender, occupation, zip)
+    ratings: List[Tuple[str, str, float, int]]  # (user, item, rating, unix timestamp)
+    users: Dict[str, Tuple[int, str, str, str]]  # user -> (age, gender, occupation, zip)
     items: Dict[str, Tuple[Optional[int], List[str]]]  # item -> (release year, genres)
 
 
@@ -298,8 +324,13 @@ def load_interactions(root: os.PathLike | str) -> Interactions:
         item_dense[item_ids[item]] = ((year - _YEAR_CENTRE) / 10.0, 0.0) if year is not None else (0.0, 1.0)
 
     sizes = {
-        "user_id": len(user_ids) + 1, "item_id": len(item_ids) + 1, "age": len(AGE_BOUNDARIES) + 2,
-        "gender": len(genders) + 1, "occupation": len(occupations) + 1, "zip": len(zips) + 1, "genres": len(genres) + 1,
+        "user_id": len(user_ids) + 1,
+        "item_id": len(item_ids) + 1,
+        "age": len(AGE_BOUNDARIES) + 2,
+        "gender": len(genders) + 1,
+        "occupation": len(occupations) + 1,
+        "zip": len(zips) + 1,
+        "genres": len(genres) + 1,
     }
     return Interactions(
         user=torch.tensor([user_ids.get(r[0], 0) for r in raw.ratings], dtype=torch.long),

@@ -117,7 +117,9 @@ class RetrievalRows:
         weights = [ones] * len(USER_FEATURES) + [hist_w, torch.ones(last.numel(), dtype=torch.float)]
         lengths = [torch.ones(n, dtype=torch.long)] * len(USER_FEATURES) + [hist_len, last_len]
         return KeyedJaggedTensor.from_lengths_sync(
-            keys=list(QUERY_FEATURES), values=torch.cat(values).long(), lengths=torch.cat(lengths).int(),
+            keys=list(QUERY_FEATURES),
+            values=torch.cat(values).long(),
+            lengths=torch.cat(lengths).int(),
             weights=torch.cat(weights).float(),
         )
 
@@ -125,7 +127,8 @@ class RetrievalRows:
         """The candidate KJT (``item_id``, ``genres``) of the item ids ``items``."""
         genres, genre_len = self.interactions.item_genres.take(items)
         return KeyedJaggedTensor.from_lengths_sync(
-            keys=list(CANDIDATE_FEATURES), values=torch.cat([items, genres]).long(),
+            keys=list(CANDIDATE_FEATURES),
+            values=torch.cat([items, genres]).long(),
             lengths=torch.cat([torch.ones(items.numel(), dtype=torch.long), genre_len]).int(),
         )
 
@@ -258,9 +261,13 @@ def leave_one_out(
                 hist_w.append(weights_of(stars[u][lo:t]))
                 excl.append([0] + seq[:t])
         return RetrievalRows(
-            user=torch.tensor(users, dtype=torch.long), item=torch.tensor(items, dtype=torch.long),
-            history=_jagged(hist, torch.long), history_weight=_jagged(hist_w, torch.float),
-            exclude=_jagged(excl, torch.long) if kind != "train" else None, interactions=it, item_log_q=item_log_q,
+            user=torch.tensor(users, dtype=torch.long),
+            item=torch.tensor(items, dtype=torch.long),
+            history=_jagged(hist, torch.long),
+            history_weight=_jagged(hist_w, torch.float),
+            exclude=_jagged(excl, torch.long) if kind != "train" else None,
+            interactions=it,
+            item_log_q=item_log_q,
         )
 
     return RetrievalSplits(rows("train"), rows("val"), rows("test"), sequences, it.num_items)
@@ -332,8 +339,11 @@ class MovieLensRetrievalDataModule(RecDataModule):
         self.data_dir = Path(data_dir)
         self.download = download
         self.split_args = dict(
-            positive_threshold=positive_threshold, min_positives=min_positives, history_length=history_length,
-            history_weights=history_weights, history_decay=history_decay,
+            positive_threshold=positive_threshold,
+            min_positives=min_positives,
+            history_length=history_length,
+            history_weights=history_weights,
+            history_decay=history_decay,
         )
         _check_split_args(min_positives, history_length, history_weights, history_decay)
         self.eval_batch_size = eval_batch_size or batch_size

@@ -65,7 +65,7 @@ def _jagged(values: torch.Tensor, lengths: torch.Tensor) -> Jagged:
 
 
 def _rows(j: Jagged) -> List[torch.Tensor]:
-    return [j.values[j.offsets[i]: j.offsets[i + 1]] for i in range(len(j))]
+    return [j.values[j.offsets[i] : j.offsets[i + 1]] for i in range(len(j))]
 
 
 @dataclass(frozen=True)
@@ -159,8 +159,14 @@ class SequenceDataset:
     """
 
     def __init__(
-        self, users: torch.Tensor, history: Jagged, target: Jagged, seen: Optional[Jagged], num_items: int,
-        num_negatives: int = 0, seed: int = 0,
+        self,
+        users: torch.Tensor,
+        history: Jagged,
+        target: Jagged,
+        seen: Optional[Jagged],
+        num_items: int,
+        num_negatives: int = 0,
+        seed: int = 0,
     ) -> None:
         if not (len(history) == len(target) == users.numel()) or (seen is not None and len(seen) != users.numel()):
             raise ValueError(
@@ -207,7 +213,8 @@ class SequenceDataset:
             cat_v = torch.zeros(0, dtype=torch.long)
             seen_v, seen_l = torch.zeros(0, dtype=torch.long), torch.zeros(b, dtype=torch.long)
         kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=list(FEATURES), values=torch.cat([hist_v, tgt_v, neg_v, cat_v]),
+            keys=list(FEATURES),
+            values=torch.cat([hist_v, tgt_v, neg_v, cat_v]),
             lengths=torch.cat([hist_l, tgt_l, neg_l, cat_l]).int(),
         )
         return {"features": kjt, "users": self.users[index], "seen_values": seen_v, "seen_lengths": seen_l}
@@ -244,15 +251,17 @@ def popularity_ranks(split: LeaveOneOut, num_items: int, stage: str = "test") ->
     counts = torch.bincount(split.train.values, minlength=num_items).double()
     rows = split.evaluated()
     train_rows = _rows(split.train)
-    seen = _from_rows([
-        torch.cat([train_rows[i], split.val[i: i + 1]]) if stage == "test" else train_rows[i] for i in rows.tolist()
-    ])
+    seen = _from_rows(
+        [torch.cat([train_rows[i], split.val[i : i + 1]]) if stage == "test" else train_rows[i] for i in rows.tolist()]
+    )
     target = (split.test if stage == "test" else split.val)[rows]
     scores = counts.expand(rows.numel(), num_items)
     return target_rank(scores, target, exclusion_mask(seen.values, seen.offsets.diff(), target, num_items))
 
 
-def exclusion_mask(seen_values: torch.Tensor, seen_lengths: torch.Tensor, target: torch.Tensor, num_items: int) -> torch.Tensor:
+def exclusion_mask(
+    seen_values: torch.Tensor, seen_lengths: torch.Tensor, target: torch.Tensor, num_items: int
+) -> torch.Tensor:
     """``(B, num_items)`` bool: the items each row does not rank (those it has seen, and id 0), never its target.
 
     Example::
@@ -305,7 +314,9 @@ class MovieLensSequenceDataModule(RecDataModule):
         if max_len < 1:
             raise ValueError(f"MovieLensSequenceDataModule: max_len must be >= 1, got {max_len}. HINT: e.g. 50.")
         if num_negatives < 1:
-            raise ValueError(f"MovieLensSequenceDataModule: num_negatives must be >= 1, got {num_negatives}. HINT: e.g. 100.")
+            raise ValueError(
+                f"MovieLensSequenceDataModule: num_negatives must be >= 1, got {num_negatives}. HINT: e.g. 100."
+            )
         self.data_dir = Path(data_dir)
         self.download = download
         self.max_len = max_len
@@ -352,16 +363,24 @@ class MovieLensSequenceDataModule(RecDataModule):
         trainable = [i for i, r in enumerate(train) if r.numel() >= 2]
         out = {
             "train": SequenceDataset(
-                s.users[trainable], _from_rows([train[i][:-1] for i in trainable], self.max_len),
-                _from_rows([train[i][1:] for i in trainable], self.max_len), None, n, self.num_negatives, self.seed,
+                s.users[trainable],
+                _from_rows([train[i][:-1] for i in trainable], self.max_len),
+                _from_rows([train[i][1:] for i in trainable], self.max_len),
+                None,
+                n,
+                self.num_negatives,
+                self.seed,
             )
         }
         rows = s.evaluated().tolist()
         for stage, target in (("val", s.val), ("test", s.test)):
-            seen = [torch.cat([train[i], s.val[i: i + 1]]) if stage == "test" else train[i] for i in rows]
+            seen = [torch.cat([train[i], s.val[i : i + 1]]) if stage == "test" else train[i] for i in rows]
             out[stage] = SequenceDataset(
-                s.users[rows], _from_rows(seen, self.max_len), _from_rows([target[i: i + 1] for i in rows], 1),
-                _from_rows(seen), n,
+                s.users[rows],
+                _from_rows(seen, self.max_len),
+                _from_rows([target[i : i + 1] for i in rows], 1),
+                _from_rows(seen),
+                n,
             )
         return out
 
@@ -377,9 +396,14 @@ class MovieLensSequenceDataModule(RecDataModule):
             dataset, batch_size or self.batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=self.seed
         )
         return DataLoader(
-            dataset, sampler=sampler, batch_size=None, collate_fn=_identity, num_workers=self.num_workers,
+            dataset,
+            sampler=sampler,
+            batch_size=None,
+            collate_fn=_identity,
+            num_workers=self.num_workers,
             multiprocessing_context="spawn" if self.num_workers > 0 else None,
-            persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
         )
 
 
@@ -400,4 +424,3 @@ def popularity_baseline(data_dir: str = "data/ml-100k", ks: Tuple[int, ...] = (1
         metrics.update(popularity_ranks(dm.leave_one_out, dm.num_items, stage))
         out.update({k: round(float(v), 4) for k, v in metrics.compute().items()})
     return out
-

@@ -236,9 +236,7 @@ class SyntheticDataModule(RecDataModule):
         # one draw, then split: every split shares the hidden truth
         data = make_synthetic_dataset(self.tables, self._num_dense, sum(self.rows.values()), self.seed)
         bounds = torch.tensor([0, *self.rows.values()]).cumsum(0).tolist()
-        self._splits = {
-            name: data.subset(torch.arange(bounds[i], bounds[i + 1])) for i, name in enumerate(self.rows)
-        }
+        self._splits = {name: data.subset(torch.arange(bounds[i], bounds[i + 1])) for i, name in enumerate(self.rows)}
         if not self.rows["test"]:
             self._splits["test"] = self._splits["val"]
 
