@@ -5,9 +5,10 @@ the figure is the wall time from the failure (stamped by the failing rank just b
 printed against the collective timeout the run was given (recshard's default, 5 minutes; the hang runs use
 ``--hang-timeout``), i.e. against how long rank 0 would wait if nothing told it sooner.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/failure_latency.py --repeats 3
+    .venv/bin/python benchmarks/failure_latency.py --repeats 3
 
-Uses the test suite's multi-process harness (tests/helpers), which starts the ranks as torchrun would.
+Uses the multi-process harness of :mod:`lightning_rec.testing` (ranks started as torchrun would) and its fault
+injection; the scenario is the test suite's (``tests.helpers.checkpoint_scenarios``), found from this checkout.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_rec.testing import failure_time
+from lightning_rec.testing.launch import launch
 
-from tests.helpers.dist import launch  # noqa: E402
-from tests.helpers.fault_scenarios import failure_time  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SCENARIO = "tests.helpers.checkpoint_scenarios:fit_epochs"
 DEFAULT_TIMEOUT_S = 300.0
@@ -50,6 +50,7 @@ def main() -> None:
                 fail={"rank": 1, "step": 6, "how": how},
                 wait_for=["rank0"],
                 timeout=args.hang_timeout + 240,
+                pythonpath=[str(REPO)],
             )
             rank0 = run.processes[0]
             assert rank0.returncode not in (0, None), f"{how}: rank 0 did not fail\n{rank0.log[-3000:]}"

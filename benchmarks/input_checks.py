@@ -30,12 +30,11 @@ def measure(size_name: str, steps: int) -> dict:
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from lightning_rec.bench.workload import SIZES, BenchModel, make_batches, table_constraints, init_weights
     from lightning_rec.inputs import InputChecks, input_specs
     from lightning_rec.kjt_check import FeatureTables
+    from lightning_rec.testing.reference import reference_optimizer
 
     size = SIZES[size_name]
     model = BenchModel.build(size)
@@ -49,10 +48,7 @@ def measure(size_name: str, steps: int) -> dict:
         model, device=torch.device("cpu"), plan=planner.plan(model, [sharder]), sharders=[sharder]
     )
     init_weights(dmp.module)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.SGD(ps, lr=0.01)
-    )
-    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    optimizer = reference_optimizer(dmp, lambda ps: torch.optim.SGD(ps, lr=0.01))
     checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")
     spec = specs["tables"]
     checks.tables = FeatureTables.of(specs)

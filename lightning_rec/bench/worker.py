@@ -132,8 +132,8 @@ def raw_torchrec(size: Size, lr: float, device):
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from lightning_rec.testing.reference import reference_optimizer
 
     model = BenchModel.build(size)
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(size.optimizer, lr))
@@ -150,10 +150,7 @@ def raw_torchrec(size: Size, lr: float, device):
     plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
     init_weights(dmp.module)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch_optimizer(size.optimizer, ps, lr)
-    )
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+    return dmp, reference_optimizer(dmp, lambda ps: torch_optimizer(size.optimizer, ps, lr))
 
 
 def _run_raw(size: Size, lr: float, device, pipelined: bool) -> Dict[str, Any]:

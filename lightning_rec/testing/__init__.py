@@ -1,17 +1,30 @@
 """Support shared by the tests, the bench and ``benchmarks/`` (as TorchRec ships ``torchrec.distributed.test_utils``).
 
-* :class:`~lightning_rec.testing.syncs.SyncCounter`: count the host-device synchronisations a piece of code makes,
-  and which Python frame asked for each.
+* :func:`~lightning_rec.testing.launch.launch`, :func:`~lightning_rec.testing.launch.run_ranks`: start N ranks
+  (as torchrun, srun or torchrun agents on several "hosts" would), each running a scenario, and collect results
+  (imported from :mod:`lightning_rec.testing.launch`, the module's name being ``launch`` too).
 * :func:`~lightning_rec.testing.ports.free_port`: a free TCP port on ``127.0.0.1`` for ``MASTER_PORT``.
 * :func:`~lightning_rec.testing.init.deterministic_init` (and its :func:`~lightning_rec.testing.init.pattern`):
   starting weights that depend on name and global index only, whatever the plan or world size.
+* :func:`~lightning_rec.testing.reference.reference_optimizer`: the hand-written TorchRec loop's optimizer.
 * :class:`~lightning_rec.testing.failures.FailAt`, :func:`~lightning_rec.testing.failures.failure_time`: make a
   rank raise, die, hang or get a bad id at a given step, and tell when it did.
+* :class:`~lightning_rec.testing.syncs.SyncCounter`: count the host-device synchronisations a piece of code makes,
+  and which Python frame asked for each.
 """
 
 from lightning_rec.testing.failures import FailAt, failure_time
 from lightning_rec.testing.init import deterministic_init, pattern
 from lightning_rec.testing.ports import free_port
+from lightning_rec.testing.reference import reference_optimizer
 from lightning_rec.testing.syncs import SyncCounter
 
-__all__ = ["FailAt", "SyncCounter", "deterministic_init", "failure_time", "free_port", "pattern"]
+__all__ = [
+    "FailAt",
+    "SyncCounter",
+    "deterministic_init",
+    "failure_time",
+    "free_port",
+    "pattern",
+    "reference_optimizer",
+]

@@ -152,8 +152,8 @@ def reference(
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from lightning_rec.testing.reference import reference_optimizer
 
     model = model or {}
     dist.init_process_group("gloo")
@@ -164,10 +164,7 @@ def reference(
     sharders = [EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
     dmp = DistributedModelParallel(m, device=torch.device("cpu"), plan=plan, sharders=sharders)
     deterministic_init(dmp.module)
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.Adagrad(ps, lr=lr)
-    )
-    opt = CombinedOptimizer([dmp.fused_optimizer, dense])
+    opt = reference_optimizer(dmp, lambda ps: torch.optim.Adagrad(ps, lr=lr))
     losses: List[float] = []
     for b in _loader(rank, steps, batch_size, model):
         opt.zero_grad()

@@ -275,8 +275,8 @@ def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from lightning_rec.testing.reference import reference_optimizer
 
     import torch.nn.functional as F
 
@@ -302,10 +302,7 @@ def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline
     )
     plan = planner.collective_plan(root, [sharder], dist.group.WORLD)
     dmp = DistributedModelParallel(root, device=device, plan=plan, sharders=[sharder])
-    dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda ps: torch.optim.Adagrad(ps, lr=LR)
-    )
-    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    optimizer = reference_optimizer(dmp, lambda ps: torch.optim.Adagrad(ps, lr=LR))
     loader = DataLoader(batches, batch_size=None, pin_memory=device.type == "cuda")
     if pipeline:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist

@@ -1,0 +1,267 @@
+"""The multi-process harness of the tests and benchmarks: really start N ranks (gloo on CPU), each running a
+scenario, and collect what each rank reports, how it ended and when.
+
+Every rank is a fresh ``python -m lightning_rec.testing.worker`` process, started the way a launcher would start it:
+
+* ``launcher="env"``: one process per rank with the variables torchrun-like launchers set (RANK, LOCAL_RANK,
+  WORLD_SIZE, MASTER_ADDR/PORT), so Lightning sees processes created externally;
+* ``launcher="slurm"``: one process per rank with only the variables ``srun`` sets (SLURM_PROCID, SLURM_NTASKS,
+  SLURM_NODEID, ...), so Lightning's SLURM detection takes over;
+* ``launcher="torchrun"``: one real ``torchrun`` agent per node (``--nnodes=N`` with a c10d rendezvous on
+  127.0.0.1), each starting its share of the ranks: several "hosts" on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from lightning_rec.testing.ports import free_port
+
+LAUNCHERS = ("env", "slurm", "torchrun")
+
+
+@dataclass
+class Process:
+    """One launched process (a rank, or a torchrun agent) and how it ended.
+
+    Args:
+        name: ``"rank0"``, ... or ``"node0"``, ... for torchrun agents.
+        returncode: its exit code; ``None`` if it was still running when the harness stopped waiting (then killed).
+        ended: ``time.time()`` when it exited (``None`` if it did not).
+        log: its combined stdout/stderr.
+    """
+
+    name: str
+    returncode: Optional[int]
+    ended: Optional[float]
+    log: str
+
+
+@dataclass
+class Launch:
+    """What :func:`launch` saw: each process, and each rank's result (``None`` for a rank that wrote none)."""
+
+    processes: List[Process]
+    results: List[Optional[Dict[str, Any]]]
+
+    def log(self, name: str) -> str:
+        """The combined stdout/stderr of the process ``name`` (``"rank0"``, ``"node1"``, ...)."""
+        return next(p.log for p in self.processes if p.name == name)
+
+
+def _worker_command(scenario: str, out_dir: Path, config: Dict[str, Any], scenarios: Optional[str]) -> List[str]:
+    return [
+        "-m",
+        "lightning_rec.testing.worker",
+        scenario,
+        json.dumps(config),
+        str(out_dir),
+        *filter(None, [scenarios]),
+    ]
+
+
+def _commands(launcher: str, worker: List[str], world_size: int, nodes: int) -> Dict[str, tuple]:
+    """``{process name: (argv, extra env)}`` for each process to start; ``worker``: what a rank runs, after
+    ``python``."""
+    port = free_port()
+    per_node = world_size // nodes
+    if launcher == "torchrun":
+        rdzv = [
+            f"--nnodes={nodes}",
+            f"--nproc-per-node={per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=lightning_rec_{port}",
+            "--local-addr=127.0.0.1",
+            "--max-restarts=0",
+            "--monitor-interval=0.5",
+        ]
+        return {
+            f"node{n}": (
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    *rdzv,
+                    *(["--rdzv-conf=is_host=false"] if n else []),
+                    *worker,
+                ],
+                {},
+            )
+            for n in range(nodes)
+        }
+    commands = {}
+    for rank in range(world_size):
+        node, local = divmod(rank, per_node)
+        if launcher == "env":
+            env = {
+                "RANK": rank,
+                "LOCAL_RANK": local,
+                "WORLD_SIZE": world_size,
+                "LOCAL_WORLD_SIZE": per_node,
+                "NODE_RANK": node,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
+        elif launcher == "slurm":
+            env = {
+                "SLURM_PROCID": rank,
+                "SLURM_LOCALID": local,
+                "SLURM_NODEID": node,
+                "SLURM_NTASKS": world_size,
+                "SLURM_NTASKS_PER_NODE": per_node,
+                "SLURM_NNODES": nodes,
+                "SLURM_JOB_ID": port,
+                "SLURM_JOB_NAME": "lightning_rec_test",
+                "SLURM_NODELIST": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
+        else:
+            raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+        commands[f"rank{rank}"] = ([sys.executable, *worker], {k: str(v) for k, v in env.items()})
+    return commands
+
+
+def launch(
+    scenario: str,
+    world_size: int,
+    out_dir: Path,
+    *,
+    launcher: str = "env",
+    nodes: int = 1,
+    timeout: float = 300,
+    wait_for: Optional[Sequence[str]] = None,
+    command: Optional[List[str]] = None,
+    scenarios: Optional[str] = None,
+    pythonpath: Sequence[str] = (),
+    **config: Any,
+) -> Launch:
+    """Start ``scenario`` (``module:function``, or a function in the module ``scenarios``) on ``world_size`` ranks
+    spread over ``nodes`` hosts, and wait for the processes to end.
+
+    Each rank calls ``function(rank=..., world_size=..., out_dir=..., **config)`` and its JSON-able return value
+    becomes that rank's result. The processes work in ``out_dir``, where their logs
+    (``<scenario>.<process>.log``) and results (``<scenario>.rank<R>.json``) land.
+
+    Args:
+        scenario: ``"package.module:function"``, or a function name in ``scenarios``.
+        world_size: how many ranks.
+        out_dir: the processes' working directory (created if need be).
+        nodes: how many "hosts" the ranks are spread over (``launcher="torchrun"`` starts one agent per host).
+        command: run this instead of the scenario (what follows ``python`` on each rank, e.g. a script and its
+            arguments); ``scenario`` then only names the logs, and no rank writes a result.
+        launcher: how the ranks are started (see the module docstring).
+        timeout: seconds to wait in all; processes still running then are killed (``returncode`` ``None``).
+        wait_for: names of the processes to wait for (default: all); the others are killed once these ended.
+        scenarios: the module of the scenarios named without a module.
+        pythonpath: folders the ranks need on their path to import the scenarios (e.g. a repository's root).
+        config: keyword arguments of the scenario (JSON).
+
+    Returns:
+        Each process and how it ended, and each rank's result.
+
+    Example::
+
+        run = launch("my_project.scenarios:fit", 2, tmp_path, pythonpath=[repo], steps=4)
+        assert all(p.returncode == 0 for p in run.processes), run.log("rank1")
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base_env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join(filter(None, [*map(str, pythonpath), os.environ.get("PYTHONPATH")])),
+    }
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        base_env.pop(name, None)
+    procs, logs, ended = {}, {}, {}
+    worker = command or _worker_command(scenario, out_dir, config, scenarios)
+    for name, (argv, env) in _commands(launcher, worker, world_size, nodes).items():
+        logs[name] = open(out_dir / f"{scenario}.{name}.log", "w")
+        # Each rank works in the test's directory (anything written to the cwd lands there).
+        procs[name] = subprocess.Popen(
+            argv, env={**base_env, **env}, cwd=out_dir, stdout=logs[name], stderr=subprocess.STDOUT
+        )
+
+    def watch(name: str) -> None:
+        procs[name].wait()
+        ended[name] = time.time()
+
+    watchers = {name: threading.Thread(target=watch, args=(name,), daemon=True) for name in procs}
+    for t in watchers.values():
+        t.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for name in wait_for or list(procs):
+            watchers[name].join(max(0.0, deadline - time.monotonic()))
+    finally:
+        running = {name: p.returncode is None and p.poll() is None for name, p in procs.items()}
+        for name, p in procs.items():
+            if running[name]:
+                p.kill()
+                p.wait()
+        for f in logs.values():
+            f.close()
+    processes = [
+        Process(
+            name,
+            None if running[name] else p.returncode,
+            None if running[name] else ended.get(name),
+            Path(logs[name].name).read_text(),
+        )
+        for name, p in procs.items()
+    ]
+    results = []
+    for rank in range(world_size):
+        path = out_dir / f"{scenario}.rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    return Launch(processes, results)
+
+
+def run_ranks(
+    scenario: str,
+    world_size: int,
+    out_dir: Path,
+    timeout: float = 300,
+    *,
+    launcher: str = "env",
+    nodes: int = 1,
+    scenarios: Optional[str] = None,
+    pythonpath: Sequence[str] = (),
+    **config: Any,
+) -> List[Dict[str, Any]]:
+    """Run ``scenario`` on ``world_size`` ranks (see :func:`launch`) and expect every process to succeed.
+
+    Returns:
+        each rank's result dict, in rank order.
+
+    Raises:
+        AssertionError: with every process's log, if any fails or the run exceeds ``timeout`` seconds.
+    """
+    run = launch(
+        scenario,
+        world_size,
+        out_dir,
+        launcher=launcher,
+        nodes=nodes,
+        timeout=timeout,
+        scenarios=scenarios,
+        pythonpath=pythonpath,
+        **config,
+    )
+    if any(p.returncode != 0 for p in run.processes) or any(r is None for r in run.results):
+        raise AssertionError(
+            f"scenario {scenario!r} failed on {world_size} ranks (exit codes "
+            f"{ {p.name: p.returncode for p in run.processes} }):\n"
+            + "\n".join(f"----- {p.name} -----\n{p.log[-6000:]}" for p in run.processes)
+        )
+    return run.results  # type: ignore[return-value]
