@@ -22,6 +22,7 @@ import statistics
 import time
 from typing import Any, Dict, List, Tuple
 
+from lightning_rec.testing.trainer import QUIET_TRAINER
 from lightning_rec.bench.workload import (
     Size,
     BenchModel,
@@ -279,13 +280,8 @@ def _run_lightning(
         devices=size.world_size,
         strategy=strategy,
         max_steps=size.warmup + size.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
         callbacks=[Clock()],
+        **QUIET_TRAINER,
     )
     trainer.fit(module, _loader(size, int(os.environ["RANK"]), device))
     plan = None if plain_tables else _plan_rows(trainer.strategy.sharding_plan)

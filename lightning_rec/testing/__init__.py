@@ -9,6 +9,7 @@
 * :func:`~lightning_rec.testing.reference.reference_optimizer`: the hand-written TorchRec loop's optimizer.
 * :class:`~lightning_rec.testing.failures.FailAt`, :func:`~lightning_rec.testing.failures.failure_time`: make a
   rank raise, die, hang or get a bad id at a given step, and tell when it did.
+* :data:`~lightning_rec.testing.trainer.QUIET_TRAINER`: the ``Trainer`` arguments of a measured or compared run.
 * :class:`~lightning_rec.testing.syncs.SyncCounter`: count the host-device synchronisations a piece of code makes,
   and which Python frame asked for each.
 """
@@ -18,9 +19,11 @@ from lightning_rec.testing.init import deterministic_init, pattern
 from lightning_rec.testing.ports import free_port
 from lightning_rec.testing.reference import reference_optimizer
 from lightning_rec.testing.syncs import SyncCounter
+from lightning_rec.testing.trainer import QUIET_TRAINER
 
 __all__ = [
     "FailAt",
+    "QUIET_TRAINER",
     "SyncCounter",
     "deterministic_init",
     "failure_time",

@@ -26,6 +26,7 @@ from torchrec.optim import RowWiseAdagrad
 
 from lightning_rec import RecShardStrategy
 from lightning_rec._compat import ShardedTensor
+from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.models import local_weights
 from tests.helpers.user_models import TABLE_WISE_PLAN, ValuesModel, global_batches, rank_share, samples, to_batch
 
@@ -127,12 +128,7 @@ def _trainer(world_size: int, **kwargs: Any) -> L.Trainer:
     defaults: Dict[str, Any] = dict(
         accelerator="cpu",
         devices=world_size,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
     )
     defaults.update(kwargs)
     if any(isinstance(c, ModelCheckpoint) for c in defaults.get("callbacks", [])):

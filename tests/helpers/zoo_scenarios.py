@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
+from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.zoo import ZooCase, flatten, load_case, reference, seeded_module
 
 
@@ -30,13 +31,8 @@ def _trainer(case: ZooCase, world_size: int, pipeline: bool = False) -> L.Traine
         accelerator="cpu",
         devices=world_size,
         max_steps=case.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
+        **QUIET_TRAINER,
     )
 
 
