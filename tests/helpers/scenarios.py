@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
+from lightning_rec.faults import close_process_group_at_exit
 from lightning_rec.optim import is_fused_parameter
 from lightning_rec.sharding import plan_rows
 from tests.helpers.models import RecModel, as_format, deterministic_init, local_weights, make_batches
@@ -174,8 +175,9 @@ def reference(
         losses.append(float(loss))
     torch.save(local_weights(dmp.module), out_dir / f"{tag}.weights{rank}.pt")
     kernels = sorted({ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()})
-    # As a TorchRec script ends: without it, gloo's worker threads can abort the process at exit (lightning_rec.faults).
-    dist.destroy_process_group()
+    # Without it, gloo's worker threads can abort the process at exit; destroy_process_group alone does not stop them
+    # while DMP still references the group (see lightning_rec.faults.close_process_group_at_exit).
+    close_process_group_at_exit()
     return {"losses": losses, "kernels": kernels}
 
 
