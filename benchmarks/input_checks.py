@@ -33,7 +33,7 @@ def measure(size_name: str, steps: int) -> dict:
 
     from lightning_rec.bench.workload import SIZES, BenchModel, make_batches, table_constraints, init_weights
     from lightning_rec.inputs import InputChecks, input_specs
-    from lightning_rec.kjt_check import FeatureTables
+    from lightning_rec.inputs.kjt import FeatureTables
     from lightning_rec.testing.reference import reference_optimizer
 
     size = SIZES[size_name]
@@ -84,7 +84,7 @@ def measure_host(size_name: str, steps: int) -> dict:
     """The host checks alone (``check_host`` of each batch, as ``batch_to_device`` runs it before the copy)."""
     from lightning_rec.bench.workload import SIZES, make_batches
     from lightning_rec.inputs import InputChecks
-    from lightning_rec.kjt_check import FeatureTable, FeatureTables
+    from lightning_rec.inputs.kjt import FeatureTable, FeatureTables
 
     size = SIZES[size_name]
     checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")

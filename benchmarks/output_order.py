@@ -1,4 +1,4 @@
-"""What restoring the unsharded output order costs (lightning_rec.unsharded), against the step it is part of.
+"""What restoring the unsharded output order costs (lightning_rec.strategy.unsharded), against the step it is part of.
 
 A sharded EmbeddingBagCollection whose plan mixes sharding types returns its pooled columns grouped by type; the
 strategy puts them back in the unsharded order with one ``torch.cat`` of column slices (and its backward). Here the
@@ -33,7 +33,7 @@ def measure(size_name: str, steps: int) -> dict:
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     from lightning_rec.bench.workload import SIZES, BenchModel, make_batches
-    from lightning_rec.unsharded import output_orders, restore_output_order
+    from lightning_rec.strategy.unsharded import output_orders, restore_output_order
 
     size = SIZES[size_name]
     model = BenchModel.build(size)

@@ -34,7 +34,7 @@ import torch
 from lightning_rec import RecShardStrategy
 from lightning_rec.bench import SIZES, Size
 from lightning_rec.bench.workload import BenchModel, make_batches, table_constraints, init_weights, torch_optimizer
-from lightning_rec.bench.worker import _lightning_module, raw_torchrec
+from lightning_rec.bench.worker import lightning_module, raw_torchrec
 
 
 def _step(model: Any, optimizer: Any) -> Callable[[Any], None]:
@@ -76,7 +76,7 @@ def measure(size: Size, steps: int, warmup: int = 20, lr: float = 0.01) -> Dict[
     batches = make_batches(size, 0, 64)
     out: Dict[str, float] = {}
     for name, plain in (("recshard", False), ("lightning", True)):
-        module = _lightning_module(size, lr, plain_tables=plain, sparse=plain)
+        module = lightning_module(size, lr, plain_tables=plain, sparse=plain)
         if plain:
             init_weights(module.model)
             strategy: Any = "auto"

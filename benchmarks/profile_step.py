@@ -31,7 +31,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from lightning_rec.bench import SIZES, workload
-from lightning_rec.bench.worker import _worker
+from lightning_rec.bench.worker import run_worker
 
 
 def _instrument(events: List[Tuple[str, float]]) -> None:
@@ -67,7 +67,8 @@ def _instrument_lightning(events: List[Tuple[str, float]]) -> None:
     """Time stamps at Lightning's per-step hooks, the strategy's ``batch_to_device`` and ``RecOptimizer.step``."""
     import lightning as L
 
-    from lightning_rec import optim, strategy
+    from lightning_rec import strategy
+    from lightning_rec.strategy import optim
 
     mark = lambda name: events.append((name, time.perf_counter()))  # noqa: E731
 
@@ -201,13 +202,13 @@ def main() -> None:
     record: Dict[str, object] = {"variant": args.variant, "size": args.size, "steps": args.steps}
     if args.cprofile:
         profiler = cProfile.Profile()
-        profiler.runcall(_worker, args.variant, size, 0.01, False)
+        profiler.runcall(run_worker, args.variant, size, 0.01, False)
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
         print(out.getvalue())
     else:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            _worker(args.variant, size, 0.01, bandwidth=False)
+            run_worker(args.variant, size, 0.01, bandwidth=False)
         ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
         record["ops_ms"] = {e.key: round(e.self_cpu_time_total / 1000, 1) for e in ops[:12]}
         record["all_ops_ms"] = round(sum(e.self_cpu_time_total for e in ops) / 1000, 1)

@@ -9,13 +9,12 @@ Example::
     trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2)
 """
 
-from lightning_rec import _compat
+from lightning_rec import _compat, _moved
 from lightning_rec.batch import Batch, RowCollator, collate_rows
-from lightning_rec.config import EmbeddingOptimizer, TableConstraints, TopologyConfig
+from lightning_rec.config import EmbeddingOptimizer, TableConstraints, TopologyConfig, checkpoint_safe
 from lightning_rec.errors import InputError, NonFiniteError
 from lightning_rec.module import RecLightningModule
-from lightning_rec.optim import RecOptimizer
-from lightning_rec.strategy import RecShardStrategy
+from lightning_rec.strategy import RecOptimizer, RecShardStrategy
 
 __version__ = "0.1.0"
 
@@ -30,7 +29,9 @@ __all__ = [
     "RowCollator",
     "TableConstraints",
     "TopologyConfig",
+    "checkpoint_safe",
     "collate_rows",
 ]
 
 RecShardStrategy.register_strategies(_compat.StrategyRegistry)
+_moved.install()

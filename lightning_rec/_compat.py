@@ -62,7 +62,7 @@ def planner_sharding_options(planner: object) -> "Optional[list]":
 
 
 # TorchRec: `TrainPipelineSparseDist.progress()` runs forward, backward and the optimizer itself. To keep
-# Lightning's step, lightning_rec.pipeline drives the pipeline's parts from Lightning's hooks; three of the parts
+# Lightning's step, lightning_rec.strategy.pipeline drives the pipeline's parts from Lightning's hooks; three of the parts
 # it needs have no public name in TorchRec 1.8 (its own `progress()` calls them).
 def pipeline_rewrite(pipeline: object) -> None:
     """Rewrite the sharded modules' forwards to read pre-distributed inputs, and start the head batch's input
@@ -89,7 +89,7 @@ def pipeline_wait_for_batch(pipeline: object) -> None:
 
 def default_store() -> "Optional[object]":
     """The default process group's key-value store, or ``None`` without a process group. torch keeps it private
-    (``_get_default_store``); :mod:`lightning_rec.faults` uses it so that a failing rank can tell the others why,
+    (``_get_default_store``); :mod:`lightning_rec.strategy.faults` uses it so that a failing rank can tell the others why,
     without opening a second rendezvous."""
     import torch.distributed as dist
 
@@ -123,3 +123,30 @@ def call_batch_hook(module: object, name: str, *args: object) -> object:
 def dmp_inner_module(dmp: object) -> object:
     """The module DMP wrapped (its dense part's DDP when there is one), or ``None``."""
     return getattr(dmp, "_dmp_wrapped_module", None)
+
+
+# Lightning: where its loops stand (the batch index in the training epoch, the validation loop fit runs, how many
+# batches a loop has fetched). The loops' progress trackers are not a documented API; error messages use them to
+# name the step and batch a failure happened at.
+def training_batch_idx(trainer: object) -> int:
+    return trainer.fit_loop.epoch_loop.batch_idx
+
+
+def fit_validation_loop(trainer: object) -> object:
+    return trainer.fit_loop.epoch_loop.val_loop
+
+
+def batches_fetched(loop: object) -> int:
+    return loop.batch_progress.current.ready
+
+
+# Lightning: a LightningModule's trainer, or None when it is not attached (the public `trainer` property raises then).
+def attached_trainer(module: object) -> "Optional[object]":
+    return getattr(module, "_trainer", None)
+
+
+# Lightning: the optimizer inside a LightningOptimizer (or the optimizer itself).
+def unwrap_optimizer(optimizer: object) -> object:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -8,8 +8,8 @@ from typing import Any, Dict, Optional
 import lightning.pytorch as pl
 
 from lightning_rec.batch import Batch
-from lightning_rec.dmp import sharded_state
 from lightning_rec.pretrained import load_rows
+from lightning_rec.tables import is_sharded
 
 __all__ = ["PretrainedRows", "Throughput"]
 
@@ -81,5 +81,5 @@ class PretrainedRows(pl.Callback):
         self.rows = dict(rows)
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if sharded_state(pl_module) is None:
+        if not is_sharded(pl_module):
             load_rows(pl_module, self.rows)

@@ -3,7 +3,7 @@
 These are plain dataclasses (YAML-friendly: the CLI builds them from configs, ``save_hyperparameters()`` records
 them, checkpoints' allow-list admits them), kept below every other module so that models, checkpoints, input
 checks and reports import configuration, never the strategy's machinery. Each is also importable from its old
-home (``lightning_rec.optim.EmbeddingOptimizer``, ``lightning_rec.sharding.TableConstraints``,
+home (``lightning_rec.strategy.optim.EmbeddingOptimizer``, ``lightning_rec.strategy.sharding.TableConstraints``,
 ``lightning_rec.data.base.SparseFeature``, ...) and the strategy's from ``lightning_rec``.
 
 Example::
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Literal, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, TypeVar, Union
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -25,13 +25,65 @@ from torch.optim import Optimizer
 from torchrec.distributed.planner import ParameterConstraints
 
 __all__ = [
+    "BoundsCheck",
     "EmbeddingOptimizer",
+    "NonFinitePolicy",
     "OptimizerName",
     "SparseFeature",
     "TableConstraints",
     "TopologyConfig",
+    "checkpoint_safe",
+    "checkpoint_safe_classes",
     "supported_optimizers",
 ]
+
+# ---------------------------------------------------------------------------------------------------------
+# Policies (what the strategy does with bad input), and the classes checkpoints may hold.
+# ---------------------------------------------------------------------------------------------------------
+
+BoundsCheck = Literal["error", "warn", "ignore", "none"]
+"""Ids outside a table: raise (``"error"``), FBGEMM's warn/ignore and read row 0, or no check at all (``"none"``)."""
+
+NonFinitePolicy = Literal["error", "strict", "warn", "ignore"]
+"""NaN/inf in a dense input or the loss: raise (a step late / ``"strict"``: before the step), warn, or ignore."""
+
+_C = TypeVar("_C", bound=type)
+# class -> the module paths older checkpoints name it by
+_CHECKPOINT_SAFE: Dict[type, Tuple[str, ...]] = {}
+
+
+def checkpoint_safe(cls: Optional[_C] = None, *, old_paths: Iterable[str] = ()) -> Union[_C, Callable[[_C], _C]]:
+    """Allow instances of ``cls`` in a checkpoint's hyperparameters (``meta.pt``), which is otherwise loaded with
+    ``torch.load(weights_only=True)`` and refuses every class it does not know. A class decorator.
+
+    Only register plain data holders (dataclasses without ``__setstate__``/``__reduce__``): unpickling them runs no
+    code of theirs. ``old_paths``: where the class lived before (``"pkg.old_module.Name"``), for checkpoints written
+    then. The class's module must be imported before the checkpoint is loaded (it is, when the model that records
+    it is).
+
+    Example::
+
+        >>> from dataclasses import dataclass
+        >>> @checkpoint_safe
+        ... @dataclass
+        ... class Tower:
+        ...     layers: tuple = (64, 32)
+        >>> Tower in checkpoint_safe_classes()
+        True
+    """
+
+    def register(klass: _C) -> _C:
+        _CHECKPOINT_SAFE[klass] = tuple(dict.fromkeys([*_CHECKPOINT_SAFE.get(klass, ()), *old_paths]))
+        return klass
+
+    return register if cls is None else register(cls)
+
+
+def checkpoint_safe_classes() -> List[Any]:
+    """Everything :func:`checkpoint_safe` registered, as ``torch.serialization.safe_globals`` takes it: each class,
+    and a ``(class, old path)`` pair per old path."""
+    return [entry for cls, paths in _CHECKPOINT_SAFE.items() for entry in (cls, *((cls, p) for p in paths))]
+
 
 # ---------------------------------------------------------------------------------------------------------
 # The fused embedding optimizer.
@@ -65,6 +117,7 @@ def supported_optimizers(device_type: str) -> Tuple[str, ...]:
     return tuple(_EMB_OPT_TYPES) if device_type == "cuda" else _CPU_OPTIMIZERS
 
 
+@checkpoint_safe(old_paths=["lightning_rec.optim.EmbeddingOptimizer"])
 @dataclass
 class EmbeddingOptimizer:
     """A fused embedding optimizer: which FBGEMM update rule runs in the backward pass, and its hyperparameters.
@@ -153,6 +206,7 @@ class EmbeddingOptimizer:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@checkpoint_safe(old_paths=["lightning_rec.sharding.TableConstraints"])
 @dataclass
 class TableConstraints:
     """What the planner may do with one table (a YAML-friendly ``ParameterConstraints``).
@@ -192,6 +246,7 @@ class TableConstraints:
         return ParameterConstraints(**kwargs)
 
 
+@checkpoint_safe(old_paths=["lightning_rec.sharding.TopologyConfig"])
 @dataclass
 class TopologyConfig:
     """Overrides for the planner's view of the machines (everything else is detected).
@@ -222,6 +277,7 @@ class TopologyConfig:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@checkpoint_safe(old_paths=["lightning_rec.data.base.SparseFeature"])
 @dataclass(frozen=True)
 class SparseFeature:
     """A categorical feature and the number of rows its embedding table needs.

@@ -22,7 +22,7 @@ class InputError(ValueError):
     """A batch the embedding tables cannot take. The message names the module, feature, table, offending value
     and what was expected, and where in training it happened; nothing was updated with the batch.
 
-    Raised by :func:`~lightning_rec.kjt_check.check_on_host` and :func:`~lightning_rec.kjt_check.check_features`,
+    Raised by :func:`~lightning_rec.inputs.kjt.check_on_host` and :func:`~lightning_rec.inputs.kjt.check_features`,
     which :class:`~lightning_rec.inputs.InputChecks` runs on every batch (``bounds_check="error"``, the default of
     :class:`~lightning_rec.RecShardStrategy`): a missing or extra feature, a wrong dtype or shape, lengths that do
     not add up, or an id outside its table.

@@ -46,7 +46,7 @@ class RecLightningModule(pl.LightningModule):
         """Declare the fused embedding optimizer explicitly.
 
         Returns:
-            an :class:`~lightning_rec.optim.EmbeddingOptimizer`, or ``None`` (the default) to derive it from the
+            an :class:`~lightning_rec.strategy.optim.EmbeddingOptimizer`, or ``None`` (the default) to derive it from the
             param group holding the embedding parameters in ``configure_optimizers``.
 
         Example::

@@ -2,7 +2,7 @@
 
 A table's rows are placed in the *unsharded* module, before ``fit``; the strategy then copies every rank's shards
 out of them when it shards (row-wise, column-wise, table-wise, data-parallel alike: see
-:mod:`lightning_rec.unsharded`), so the same call works on 1 process or 64 and under any plan::
+:mod:`lightning_rec.strategy.unsharded`), so the same call works on 1 process or 64 and under any plan::
 
     model = MyModel()                                        # tables on meta: no memory yet
     load_rows(model, {"t_item": "item_rows.npy",              # a file of rows (memory-mapped)
@@ -82,10 +82,10 @@ def read_rows(source: Union[str, "os.PathLike[str]"], table: str) -> torch.Tenso
     return stored[matches[0]]
 
 
-def _tables(module: nn.Module) -> Dict[str, List[Tuple[str, nn.Module, int, int]]]:
+def table_holders(module: nn.Module) -> Dict[str, List[Tuple[str, nn.Module, int, int]]]:
     """Table name -> every (module path, its nn.Embedding(Bag), rows, columns) that declares it."""
     found: Dict[str, List[Tuple[str, nn.Module, int, int]]] = {}
-    for path, sub in embedding_modules(module, [EmbeddingBagCollection, EmbeddingCollection]).items():
+    for path, sub in embedding_modules(module).items():
         if isinstance(sub, EmbeddingBagCollection):
             configs, holders = sub.embedding_bag_configs(), sub.embedding_bags
         elif isinstance(sub, EmbeddingCollection):
@@ -125,7 +125,7 @@ def load_rows(module: nn.Module, rows: Mapping[str, Rows]) -> None:
         >>> ebc.embedding_bags["t_item"].weight.sum().item()
         12.0
     """
-    tables = _tables(module)
+    tables = table_holders(module)
     if not tables and list(rows):
         raise ValueError(
             f"load_rows: {type(module).__name__} holds no unsharded EmbeddingBagCollection/EmbeddingCollection. "

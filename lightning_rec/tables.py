@@ -1,17 +1,45 @@
-"""Which submodules of a model hold embedding tables: a pure function of the module tree, below the machinery
-that shards them (the sharding plan, the input checks and the unsharded view all ask it)."""
+"""Which submodules of a model hold embedding tables that get sharded: the one place this is decided.
+
+A pure function of the module tree, below the machinery that shards them: the planner, the input checks, the
+unsharded view, the pretrained rows and the strategy all ask it. TorchRec's ``EmbeddingBagCollection`` and
+``EmbeddingCollection`` are sharded, plus the module type of any extra sharder given to the strategy; of nested
+matches only the outermost is.
+
+Example::
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    >>> model = nn.Sequential(EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+    ...     name="t_user", embedding_dim=4, num_embeddings=10, feature_names=["user"])], device=torch.device("meta")))
+    >>> list(embedding_modules(model)), list(embedding_tables(model))
+    (['0'], ['t_user'])
+"""
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Type
+from typing import Dict, Sequence, Tuple, Type
 
 from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.distributed.types import ShardedModule
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-__all__ = ["embedding_modules"]
+__all__ = ["TABLE_MODULE_TYPES", "embedding_modules", "embedding_tables", "is_sharded", "sharded_module_types"]
+
+# The module types sharded without any extra sharder.
+TABLE_MODULE_TYPES: Tuple[Type[nn.Module], ...] = (EmbeddingBagCollection, EmbeddingCollection)
 
 
-def embedding_modules(module: nn.Module, module_types: Sequence[Type[nn.Module]]) -> Dict[str, nn.Module]:
-    """The outermost submodules of ``module`` that a sharder can shard, by module path."""
+def sharded_module_types(sharders: Sequence[object] = ()) -> Tuple[Type[nn.Module], ...]:
+    """:data:`TABLE_MODULE_TYPES` plus the ``module_type`` of each extra TorchRec sharder, without repeats."""
+    return tuple(dict.fromkeys([*TABLE_MODULE_TYPES, *(s.module_type for s in sharders)]))
+
+
+def embedding_modules(
+    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
+) -> Dict[str, nn.Module]:
+    """The outermost submodules of ``module`` that are instances of ``module_types``, by module path."""
     found: Dict[str, nn.Module] = {}
     types = tuple(module_types)
 
@@ -24,3 +52,31 @@ def embedding_modules(module: nn.Module, module_types: Sequence[Type[nn.Module]]
 
     visit(module, "")
     return found
+
+
+def embedding_tables(
+    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
+) -> Dict[str, BaseEmbeddingConfig]:
+    """Every table of every module :func:`embedding_modules` finds, by table name.
+
+    Raises:
+        ValueError: if two modules declare a table of the same name (the plan and checkpoints key by it).
+    """
+    tables: Dict[str, BaseEmbeddingConfig] = {}
+    owners: Dict[str, str] = {}
+    for path, sub in embedding_modules(module, module_types).items():
+        configs = sub.embedding_bag_configs() if hasattr(sub, "embedding_bag_configs") else sub.embedding_configs()
+        for config in configs:
+            if config.name in tables:
+                raise ValueError(
+                    f"Table name {config.name!r} is used by both {owners[config.name]!r} and {path!r}. "
+                    "HINT: give every EmbeddingBagConfig/EmbeddingConfig a unique `name`."
+                )
+            tables[config.name] = config
+            owners[config.name] = path
+    return tables
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds a TorchRec-sharded module (its tables were sharded, e.g. by an earlier ``fit``)."""
+    return any(isinstance(sub, ShardedModule) for sub in module.modules())

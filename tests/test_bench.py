@@ -155,7 +155,7 @@ def test_bench_criteo_onehot_on_a_gpu():
 
 
 def test_raw_loops_fused_optimizer_is_what_recshard_derives_from_the_torch_one():
-    from lightning_rec.optim import embedding_optimizer_from_torch
+    from lightning_rec.strategy.optim import embedding_optimizer_from_torch
 
     for name, opt in (("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad)):
         torch_opt = opt([torch.nn.Parameter(torch.zeros(2))], lr=0.03)

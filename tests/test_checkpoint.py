@@ -23,25 +23,23 @@ from lightning_rec.checkpoint import (
 )
 from tests.helpers.checkpoint_scenarios import fixed_batch
 from tests.helpers.dist import run_ranks
-from tests.helpers.models import RecModel, assemble, local_weights
-from tests.helpers.scenarios import _loader, _trainer
+from tests.helpers.models import RecModel, local_weights, saved_weights
+from tests.helpers.scenarios import make_loader, make_trainer
+from tests.helpers import checkpoint_scenarios
 
-S = "tests.helpers.checkpoint_scenarios:"
 THREE_PLANS = ["table_wise", "column_wise", "data_parallel"]
-
-
-def _weights(directory: Path, tag: str, world_size: int):
-    return assemble([torch.load(directory / f"{tag}.weights{r}.pt") for r in range(world_size)])
 
 
 @pytest.mark.dist
 def test_exact_resume_on_two_processes(tmp_path):
     """N epochs straight == k epochs, a new job, resume to N: same per-step losses and final weights."""
-    straight = run_ranks(S + "fit_epochs", 2, tmp_path / "straight", tag="w", epochs=3)
-    first = run_ranks(S + "fit_epochs", 2, tmp_path / "split", tag="first", epochs=1)
+    straight = run_ranks(checkpoint_scenarios.fit_epochs, 2, tmp_path / "straight", tag="w", epochs=3)
+    first = run_ranks(checkpoint_scenarios.fit_epochs, 2, tmp_path / "split", tag="first", epochs=1)
     last = Path(first[0]["last"])
     assert last.name == "last.ckpt" and is_checkpoint(last)
-    resumed = run_ranks(S + "fit_epochs", 2, tmp_path / "split", tag="resumed", epochs=3, ckpt_path=str(last))
+    resumed = run_ranks(
+        checkpoint_scenarios.fit_epochs, 2, tmp_path / "split", tag="resumed", epochs=3, ckpt_path=str(last)
+    )
 
     for rank in range(2):
         n_first = len(first[rank]["losses"])
@@ -54,7 +52,7 @@ def test_exact_resume_on_two_processes(tmp_path):
         # the scheduler's decayed rate, for the dense groups and the fused tables that follow it
         lrs = resumed[rank]["restored_lrs"]  # dense group, then the fused kernel groups this rank holds
         assert len(lrs) >= 3 and lrs == pytest.approx([0.1 * 0.9**4] * len(lrs))
-    a, b = _weights(tmp_path / "straight", "w", 2), _weights(tmp_path / "split", "resumed", 2)
+    a, b = saved_weights(tmp_path / "straight", "w", 2), saved_weights(tmp_path / "split", "resumed", 2)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
@@ -68,9 +66,9 @@ def test_exact_resume_on_two_processes(tmp_path):
 def test_reshard_across_world_sizes_and_plans_and_export(tmp_path):
     """2 ranks -> 1 and 2, 1 rank -> 1 and 2, each onto table-wise, column-wise and data-parallel plans: identical
     predictions on a fixed batch; fit resumes across plans with the optimizer state; export matches too."""
-    two = run_ranks(S + "reshard", 2, tmp_path, save_plan="mixed", load_plans=THREE_PLANS)
-    one = run_ranks(S + "reshard", 1, tmp_path, save_plan="column_wise", load_plans=THREE_PLANS)
-    two_again = run_ranks(S + "reshard", 2, tmp_path, save_plan=None, load_plans=THREE_PLANS)
+    two = run_ranks(checkpoint_scenarios.reshard, 2, tmp_path, save_plan="mixed", load_plans=THREE_PLANS)
+    one = run_ranks(checkpoint_scenarios.reshard, 1, tmp_path, save_plan="column_wise", load_plans=THREE_PLANS)
+    two_again = run_ranks(checkpoint_scenarios.reshard, 2, tmp_path, save_plan=None, load_plans=THREE_PLANS)
     expected = {"saved_2.ckpt": torch.tensor(two[0]["saved"]), "saved_1.ckpt": torch.tensor(one[0]["saved"])}
     assert not torch.allclose(expected["saved_1.ckpt"], expected["saved_2.ckpt"])  # two different models
     checked = 0
@@ -85,7 +83,11 @@ def test_reshard_across_world_sizes_and_plans_and_export(tmp_path):
     # Resume fitting on 1 rank from the 2-rank mixed-plan checkpoint under three other plans: the optimizer state
     # (fused accumulators <-> the data-parallel table's torch Adagrad) arrives intact, so training is identical.
     resumed = run_ranks(
-        S + "resume_on_plans", 1, tmp_path / "resume", ckpt=str(tmp_path / "saved_2.ckpt"), plans=THREE_PLANS
+        checkpoint_scenarios.resume_on_plans,
+        1,
+        tmp_path / "resume",
+        ckpt=str(tmp_path / "saved_2.ckpt"),
+        plans=THREE_PLANS,
     )[0]
     for plan in THREE_PLANS:
         assert resumed[plan]["restored_sums"] == pytest.approx(two[0]["saved_sums"], rel=1e-6), plan
@@ -94,7 +96,10 @@ def test_reshard_across_world_sizes_and_plans_and_export(tmp_path):
 
     # A mismatching model on 2 ranks: both ranks raise the same complete error (and nobody hangs).
     errors = [
-        r["error"] for r in run_ranks(S + "load_mismatching", 2, tmp_path / "bad", ckpt=str(tmp_path / "saved_2.ckpt"))
+        r["error"]
+        for r in run_ranks(
+            checkpoint_scenarios.load_mismatching, 2, tmp_path / "bad", ckpt=str(tmp_path / "saved_2.ckpt")
+        )
     ]
     assert (
         errors[0] == errors[1] and "t_genre.weight: shape (12, 8) in the checkpoint, (13, 8) in the model" in errors[0]
@@ -117,9 +122,9 @@ def test_reshard_across_world_sizes_and_plans_and_export(tmp_path):
 
 
 def test_export_command_selects_a_submodule(tmp_path, capsys):
-    trainer = _trainer(1, 2)
+    trainer = make_trainer(1, 2)
     model = RecModel()
-    trainer.fit(model, _loader(0, 2, 8, {}))
+    trainer.fit(model, make_loader(0, 2, 8, {}))
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     cli.run(["export", str(tmp_path / "c.ckpt"), str(tmp_path / "ebc.pt"), "--prefix", "ebc."])
     assert "wrote" in capsys.readouterr().out
@@ -142,9 +147,9 @@ def test_export_command_selects_a_submodule(tmp_path, capsys):
 @pytest.fixture
 def saved(tmp_path):
     """A fitted model, its trainer, and a checkpoint of it."""
-    trainer = _trainer(1, 3)
+    trainer = make_trainer(1, 3)
     model = RecModel()
-    trainer.fit(model, _loader(0, 3, 8, {}))
+    trainer.fit(model, make_loader(0, 3, 8, {}))
     path = tmp_path / "ckpt" / "model.ckpt"
     trainer.save_checkpoint(path)
     return trainer, model, path
@@ -162,7 +167,7 @@ def _assert_unchanged(model, before):
 
 
 def _fresh_trainer_and_model(**model_kwargs):
-    trainer = _trainer(1, 6)
+    trainer = make_trainer(1, 6)
     model = RecModel(**model_kwargs)
     return trainer, model
 
@@ -217,14 +222,14 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(saved, monkeypatch):
 def test_incomplete_truncated_and_corrupt_checkpoints_fail_before_any_change(saved, tmp_path):
     _, _, path = saved
     trainer, model = _fresh_trainer_and_model()
-    trainer.fit(model, _loader(0, 1, 8, {}))
+    trainer.fit(model, make_loader(0, 1, 8, {}))
     before = _snapshot(model)
 
     bad = tmp_path / "bad.ckpt"
     shutil.copytree(path, bad)
     (bad / "COMPLETE").unlink()
     with pytest.raises(CheckpointError, match="no COMPLETE marker"):
-        trainer.validate(model, _loader(0, 1, 8, {}), ckpt_path=bad)
+        trainer.validate(model, make_loader(0, 1, 8, {}), ckpt_path=bad)
 
     shutil.rmtree(bad)
     shutil.copytree(path, bad)
@@ -236,7 +241,7 @@ def test_incomplete_truncated_and_corrupt_checkpoints_fail_before_any_change(sav
         f.seek(40)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CheckpointError) as err:
-        trainer.validate(model, _loader(0, 1, 8, {}), ckpt_path=bad)
+        trainer.validate(model, make_loader(0, 1, 8, {}), ckpt_path=bad)
     message = str(err.value)
     assert "__0_0.distcp" in message and "truncated" in message
     assert "meta.pt" in message and "SHA-256" in message and "nothing was modified" in message
@@ -272,9 +277,9 @@ def test_mismatching_model_lists_every_problem_before_any_change(saved):
 
 
 def test_weights_only_checkpoint_cannot_resume_but_can_predict(tmp_path):
-    trainer = _trainer(1, 2)
+    trainer = make_trainer(1, 2)
     model = RecModel()
-    trainer.fit(model, _loader(0, 2, 8, {}))
+    trainer.fit(model, make_loader(0, 2, 8, {}))
     trainer.save_checkpoint(tmp_path / "w.ckpt", weights_only=True)
     expected = trainer.predict(model, DataLoader([fixed_batch()], batch_size=None))[0]
 
@@ -285,7 +290,7 @@ def test_weights_only_checkpoint_cannot_resume_but_can_predict(tmp_path):
     torch.testing.assert_close(predictions, expected, rtol=0, atol=1e-6)
     trainer3, model3 = _fresh_trainer_and_model()
     with pytest.raises(CheckpointError, match="no optimizer state"):
-        trainer3.fit(model3, _loader(0, 4, 8, {}), ckpt_path=tmp_path / "w.ckpt")
+        trainer3.fit(model3, make_loader(0, 4, 8, {}), ckpt_path=tmp_path / "w.ckpt")
 
 
 def test_loading_never_unpickles_arbitrary_objects(saved, tmp_path):
@@ -321,14 +326,14 @@ def test_model_checkpoint_top_k_pruning_and_last(tmp_path):
     callback = ModelCheckpoint(
         dirpath=tmp_path / "ck", monitor="train_loss", mode="max", save_top_k=2, every_n_train_steps=2, save_last="link"
     )
-    trainer = _trainer(1, 8, callbacks=[callback])
-    trainer.fit(RecModel(), _loader(0, 8, 8, {}))
+    trainer = make_trainer(1, 8, callbacks=[callback])
+    trainer.fit(RecModel(), make_loader(0, 8, 8, {}))
     entries = {p.name: p for p in (tmp_path / "ck").iterdir()}
     assert len([n for n in entries if n.startswith("epoch")]) == 2
     assert entries["last.ckpt"].is_symlink() and is_checkpoint(entries["last.ckpt"])
     kept = sorted((n for n in entries if n.startswith("epoch")), key=lambda n: int(n.split("step=")[1].split(".")[0]))
     assert os.path.realpath(entries["last.ckpt"]) == os.path.realpath(entries[kept[-1]])  # the newest saved one
     assert all(is_checkpoint(p) for p in entries.values()) and not any(n.startswith(".") for n in entries)
-    resumed = _trainer(1, 10, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck")])
-    resumed.fit(RecModel(), _loader(0, 10, 8, {}), ckpt_path="last")
+    resumed = make_trainer(1, 10, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck")])
+    resumed.fit(RecModel(), make_loader(0, 10, 8, {}), ckpt_path="last")
     assert resumed.global_step == 10

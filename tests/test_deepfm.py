@@ -19,9 +19,10 @@ from lightning_rec.data import MovieLensDataModule, RecDataset, SparseFeature
 from lightning_rec.data.base import Jagged
 from lightning_rec.models import DeepFMModule, DeepFMNN, build_deepfm
 from lightning_rec.models.deepfm import PairwiseFM
-from lightning_rec.optim import EmbeddingOptimizer
+from lightning_rec.strategy.optim import EmbeddingOptimizer
 from tests.helpers.data import REPO, movielens_dir
 from tests.helpers.zoo import check_case
+from tests.helpers import zoo_deepfm
 
 FEATURES = [SparseFeature("user", 10), SparseFeature("genre", 5, multi_hot=True)]
 CONFIG = REPO / "examples" / "configs" / "movielens_deepfm.yaml"
@@ -144,7 +145,7 @@ def test_deepfm_module_optimizers() -> None:
 
 @pytest.mark.dist
 def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
-    check_case(tmp_path, "tests.helpers.zoo_deepfm:CASE")
+    check_case(tmp_path, zoo_deepfm)
 
 
 def test_shipped_config_builds_with_the_cli_parser() -> None:

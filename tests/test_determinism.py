@@ -12,13 +12,10 @@ import pytest
 import torch
 
 from tests.helpers.dist import REPO, run_ranks
-from tests.helpers.models import assemble
+from tests.helpers.models import saved_weights
+from tests.helpers import scenarios
 
 pytestmark = pytest.mark.dist
-
-
-def _weights(directory: Path, tag: str, world_size: int):
-    return assemble([torch.load(directory / f"{tag}.weights{r}.pt") for r in range(world_size)])
 
 
 @pytest.mark.parametrize(
@@ -29,12 +26,14 @@ def _weights(directory: Path, tag: str, world_size: int):
 def test_two_runs_are_bit_identical(tmp_path, world_size, strategy):
     # Seeded initialisation (not the tests' pattern init): the RNG streams must repeat too.
     runs = [
-        run_ranks("train", world_size, tmp_path / str(i), steps=8, strategy=strategy, trainer={"det_init": False})
+        run_ranks(
+            scenarios.train, world_size, tmp_path / str(i), steps=8, strategy=strategy, trainer={"det_init": False}
+        )
         for i in range(2)
     ]
     for rank in range(world_size):
         assert runs[0][rank]["losses"] == runs[1][rank]["losses"]
-    a, b = _weights(tmp_path / "0", "train", world_size), _weights(tmp_path / "1", "train", world_size)
+    a, b = saved_weights(tmp_path / "0", "train", world_size), saved_weights(tmp_path / "1", "train", world_size)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -8,28 +8,25 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_rec.faults import FailureBoard, describe_position, explain, is_communication_error
+from lightning_rec.strategy.faults import FailureBoard, describe_position, explain, is_communication_error
 from tests.helpers.dist import REPO, launch, run_ranks
 from tests.helpers.fault_scenarios import failure_time
-from tests.helpers.models import assemble
+from tests.helpers.models import saved_weights
+from tests.helpers import checkpoint_scenarios
 
-S = "tests.helpers.checkpoint_scenarios:"
 # Far below the 5-minute default timeout: a dead or raising peer is noticed through its closed connections.
 PROMPT = 60.0
 
 
-def _weights(directory: Path, tag: str):
-    return assemble([torch.load(directory / f"{tag}.weights{r}.pt") for r in range(2)])
-
-
 @pytest.mark.dist
 def test_a_rank_that_raises_stops_the_other_at_once_with_its_error(tmp_path):
-    run = launch(S + "fit_epochs", 2, tmp_path, tag="x", epochs=3, fail={"rank": 1, "step": 6, "how": "raise"})
+    run = launch(
+        checkpoint_scenarios.fit_epochs, 2, tmp_path, tag="x", epochs=3, fail={"rank": 1, "step": 6, "how": "raise"}
+    )
     rank0, rank1 = run.processes
     assert rank1.returncode != 0 and "RuntimeError: injected failure on rank 1" in rank1.log
     assert rank0.returncode not in (0, None)
@@ -45,10 +42,12 @@ def test_a_rank_that_raises_stops_the_other_at_once_with_its_error(tmp_path):
 
 @pytest.mark.dist
 def test_a_killed_rank_ends_the_job_quickly_and_a_resume_loses_nothing(tmp_path):
-    straight = run_ranks(S + "fit_epochs", 2, tmp_path / "straight", tag="w", epochs=3)
+    straight = run_ranks(checkpoint_scenarios.fit_epochs, 2, tmp_path / "straight", tag="w", epochs=3)
 
     crashed = tmp_path / "crashed"
-    run = launch(S + "fit_epochs", 2, crashed, tag="x", epochs=3, fail={"rank": 1, "step": 6, "how": "kill"})
+    run = launch(
+        checkpoint_scenarios.fit_epochs, 2, crashed, tag="x", epochs=3, fail={"rank": 1, "step": 6, "how": "kill"}
+    )
     rank0, rank1 = run.processes
     assert rank1.returncode == -signal.SIGKILL
     assert rank0.returncode not in (0, None) and rank0.ended - failure_time(crashed, 1) < PROMPT
@@ -57,12 +56,17 @@ def test_a_killed_rank_ends_the_job_quickly_and_a_resume_loses_nothing(tmp_path)
     assert sorted(p.name for p in (crashed / "ckpts").iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
 
     resumed = run_ranks(
-        S + "fit_epochs", 2, crashed, tag="resumed", epochs=3, ckpt_path=str(crashed / "ckpts" / "last.ckpt")
+        checkpoint_scenarios.fit_epochs,
+        2,
+        crashed,
+        tag="resumed",
+        epochs=3,
+        ckpt_path=str(crashed / "ckpts" / "last.ckpt"),
     )
     for rank in range(2):
         assert resumed[rank]["global_step"] == 12
         assert resumed[rank]["losses"] == straight[rank]["losses"][4:]  # bit-identical: nothing lost, nothing changed
-    a, b = _weights(tmp_path / "straight", "w"), _weights(crashed, "resumed")
+    a, b = saved_weights(tmp_path / "straight", "w", 2), saved_weights(crashed, "resumed", 2)
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
@@ -71,7 +75,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_a_resume_loses_nothing(tmp_path)
 def test_a_hung_rank_is_given_up_on_after_the_configured_timeout(tmp_path):
     timeout = 20.0
     run = launch(
-        S + "fit_epochs",
+        checkpoint_scenarios.fit_epochs,
         2,
         tmp_path,
         tag="x",

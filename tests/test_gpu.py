@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_ranks
+from tests.helpers import checkpoint_scenarios, scenarios, user_scenarios
 
 pytestmark = [
     pytest.mark.dist,
@@ -23,7 +24,7 @@ ROW_WISE_PLAN = {
 def test_row_wise_training_with_nccl_reduces_the_loss(tmp_path):
     world_size = min(2, torch.cuda.device_count())
     res = run_ranks(
-        "train",
+        scenarios.train,
         world_size,
         tmp_path,
         steps=40,
@@ -39,7 +40,7 @@ def test_row_wise_training_with_nccl_reduces_the_loss(tmp_path):
 
 def test_fused_adam_is_available_on_cuda(tmp_path):
     res = run_ranks(
-        "train", 1, tmp_path, steps=10, model={"optimizer": "adam", "lr": 0.01}, trainer={"accelerator": "gpu"}
+        scenarios.train, 1, tmp_path, steps=10, model={"optimizer": "adam", "lr": 0.01}, trainer={"accelerator": "gpu"}
     )
     assert len(res[0]["losses"]) == 10
 
@@ -51,7 +52,7 @@ def test_checkpoint_saved_on_gpu_loads_on_cpu_and_exports(tmp_path):
     from tests.helpers.checkpoint_scenarios import fixed_batch
     from tests.helpers.models import RecModel
 
-    S = "tests.helpers.checkpoint_scenarios:reshard"
+    S = checkpoint_scenarios.reshard
     gpu = run_ranks(
         S, 1, tmp_path, save_plan="row_wise_mixed", load_plans=["row_wise_mixed", "table_wise"], accelerator="gpu"
     )[0]
@@ -70,7 +71,7 @@ def test_exact_resume_on_gpu_with_row_wise_tables(tmp_path):
     """Row-wise Adagrad on row-wise/table-wise/replicated CUDA tables: 3 epochs straight == 1 epoch + resume."""
     from tests.helpers.models import assemble
 
-    S = "tests.helpers.checkpoint_scenarios:fit_epochs"
+    S = checkpoint_scenarios.fit_epochs
     common = dict(plan="row_wise_mixed", accelerator="gpu", emb_optimizer={"name": "rowwise_adagrad", "lr": 0.1})
     straight = run_ranks(S, 1, tmp_path / "straight", tag="w", epochs=3, **common)[0]
     first = run_ranks(S, 1, tmp_path / "split", tag="first", epochs=1, **common)[0]
@@ -87,7 +88,7 @@ def test_exact_resume_on_gpu_with_row_wise_tables(tmp_path):
 def test_a_recshard_step_syncs_no_more_than_the_hand_written_torchrec_loop_on_cuda(tmp_path, pipeline):
     """Issue 14's property where it matters: torch's own CUDA sync detector and the dispatch-level counter, per step,
     recshard against TorchRec's tutorial loop on the same model and batches (pinned memory for both)."""
-    S = "tests.helpers.user_scenarios:syncs"
+    S = user_scenarios.syncs
     ours = run_ranks(S, 1, tmp_path, pipeline=pipeline, fmt="batch", accelerator="gpu")[0]
     raw = run_ranks(S, 1, tmp_path, pipeline=pipeline, fmt="batch", loop="raw", accelerator="gpu")[0]
     assert ours["cuda_per_step"] <= raw["cuda_per_step"], (ours["origins"], raw["origins"])

@@ -12,8 +12,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.inputs import InputChecks, InputError, ModuleInputs, NonFiniteError, check_features, check_finite
 from tests.helpers.dist import launch, run_ranks
+from tests.helpers import checkpoint_scenarios, input_scenarios, scenarios
 
-S = "tests.helpers.input_scenarios:"
 SPEC = ModuleInputs("ebc", ("user", "genre"), {"user": ("t_user", 10), "genre": ("t_genre", 5)})
 
 
@@ -47,7 +47,7 @@ EXPECTED_ERRORS = {
 @pytest.mark.dist
 def test_each_bad_batch_fails_at_its_step_naming_what_is_wrong_and_changes_nothing(tmp_path):
     results = run_ranks(
-        S + "bad_batches", 1, tmp_path, cases=list(EXPECTED_ERRORS) + ["none", "permuted", "int32_ids"]
+        input_scenarios.bad_batches, 1, tmp_path, cases=list(EXPECTED_ERRORS) + ["none", "permuted", "int32_ids"]
     )[0]
     for case, expected in EXPECTED_ERRORS.items():
         r = results[case]
@@ -67,13 +67,15 @@ def test_each_bad_batch_fails_at_its_step_naming_what_is_wrong_and_changes_nothi
 def test_a_non_finite_loss_is_named_a_step_late_by_default_and_refused_before_its_update_when_strict(tmp_path):
     """Dense inputs so large that the loss overflows to inf at step 3. By default the loss is read one step late
     (no host sync): step 4's backward is refused, naming step 3; "strict" refuses step 3 itself."""
-    late = run_ranks(S + "bad_batches", 1, tmp_path, cases=["overflowing_dense"])[0]["overflowing_dense"]
+    late = run_ranks(input_scenarios.bad_batches, 1, tmp_path, cases=["overflowing_dense"])[0]["overflowing_dense"]
     assert late["error"].startswith(
         "NonFiniteError: training step 3 (epoch 0, batch 3): the loss is inf. It was found after that step's update"
     ), late["error"]
     assert "nonfinite='strict'" in late["error"] and late["steps_done"] == 4  # step 3 updated, step 4 refused
     assert math.isinf(late["losses"][3])
-    strict = run_ranks(S + "bad_batches", 1, tmp_path, cases=["overflowing_dense"], strategy={"nonfinite": "strict"})[0]
+    strict = run_ranks(
+        input_scenarios.bad_batches, 1, tmp_path, cases=["overflowing_dense"], strategy={"nonfinite": "strict"}
+    )[0]
     strict = strict["overflowing_dense"]
     assert strict["error"].startswith(
         "NonFiniteError: training step 3 (epoch 0, batch 3): the loss has 1 NaN/infinite value(s), e.g. inf at index (). "
@@ -85,7 +87,7 @@ def test_a_non_finite_loss_is_named_a_step_late_by_default_and_refused_before_it
 @pytest.mark.dist
 def test_a_non_finite_loss_at_the_last_step_fails_the_fit_and_no_checkpoint_holds_it(tmp_path):
     """The last step's loss is read before `fit` returns, and before any checkpoint is written after it."""
-    results = run_ranks(S + "nan_loss_at_end", 1, tmp_path)[0]
+    results = run_ranks(input_scenarios.nan_loss_at_end, 1, tmp_path)[0]
     for case in ("error", "error_without_checkpoints"):
         assert results[case].startswith("NonFiniteError: training step 5 (epoch 0, batch 5): the loss is inf."), results
     assert results["checkpoints"] == ["step=3.ckpt"], results  # after step 2; the one after step 5 was refused
@@ -96,7 +98,7 @@ def test_a_non_finite_loss_at_the_last_step_fails_the_fit_and_no_checkpoint_hold
 def test_ids_the_host_never_saw_are_checked_at_the_tables_door(tmp_path, how, door_reads):
     """A KJT rebuilt inside ``forward``, or the batch's own changed in place there, is read at the module's door
     (a host sync on a GPU, only for such KJTs): the same error at the same step, nothing updated."""
-    result = run_ranks(S + "ids_changed_in_forward", 1, tmp_path, how=how)[0]
+    result = run_ranks(input_scenarios.ids_changed_in_forward, 1, tmp_path, how=how)[0]
     assert result["error"].startswith(EXPECTED_ERRORS["id_too_large"]), result["error"]
     assert result["steps_done"] == 3 and result["weights_unchanged"] and result["optimizer_unchanged"]
     assert result["door_reads"] == door_reads  # rebuilt: every step; in place: only the step that changed it
@@ -105,7 +107,7 @@ def test_ids_the_host_never_saw_are_checked_at_the_tables_door(tmp_path, how, do
 @pytest.mark.dist
 def test_pipelined_training_refuses_a_bad_batch_before_its_step(tmp_path):
     results = run_ranks(
-        S + "bad_batches", 1, tmp_path, cases=["id_too_large", "nan_dense"], strategy={"pipeline": True}
+        input_scenarios.bad_batches, 1, tmp_path, cases=["id_too_large", "nan_dense"], strategy={"pipeline": True}
     )[0]
     for case in ("id_too_large", "nan_dense"):
         assert results[case]["error"].startswith(EXPECTED_ERRORS[case]), results[case]["error"]
@@ -118,7 +120,7 @@ def test_pipelined_training_refuses_a_bad_batch_before_its_step(tmp_path):
 @pytest.mark.dist
 def test_warn_modes_train_on(tmp_path):
     results = run_ranks(
-        S + "bad_batches",
+        input_scenarios.bad_batches,
         1,
         tmp_path,
         cases=["id_too_large", "nan_dense"],
@@ -134,7 +136,7 @@ def test_warn_modes_train_on(tmp_path):
 @pytest.mark.dist
 def test_a_bad_batch_on_one_rank_stops_both_naming_it(tmp_path):
     run = launch(
-        "tests.helpers.checkpoint_scenarios:fit_epochs",
+        checkpoint_scenarios.fit_epochs,
         2,
         tmp_path,
         tag="x",
@@ -154,8 +156,8 @@ def test_a_bad_batch_on_one_rank_stops_both_naming_it(tmp_path):
 @pytest.mark.dist
 def test_different_batch_sizes_on_each_rank_train_as_torchrec_does(tmp_path):
     """Rank 0 gets 32 samples per batch, rank 1 gets 7: the same numbers as the hand-written TorchRec loop."""
-    ours = run_ranks("train", 2, tmp_path, tag="uneven", steps=5, batch_size=[32, 7])
-    ref = run_ranks("reference", 2, tmp_path, plan_from="uneven", steps=5, batch_size=[32, 7])
+    ours = run_ranks(scenarios.train, 2, tmp_path, tag="uneven", steps=5, batch_size=[32, 7])
+    ref = run_ranks(scenarios.reference, 2, tmp_path, plan_from="uneven", steps=5, batch_size=[32, 7])
     for rank in range(2):
         assert ours[rank]["losses"] == pytest.approx(ref[rank]["losses"], abs=1e-5)
 
@@ -165,7 +167,7 @@ def test_random_malformed_kjts_give_a_correct_step_or_a_clear_error(tmp_path):
     """Property-based (hypothesis): in a real 1-process fit, every random KJT either trains one correct step (its
     loss equals a hand computation from the weights before it) or raises an InputError and changes nothing; valid
     ones are never refused. It runs in its own process: an interpreter crash or a hang fails the test."""
-    outcomes = run_ranks(S + "fuzz_kjts", 1, tmp_path, timeout=400, max_examples=80)[0]
+    outcomes = run_ranks(input_scenarios.fuzz_kjts, 1, tmp_path, timeout=400, max_examples=80)[0]
     assert outcomes["trained"] >= 5 and outcomes["refused"] >= 20, outcomes
 
 

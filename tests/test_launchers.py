@@ -11,6 +11,7 @@ import pytest
 
 from lightning_rec.checkpoint import is_checkpoint
 from tests.helpers.dist import REPO, launch, run_ranks
+from tests.helpers import scenarios
 
 pytestmark = pytest.mark.dist
 
@@ -27,13 +28,13 @@ def _check(results, environment, local_world_size):
 
 def test_two_hosts_under_torchrun_and_slurm_match_one_host(tmp_path):
     two_hosts = {"nodes": 2, "trainer": {"num_nodes": 2}, "steps": STEPS}
-    torchrun = run_ranks("train", 2, tmp_path / "torchrun", launcher="torchrun", **two_hosts)
+    torchrun = run_ranks(scenarios.train, 2, tmp_path / "torchrun", launcher="torchrun", **two_hosts)
     _check(torchrun, "TorchElasticEnvironment", local_world_size=1)
-    slurm = run_ranks("train", 2, tmp_path / "slurm", launcher="slurm", **two_hosts)
+    slurm = run_ranks(scenarios.train, 2, tmp_path / "slurm", launcher="slurm", **two_hosts)
     _check(slurm, "SLURMEnvironment", local_world_size=1)
-    one_host = run_ranks("train", 2, tmp_path / "env", steps=STEPS)
+    one_host = run_ranks(scenarios.train, 2, tmp_path / "env", steps=STEPS)
     _check(one_host, "LightningEnvironment", local_world_size=2)
-    one_host_torchrun = run_ranks("train", 2, tmp_path / "torchrun1", launcher="torchrun", steps=STEPS)
+    one_host_torchrun = run_ranks(scenarios.train, 2, tmp_path / "torchrun1", launcher="torchrun", steps=STEPS)
     _check(one_host_torchrun, "TorchElasticEnvironment", local_world_size=2)
     for rank in range(2):
         # Same world size, same topology: bit-identical, whichever launcher started the ranks.

@@ -17,10 +17,10 @@ import torch
 
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import assemble
+from tests.helpers import habit_scenarios
 
 pytestmark = pytest.mark.dist
 
-SCENARIOS = "tests.helpers.habit_scenarios"
 STEPS_PER_EPOCH, MAX_EPOCHS, PATIENCE, MIN_DELTA, TOP_K, CLIP, LR = 4, 12, 2, 0.0, 2, 0.1, 0.05
 PREDICT_ROWS = 24
 
@@ -29,7 +29,7 @@ PREDICT_ROWS = 24
 def fitted(tmp_path_factory):
     out = tmp_path_factory.mktemp("habits")
     results = run_ranks(
-        f"{SCENARIOS}:callbacks_and_loggers",
+        habit_scenarios.callbacks_and_loggers,
         2,
         out,
         steps_per_epoch=STEPS_PER_EPOCH,
@@ -162,7 +162,7 @@ def test_prediction_writer_writes_every_ranks_rows(fitted):
 
 def test_val_check_interval_mid_epoch_checkpoint_resumes_exactly(tmp_path):
     r0, r1 = run_ranks(
-        f"{SCENARIOS}:mid_epoch_resume", 2, tmp_path, steps_per_epoch=6, epochs=2, every=3, resume_step=3
+        habit_scenarios.mid_epoch_resume, 2, tmp_path, steps_per_epoch=6, epochs=2, every=3, resume_step=3
     )
     for r in (r0, r1):
         assert r["saved"] == [
@@ -183,7 +183,7 @@ def _tables(per_rank: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def optimized(tmp_path_factory):
-    return run_ranks(f"{SCENARIOS}:optimizers_and_schedulers", 2, tmp_path_factory.mktemp("optimizers"), steps=6)
+    return run_ranks(habit_scenarios.optimizers_and_schedulers, 2, tmp_path_factory.mktemp("optimizers"), steps=6)
 
 
 def _global_losses(per_rank: List[Dict[str, Any]]) -> List[float]:
@@ -221,7 +221,7 @@ def test_lr_scheduler_moves_the_learning_rate_the_fbgemm_kernels_use(optimized):
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory):
-    return run_ranks(f"{SCENARIOS}:features", 1, tmp_path_factory.mktemp("features"))[0]
+    return run_ranks(habit_scenarios.features, 1, tmp_path_factory.mktemp("features"))[0]
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from torchrec.metrics.ne import compute_ne, get_ne_states
 from lightning_rec.metrics import LogLoss, NormalizedEntropy, ctr_metrics
 from tests.helpers.dist import run_ranks
 from tests.helpers.metric_scenarios import fixed_data, rank_slices
+from tests.helpers import metric_scenarios
 
 
 def _values(metrics) -> dict:
@@ -99,7 +100,7 @@ def test_two_processes_equal_one_process(tmp_path: Path) -> None:
     single = ctr_metrics()
     single.update(preds, target)
     expected = _values(single)
-    ranks = run_ranks("tests.helpers.metric_scenarios:ctr", world_size=2, out_dir=tmp_path, rows=rows)
+    ranks = run_ranks(metric_scenarios.ctr, world_size=2, out_dir=tmp_path, rows=rows)
     for r in ranks:
         assert r["metrics"] == pytest.approx(expected, abs=1e-6)
     assert [r["rows"] for r in ranks] == shares

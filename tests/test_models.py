@@ -13,6 +13,7 @@ from lightning_rec.models import DLRMModule, build_dlrm
 from tests.helpers.data import movielens_dir
 from tests.helpers.dist import run_ranks
 from tests.helpers.zoo import check_case
+from tests.helpers import model_scenarios, zoo_dlrm
 
 FEATURES = [SparseFeature("user", 10), SparseFeature("genre", 5, multi_hot=True)]
 
@@ -52,8 +53,8 @@ def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path: Path) -> None:
     """The same weights and the same validation rows give the same AUROC/NE/log loss/accuracy whether the rows
     are split over 2 processes (sharded tables, metric states synced) or seen by one."""
     data_dir = str(movielens_dir())
-    one = run_ranks("tests.helpers.model_scenarios:validate_movielens", 1, tmp_path / "one", data_dir=data_dir)[0]
-    two = run_ranks("tests.helpers.model_scenarios:validate_movielens", 2, tmp_path / "two", data_dir=data_dir)
+    one = run_ranks(model_scenarios.validate_movielens, 1, tmp_path / "one", data_dir=data_dir)[0]
+    two = run_ranks(model_scenarios.validate_movielens, 2, tmp_path / "two", data_dir=data_dir)
     assert two[0] == pytest.approx(two[1], abs=1e-7), "ranks must report the same synced metrics"
     assert set(one) >= {"val/auroc", "val/ne", "val/log_loss", "val/accuracy"}
     assert one == pytest.approx(two[0], abs=1e-5)
@@ -63,4 +64,4 @@ def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path: Path) -> None:
 @pytest.mark.dist
 def test_dlrm_dcn_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
     """The zoo harness (tests/helpers/zoo.py): 1 and 2 processes vs plain PyTorch, pipelined, 2 <-> 1, loaded."""
-    check_case(tmp_path, "tests.helpers.zoo_dlrm:CASE")
+    check_case(tmp_path, zoo_dlrm)

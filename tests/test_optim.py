@@ -7,7 +7,7 @@ import torch
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.keyed import KeyedOptimizer
 
-from lightning_rec.optim import (
+from lightning_rec.strategy.optim import (
     EmbeddingOptimizer,
     RecOptimizer,
     embedding_optimizer_from_torch,

@@ -5,16 +5,15 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.dist import run_ranks
+from tests.helpers import pipeline_scenarios
 
 pytestmark = pytest.mark.dist
-
-S = "tests.helpers.pipeline_scenarios:"
 
 
 def test_pipelined_training_matches_the_plain_loop_on_two_processes(tmp_path):
     """Same per-step losses, validation, logging, checkpoints and predictions as without pipelining."""
-    plain = run_ranks(S + "fit", 2, tmp_path / "plain", pipeline=False)
-    piped = run_ranks(S + "fit", 2, tmp_path / "piped", pipeline=True)
+    plain = run_ranks(pipeline_scenarios.fit, 2, tmp_path / "plain", pipeline=False)
+    piped = run_ranks(pipeline_scenarios.fit, 2, tmp_path / "piped", pipeline=True)
     for a, b in zip(plain, piped):
         assert b["pipelined"] == "SparseDistPipeline"
         # training ran TorchRec's pipelined forward (inputs distributed ahead); evaluation the module's own

@@ -13,11 +13,13 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-from lightning_rec import _compat, plan_report
-from lightning_rec.plan_report import PlanReport, imbalance, write_plan_report
-from lightning_rec.sharding import TableConstraints, make_planner, make_sharders, plan_rows
+from lightning_rec import _compat
+from lightning_rec.strategy import plan_report
+from lightning_rec.strategy.plan_report import PlanReport, imbalance, write_plan_report
+from lightning_rec.strategy.sharding import TableConstraints, make_planner, make_sharders, plan_rows
 from tests.helpers.dist import run_ranks
 from tests.helpers.scenarios import MIXED_PLAN
+from tests.helpers import report_scenarios
 
 # matplotlib's tab:blue and tab:orange, the memory and cost bars
 BLUE, ORANGE = (31, 119, 180), (255, 127, 14)
@@ -168,7 +170,7 @@ def test_write_creates_the_directory_and_survives_failures(tmp_path: Path, monke
 
 @pytest.mark.dist
 def test_two_process_fit_writes_once_on_rank_zero_into_the_log_dir(tmp_path: Path) -> None:
-    res = run_ranks("tests.helpers.report_scenarios:fit_report", 2, tmp_path)
+    res = run_ranks(report_scenarios.fit_report, 2, tmp_path)
     log_dir = Path(res[0]["log_dir"])
     assert res[1]["log_dir"] == res[0]["log_dir"] and log_dir == tmp_path / "logs" / "version_0"
     assert res[0]["writes"] == [str(log_dir)] and res[1]["writes"] == []  # rank 0 alone writes
@@ -205,7 +207,7 @@ def test_two_process_fit_writes_once_on_rank_zero_into_the_log_dir(tmp_path: Pat
 
 @pytest.mark.dist
 def test_report_without_logger_with_fixed_plan_disabled_and_unwritable(tmp_path: Path) -> None:
-    res = run_ranks("tests.helpers.report_scenarios:report_variants", 1, tmp_path)[0]
+    res = run_ranks(report_scenarios.report_variants, 1, tmp_path)[0]
     # logger=False: the plan is logged, no file is written (not in default_root_dir, not in the working directory).
     assert res["no_logger"]["writes"] == [] and res["no_logger"]["global_step"] == 2
     assert not (tmp_path / "no_logger").exists()

@@ -14,6 +14,7 @@ from lightning_rec.pretrained import load_rows, read_rows
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import assemble
 from tests.helpers.pretrained_scenarios import BAG_TABLES, DIM, SEQ_TABLE
+from tests.helpers import pretrained_scenarios
 
 
 def _ebc(device: str = "meta") -> EmbeddingBagCollection:
@@ -113,7 +114,7 @@ def test_every_plan_starts_from_the_files_rows(tmp_path: Path) -> None:
             "t_item_seq": {"sharding_types": ["table_wise"]},
         },
     }
-    res = run_ranks("tests.helpers.pretrained_scenarios:start_from_files", 2, tmp_path, files=files, plans=plans)
+    res = run_ranks(pretrained_scenarios.start_from_files, 2, tmp_path, files=files, plans=plans)
     assert res[0]["types"] == ["column_wise", "data_parallel", "table_column_wise", "table_wise"]
     for tag in plans:
         start = assemble([torch.load(tmp_path / f"{tag}.start{r}.pt") for r in range(2)])

@@ -26,6 +26,7 @@ from lightning_rec.models.sequential import SASRec, SequentialRecModule, sampled
 from tests.helpers.data import REPO, movielens_dir
 from tests.helpers.dist import run_ranks
 from tests.helpers.zoo import check_case
+from tests.helpers import sequential_scenarios, zoo_sequential
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +246,7 @@ def test_hr_ndcg_on_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     """2 processes (item table split column-wise over both) vs the same weights unsharded in this one process."""
     from tests.helpers.sequential_scenarios import seeded_model
 
-    two = run_ranks("tests.helpers.sequential_scenarios:rank_metrics", 2, tmp_path, max_len=20, batch_size=100)
+    two = run_ranks(sequential_scenarios.rank_metrics, 2, tmp_path, max_len=20, batch_size=100)
     assert two[0]["sharding"] == {"t_item": "column_wise"} and two[0]["shard_ranks"] == {"t_item": [0, 1]}
     assert two[0]["metrics"] == two[1]["metrics"]  # every rank logs the global value
     dm = MovieLensSequenceDataModule(str(movielens_dir()), download=False, max_len=20)
@@ -296,4 +297,4 @@ def test_config_runs_with_the_cli(tmp_path: Path) -> None:
 def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
     """The zoo harness (tests/helpers/zoo.py): 1 and 2 processes vs plain PyTorch, pipelined, 2 <-> 1, loaded."""
     movielens_dir()
-    check_case(tmp_path, "tests.helpers.zoo_sequential:CASE")
+    check_case(tmp_path, zoo_sequential)

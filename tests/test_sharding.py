@@ -7,7 +7,7 @@ import torch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
-from lightning_rec.sharding import (
+from lightning_rec.strategy.sharding import (
     TableConstraints,
     embedding_tables,
     format_plan,

@@ -6,22 +6,19 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_ranks
-from tests.helpers.models import assemble
+from tests.helpers.models import saved_weights
 
 from tests.helpers.scenarios import MIXED_PLAN as CONSTRAINTS
+from tests.helpers import scenarios
 
 pytestmark = pytest.mark.dist
-
-
-def _weights(tmp_path, tag, world_size):
-    return assemble([torch.load(tmp_path / f"{tag}.weights{r}.pt", weights_only=False) for r in range(world_size)])
 
 
 def test_two_process_training_matches_handwritten_torchrec_loop(tmp_path):
     """Same model, plan, data and initial weights: recshard == DMP + CombinedOptimizer by hand."""
     steps = 8
-    ours = run_ranks("train", 2, tmp_path, tag="recshard", steps=steps, strategy={"constraints": CONSTRAINTS})
-    ref = run_ranks("reference", 2, tmp_path, plan_from="recshard", steps=steps)
+    ours = run_ranks(scenarios.train, 2, tmp_path, tag="recshard", steps=steps, strategy={"constraints": CONSTRAINTS})
+    ref = run_ranks(scenarios.reference, 2, tmp_path, plan_from="recshard", steps=steps)
     for rank in range(2):
         assert len(ours[rank]["losses"]) == steps
         assert ours[rank]["losses"] == pytest.approx(ref[rank]["losses"], abs=1e-5)
@@ -31,7 +28,7 @@ def test_two_process_training_matches_handwritten_torchrec_loop(tmp_path):
         "t_item": ("table_wise", "fused"),
         "t_genre": ("data_parallel", "dense"),  # TorchRec keeps replicated tables on a dense kernel
     }
-    a, b = _weights(tmp_path, "recshard", 2), _weights(tmp_path, "reference", 2)
+    a, b = saved_weights(tmp_path, "recshard", 2), saved_weights(tmp_path, "reference", 2)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
@@ -43,7 +40,7 @@ def test_two_process_training_matches_handwritten_torchrec_loop(tmp_path):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_loss_falls_on_a_learnable_task(tmp_path, world_size):
-    res = run_ranks("train", world_size, tmp_path, steps=40, batch_size=64, model={"lr": 0.2})
+    res = run_ranks(scenarios.train, world_size, tmp_path, steps=40, batch_size=64, model={"lr": 0.2})
     for r in res:
         first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5
         assert last < 0.75 * first, r["losses"]
@@ -51,7 +48,7 @@ def test_loss_falls_on_a_learnable_task(tmp_path, world_size):
 
 def test_closure_runs_exactly_once_per_step_and_lr_scheduler_moves_tables(tmp_path):
     steps = 6
-    res = run_ranks("train", 2, tmp_path, steps=steps, model={"scheduler": {"gamma": 0.5}, "lr": 0.4})
+    res = run_ranks(scenarios.train, 2, tmp_path, steps=steps, model={"scheduler": {"gamma": 0.5}, "lr": 0.4})
     for r in res:
         assert r["global_step"] == steps
         assert r["closure_calls"] == steps
@@ -61,7 +58,7 @@ def test_closure_runs_exactly_once_per_step_and_lr_scheduler_moves_tables(tmp_pa
 
 
 def test_all_loops_and_collectives(tmp_path):
-    res = run_ranks("loops", 2, tmp_path)
+    res = run_ranks(scenarios.loops, 2, tmp_path)
     for rank, r in enumerate(res):
         assert r["closure_calls_after_fit"] == 4 and r["closure_calls_end"] == 4, "eval must not train"
         assert r["weights_unchanged_by_eval"]
@@ -78,8 +75,8 @@ def test_all_loops_and_collectives(tmp_path):
 
 
 def test_manual_optimization_matches_automatic(tmp_path):
-    auto = run_ranks("train", 2, tmp_path, tag="auto", steps=6)
-    manual = run_ranks("train", 2, tmp_path, tag="manual", steps=6, model={"manual": True})
+    auto = run_ranks(scenarios.train, 2, tmp_path, tag="auto", steps=6)
+    manual = run_ranks(scenarios.train, 2, tmp_path, tag="manual", steps=6, model={"manual": True})
     for a, m in zip(auto, manual):
         assert m["global_step"] == 6
         assert m["losses"] == pytest.approx(a["losses"], abs=1e-6)
@@ -88,9 +85,9 @@ def test_manual_optimization_matches_automatic(tmp_path):
 def test_batch_formats_workers_nested_ec_and_cpu_tables(tmp_path):
     """A dict batch from DataLoader workers, tables built on CPU, an EmbeddingCollection two levels down:
     same numbers as Batch objects with meta tables."""
-    base = run_ranks("train", 2, tmp_path, tag="base", steps=5, model={"with_ec": True})
+    base = run_ranks(scenarios.train, 2, tmp_path, tag="base", steps=5, model={"with_ec": True})
     other = run_ranks(
-        "train",
+        scenarios.train,
         2,
         tmp_path,
         tag="other",
@@ -102,13 +99,13 @@ def test_batch_formats_workers_nested_ec_and_cpu_tables(tmp_path):
     assert {r["module"] for r in base[0]["plan"]} == {"ebc", "towers.inner.ec"}
     for b, o in zip(base, other):
         assert o["losses"] == pytest.approx(b["losses"], abs=1e-6)
-    tup = run_ranks("train", 1, tmp_path, tag="tuple", steps=3, model={"batch_format": "tuple"})
+    tup = run_ranks(scenarios.train, 1, tmp_path, tag="tuple", steps=3, model={"batch_format": "tuple"})
     assert len(tup[0]["losses"]) == 3
 
 
 def test_bf16_mixed_trains(tmp_path):
     res = run_ranks(
-        "train", 1, tmp_path, steps=30, batch_size=64, model={"lr": 0.2}, trainer={"precision": "bf16-mixed"}
+        scenarios.train, 1, tmp_path, steps=30, batch_size=64, model={"lr": 0.2}, trainer={"precision": "bf16-mixed"}
     )
     losses = res[0]["losses"]
     assert all(l == l for l in losses)  # no NaN
@@ -122,7 +119,7 @@ def test_clear_errors_for_what_cannot_run_on_cpu(tmp_path):
         {"model": {"emb_optimizer": {"name": "lamb"}}},  # declared, CUDA-only
         {"trainer": {"accumulate_grad_batches": 2}},
     ]
-    errors = run_ranks("fit_errors", 1, tmp_path, cases=cases)[0]["errors"]
+    errors = run_ranks(scenarios.fit_errors, 1, tmp_path, cases=cases)[0]["errors"]
     assert "'adam' has no FBGEMM kernel on CPU" in errors[0] and "sgd, adagrad, rowwise_adagrad" in errors[0]
     assert "momentum" in errors[1] and "configure_embedding_optimizer" in errors[1]
     assert "'lamb' has no FBGEMM kernel on CPU" in errors[2]
@@ -130,7 +127,7 @@ def test_clear_errors_for_what_cannot_run_on_cpu(tmp_path):
 
 
 def test_model_without_tables_falls_back_to_data_parallel(tmp_path):
-    res = run_ranks("dense_only", 2, tmp_path)
+    res = run_ranks(scenarios.dense_only, 2, tmp_path)
     assert res[0]["warned"]  # rank_zero_warn: said once, by rank 0
     assert res[0]["global_step"] == 20
     assert res[0]["weights"] == pytest.approx(res[1]["weights"])  # replicas stay in sync
@@ -138,7 +135,7 @@ def test_model_without_tables_falls_back_to_data_parallel(tmp_path):
 
 
 def test_validate_before_fit_shards_once_with_the_derived_optimizer(tmp_path):
-    res = run_ranks("validate_then_fit", 2, tmp_path)
+    res = run_ranks(scenarios.validate_then_fit, 2, tmp_path)
     for r in res:
         assert r["steps"] == 4
         assert r["fused_lrs"] == pytest.approx([0.3] * 4)  # derived from configure_optimizers at validate time

@@ -9,8 +9,9 @@ import torch
 
 from lightning_rec.testing import SyncCounter
 from tests.helpers.dist import run_ranks
+from tests.helpers import user_scenarios
 
-SYNCS = "tests.helpers.user_scenarios:syncs"
+SYNCS = user_scenarios.syncs
 
 
 @pytest.mark.dist

@@ -31,6 +31,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.two_tower_scenarios import rank_rows, softmax_inputs
 from tests.helpers.zoo import check_case, seeded_module
 from tests.helpers.zoo_two_tower import CASE
+from tests.helpers import two_tower_scenarios, zoo_two_tower
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +240,7 @@ def test_two_tower_tables_weighted_shared_and_towers_alone(splits) -> None:
 
 @pytest.mark.dist
 def test_metrics_on_two_ranks_equal_one_process_and_towers_work_alone_after_loading(tmp_path: Path, splits) -> None:
-    two = run_ranks("tests.helpers.two_tower_scenarios:evaluate", 2, tmp_path, data_dir=str(movielens_dir()))
+    two = run_ranks(two_tower_scenarios.evaluate, 2, tmp_path, data_dir=str(movielens_dir()))
     assert two[0]["world_size"] == 2 and two[0]["plan"]["t_user_id"] == two[0]["plan"]["t_history"] == "column_wise"
     assert two[0]["plan"]["t_item_id"] == "table_wise"
     # one process, plain PyTorch: the same seeded weights, unsharded, every query at once
@@ -287,7 +288,7 @@ def test_metrics_on_two_ranks_equal_one_process_and_towers_work_alone_after_load
 
 @pytest.mark.dist
 def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
-    check_case(tmp_path, "tests.helpers.zoo_two_tower:CASE")
+    check_case(tmp_path, zoo_two_tower)
 
 
 @pytest.mark.dist

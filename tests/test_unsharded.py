@@ -1,4 +1,4 @@
-"""The sharded model behaves like the unsharded one it came from (lightning_rec.unsharded, dmp.materialize_dense):
+"""The sharded model behaves like the unsharded one it came from (lightning_rec.strategy.unsharded, dmp.materialize_dense):
 same output order under any plan and world size, the rows the tables held, every dense tensor initialised.
 
 The model (tests/helpers/user_models.py) is written as TorchRec's tutorial writes one: tables built on CPU with rows
@@ -16,14 +16,15 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from lightning_rec.checkpoint import CheckpointError
-from lightning_rec.dmp import materialize_dense
-from lightning_rec.unsharded import _Reorder
+from lightning_rec.strategy.dmp import materialize_dense
+from lightning_rec.strategy.unsharded import _Reorder
 from tests.helpers.dist import launch, run_ranks
 from tests.helpers.models import assemble
 from tests.helpers.user_models import REORDERING_PLAN, TABLE_WISE_PLAN, ValuesModel, samples, to_batch
+from tests.helpers import user_scenarios
 
 TOL = 1e-5
-FIT = "tests.helpers.user_scenarios:fit"
+FIT = user_scenarios.fit
 
 
 def _mean_losses(results):
@@ -61,7 +62,7 @@ def test_a_values_model_trains_like_plain_pytorch_on_any_plan_reshards_and_loads
     # Resharding both ways: a fresh model (other rows) predicts from the other world size's checkpoint.
     for src, ranks, plan in (("two", 1, TABLE_WISE_PLAN), ("one", 2, REORDERING_PLAN)):
         res = run_ranks(
-            "tests.helpers.user_scenarios:predict_from",
+            user_scenarios.predict_from,
             ranks,
             tmp_path / f"{src}-to-{ranks}",
             ckpt=str(tmp_path / src / "ckpt"),
@@ -99,7 +100,7 @@ def test_ranks_holding_different_rows_start_from_rank_zeros(tmp_path):
 
 @pytest.mark.dist
 def test_an_embedding_collection_keeps_its_output_order_and_rows(tmp_path):
-    res = run_ranks("tests.helpers.user_scenarios:ec_order", 1, tmp_path)[0]
+    res = run_ranks(user_scenarios.ec_order, 1, tmp_path)[0]
     assert res["sharded_keys"] == res["unsharded_keys"] == ["user", "genre", "item"]
     assert res["same_values"]
 
@@ -198,10 +199,10 @@ def test_lightnings_transfer_hooks_run_and_the_batch_they_build_is_checked(tmp_p
     """``on_before_batch_transfer`` builds the KJT batch from raw rows on the host: recshard checks what it built
     (before the copy), calls the user's ``transfer_batch_to_device`` and ``on_after_batch_transfer``, and trains as
     plain PyTorch does; a bad id the hook produced is refused, naming its step."""
-    good = run_ranks("tests.helpers.user_scenarios:transfer_hooks", 1, tmp_path)[0]
+    good = run_ranks(user_scenarios.transfer_hooks, 1, tmp_path)[0]
     assert good["error"] is None and good["transfers"] == good["after"] == 5
     assert good["losses"] == pytest.approx(good["ref_losses"], abs=1e-5)
-    bad = run_ranks("tests.helpers.user_scenarios:transfer_hooks", 1, tmp_path, bad_step=2)[0]
+    bad = run_ranks(user_scenarios.transfer_hooks, 1, tmp_path, bad_step=2)[0]
     assert bad["error"].startswith(
         "InputError: training step 2 (epoch 0, batch 2): module 'ebc': feature 'user' (table 't_user', 60 rows) has 1 "
         "id(s) outside [0, 60): 65 (sample 0)."

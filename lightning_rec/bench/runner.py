@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict, replace
 from typing import Any, Dict, List, Optional
 
-from lightning_rec.bench.worker import _RESULT, _worker
+from lightning_rec.bench.worker import RESULT_PREFIX, run_worker
 from lightning_rec.bench.workload import EXTRA_VARIANTS, GPU_SIZES, OPTIMIZERS, SIZES, VARIANTS, Size
 from lightning_rec.testing.ports import free_port
 
@@ -77,7 +77,9 @@ def run_variant(
     for p in procs:
         out, _ = p.communicate(timeout=timeout)
         logs.append(out)
-        records += [json.loads(line[len(_RESULT) :]) for line in out.splitlines() if line.startswith(_RESULT)]
+        records += [
+            json.loads(line[len(RESULT_PREFIX) :]) for line in out.splitlines() if line.startswith(RESULT_PREFIX)
+        ]
     if any(p.returncode for p in procs) or len(records) != size.world_size:
         raise RuntimeError(f"bench variant {variant} at {size.name} failed:\n" + "\n".join(log[-3000:] for log in logs))
     return sorted(records, key=lambda r: r["rank"])
@@ -282,7 +284,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the benchmark (see the module docstring); returns the final JSON record."""
     import torch
 
-    from lightning_rec.sharding import supported_sharding_types
+    from lightning_rec.strategy.sharding import supported_sharding_types
 
     parser = argparse.ArgumentParser(
         prog="python -m lightning_rec.bench",
@@ -331,7 +333,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--size-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.worker, Size(**json.loads(args.size_json)), args.lr)
+        run_worker(args.worker, Size(**json.loads(args.size_json)), args.lr)
         return {}
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b] if args.batch_sizes else []
     if args.plot and len(batch_sizes) < 2:

@@ -34,7 +34,7 @@ from lightning_rec.bench.workload import (
     torch_optimizer,
 )
 
-_RESULT = "BENCH_RESULT "
+RESULT_PREFIX = "BENCH_RESULT "
 # Passes over every looked-up row per step in the bandwidth model above: forward read, backward read + write.
 EMB_PASSES = 3
 
@@ -203,7 +203,9 @@ def _run_plain(size: Size, lr: float, device) -> Dict[str, Any]:
     return {"stamps": clock.stamps, "losses": [float(x) for x in losses], "plan": None}
 
 
-def _lightning_module(size: Size, lr: float, plain_tables: bool, sparse: bool = False):
+def lightning_module(size: Size, lr: float, plain_tables: bool, sparse: bool = False):
+    """The bench's LightningModule at ``size``: sharded tables, or plain ``nn.EmbeddingBag``s (``plain_tables``, with
+    ``sparse`` gradients) for the plain-PyTorch baseline."""
     import lightning as L
 
     import lightning_rec
@@ -225,7 +227,7 @@ def _lightning_module(size: Size, lr: float, plain_tables: bool, sparse: bool = 
             return loss
 
         def configure_optimizers(self):
-            # recshard derives the tables' fused optimizer from this one (lightning_rec.optim).
+            # recshard derives the tables' fused optimizer from this one (lightning_rec.strategy.optim).
             return torch_optimizer(size.optimizer, self.parameters(), lr)
 
     return Module()
@@ -261,7 +263,7 @@ def _run_lightning(
     # host and copied (the host RSS of these variants then leaves the tables out, as recshard's does).
     where = torch.device(device) if plain_tables and device.type == "cuda" else contextlib.nullcontext()
     with where:
-        module = _lightning_module(size, lr, plain_tables, sparse)
+        module = lightning_module(size, lr, plain_tables, sparse)
     if plain_tables:
         init_weights(module.model)
         strategy: Any = "ddp" if size.world_size > 1 else "auto"
@@ -303,7 +305,7 @@ def _bandwidth_in_turn(device) -> float:
     return gb_s
 
 
-def _worker(variant: str, size: Size, lr: float, bandwidth: bool = True) -> None:
+def run_worker(variant: str, size: Size, lr: float, bandwidth: bool = True) -> None:
     """Train ``variant`` at ``size`` in this process (one rank) and print its record (``BENCH_RESULT {...}``).
 
     Args:
@@ -356,9 +358,9 @@ def _worker(variant: str, size: Size, lr: float, bandwidth: bool = True) -> None
         "plan": out["plan"],
         "device": device.type,
     }
-    print(_RESULT + json.dumps(record), flush=True)
+    print(RESULT_PREFIX + json.dumps(record), flush=True)
     if dist.is_initialized():
         dist.barrier()
         # The raw loop and Lightning's ddp do not tear gloo down; without this the process can abort at exit
-        # (see lightning_rec.faults.close_process_group_at_exit).
+        # (see lightning_rec.strategy.faults.close_process_group_at_exit).
         dist.destroy_process_group()

@@ -98,7 +98,7 @@ SIZES = {
 GPU_SIZES = tuple(name for name, size in SIZES.items() if size.gpu)
 OPTIMIZERS = ("sgd", "adagrad")
 # torch.optim.Adagrad's default eps: FBGEMM's EXACT_ADAGRAD gets the same, as recshard derives it from the
-# torch optimizer's param group (lightning_rec.optim.embedding_optimizer_from_torch).
+# torch optimizer's param group (lightning_rec.strategy.optim.embedding_optimizer_from_torch).
 _ADAGRAD_EPS = 1e-10
 
 
@@ -259,6 +259,6 @@ def table_constraints(size: Size) -> Dict[str, Dict[str, Any]]:
 
 
 def _plan_rows(plan) -> Dict[str, Any]:
-    from lightning_rec.sharding import plan_rows
+    from lightning_rec.strategy.sharding import plan_rows
 
     return {r.table: [r.sharding_type, r.compute_kernel, r.ranks] for r in plan_rows(plan)}

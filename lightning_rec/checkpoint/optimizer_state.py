@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_rec import _compat
-from lightning_rec.optim import RecOptimizer
+from lightning_rec.strategy.optim import RecOptimizer
 
 # torch optimizer state name -> fused (FBGEMM) state name, for tables on a non-fused kernel.
 _TORCH_TO_FUSED = {"sum": "momentum1", "exp_avg": "momentum1", "exp_avg_sq": "momentum2"}
@@ -67,7 +67,7 @@ def _table_state_to_canonical(state: Dict[str, Any]) -> Dict[str, Any]:
 
 def canonical_state(optimizer: Optimizer, named_parameters: Mapping[str, Tensor]) -> Dict[str, Any]:
     """``optimizer``'s state keyed by parameter FQN with plan-independent names (see the module docstring)."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+    optimizer = _compat.unwrap_optimizer(optimizer)
     if not isinstance(optimizer, RecOptimizer):
         names = {id(p): n for n, p in named_parameters.items()}
         return {"state": _torch_state_by_fqn(optimizer, names), "param_groups": _groups_by_fqn(optimizer, names)}
@@ -106,7 +106,7 @@ class OptimizerTarget:
         table_widths: Mapping[str, List[int]],
         saved_extra: Optional[Mapping[str, Mapping[str, Any]]] = None,
     ) -> None:
-        self.optimizer = getattr(optimizer, "_optimizer", optimizer)
+        self.optimizer = _compat.unwrap_optimizer(optimizer)
         self.tensors: Dict[Tuple[str, str], Tensor] = {}  # (fqn, name) -> what DCP loads into
         self.problems: List[str] = []
         self._saved_groups = saved_groups

@@ -90,9 +90,10 @@ class SafeFileSystemReader(FileSystemReader):
 def load_meta(path: Path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
     """Lightning's tensor-free checkpoint part (``meta.pt``), loaded with ``torch.load(weights_only=True)``.
 
-    Lightning's ``AttributeDict`` and this package's plain configuration dataclasses (``SparseFeature``,
-    ``EmbeddingOptimizer``, ...: what ``save_hyperparameters()`` records for the shipped models) are allowed.
-    Anything else (a custom class in ``save_hyperparameters()``, say) is refused unless the caller passes ``weights_only=False`` (Lightning's
+    Lightning's ``AttributeDict`` and the plain configuration dataclasses registered with
+    :func:`lightning_rec.config.checkpoint_safe` (this package's ``SparseFeature``, ``EmbeddingOptimizer``, ...:
+    what ``save_hyperparameters()`` records for the shipped models; users register their own the same way) are
+    allowed. Anything else is refused unless the caller passes ``weights_only=False`` (Lightning's
     ``trainer.fit(..., weights_only=False)``): only do that for checkpoints you trust.
     """
     if weights_only is False:
@@ -106,31 +107,21 @@ def load_meta(path: Path, weights_only: Optional[bool] = None) -> Dict[str, Any]
         )
         raise UnsafeCheckpointError(
             f"{path} holds objects that are not plain data, so it was not unpickled ({reason}).\n"
-            "HINT: keep hyperparameters plain (numbers, strings, lists, dicts), or, for a checkpoint you trust, "
-            "pass `weights_only=False` to `trainer.fit/validate/test/predict`."
+            "HINT: keep hyperparameters plain (numbers, strings, lists, dicts), register a plain dataclass of yours "
+            "with `@lightning_rec.checkpoint_safe`, or, for a checkpoint you trust, pass `weights_only=False` to "
+            "`trainer.fit/validate/test/predict`."
         ) from None
 
 
-# Where the configuration classes lived before `lightning_rec.config`: checkpoints written then name them so.
-_OLD_CONFIG_PATHS = {
-    "SparseFeature": "lightning_rec.data.base.SparseFeature",
-    "EmbeddingOptimizer": "lightning_rec.optim.EmbeddingOptimizer",
-    "TableConstraints": "lightning_rec.sharding.TableConstraints",
-    "TopologyConfig": "lightning_rec.sharding.TopologyConfig",
-}
-
-
 def _plain_classes() -> list:
-    """Classes ``meta.pt`` may contain: data holders whose unpickling runs no code of theirs (each under its
-    module path, and the configuration classes also under the paths older checkpoints name them by)."""
+    """Classes ``meta.pt`` may contain: Lightning's ``AttributeDict`` and every class registered with
+    :func:`lightning_rec.config.checkpoint_safe` (data holders whose unpickling runs no code of theirs)."""
     from lightning.fabric.utilities.data import AttributeDict
 
-    from lightning_rec.config import EmbeddingOptimizer, SparseFeature, TableConstraints, TopologyConfig
-    from lightning_rec.data.synthetic import SyntheticTable
+    import lightning_rec.data  # noqa: F401  (registers its configuration classes, e.g. SyntheticTable)
+    from lightning_rec.config import checkpoint_safe_classes
 
-    configs = [SparseFeature, EmbeddingOptimizer, TableConstraints, TopologyConfig]
-    old_paths = [(cls, _OLD_CONFIG_PATHS[cls.__name__]) for cls in configs]
-    return [AttributeDict, SyntheticTable, *configs, *old_paths]
+    return [AttributeDict, *checkpoint_safe_classes()]
 
 
 def dumps_meta(meta: Dict[str, Any]) -> bytes:

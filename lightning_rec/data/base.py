@@ -215,7 +215,8 @@ class DistributedBatchSampler(DistributedSampler):
         return self._num_batches
 
 
-def _identity(x: Any) -> Any:
+def identity(x: Any) -> Any:
+    """A ``collate_fn`` that hands the sampler's batch through as it is (the datasets collate whole batches)."""
     return x
 
 
@@ -247,7 +248,7 @@ def batch_loader(
         dataset,
         sampler=sampler,
         batch_size=None,
-        collate_fn=_identity,
+        collate_fn=identity,
         num_workers=num_workers,
         multiprocessing_context="spawn" if num_workers > 0 else None,
         persistent_workers=num_workers > 0,

@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.config import SparseFeature
-from lightning_rec.data.base import DistributedBatchSampler, Jagged, RecDataModule, _identity
+from lightning_rec.data.base import DistributedBatchSampler, Jagged, RecDataModule, identity
 from lightning_rec.data.movielens import load_interactions, prepare_movielens
 from lightning_rec.metrics import target_rank
 
@@ -399,7 +399,7 @@ class MovieLensSequenceDataModule(RecDataModule):
             dataset,
             sampler=sampler,
             batch_size=None,
-            collate_fn=_identity,
+            collate_fn=identity,
             num_workers=self.num_workers,
             multiprocessing_context="spawn" if self.num_workers > 0 else None,
             persistent_workers=self.num_workers > 0,

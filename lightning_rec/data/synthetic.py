@@ -14,7 +14,7 @@ from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 
-from lightning_rec.config import SparseFeature
+from lightning_rec.config import SparseFeature, checkpoint_safe
 from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset
 
 __all__ = ["SyntheticDataModule", "SyntheticTable", "make_synthetic_dataset"]
@@ -23,6 +23,7 @@ __all__ = ["SyntheticDataModule", "SyntheticTable", "make_synthetic_dataset"]
 _LOGIT_SCALE = 1.5
 
 
+@checkpoint_safe
 @dataclass
 class SyntheticTable:
     """One sparse feature of the synthetic data.
@@ -109,10 +110,11 @@ def _ids(table: SyntheticTable, truth: _Truth, n: int, g: torch.Generator) -> to
     return truth.hot_order[table.name][ranks]
 
 
-def _draw(
+def draw(
     tables: Sequence[SyntheticTable], num_dense_features: int, rows: int, seed: int
 ) -> Tuple[RecDataset, torch.Tensor]:
-    """The dataset and the hidden logit of each row (what an ideal model would predict)."""
+    """The dataset of ``rows`` synthetic rows drawn from ``seed``, and the hidden logit of each row (what an ideal
+    model would predict)."""
     names = [t.name for t in tables]
     if not tables or len(set(names)) != len(names):
         raise ValueError(f"Synthetic data needs at least one table and unique table names, got {names}.")
@@ -163,7 +165,7 @@ def make_synthetic_dataset(
         >>> len(ds), ds[torch.arange(2)].sparse_features.keys()
         (1000, ['user', 'tags'])
     """
-    return _draw(tables, num_dense_features, rows, seed)[0]
+    return draw(tables, num_dense_features, rows, seed)[0]
 
 
 class SyntheticDataModule(RecDataModule):

@@ -21,7 +21,7 @@ DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "s
 
 
 class TwoOptimizerModule(RecLightningModule):
-    """A module whose tables train with a fused :class:`~lightning_rec.optim.EmbeddingOptimizer` and whose other
+    """A module whose tables train with a fused :class:`~lightning_rec.strategy.optim.EmbeddingOptimizer` and whose other
     parameters with a dense optimizer named by the hyperparameters ``dense_optimizer``, ``dense_lr`` and
     ``dense_weight_decay`` (a subclass's ``__init__`` takes them and calls ``save_hyperparameters()``).
 

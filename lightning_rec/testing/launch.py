@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from lightning_rec.testing.ports import free_port
 
@@ -130,8 +130,23 @@ def _commands(launcher: str, worker: List[str], world_size: int, nodes: int) -> 
     return commands
 
 
+def scenario_name(scenario: Union[str, Callable[..., Any]]) -> str:
+    """``"module:function"`` of a scenario given as a function (importable on the ranks), or the string as is.
+
+    Example::
+
+        >>> scenario_name(scenario_name)
+        'lightning_rec.testing.launch:scenario_name'
+    """
+    if isinstance(scenario, str):
+        return scenario
+    if "<" in scenario.__qualname__:
+        raise ValueError(f"scenario {scenario.__qualname__!r} is not importable: define it at a module's top level.")
+    return f"{scenario.__module__}:{scenario.__qualname__}"
+
+
 def launch(
-    scenario: str,
+    scenario: Union[str, Callable[..., Any]],
     world_size: int,
     out_dir: Path,
     *,
@@ -144,7 +159,8 @@ def launch(
     pythonpath: Sequence[str] = (),
     **config: Any,
 ) -> Launch:
-    """Start ``scenario`` (``module:function``, or a function in the module ``scenarios``) on ``world_size`` ranks
+    """Start ``scenario`` (a top-level function, ``"module:function"``, or a function name in the module
+    ``scenarios``) on ``world_size`` ranks
     spread over ``nodes`` hosts, and wait for the processes to end.
 
     Each rank calls ``function(rank=..., world_size=..., out_dir=..., **config)`` and its JSON-able return value
@@ -152,7 +168,8 @@ def launch(
     (``<scenario>.<process>.log``) and results (``<scenario>.rank<R>.json``) land.
 
     Args:
-        scenario: ``"package.module:function"``, or a function name in ``scenarios``.
+        scenario: a function defined at a module's top level, ``"package.module:function"``, or a function name in
+            ``scenarios``.
         world_size: how many ranks.
         out_dir: the processes' working directory (created if need be).
         nodes: how many "hosts" the ranks are spread over (``launcher="torchrun"`` starts one agent per host).
@@ -173,6 +190,7 @@ def launch(
         run = launch("my_project.scenarios:fit", 2, tmp_path, pythonpath=[repo], steps=4)
         assert all(p.returncode == 0 for p in run.processes), run.log("rank1")
     """
+    scenario = scenario_name(scenario)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base_env = {
@@ -228,7 +246,7 @@ def launch(
 
 
 def run_ranks(
-    scenario: str,
+    scenario: Union[str, Callable[..., Any]],
     world_size: int,
     out_dir: Path,
     timeout: float = 300,
@@ -260,7 +278,7 @@ def run_ranks(
     )
     if any(p.returncode != 0 for p in run.processes) or any(r is None for r in run.results):
         raise AssertionError(
-            f"scenario {scenario!r} failed on {world_size} ranks (exit codes "
+            f"scenario {scenario_name(scenario)!r} failed on {world_size} ranks (exit codes "
             f"{ {p.name: p.returncode for p in run.processes} }):\n"
             + "\n".join(f"----- {p.name} -----\n{p.log[-6000:]}" for p in run.processes)
         )

@@ -9,12 +9,12 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from lightning_rec._compat import ShardedTensor
 from torch.utils.data import DataLoader
 
 from lightning_rec.checkpoint import canonical_state
-from tests.helpers.models import RecModel, local_weights, make_batches
-from tests.helpers.scenarios import _loader, _trainer
+from tests.helpers.models import RecModel, save_weights, make_batches
+from tests.helpers.scenarios import make_loader, make_trainer
 
 PLANS = {
     "table_wise": {t: {"sharding_types": ["table_wise"]} for t in ("t_user", "t_item", "t_genre")},
@@ -95,7 +95,7 @@ def fit_epochs(
         dirpath=out_dir / "ckpts", save_last=True, save_top_k=-1, every_n_epochs=save_every_n_epochs
     )
     restored = RecordRestoredState()
-    trainer = _trainer(
+    trainer = make_trainer(
         world_size,
         -1,
         {"constraints": PLANS[plan], **(strategy or {})},
@@ -104,8 +104,8 @@ def fit_epochs(
         accelerator=accelerator,
         callbacks=[ckpt_cb, restored] + ([FailAt(out_dir=str(out_dir), **fail)] if fail else []),
     )
-    trainer.fit(model, _loader(rank, steps, 16, {}), ckpt_path=ckpt_path)
-    torch.save(local_weights(model), out_dir / f"{tag}.weights{rank}.pt")
+    trainer.fit(model, make_loader(rank, steps, 16, {}), ckpt_path=ckpt_path)
+    save_weights(model, out_dir, tag, rank)
     return {
         "losses": model.losses,
         "global_step": trainer.global_step,
@@ -122,7 +122,7 @@ def fixed_batch():
 
 def predict_with(world_size: int, plan: str, ckpt: str, accelerator: str = "cpu") -> List[float]:
     """Predictions on :func:`fixed_batch` of a fresh model loaded from ``ckpt`` under ``plan``."""
-    trainer = _trainer(world_size, 1, {"constraints": PLANS[plan]}, det_init=False, accelerator=accelerator)
+    trainer = make_trainer(world_size, 1, {"constraints": PLANS[plan]}, det_init=False, accelerator=accelerator)
     out = trainer.predict(RecModel(), DataLoader([fixed_batch()], batch_size=None), ckpt_path=ckpt)
     return [float(x) for x in out[0]]
 
@@ -142,8 +142,8 @@ def reshard(
     if save_plan is not None:
         L.seed_everything(0)
         model = RecModel()
-        trainer = _trainer(world_size, steps, {"constraints": PLANS[save_plan]}, accelerator=accelerator)
-        trainer.fit(model, _loader(rank, steps, 16, {}))
+        trainer = make_trainer(world_size, steps, {"constraints": PLANS[save_plan]}, accelerator=accelerator)
+        trainer.fit(model, make_loader(rank, steps, 16, {}))
         path = out_dir / f"saved_{world_size}.ckpt"
         trainer.save_checkpoint(path)
         out["saved"] = [float(x) for x in trainer.predict(model, DataLoader([fixed_batch()], batch_size=None))[0]]
@@ -166,9 +166,9 @@ def resume_on_plans(
         L.seed_everything(0)
         model = RecModel()
         restored = RecordRestoredState()
-        trainer = _trainer(world_size, -1, {"constraints": PLANS[plan]}, det_init=False, max_steps=max_steps)
+        trainer = make_trainer(world_size, -1, {"constraints": PLANS[plan]}, det_init=False, max_steps=max_steps)
         trainer.callbacks.append(restored)
-        trainer.fit(model, _loader(rank, max_steps, 16, {}, seed=500), ckpt_path=ckpt)
+        trainer.fit(model, make_loader(rank, max_steps, 16, {}, seed=500), ckpt_path=ckpt)
         out[plan] = {"losses": model.losses, "restored_sums": restored.sums, "global_step": trainer.global_step}
     return out
 
@@ -189,7 +189,7 @@ def load_mismatching(rank: int, world_size: int, out_dir: Path, ckpt: str) -> Di
         ],
         device=torch.device("meta"),
     )
-    trainer = _trainer(world_size, 1, {"constraints": PLANS["mixed"]}, det_init=False)
+    trainer = make_trainer(world_size, 1, {"constraints": PLANS["mixed"]}, det_init=False)
     try:
         trainer.validate(model, DataLoader([fixed_batch()], batch_size=None), ckpt_path=ckpt)
     except CheckpointError as err:

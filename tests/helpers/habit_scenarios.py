@@ -541,7 +541,7 @@ def features(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
     from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, StochasticWeightAveraging
     from lightning.pytorch.callbacks import EMAWeightAveraging, GradientAccumulationScheduler, ModelPruning
 
-    from lightning_rec.dmp import sharded_state
+    from lightning_rec.strategy.dmp import sharded_state
 
     class FreezeTables(BaseFinetuning):  # BackboneFinetuning's mechanism, with the tables as the backbone
         def freeze_before_training(self, pl_module: Any) -> None:

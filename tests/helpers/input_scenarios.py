@@ -15,7 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_rec import Batch
 from tests.helpers.checkpoint_scenarios import optimizer_sums
 from tests.helpers.models import GENRES, ITEMS, USERS, RecModel, local_weights, make_batches
-from tests.helpers.scenarios import _trainer
+from tests.helpers.scenarios import make_trainer
 
 ONE_TABLE_PLAN = {t: {"sharding_types": ["table_wise"]} for t in ("t_user", "t_item", "t_genre")}
 
@@ -107,7 +107,9 @@ def _bad_batch(
     batches[at_step] = corrupt(batches[at_step], case)
     model = RecModel()
     snapshots = Snapshots()
-    trainer = _trainer(world_size, steps, {"constraints": ONE_TABLE_PLAN, **(strategy or {})}, callbacks=[snapshots])
+    trainer = make_trainer(
+        world_size, steps, {"constraints": ONE_TABLE_PLAN, **(strategy or {})}, callbacks=[snapshots]
+    )
     error: Optional[str] = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -153,7 +155,7 @@ def ids_changed_in_forward(rank: int, world_size: int, out_dir: Path, how: str, 
     L.seed_everything(0)
     model = _ChangesIdsInForward(how)
     snapshots = Snapshots()
-    trainer = _trainer(world_size, steps, {"constraints": ONE_TABLE_PLAN}, callbacks=[snapshots])
+    trainer = make_trainer(world_size, steps, {"constraints": ONE_TABLE_PLAN}, callbacks=[snapshots])
     error = None
     try:
         trainer.fit(model, DataLoader(make_batches(steps, 16, seed=100), batch_size=None))
@@ -181,7 +183,7 @@ def nan_loss_at_end(rank: int, world_size: int, out_dir: Path, steps: int = 6) -
         L.seed_everything(0)
         batches = make_batches(steps, 16, seed=100)
         batches[-1] = corrupt(batches[-1], "overflowing_dense")
-        trainer = _trainer(world_size, steps, {"constraints": ONE_TABLE_PLAN}, callbacks=callbacks)
+        trainer = make_trainer(world_size, steps, {"constraints": ONE_TABLE_PLAN}, callbacks=callbacks)
         try:
             trainer.fit(RecModel(), DataLoader(batches, batch_size=None))
             result[name] = None
@@ -294,7 +296,7 @@ def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60)
 
     L.seed_everything(0)
     model = RecModel(lr=0.05)
-    _trainer(world_size, 1, {"constraints": ONE_TABLE_PLAN}).fit(
+    make_trainer(world_size, 1, {"constraints": ONE_TABLE_PLAN}).fit(
         model, DataLoader(make_batches(1, 4, seed=0), batch_size=None)
     )
     outcomes: Dict[str, int] = {}
@@ -311,7 +313,7 @@ def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60)
         )
         before = local_weights(model)
         try:
-            _trainer(world_size, 1, {"constraints": ONE_TABLE_PLAN}, det_init=False).fit(
+            make_trainer(world_size, 1, {"constraints": ONE_TABLE_PLAN}, det_init=False).fit(
                 model, DataLoader([batch], batch_size=None)
             )
         except InputError as e:

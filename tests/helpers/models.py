@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_rec
+from lightning_rec._compat import ShardedTensor
 from lightning_rec import Batch
 from lightning_rec.testing.init import deterministic_init  # noqa: F401  (re-exported: the tests' name for it)
 
@@ -203,6 +205,16 @@ def local_weights(module: nn.Module) -> Dict[str, List]:
         elif isinstance(t, torch.Tensor):
             out[name] = [([0] * t.dim(), t.detach().clone())]
     return out
+
+
+def save_weights(module: nn.Module, out_dir: Path, tag: str, rank: int) -> None:
+    """This rank's :func:`local_weights` into ``out_dir/<tag>.weights<rank>.pt``, for :func:`saved_weights`."""
+    torch.save(local_weights(module), Path(out_dir) / f"{tag}.weights{rank}.pt")
+
+
+def saved_weights(out_dir: Path, tag: str, world_size: int) -> Dict[str, torch.Tensor]:
+    """The global tensors every rank saved with :func:`save_weights` (see :func:`assemble`)."""
+    return assemble([torch.load(Path(out_dir) / f"{tag}.weights{r}.pt") for r in range(world_size)])
 
 
 def assemble(per_rank: List[Dict[str, List]]) -> Dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from lightning_rec.checkpoint import is_checkpoint
 from tests.helpers.checkpoint_scenarios import fixed_batch
 from tests.helpers.models import RecModel
-from tests.helpers.scenarios import _loader, _trainer
+from tests.helpers.scenarios import make_loader, make_trainer
 
 
 class Observe(L.Callback):
@@ -38,10 +38,10 @@ def fit(rank: int, world_size: int, out_dir: Path, pipeline: bool, steps: int = 
     model = RecModel()
     counter = Observe()
     ckpt = ModelCheckpoint(dirpath=out_dir / f"ckpt_{pipeline}", save_last=True)
-    trainer = _trainer(
+    trainer = make_trainer(
         world_size, -1, {"pipeline": pipeline}, max_epochs=epochs, limit_val_batches=2, callbacks=[counter, ckpt]
     )
-    trainer.fit(model, _loader(rank, steps, 16, {}), _loader(rank, 2, 16, {}, seed=300))
+    trainer.fit(model, make_loader(rank, steps, 16, {}), make_loader(rank, 2, 16, {}, seed=300))
     logged_train_loss = float(trainer.callback_metrics["train_loss"])
     predictions = trainer.predict(model, DataLoader([fixed_batch()], batch_size=None))[0]
     return {

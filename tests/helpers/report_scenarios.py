@@ -11,10 +11,10 @@ from typing import Any, Dict, List
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from lightning_rec import plan_report
-from lightning_rec.sharding import plan_rows
+from lightning_rec.strategy import plan_report
+from lightning_rec.strategy.sharding import plan_rows
 from tests.helpers.models import RecModel
-from tests.helpers.scenarios import _loader, _trainer
+from tests.helpers.scenarios import make_loader, make_trainer
 
 
 def _record_writes() -> List[str]:
@@ -35,8 +35,8 @@ def fit_report(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dic
     """Fit with a CSV logger (MIXED_PLAN constraints); report where this rank wrote and the plan it sharded with."""
     calls = _record_writes()
     L.seed_everything(0)
-    tr = _trainer(world_size, steps, logger=CSVLogger(out_dir, name="logs"), default_root_dir=str(out_dir / "root"))
-    tr.fit(RecModel(), _loader(rank, steps, 16, {}))
+    tr = make_trainer(world_size, steps, logger=CSVLogger(out_dir, name="logs"), default_root_dir=str(out_dir / "root"))
+    tr.fit(RecModel(), make_loader(rank, steps, 16, {}))
     return {
         "writes": calls,
         "log_dir": tr.log_dir,
@@ -72,7 +72,7 @@ class _SilentLogger(Logger):
 
 
 def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dict[str, Any]:
-    """Three fits: no logger (nothing written, anywhere), a fixed ``plan=`` (no estimates), ``plan_report=False``;
+    """Three fits: no logger (nothing written, anywhere), a fixed ``plan=`` (no estimates), ``report_plan=False``;
     then one whose report directory cannot be created (warns, trains). All but the first log to a CSV logger in
     ``root``."""
     calls = _record_writes()
@@ -80,21 +80,21 @@ def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -
 
     def fit(tag: str, strategy: Dict[str, Any], root: Path, logger: Any = True) -> L.Trainer:
         L.seed_everything(0)
-        tr = _trainer(
+        tr = make_trainer(
             world_size,
             steps,
             strategy=strategy,
             default_root_dir=str(root),
             logger=CSVLogger(root, name="", version="") if logger is True else logger,
         )
-        tr.fit(RecModel(), _loader(rank, steps, 16, {}))
+        tr.fit(RecModel(), make_loader(rank, steps, 16, {}))
         results[tag] = {"global_step": tr.global_step, "writes": list(calls)}
         calls.clear()
         return tr
 
     planned = fit("no_logger", {}, out_dir / "no_logger", logger=False)
     fit("fixed_plan", {"plan": planned.strategy.sharding_plan}, out_dir / "fixed_plan")
-    fit("disabled", {"plan_report": False}, out_dir / "disabled")
+    fit("disabled", {"report_plan": False}, out_dir / "disabled")
     blocked = out_dir / "blocked"
     blocked.write_text("a file where the report directory should go")
     with warnings.catch_warnings(record=True) as caught:

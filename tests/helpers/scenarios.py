@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
-from lightning_rec.faults import close_process_group_at_exit
-from lightning_rec.optim import is_fused_parameter
-from lightning_rec.sharding import plan_rows
-from tests.helpers.models import RecModel, as_format, deterministic_init, local_weights, make_batches
+from lightning_rec.strategy.faults import close_process_group_at_exit
+from lightning_rec.strategy.optim import is_fused_parameter
+from lightning_rec.strategy.sharding import plan_rows
+from tests.helpers.models import RecModel, as_format, deterministic_init, local_weights, save_weights, make_batches
 
 
 class DeterministicInit(L.Callback):
@@ -36,7 +36,7 @@ MIXED_PLAN = {
 }
 
 
-def _trainer(
+def make_trainer(
     world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = None, det_init: bool = True, **kwargs: Any
 ) -> L.Trainer:
     num_nodes = kwargs.pop("num_nodes", 1)
@@ -63,7 +63,7 @@ def _trainer(
     )
 
 
-def _loader(
+def make_loader(
     rank: int,
     steps: int,
     batch_size: Union[int, List[int]],
@@ -100,9 +100,9 @@ def train(
     model = model or {}
     L.seed_everything(0)
     m = RecModel(**model)
-    tr = _trainer(world_size, steps * epochs, strategy, **(trainer or {}))
-    tr.fit(m, _loader(rank, steps, batch_size, model, num_workers))
-    torch.save(local_weights(m), out_dir / f"{tag}.weights{rank}.pt")
+    tr = make_trainer(world_size, steps * epochs, strategy, **(trainer or {}))
+    tr.fit(m, make_loader(rank, steps, batch_size, model, num_workers))
+    save_weights(m, out_dir, tag, rank)
     plan = tr.strategy.sharding_plan
     if rank == 0:
         torch.save(plan, out_dir / f"{tag}.plan.pt")
@@ -167,16 +167,16 @@ def reference(
     deterministic_init(dmp.module)
     opt = reference_optimizer(dmp, lambda ps: torch.optim.Adagrad(ps, lr=lr))
     losses: List[float] = []
-    for b in _loader(rank, steps, batch_size, model):
+    for b in make_loader(rank, steps, batch_size, model):
         opt.zero_grad()
         loss = F.binary_cross_entropy_with_logits(dmp(b), b.labels)
         loss.backward()
         opt.step()
         losses.append(float(loss))
-    torch.save(local_weights(dmp.module), out_dir / f"{tag}.weights{rank}.pt")
+    save_weights(dmp.module, out_dir, tag, rank)
     kernels = sorted({ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()})
     # Without it, gloo's worker threads can abort the process at exit; destroy_process_group alone does not stop them
-    # while DMP still references the group (see lightning_rec.faults.close_process_group_at_exit).
+    # while DMP still references the group (see lightning_rec.strategy.faults.close_process_group_at_exit).
     close_process_group_at_exit()
     return {"losses": losses, "kernels": kernels}
 
@@ -185,9 +185,9 @@ def loops(rank: int, world_size: int, out_dir: Path, steps: int = 4, batch_size:
     """fit (with validation), then validate, test and predict on the sharded model; plus the collectives."""
     L.seed_everything(0)
     m = RecModel()
-    tr = _trainer(world_size, steps, limit_val_batches=2)
-    train_loader = _loader(rank, steps, batch_size, {})
-    val_loader = _loader(rank, 2, batch_size, {}, seed=500)
+    tr = make_trainer(world_size, steps, limit_val_batches=2)
+    train_loader = make_loader(rank, steps, batch_size, {})
+    val_loader = make_loader(rank, 2, batch_size, {}, seed=500)
     tr.fit(m, train_loader, val_loader)
     calls_after_fit = m.closure_calls
     before = local_weights(m)
@@ -243,7 +243,7 @@ def dense_only(rank: int, world_size: int, out_dir: Path, steps: int = 20) -> Di
         b.labels = (b.dense_features[:, 0] > 0.5).float()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tr = _trainer(world_size, steps, strategy={"constraints": {}}, det_init=False)
+        tr = make_trainer(world_size, steps, strategy={"constraints": {}}, det_init=False)
         tr.fit(m, DataLoader(batches, batch_size=None))
     weights = [float(v) for v in m.net.weight.detach().reshape(-1)]
     return {
@@ -257,8 +257,8 @@ def validate_then_fit(rank: int, world_size: int, out_dir: Path, steps: int = 4)
     """A common sanity pattern: validate a fresh model first (shards it), then fit the same model."""
     L.seed_everything(0)
     m = RecModel(lr=0.3)
-    tr = _trainer(world_size, steps, det_init=False)  # keep the weights `before` was measured on
-    loader = _loader(rank, steps, 16, {})
+    tr = make_trainer(world_size, steps, det_init=False)  # keep the weights `before` was measured on
+    loader = make_loader(rank, steps, 16, {})
     before = tr.validate(m, loader, verbose=False)[0]["val_loss"]
     tr.fit(m, loader)
     after = tr.validate(m, loader, verbose=False)[0]["val_loss"]

@@ -5,7 +5,7 @@ A model contributes one :class:`ZooCase`, as the module-level name ``CASE`` of `
 one test::
 
     def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path):
-        check_case(tmp_path, "tests.helpers.zoo_deepfm:CASE")
+        check_case(tmp_path, zoo_deepfm)
 
 What :func:`check_case` runs (3 launches of real gloo ranks, through ``tests.helpers.dist.run_ranks``):
 
@@ -35,6 +35,7 @@ import importlib
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Dict, List, Mapping
 
 import lightning as L
@@ -44,10 +45,8 @@ from torch import nn
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.pretrained import _tables, load_rows
+from lightning_rec.pretrained import table_holders, load_rows
 from tests.helpers.dist import run_ranks
-
-SCENARIOS = "tests.helpers.zoo_scenarios"
 
 
 @dataclass
@@ -101,7 +100,7 @@ def seeded_module(case: ZooCase) -> nn.Module:
     L.seed_everything(0, verbose=False)
     module = case.build()
     rows = {}
-    for name, where in _tables(module).items():
+    for name, where in table_holders(module).items():
         _, _, num_rows, dim = where[0]
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         rows[name] = torch.randn(num_rows, dim, generator=g) * 0.1
@@ -190,20 +189,24 @@ def _flat(rows: List[List[float]]) -> List[float]:
     return [x for row in rows for x in row]
 
 
-def check_case(tmp_path: Path, case_name: str) -> None:
-    """Run the three launches described in the module docstring and assert everything it lists."""
+def check_case(tmp_path: Path, case_module: ModuleType) -> None:
+    """Run the three launches described in the module docstring on ``case_module.CASE`` and assert everything it
+    lists."""
+    from tests.helpers import zoo_scenarios  # it imports this module
+
+    case_name = f"{case_module.__name__}:CASE"
     case = load_case(case_name)
     tol = case.tol
-    one = run_ranks(f"{SCENARIOS}:fit", 1, tmp_path / "one", case=case_name, save="ckpt")
+    one = run_ranks(zoo_scenarios.fit, 1, tmp_path / "one", case=case_name, save="ckpt")
     two = run_ranks(
-        f"{SCENARIOS}:fit",
+        zoo_scenarios.fit,
         2,
         tmp_path / "two",
         case=case_name,
         save="ckpt",
         predict_ckpt=str(tmp_path / "one" / "ckpt"),
     )
-    back = run_ranks(f"{SCENARIOS}:predict", 1, tmp_path / "back", case=case_name, ckpt=str(tmp_path / "two" / "ckpt"))
+    back = run_ranks(zoo_scenarios.predict, 1, tmp_path / "back", case=case_name, ckpt=str(tmp_path / "two" / "ckpt"))
     ref = one[0]["reference"]
     assert len(ref["losses"]) == case.steps and len(set(ref["losses"])) > 1, "the reference must train"
 

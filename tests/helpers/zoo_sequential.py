@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_rec.data.base import SparseFeature
 from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule, SequenceDataset
-from lightning_rec.optim import EmbeddingOptimizer
+from lightning_rec.strategy.optim import EmbeddingOptimizer
 from lightning_rec.models.sequential import SequentialRecModule, catalog_scores
 from tests.helpers.data import movielens_dir
 from tests.helpers.zoo import ZooCase, share_rows

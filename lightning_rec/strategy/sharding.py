@@ -2,7 +2,7 @@
 
 The planner itself is TorchRec's ``EmbeddingShardingPlanner``; this module turns typed, YAML-friendly
 configuration into its inputs and checks them against the model and device before any distributed work (the
-resulting plan as a table people can read is :mod:`lightning_rec.plan_report`).
+resulting plan as a table people can read is :mod:`lightning_rec.strategy.plan_report`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from lightning_rec import _compat
 
 # Re-exported from where they live now: the old paths keep working (the plan's rows belong to the report).
 from lightning_rec.config import TableConstraints, TopologyConfig
-from lightning_rec.plan_report import PlanRow as PlanRow, format_plan as format_plan
-from lightning_rec.plan_report import format_rows as format_rows, plan_rows as plan_rows
-from lightning_rec.tables import embedding_modules
+from lightning_rec.strategy.plan_report import PlanRow as PlanRow, format_plan as format_plan
+from lightning_rec.strategy.plan_report import format_rows as format_rows, plan_rows as plan_rows
+from lightning_rec.tables import embedding_modules as embedding_modules  # re-exported: the old path
+from lightning_rec.tables import embedding_tables
 
 # What TorchRec can shard on each device (ROW_WISE/TABLE_ROW_WISE/GRID_SHARD need CUDA kernels).
 _CPU_SHARDING_TYPES = (
@@ -65,27 +66,6 @@ def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[
     if sequence and device_type != "cuda":
         types = tuple(t for t in types if t != ShardingType.DATA_PARALLEL.value)
     return types
-
-
-def embedding_tables(module: nn.Module, module_types: Sequence[Type[nn.Module]]) -> Dict[str, BaseEmbeddingConfig]:
-    """Every table of every shardable embedding module in ``module``, by table name.
-
-    Raises:
-        ValueError: if two modules declare a table of the same name (the plan and checkpoints key by it).
-    """
-    tables: Dict[str, BaseEmbeddingConfig] = {}
-    owners: Dict[str, str] = {}
-    for path, sub in embedding_modules(module, module_types).items():
-        configs = sub.embedding_bag_configs() if hasattr(sub, "embedding_bag_configs") else sub.embedding_configs()
-        for config in configs:
-            if config.name in tables:
-                raise ValueError(
-                    f"Table name {config.name!r} is used by both {owners[config.name]!r} and {path!r}. "
-                    "HINT: give every EmbeddingBagConfig/EmbeddingConfig a unique `name`."
-                )
-            tables[config.name] = config
-            owners[config.name] = path
-    return tables
 
 
 def validate_constraints(

@@ -10,15 +10,15 @@ are split across ranks:
 3. ``setup``: materialises the dense layers, builds the user's optimizers, derives the fused embedding
    optimizer from them, plans the sharding on rank 0 (TorchRec's planner, broadcast), wraps the module in
    ``DistributedModelParallel`` (tables sharded in place, dense part data-parallel) and combines fused and
-   dense optimizers into one :class:`~lightning_rec.optim.RecOptimizer`; puts the input checks of
+   dense optimizers into one :class:`~lightning_rec.strategy.optim.RecOptimizer`; puts the input checks of
    :mod:`lightning_rec.inputs` in front of every sharded module.
 4. ``on_exception``: tells the other ranks why this one failed, or explains a failed collective
-   (:mod:`lightning_rec.faults`).
+   (:mod:`lightning_rec.strategy.faults`).
 5. ``teardown``: leaves the sharded module where it is, so later ``validate``/``test``/``predict`` calls reuse
    it.
 
-The mechanics live in :mod:`lightning_rec.sharding`, :mod:`lightning_rec.dmp`, :mod:`lightning_rec.optim`,
-:mod:`lightning_rec.plan_report` and :mod:`lightning_rec.checkpoint`; this file is the list of Lightning hooks.
+The mechanics live in :mod:`lightning_rec.strategy.sharding`, :mod:`lightning_rec.strategy.dmp`, :mod:`lightning_rec.strategy.optim`,
+:mod:`lightning_rec.strategy.plan_report` and :mod:`lightning_rec.checkpoint`; this file is the list of Lightning hooks.
 """
 
 from __future__ import annotations
@@ -38,18 +38,17 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
 from lightning_rec import _compat
 from lightning_rec import checkpoint as _ckpt
-from lightning_rec.dmp import (
+from lightning_rec.strategy.dmp import (
     ManualOptimizationRedirection,
     ShardedState,
     dense_ddp,
@@ -58,19 +57,20 @@ from lightning_rec.dmp import (
     sharded_state,
     unfused_table_parameters,
 )
-from lightning_rec.faults import FailureBoard, close_process_group_at_exit, describe_position, note_failure
+from lightning_rec.strategy.faults import FailureBoard, close_process_group_at_exit, describe_position, note_failure
 from lightning_rec.batch import custom_batch_hooks, to_device
-from lightning_rec.inputs import InputChecks, NonFinitePolicy, input_specs
-from lightning_rec.optim import (
-    EmbeddingOptimizer,
+from lightning_rec.config import NonFinitePolicy
+from lightning_rec.inputs import InputChecks, input_specs
+from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, TableConstraints, TopologyConfig
+from lightning_rec.strategy.optim import (
     RecOptimizer,
     bounds_check_params,
     combine_optimizers,
     resolve_embedding_optimizer,
 )
-from lightning_rec.pipeline import SparseDistPipeline
-from lightning_rec.plan_report import PlanReport, write_for_trainer
-from lightning_rec.settings import (
+from lightning_rec.strategy.pipeline import SparseDistPipeline
+from lightning_rec.strategy.plan_report import PlanReport, write_for_trainer
+from lightning_rec.strategy.settings import (
     backward_without_step_error,
     check_frozen_tables,
     check_precision,
@@ -78,15 +78,8 @@ from lightning_rec.settings import (
     raised_in,
     toggle_optimizer_error,
 )
-from lightning_rec.sharding import (
-    TableConstraints,
-    TopologyConfig,
-    embedding_modules,
-    embedding_tables,
-    make_sharders,
-    plan_module,
-    validate_constraints,
-)
+from lightning_rec.strategy.sharding import make_sharders, plan_module, validate_constraints
+from lightning_rec.tables import embedding_modules, embedding_tables, sharded_module_types
 
 
 # How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
@@ -124,19 +117,20 @@ class RecShardStrategy(ParallelStrategy):
         timeout: how long a collective waits for the other ranks before failing (a ``timedelta`` or seconds). When a
             rank dies or raises, the others fail at once; this bounds the wait for one that hangs. Default: 5
             minutes (Lightning's default is 30). Raise it if a rank legitimately works alone for longer (e.g. planning
-            thousands of tables, or very large checkpoints on a slow filesystem). See :mod:`lightning_rec.faults`.
+            thousands of tables, or very large checkpoints on a slow filesystem). See :mod:`lightning_rec.strategy.faults`.
         static_graph: passed to the DDP wrapper of the dense part (TorchRec's default: ``True``); with one rank there is
-            no DDP (an all-reduce over one rank changes nothing; see :class:`~lightning_rec.dmp.DenseDataParallel`).
+            no DDP (an all-reduce over one rank changes nothing; see :class:`~lightning_rec.strategy.dmp.DenseDataParallel`).
         find_unused_parameters: passed to the DDP wrapper of the dense part.
         pipeline: overlap the next batch's host-to-device copy and input distribution (all-to-all) with the
             current batch's forward/backward, as TorchRec's ``TrainPipelineSparseDist`` does, inside Lightning's
-            loop (see :mod:`lightning_rec.pipeline`). Training only; same losses as without.
-        plan_report: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
+            loop (see :mod:`lightning_rec.strategy.pipeline`). Training only; same losses as without.
+        report_plan: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
             the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``; without
-            a logger nothing is written (see :mod:`lightning_rec.plan_report`). The plan is logged as a table either
+            a logger nothing is written (see :mod:`lightning_rec.strategy.plan_report`). The plan is logged as a table either
             way. A report that cannot be written only warns.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the
             Trainer, as for any Lightning strategy.
+        plan_report: deprecated name of ``report_plan``.
 
     Example::
 
@@ -157,19 +151,20 @@ class RecShardStrategy(ParallelStrategy):
         plan: Optional[ShardingPlan] = None,
         embedding_optimizer: Optional[Union[EmbeddingOptimizer, Mapping[str, Any]]] = None,
         fused_params: Optional[Mapping[str, Any]] = None,
-        bounds_check: str = "error",
+        bounds_check: BoundsCheck = "error",
         nonfinite: NonFinitePolicy = "error",
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = DEFAULT_TIMEOUT,
         static_graph: bool = True,
         find_unused_parameters: bool = False,
-        plan_report: bool = True,
+        report_plan: bool = True,
         pipeline: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
+        plan_report: Optional[bool] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -186,6 +181,7 @@ class RecShardStrategy(ParallelStrategy):
             topology if topology is None or isinstance(topology, TopologyConfig) else TopologyConfig(**topology)
         )
         self._extra_sharders = list(sharders or [])
+        self._module_types = sharded_module_types(self._extra_sharders)
         self._plan = plan
         self.embedding_optimizer = (
             embedding_optimizer
@@ -208,7 +204,13 @@ class RecShardStrategy(ParallelStrategy):
         self._static_graph = static_graph
         self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
-        self._write_plan_report = plan_report
+        if plan_report is not None:
+            rank_zero_deprecation(
+                f"{type(self).__name__}(plan_report=...) is now `report_plan=...` (the `plan_report` property is the "
+                "report itself)."
+            )
+            report_plan = plan_report
+        self._report_plan = report_plan
         self.pipeline = pipeline
         self._sparse_dist: Optional[SparseDistPipeline] = None
         self._rec_optimizer: Optional[RecOptimizer] = None
@@ -309,7 +311,7 @@ class RecShardStrategy(ParallelStrategy):
         super().connect(model)
         if sharded_state(model) is not None:
             return
-        tables = embedding_tables(model, self._module_types())
+        tables = embedding_tables(model, self._module_types)
         if not tables:
             rank_zero_warn(
                 f"{type(self).__name__}: {type(model).__name__} has no EmbeddingBagCollection or "
@@ -340,13 +342,13 @@ class RecShardStrategy(ParallelStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            has_tables = bool(embedding_tables(module, self._module_types()))
+            has_tables = bool(embedding_tables(module, self._module_types))
             check_trainer_flags(trainer, has_tables, type(self).__name__)
             if sharded_state(module) is None:  # frozen tables would train anyway (fused update in backward)
                 check_frozen_tables(
                     (
                         (f"{path}.{n}", p)
-                        for path, m in embedding_modules(module, self._module_types()).items()
+                        for path, m in embedding_modules(module, self._module_types).items()
                         for n, p in m.named_parameters()
                     ),
                     type(self).__name__,
@@ -358,7 +360,7 @@ class RecShardStrategy(ParallelStrategy):
         if fitting and state is None and self._layer_sync is not None:
             # Trainer(sync_batchnorm=True), as Lightning's ddp applies it: before the optimizers see the parameters.
             self._layer_sync.apply(module)  # converts the BatchNorm layers in place (the root is no BatchNorm)
-        is_embedding = prepare_for_optimizers(module, self._module_types(), self.root_device, state)
+        is_embedding = prepare_for_optimizers(module, self._module_types, self.root_device, state)
         optimizers: List[Optimizer] = []
         lr_scheduler_configs: List[Any] = []
         # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
@@ -391,7 +393,7 @@ class RecShardStrategy(ParallelStrategy):
                 state.embedding_optimizer,
             )
             self.lr_scheduler_configs = lr_scheduler_configs
-            if self._write_plan_report and state.report is not None:
+            if self._report_plan and state.report is not None:
                 write_for_trainer(state.report, trainer, self.global_rank)  # every rank: it may broadcast
             self._sparse_dist = (
                 SparseDistPipeline(state.dmp, self.root_device, self._input_checks) if self.pipeline else None
@@ -492,7 +494,7 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one stops, or, if a collective failed because another rank stopped, say
-        which rank and why (see :mod:`lightning_rec.faults`)."""
+        which rank and why (see :mod:`lightning_rec.strategy.faults`)."""
         position = self._describe_position(0)
         self._transferring = False
         self._input_checks.forget()
@@ -593,7 +595,7 @@ class RecShardStrategy(ParallelStrategy):
         meta = _ckpt.load(
             path,
             module,
-            [getattr(o, "_optimizer", o) for o in self.optimizers],
+            [_compat.unwrap_optimizer(o) for o in self.optimizers],
             strict=getattr(module, "strict_loading", True),
             weights_only=weights_only,
         )
@@ -640,16 +642,10 @@ class RecShardStrategy(ParallelStrategy):
 
     def _describe_position(self, ahead: int, batch: Optional[int] = None) -> str:
         module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = _compat.attached_trainer(module) if module is not None else None
         if trainer is None:
             return ""
         return describe_position(trainer, ahead, transferring=self._transferring, batch=batch)
-
-    def _module_types(self) -> List[type]:
-        """Module types that get sharded: TorchRec's two collections plus any extra sharder's."""
-        return list(
-            dict.fromkeys([EmbeddingBagCollection, EmbeddingCollection] + [s.module_type for s in self._extra_sharders])
-        )
 
     def _sharders(self, emb_opt: EmbeddingOptimizer) -> List[ModuleSharder[nn.Module]]:
         return make_sharders({**emb_opt.to_fused_params(), **self.fused_params}, self._extra_sharders)
@@ -663,7 +659,7 @@ class RecShardStrategy(ParallelStrategy):
             optimizers,
             is_embedding,
             declared=declared,
-            has_tables=bool(embedding_tables(module, self._module_types())),
+            has_tables=bool(embedding_tables(module, self._module_types)),
             device_type=self.root_device.type,
             owner=type(self).__name__,
         )
@@ -676,7 +672,7 @@ class RecShardStrategy(ParallelStrategy):
         if plan is None:
             plan, options = plan_module(
                 module,
-                self._module_types(),
+                self._module_types,
                 sharders,
                 self.constraints,
                 self.topology,
@@ -698,8 +694,8 @@ class RecShardStrategy(ParallelStrategy):
             pg,
             embedding_optimizer=emb_opt,
             report=report,
-            inputs=input_specs(module, self._module_types()),
-            module_types=self._module_types(),
+            inputs=input_specs(module, self._module_types),
+            module_types=self._module_types,
             static_graph=self._static_graph,
             find_unused_parameters=self._find_unused_parameters,
         )

@@ -20,8 +20,8 @@ TorchRec's sharded modules differ from the unsharded ones in two ways a model do
 
 Example::
 
-    held = capture_weights(model, [EmbeddingBagCollection, EmbeddingCollection])
-    orders = output_orders(model, [EmbeddingBagCollection, EmbeddingCollection])
+    held = capture_weights(model)
+    orders = output_orders(model)
     dmp = DistributedModelParallel(model, ...)
     restore_weights(dmp.module, held, process_group)
     restore_output_order(dmp.module, orders)
@@ -43,7 +43,7 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from lightning_rec import _compat
-from lightning_rec.tables import embedding_modules
+from lightning_rec.tables import TABLE_MODULE_TYPES, embedding_modules
 
 __all__ = ["capture_weights", "output_orders", "restore_output_order", "restore_weights"]
 
@@ -53,7 +53,9 @@ __all__ = ["capture_weights", "output_orders", "restore_output_order", "restore_
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def output_orders(module: nn.Module, module_types: Sequence[Type[nn.Module]]) -> Dict[str, List[str]]:
+def output_orders(
+    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
+) -> Dict[str, List[str]]:
     """The output keys of every unsharded ``EmbeddingBagCollection``/``EmbeddingCollection`` in ``module``, in the
     order the unsharded module returns them, by module path (call it before sharding)."""
     orders: Dict[str, List[str]] = {}
@@ -173,7 +175,9 @@ def _wrap(sharded: nn.Module, reorder: _Reorder) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def capture_weights(module: nn.Module, module_types: Sequence[Type[nn.Module]]) -> Dict[str, Dict[str, torch.Tensor]]:
+def capture_weights(
+    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
+) -> Dict[str, Dict[str, torch.Tensor]]:
     """References (no copies) to the table weights every unsharded embedding module holds, by module path, then by
     state-dict key; tables on ``meta`` hold nothing and are left out. Call it before sharding."""
     held: Dict[str, Dict[str, torch.Tensor]] = {}

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from lightning_rec import _compat
 from lightning_rec.inputs import NonFiniteError
-from lightning_rec.kjt_check import InputError
+from lightning_rec.inputs.kjt import InputError
 
 __all__ = [
     "FailureBoard",
@@ -257,16 +257,16 @@ def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False, 
 
     stage = trainer.state.stage
     if stage == RunningStage.TRAINING:
-        started = trainer.fit_loop.epoch_loop.batch_idx + 1  # batches of this epoch handed to the device so far
+        started = _compat.training_batch_idx(trainer) + 1  # batches of this epoch handed to the device so far
         if batch is not None:
             ahead, ahead_batches = batch - started, batch - started + 1
-        batch = trainer.fit_loop.epoch_loop.batch_idx + ahead_batches
+        batch = _compat.training_batch_idx(trainer) + ahead_batches
         return f"training step {trainer.global_step + ahead} (epoch {trainer.current_epoch}, batch {batch})"
     loops = {
-        RunningStage.SANITY_CHECKING: ("sanity-check validation", trainer.fit_loop.epoch_loop.val_loop),
+        RunningStage.SANITY_CHECKING: ("sanity-check validation", _compat.fit_validation_loop(trainer)),
         RunningStage.VALIDATING: (
             "validation",
-            trainer.fit_loop.epoch_loop.val_loop
+            _compat.fit_validation_loop(trainer)
             if trainer.training or trainer.state.fn == "fit"
             else trainer.validate_loop,
         ),
@@ -276,4 +276,4 @@ def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False, 
     if stage not in loops:
         return f"{stage.value}" if stage is not None else ""
     name, loop = loops[stage]
-    return f"{name} batch {loop.batch_progress.current.ready - 1 + ahead_batches}"
+    return f"{name} batch {_compat.batches_fetched(loop) - 1 + ahead_batches}"

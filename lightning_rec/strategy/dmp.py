@@ -16,11 +16,11 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from typing_extensions import override
 
 from lightning_rec import _compat
-from lightning_rec.kjt_check import ModuleInputs
-from lightning_rec.optim import EmbeddingOptimizer, is_fused_parameter
-from lightning_rec.plan_report import PlanReport
-from lightning_rec.sharding import embedding_modules
-from lightning_rec.unsharded import capture_weights, output_orders, restore_output_order, restore_weights
+from lightning_rec.inputs.kjt import ModuleInputs
+from lightning_rec.strategy.optim import EmbeddingOptimizer, is_fused_parameter
+from lightning_rec.strategy.plan_report import PlanReport
+from lightning_rec.strategy.sharding import embedding_modules
+from lightning_rec.strategy.unsharded import capture_weights, output_orders, restore_output_order, restore_weights
 
 _SHARDED_STATE_ATTR = "_lightning_rec_sharded"
 
@@ -240,7 +240,7 @@ def shard_module(
     find_unused_parameters: bool,
 ) -> ShardedState:
     """:func:`shard_with_dmp`, make the sharded modules behave like the unsharded ones (the weights they held, their
-    output order: see :mod:`lightning_rec.unsharded`), then remember the result on ``module`` (see
+    output order: see :mod:`lightning_rec.strategy.unsharded`), then remember the result on ``module`` (see
     :func:`sharded_state`)."""
     held = capture_weights(module, module_types)
     orders = output_orders(module, module_types)

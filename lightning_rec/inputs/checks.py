@@ -28,7 +28,8 @@ The loss is checked after the forward, where it is on the device: ``nonfinite="e
 to host memory without waiting and reads it at the next step (or before any checkpoint is written, and at the
 end of fitting), so a NaN loss is reported one step late, naming its step, after that step's update;
 ``nonfinite="strict"`` reads it before the backward pass and refuses the step, at the cost of one host sync per
-step (BENCHMARKS.md). The checks of one KJT live in :mod:`lightning_rec.kjt_check`.
+step (BENCHMARKS.md). The checks of one KJT live in :mod:`lightning_rec.inputs.kjt`, what each module expects in
+:mod:`lightning_rec.inputs.specs`.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import typing
 import warnings
 import weakref
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, FrozenSet, Iterator, List, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Deque, FrozenSet, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -47,24 +49,14 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec import _compat
-from lightning_rec.errors import InputError, NonFiniteError  # re-exported: the old paths keep working
-from lightning_rec.kjt_check import FeatureTables, ModuleInputs, check_features, check_on_host, input_specs
-from lightning_rec.kjt_check import host_numpy
+from lightning_rec.config import NonFinitePolicy
+from lightning_rec.errors import NonFiniteError
+from lightning_rec.inputs.kjt import check_features, check_on_host, host_numpy
+from lightning_rec.inputs.specs import FeatureTables, ModuleInputs
 
-__all__ = [
-    "InputChecks",
-    "InputError",
-    "ModuleInputs",
-    "NonFiniteError",
-    "batch_leaves",
-    "check_features",
-    "check_finite",
-    "check_on_host",
-    "input_specs",
-]
+__all__ = ["InputChecks", "NonFinitePolicy", "batch_leaves", "check_finite"]
 
-NonFinitePolicy = Literal["error", "strict", "warn", "ignore"]
-_POLICIES = ("error", "strict", "warn", "ignore")
+_POLICIES = typing.get_args(NonFinitePolicy)
 
 
 def check_finite(tensor: torch.Tensor, what: str, where: Union[str, Callable[[], str]] = "") -> Optional[str]:
@@ -160,7 +152,7 @@ class InputChecks:
     Example::
 
         checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: f"step {ahead}")
-        specs = input_specs(model, [EmbeddingBagCollection])            # before sharding
+        specs = input_specs(model)                                        # before sharding
         checks.install(dmp.module, specs)                               # after: the sharded modules' doors
         checked = checks.check_host(batch)     # before the copy to the device
         batch = batch.to(device, non_blocking=True)
@@ -241,7 +233,7 @@ class InputChecks:
 
     def check_host(self, batch: Any) -> HostChecked:
         """Check a batch before it is copied to the device: NaN/inf in its dense floating tensors, and the contents
-        of its KJTs (see :func:`~lightning_rec.kjt_check.check_on_host`). Raises :class:`NonFiniteError` or
+        of its KJTs (see :func:`~lightning_rec.inputs.kjt.check_on_host`). Raises :class:`NonFiniteError` or
         :class:`InputError`; returns what to :meth:`trust` once the batch is on the device."""
         leaves = list(batch_leaves(batch))
         if self.nonfinite != "ignore":

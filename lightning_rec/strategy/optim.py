@@ -22,7 +22,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from lightning_rec import _compat
 
 # re-exported: the old paths keep working
-from lightning_rec.config import EmbeddingOptimizer, OptimizerName as OptimizerName
+from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, OptimizerName as OptimizerName
 from lightning_rec.config import supported_optimizers as supported_optimizers
 
 _BOUNDS_CHECK_MODES: Dict[str, BoundsCheckMode] = {
@@ -33,7 +33,7 @@ _BOUNDS_CHECK_MODES: Dict[str, BoundsCheckMode] = {
 }
 
 
-def bounds_check_params(mode: str) -> Dict[str, Any]:
+def bounds_check_params(mode: BoundsCheck) -> Dict[str, Any]:
     """``fused_params`` selecting FBGEMM's behaviour for ids outside a table.
 
     Args:

@@ -42,7 +42,7 @@ from torchrec.streamable import Pipelineable
 
 from lightning_rec import _compat
 from lightning_rec.inputs import InputChecks
-from lightning_rec.kjt_check import InputError
+from lightning_rec.inputs.kjt import InputError
 
 
 class _NoStepOptimizer(torch.optim.Optimizer):

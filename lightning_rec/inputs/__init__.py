@@ -1,0 +1,35 @@
+"""What enters the sharded tables and the loss, checked so that bad data fails loudly, precisely and early.
+
+* :mod:`~lightning_rec.inputs.checks`: :class:`InputChecks`, the policy the strategy runs on every batch (on the
+  host before the copy, at every sharded module's door, and the loss);
+* :mod:`~lightning_rec.inputs.specs`: what each sharded module expects (:class:`ModuleInputs`,
+  :class:`FeatureTables`, :func:`input_specs`);
+* :mod:`~lightning_rec.inputs.kjt`: the checks of one ``KeyedJaggedTensor`` (:func:`check_features`,
+  :func:`check_on_host`), usable on their own, e.g. to validate a data pipeline offline.
+
+Example::
+
+    specs = input_specs(model)                                  # before sharding
+    kjt = check_features(batch.sparse_features, specs["ebc"])   # InputError, or the KJT in the module's order
+"""
+
+from lightning_rec.errors import InputError, NonFiniteError
+from lightning_rec.inputs.checks import InputChecks, NonFinitePolicy, batch_leaves, check_finite
+from lightning_rec.inputs.kjt import check_features, check_on_host, host_numpy
+from lightning_rec.inputs.specs import FeatureTable, FeatureTables, ModuleInputs, input_specs
+
+__all__ = [
+    "FeatureTable",
+    "FeatureTables",
+    "InputChecks",
+    "InputError",
+    "ModuleInputs",
+    "NonFiniteError",
+    "NonFinitePolicy",
+    "batch_leaves",
+    "check_features",
+    "check_finite",
+    "check_on_host",
+    "host_numpy",
+    "input_specs",
+]

@@ -1,0 +1,117 @@
+"""The house rules the layout promises, checked on the source: old import paths still work (with a deprecation
+naming the new one), user-facing modules never import the strategy's mechanics, private names of torch, TorchRec
+and Lightning appear only in ``_compat.py``, and user configuration classes can be admitted into checkpoints."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pickle
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_rec
+from lightning_rec import _moved
+from lightning_rec.checkpoint.safe_io import UnsafeCheckpointError, dumps_meta, load_meta
+from lightning_rec.config import TableConstraints, checkpoint_safe
+
+PACKAGE = Path(lightning_rec.__file__).parent
+REPO = PACKAGE.parent
+# Modules a user writes against: they may import configs, errors, tables, the checkpoint API (loading a module) and
+# each other, never the strategy's mechanics.
+USER_FACING = ["module.py", "batch.py", "callbacks.py", "metrics.py", "config.py", "errors.py", "tables.py"]
+USER_FACING_DIRS = ["models", "data"]
+MECHANICS = ("lightning_rec.strategy", "lightning_rec.inputs", "lightning_rec.bench", "lightning_rec.testing")
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, []
+
+
+@pytest.mark.parametrize("old, new", sorted(_moved.MOVED.items()))
+def test_old_module_paths_import_the_new_module_with_a_deprecation(old, new):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
+
+
+def test_public_api_is_importable_from_the_package_root():
+    for name in lightning_rec.__all__:
+        assert getattr(lightning_rec, name) is not None, name
+    from lightning_rec.strategy import RecShardStrategy
+
+    assert RecShardStrategy is lightning_rec.RecShardStrategy
+
+
+def test_user_facing_modules_do_not_import_the_mechanics():
+    files = [PACKAGE / f for f in USER_FACING] + [p for d in USER_FACING_DIRS for p in (PACKAGE / d).rglob("*.py")]
+    breaks = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in files
+        for line, module, _ in _imports(path)
+        if module.startswith(MECHANICS)
+    ]
+    assert not breaks, "\n".join(breaks)
+
+
+def test_private_names_of_other_packages_appear_only_in_compat():
+    """No ``from torch.x._y import ...``/``import torch._z`` and no ``from x import _name`` of torch, TorchRec,
+    FBGEMM or Lightning outside ``_compat.py``, in the package, the tests, the bench and the benchmarks."""
+    foreign = ("torch", "torchrec", "fbgemm_gpu", "lightning", "lightning_utilities")
+    files = [p for d in ("lightning_rec", "tests", "benchmarks") for p in (REPO / d).rglob("*.py")]
+    found = []
+    for path in files:
+        if path.name == "_compat.py":
+            continue
+        for line, module, names in _imports(path):
+            if module.split(".")[0] not in foreign:
+                continue
+            private_module = any(part.startswith("_") for part in module.split("."))
+            private_name = any(n.startswith("_") and not n.startswith("__") for n in names)
+            if private_module or private_name:
+                found.append(f"{path.relative_to(REPO)}:{line} {module} {names}")
+    assert not found, "\n".join(found)
+
+
+@dataclass
+class _TowerConfig:
+    layers: tuple = (64, 32)
+
+
+def test_user_config_class_is_refused_until_registered_then_loads(tmp_path):
+    meta = tmp_path / "meta.pt"
+    meta.write_bytes(dumps_meta({"hyper_parameters": {"tower": _TowerConfig()}}))
+    with pytest.raises(UnsafeCheckpointError, match="checkpoint_safe"):
+        load_meta(meta)
+    checkpoint_safe(_TowerConfig)
+    assert load_meta(meta)["hyper_parameters"]["tower"] == _TowerConfig()
+
+
+def test_config_pickled_under_its_old_module_path_still_loads(tmp_path):
+    """A checkpoint written when ``TableConstraints`` lived in ``lightning_rec.sharding`` names it so."""
+    original = TableConstraints.__module__
+    TableConstraints.__module__ = "lightning_rec.sharding"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            blob = dumps_meta({"constraints": TableConstraints(sharding_types=["column_wise"])})
+    finally:
+        TableConstraints.__module__ = original
+    assert b"lightning_rec.sharding" in blob
+    meta = tmp_path / "meta.pt"
+    meta.write_bytes(blob)
+    loaded = load_meta(meta)["constraints"]
+    assert loaded == TableConstraints(sharding_types=["column_wise"]) and type(loaded) is TableConstraints
+    assert pickle.loads(pickle.dumps(loaded)) == loaded and torch.load(meta, weights_only=False) is not None
