@@ -23,7 +23,16 @@ PACKAGE = Path(lightning_rec.__file__).parent
 REPO = PACKAGE.parent
 # Modules a user writes against: they may import configs, errors, tables, the checkpoint API (loading a module) and
 # each other, never the strategy's mechanics.
-USER_FACING = ["module.py", "batch.py", "callbacks.py", "metrics.py", "config.py", "errors.py", "tables.py"]
+USER_FACING = [
+    "module.py",
+    "batch.py",
+    "callbacks.py",
+    "metrics.py",
+    "pretrained.py",
+    "config.py",
+    "errors.py",
+    "tables.py",
+]
 USER_FACING_DIRS = ["models", "data"]
 MECHANICS = ("lightning_rec.strategy", "lightning_rec.inputs", "lightning_rec.bench", "lightning_rec.testing")
 

@@ -306,6 +306,7 @@ def resolve_embedding_optimizer(
 def combine_optimizers(
     fused: KeyedOptimizer,
     optimizers: List[Optimizer],
+    *,
     named_parameters: Mapping[str, torch.nn.Parameter],
     is_embedding: Callable[[torch.Tensor], bool],
     lr_source: Optional[Dict[str, Any]],

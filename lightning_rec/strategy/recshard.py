@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -50,36 +50,30 @@ from lightning_rec import _compat
 from lightning_rec import checkpoint as _ckpt
 from lightning_rec.strategy.dmp import (
     ManualOptimizationRedirection,
-    ShardedState,
     dense_ddp,
     prepare_for_optimizers,
-    shard_module,
     sharded_state,
     unfused_table_parameters,
 )
 from lightning_rec.strategy.faults import FailureBoard, close_process_group_at_exit, describe_position, note_failure
 from lightning_rec.batch import custom_batch_hooks, to_device
 from lightning_rec.config import NonFinitePolicy
-from lightning_rec.inputs import InputChecks, input_specs
+from lightning_rec.inputs import InputChecks
 from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, TableConstraints, TopologyConfig
 from lightning_rec.strategy.optim import (
     RecOptimizer,
-    bounds_check_params,
     combine_optimizers,
-    resolve_embedding_optimizer,
 )
 from lightning_rec.strategy.pipeline import SparseDistPipeline
 from lightning_rec.strategy.plan_report import PlanReport, write_for_trainer
 from lightning_rec.strategy.settings import (
     backward_without_step_error,
-    check_frozen_tables,
+    check_fit,
     check_precision,
-    check_trainer_flags,
     raised_in,
     toggle_optimizer_error,
 )
-from lightning_rec.strategy.sharding import make_sharders, plan_module, validate_constraints
-from lightning_rec.tables import embedding_modules, embedding_tables, sharded_module_types
+from lightning_rec.strategy.sharder import TableSharder
 
 
 # How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
@@ -173,22 +167,18 @@ class RecShardStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.constraints: Dict[str, TableConstraints] = {
-            name: c if isinstance(c, TableConstraints) else TableConstraints(**c)
-            for name, c in (constraints or {}).items()
-        }
-        self.topology = (
-            topology if topology is None or isinstance(topology, TopologyConfig) else TopologyConfig(**topology)
+        self.sharder = TableSharder.from_arguments(
+            constraints=constraints,
+            topology=topology,
+            sharders=sharders,
+            plan=plan,
+            embedding_optimizer=embedding_optimizer,
+            fused_params=fused_params,
+            bounds_check=bounds_check,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            owner=type(self).__name__,
         )
-        self._extra_sharders = list(sharders or [])
-        self._module_types = sharded_module_types(self._extra_sharders)
-        self._plan = plan
-        self.embedding_optimizer = (
-            embedding_optimizer
-            if embedding_optimizer is None or isinstance(embedding_optimizer, EmbeddingOptimizer)
-            else EmbeddingOptimizer(**embedding_optimizer)
-        )
-        self.fused_params = {**bounds_check_params(bounds_check), **dict(fused_params or {})}
         self._input_checks = InputChecks(
             check_ids=bounds_check == "error",
             nonfinite=nonfinite,
@@ -201,8 +191,6 @@ class RecShardStrategy(ParallelStrategy):
         self._transferring = False
         self._batch_hooks: Tuple[bool, bool] = (False, False)  # transfer_batch_to_device, on_after_batch_transfer
         self._redirect_steps = True  # training_step through DMP's DDP (not with one rank: see `training_step`)
-        self._static_graph = static_graph
-        self._find_unused_parameters = find_unused_parameters
         self.num_nodes = 1
         if plan_report is not None:
             rank_zero_deprecation(
@@ -276,6 +264,26 @@ class RecShardStrategy(ParallelStrategy):
         return False  # `load_checkpoint` restores the optimizer in place, shard by shard
 
     @property
+    def constraints(self) -> Dict[str, TableConstraints]:
+        """The per-table planner constraints, by table name."""
+        return self.sharder.constraints
+
+    @property
+    def topology(self) -> Optional[TopologyConfig]:
+        """The overrides of the planner's view of the machine."""
+        return self.sharder.topology
+
+    @property
+    def embedding_optimizer(self) -> Optional[EmbeddingOptimizer]:
+        """The fused embedding optimizer given to the strategy (``None``: the module's or a derived one)."""
+        return self.sharder.embedding_optimizer
+
+    @property
+    def fused_params(self) -> Dict[str, Any]:
+        """FBGEMM's table-batched-embedding arguments for every table (``bounds_check_mode`` included)."""
+        return self.sharder.fused_params
+
+    @property
     def sharded_model(self) -> DistributedModelParallel:
         """The ``DistributedModelParallel`` wrapper (available after setup)."""
         state = sharded_state(self.lightning_module)
@@ -311,15 +319,7 @@ class RecShardStrategy(ParallelStrategy):
         super().connect(model)
         if sharded_state(model) is not None:
             return
-        tables = embedding_tables(model, self._module_types)
-        if not tables:
-            rank_zero_warn(
-                f"{type(self).__name__}: {type(model).__name__} has no EmbeddingBagCollection or "
-                "EmbeddingCollection, so there is nothing to shard; it will be trained as plain data parallel. "
-                "HINT: use `strategy='ddp'` for models without embedding tables."
-            )
-        if self._plan is None:
-            validate_constraints(self.constraints, tables, self.root_device.type)
+        self.sharder.check_model(model, self.root_device.type)
 
     @override
     def setup_environment(self) -> None:
@@ -342,34 +342,27 @@ class RecShardStrategy(ParallelStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            has_tables = bool(embedding_tables(module, self._module_types))
-            check_trainer_flags(trainer, has_tables, type(self).__name__)
-            if sharded_state(module) is None:  # frozen tables would train anyway (fused update in backward)
-                check_frozen_tables(
-                    (
-                        (f"{path}.{n}", p)
-                        for path, m in embedding_modules(module, self._module_types).items()
-                        for n, p in m.named_parameters()
-                    ),
-                    type(self).__name__,
-                )
+            self._check_steps = check_fit(trainer, module, self.sharder.module_types, type(self).__name__)
             self._backward_without_step = False
-            self._check_steps = has_tables
 
         state = sharded_state(module)
         if fitting and state is None and self._layer_sync is not None:
             # Trainer(sync_batchnorm=True), as Lightning's ddp applies it: before the optimizers see the parameters.
             self._layer_sync.apply(module)  # converts the BatchNorm layers in place (the root is no BatchNorm)
-        is_embedding = prepare_for_optimizers(module, self._module_types, self.root_device, state)
+        is_embedding = prepare_for_optimizers(module, self.sharder.module_types, self.root_device, state)
         optimizers: List[Optimizer] = []
         lr_scheduler_configs: List[Any] = []
         # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
         if fitting or (state is None and is_overridden("configure_optimizers", module)):
             optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
-        emb_opt, lr_source = self._resolve_embedding_optimizer(module, optimizers, is_embedding)
+        emb_opt, lr_source = self.sharder.embedding_optimizer_for(
+            module, optimizers, is_embedding, self.root_device.type
+        )
 
         if state is None:
-            state = self._shard(module, emb_opt)
+            state = self.sharder.shard(
+                module, emb_opt, world_size=self.world_size, num_processes=self.num_processes, device=self.root_device
+            )
         elif emb_opt != state.embedding_optimizer and fitting:
             raise RuntimeError(
                 f"{type(self).__name__}: the model was sharded earlier with embedding optimizer "
@@ -386,11 +379,11 @@ class RecShardStrategy(ParallelStrategy):
             self._rec_optimizer, self.optimizers = combine_optimizers(
                 state.dmp.fused_optimizer,
                 optimizers,
-                dict(module.named_parameters()),
-                is_embedding,
-                lr_source,
-                unfused_table_parameters(module, state.plan),
-                state.embedding_optimizer,
+                named_parameters=dict(module.named_parameters()),
+                is_embedding=is_embedding,
+                lr_source=lr_source,
+                table_params=unfused_table_parameters(module, state.plan),
+                embedding_optimizer=state.embedding_optimizer,
             )
             self.lr_scheduler_configs = lr_scheduler_configs
             if self._report_plan and state.report is not None:
@@ -577,10 +570,11 @@ class RecShardStrategy(ParallelStrategy):
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
         self._input_checks.poll()  # never write weights that a non-finite loss has reached
         path = Path(self.broadcast(str(filepath)))
-        state = sharded_state(self.lightning_module)
-        info: Dict[str, Any] = {}
+        module = self.lightning_module
+        state = sharded_state(module)
+        info: Dict[str, Any] = {"module_class": f"{type(module).__module__}.{type(module).__qualname__}"}
         if state is not None:
-            info = {"embedding_optimizer": state.embedding_optimizer.as_dict()}
+            info["embedding_optimizer"] = state.embedding_optimizer.as_dict()
             if state.report is not None:
                 info["plan"] = state.report.to_dict()
         _ckpt.save(checkpoint, path, info=info)
@@ -646,56 +640,3 @@ class RecShardStrategy(ParallelStrategy):
         if trainer is None:
             return ""
         return describe_position(trainer, ahead, transferring=self._transferring, batch=batch)
-
-    def _sharders(self, emb_opt: EmbeddingOptimizer) -> List[ModuleSharder[nn.Module]]:
-        return make_sharders({**emb_opt.to_fused_params(), **self.fused_params}, self._extra_sharders)
-
-    def _resolve_embedding_optimizer(
-        self, module: nn.Module, optimizers: List[Optimizer], is_embedding: Callable[[Tensor], bool]
-    ) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]:
-        """The fused optimizer and the param group whose learning rate it follows (None: its own)."""
-        declared = getattr(module, "configure_embedding_optimizer", lambda: None)() or self.embedding_optimizer
-        return resolve_embedding_optimizer(
-            optimizers,
-            is_embedding,
-            declared=declared,
-            has_tables=bool(embedding_tables(module, self._module_types)),
-            device_type=self.root_device.type,
-            owner=type(self).__name__,
-        )
-
-    def _shard(self, module: "pl.LightningModule", emb_opt: EmbeddingOptimizer) -> ShardedState:
-        sharders = self._sharders(emb_opt)
-        pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
-        plan, options = self._plan, None
-        local_world_size = (self.topology or TopologyConfig()).ranks_per_host(self.num_processes)
-        if plan is None:
-            plan, options = plan_module(
-                module,
-                self._module_types,
-                sharders,
-                self.constraints,
-                self.topology,
-                self.world_size,
-                local_world_size,
-                self.root_device.type,
-                pg,
-            )
-        report = PlanReport.from_plan(plan, self.world_size, self.root_device.type, options, local_world_size)
-        rank_zero_info(
-            f"{type(self).__name__}: sharding plan over {self.world_size} rank(s), {local_world_size} per host\n"
-            f"{report.format_table()}"
-        )
-        return shard_module(
-            module,
-            plan,
-            sharders,
-            self.root_device,
-            pg,
-            embedding_optimizer=emb_opt,
-            report=report,
-            inputs=input_specs(module, self._module_types),
-            module_types=self._module_types,
-            static_graph=self._static_graph,
-            find_unused_parameters=self._find_unused_parameters,
-        )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+
+from lightning_rec.tables import embedding_modules, is_sharded
 
 try:  # Lightning >= 2.6 (EMA and SWA as one callback); older versions do not have it
     from lightning.pytorch.callbacks import WeightAveraging
@@ -88,6 +90,18 @@ def check_trainer_flags(trainer: Any, has_tables: bool, owner: str = "RecShardSt
             f"{owner}: gradient_clip_val applies to the dense parameters only; embedding "
             "gradients are consumed inside the backward pass by the fused optimizer and never materialised."
         )
+
+
+def check_fit(trainer: Any, module: nn.Module, module_types: Sequence[type], owner: str = "RecShardStrategy") -> bool:
+    """Before fitting: :func:`check_trainer_flags`, and :func:`check_frozen_tables` unless the tables are sharded
+    already (a second ``fit``). Returns whether ``module`` has tables (then every backward must be followed by an
+    optimizer step: see :func:`backward_without_step_error`)."""
+    tables, sharded = embedding_modules(module, module_types), is_sharded(module)
+    has_tables = bool(tables) or sharded
+    check_trainer_flags(trainer, has_tables, owner)
+    if not sharded:  # frozen tables would train anyway (fused update in backward)
+        check_frozen_tables(((f"{path}.{n}", p) for path, m in tables.items() for n, p in m.named_parameters()), owner)
+    return has_tables
 
 
 def check_frozen_tables(named_tables: Iterable["tuple[str, nn.Parameter]"], owner: str = "RecShardStrategy") -> None:

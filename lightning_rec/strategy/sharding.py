@@ -181,8 +181,9 @@ def make_sharders(
 
 def plan_module(
     module: nn.Module,
-    module_types: Sequence[Type[nn.Module]],
     sharders: List[ModuleSharder[nn.Module]],
+    *,
+    module_types: Sequence[Type[nn.Module]],
     constraints: Mapping[str, TableConstraints],
     topology: Optional[TopologyConfig],
     world_size: int,

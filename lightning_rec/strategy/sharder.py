@@ -1,0 +1,172 @@
+"""What the user asked of the sharding (tables' constraints, the machine's topology, extra sharders, a fixed plan,
+the fused optimizer, FBGEMM's arguments), normalised once, and the steps that use it: check a model against it,
+settle the fused embedding optimizer, plan on rank 0 and shard. :class:`~lightning_rec.RecShardStrategy` owns one
+and calls it from its hooks; it knows nothing of Lightning's loop.
+
+Example::
+
+    sharder = TableSharder.from_arguments(constraints={"t_item": {"sharding_types": ["column_wise"]}})
+    sharder.check_model(model, device_type="cpu")                  # before any distributed work
+    emb_opt, lr_source = sharder.embedding_optimizer_for(model, optimizers, is_embedding, "cpu")
+    state = sharder.shard(model, emb_opt, world_size=2, num_processes=2, device=torch.device("cpu"))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+from lightning_rec import _compat
+from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, TableConstraints, TopologyConfig
+from lightning_rec.inputs import input_specs
+from lightning_rec.strategy.dmp import ShardedState, shard_module
+from lightning_rec.strategy.optim import bounds_check_params, resolve_embedding_optimizer
+from lightning_rec.strategy.plan_report import PlanReport
+from lightning_rec.strategy.sharding import make_sharders, plan_module, validate_constraints
+from lightning_rec.tables import embedding_tables, sharded_module_types
+
+__all__ = ["TableSharder"]
+
+
+@dataclass
+class TableSharder:
+    """The strategy's sharding configuration (see :class:`~lightning_rec.RecShardStrategy`'s arguments of the same
+    names) and the steps it drives. Build it with :meth:`from_arguments`, which accepts YAML-shaped dicts."""
+
+    constraints: Dict[str, TableConstraints] = field(default_factory=dict)
+    topology: Optional[TopologyConfig] = None
+    sharders: List[ModuleSharder[nn.Module]] = field(default_factory=list)
+    plan: Optional[ShardingPlan] = None
+    embedding_optimizer: Optional[EmbeddingOptimizer] = None
+    fused_params: Dict[str, Any] = field(default_factory=dict)
+    static_graph: bool = True
+    find_unused_parameters: bool = False
+    owner: str = "RecShardStrategy"  # who the messages name
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        constraints: Optional[Mapping[str, Union[TableConstraints, Mapping[str, Any]]]] = None,
+        topology: Optional[Union[TopologyConfig, Mapping[str, Any]]] = None,
+        sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
+        plan: Optional[ShardingPlan] = None,
+        embedding_optimizer: Optional[Union[EmbeddingOptimizer, Mapping[str, Any]]] = None,
+        fused_params: Optional[Mapping[str, Any]] = None,
+        bounds_check: BoundsCheck = "error",
+        static_graph: bool = True,
+        find_unused_parameters: bool = False,
+        owner: str = "RecShardStrategy",
+    ) -> "TableSharder":
+        """The configuration from the strategy's arguments: dicts become the typed configs, ``bounds_check``
+        becomes FBGEMM's ``bounds_check_mode`` (under any ``fused_params`` the user gave)."""
+        return cls(
+            constraints={
+                name: c if isinstance(c, TableConstraints) else TableConstraints(**c)
+                for name, c in (constraints or {}).items()
+            },
+            topology=topology
+            if topology is None or isinstance(topology, TopologyConfig)
+            else TopologyConfig(**topology),
+            sharders=list(sharders or []),
+            plan=plan,
+            embedding_optimizer=(
+                embedding_optimizer
+                if embedding_optimizer is None or isinstance(embedding_optimizer, EmbeddingOptimizer)
+                else EmbeddingOptimizer(**embedding_optimizer)
+            ),
+            fused_params={**bounds_check_params(bounds_check), **dict(fused_params or {})},
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            owner=owner,
+        )
+
+    @property
+    def module_types(self) -> Tuple[Type[nn.Module], ...]:
+        """The module types that get sharded (see :func:`lightning_rec.tables.sharded_module_types`)."""
+        return sharded_module_types(self.sharders)
+
+    def tables(self, module: nn.Module) -> Dict[str, BaseEmbeddingConfig]:
+        """Every table of ``module`` that gets sharded, by name."""
+        return embedding_tables(module, self.module_types)
+
+    def check_model(self, module: nn.Module, device_type: str) -> None:
+        """Warn about a model without tables; check the constraints against its tables and ``device_type``."""
+        tables = self.tables(module)
+        if not tables:
+            rank_zero_warn(
+                f"{self.owner}: {type(module).__name__} has no EmbeddingBagCollection or "
+                "EmbeddingCollection, so there is nothing to shard; it will be trained as plain data parallel. "
+                "HINT: use `strategy='ddp'` for models without embedding tables."
+            )
+        if self.plan is None:
+            validate_constraints(self.constraints, tables, device_type)
+
+    def embedding_optimizer_for(
+        self, module: nn.Module, optimizers: List[Optimizer], is_embedding: Callable[[Tensor], bool], device_type: str
+    ) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]:
+        """The fused optimizer (the module's ``configure_embedding_optimizer()``, this configuration's, or derived
+        from ``optimizers``) and the param group whose learning rate it follows (``None``: its own)."""
+        declared = getattr(module, "configure_embedding_optimizer", lambda: None)() or self.embedding_optimizer
+        return resolve_embedding_optimizer(
+            optimizers,
+            is_embedding,
+            declared=declared,
+            has_tables=bool(self.tables(module)),
+            device_type=device_type,
+            owner=self.owner,
+        )
+
+    def shard(
+        self,
+        module: nn.Module,
+        embedding_optimizer: EmbeddingOptimizer,
+        *,
+        world_size: int,
+        num_processes: int,
+        device: torch.device,
+    ) -> ShardedState:
+        """Plan (rank 0, broadcast; or this configuration's ``plan``), log the plan, and shard ``module`` in place
+        with DMP (see :func:`lightning_rec.strategy.dmp.shard_module`)."""
+        sharders = make_sharders({**embedding_optimizer.to_fused_params(), **self.fused_params}, self.sharders)
+        pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
+        plan, options = self.plan, None
+        local_world_size = (self.topology or TopologyConfig()).ranks_per_host(num_processes)
+        if plan is None:
+            plan, options = plan_module(
+                module,
+                sharders,
+                module_types=self.module_types,
+                constraints=self.constraints,
+                topology=self.topology,
+                world_size=world_size,
+                local_world_size=local_world_size,
+                device_type=device.type,
+                pg=pg,
+            )
+        report = PlanReport.from_plan(plan, world_size, device.type, options, local_world_size)
+        rank_zero_info(
+            f"{self.owner}: sharding plan over {world_size} rank(s), {local_world_size} per host\n"
+            f"{report.format_table()}"
+        )
+        return shard_module(
+            module,
+            plan,
+            sharders,
+            device,
+            pg,
+            embedding_optimizer=embedding_optimizer,
+            report=report,
+            inputs=input_specs(module, self.module_types),
+            module_types=self.module_types,
+            static_graph=self.static_graph,
+            find_unused_parameters=self.find_unused_parameters,
+        )
