@@ -1,17 +1,20 @@
-"""Callbacks: the throughput the CLI shows by default, and pretrained rows for a config."""
+"""Callbacks: the throughput the CLI shows by default, pretrained rows for a config, predictions to files."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
 import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
 
 from lightning_rec.batch import Batch
 from lightning_rec.pretrained import load_rows
 from lightning_rec.tables import is_sharded
 
-__all__ = ["PretrainedRows", "Throughput"]
+__all__ = ["PredictionWriter", "PretrainedRows", "Throughput"]
 
 
 def _batch_rows(batch: Any) -> Optional[int]:
@@ -83,3 +86,44 @@ class PretrainedRows(pl.Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if not is_sharded(pl_module):
             load_rows(pl_module, self.rows)
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Writes what ``predict_step`` returned to ``output_dir/predictions.rank<R>.pt``, one file per rank: the
+    batches' dicts (or tensors) concatenated along the batch dimension, in the order the rank predicted them, so
+    that ``lightning-rec predict`` leaves its predictions on disk.
+
+    Args:
+        output_dir: where to write (created if need be).
+
+    Example (shell)::
+
+        lightning-rec predict --config my.yaml --ckpt_path last.ckpt --trainer.devices=1 \\
+            --trainer.callbacks+=lightning_rec.callbacks.PredictionWriter --trainer.callbacks.output_dir=preds
+
+    then ``torch.load("preds/predictions.rank0.pt")["probability"]``.
+    """
+
+    def __init__(self, output_dir: str) -> None:
+        super().__init__(write_interval="epoch")
+        self.output_dir = Path(output_dir)
+
+    def write_on_epoch_end(
+        self,
+        trainer: "pl.Trainer",
+        pl_module: "pl.LightningModule",
+        predictions: Sequence[Any],
+        batch_indices: Optional[Sequence[Any]],
+    ) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(_concatenated(list(predictions)), self.output_dir / f"predictions.rank{trainer.global_rank}.pt")
+
+
+def _concatenated(batches: List[Any]) -> Any:
+    if batches and isinstance(batches[0], list):  # several predict dataloaders: the first
+        batches = batches[0]
+    if not batches:
+        return {}
+    if isinstance(batches[0], dict):
+        return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    return torch.cat(batches)

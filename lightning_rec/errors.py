@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pickle
 
-__all__ = ["CheckpointError", "InputError", "NonFiniteError", "UnsafeCheckpointError"]
+__all__ = ["CheckpointError", "ExportError", "InputError", "NonFiniteError", "UnsafeCheckpointError"]
 
 
 class InputError(ValueError):
@@ -51,4 +51,10 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     Raised while reading a checkpoint's ``.metadata`` or ``meta.pt``
     (:mod:`lightning_rec.checkpoint.safe_io`) when they name a class outside the allow-list; for a checkpoint
     you trust, pass ``weights_only=False`` to ``trainer.fit/validate/test/predict``.
+    """
+
+
+class ExportError(ValueError):
+    """A model (or a part of it) that cannot become a serving artifact, naming the part and why; nothing was
+    written. Raised by :func:`lightning_rec.serving.export_inference` (``lightning-rec export --format inference``).
     """

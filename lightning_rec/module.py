@@ -10,6 +10,7 @@ import torch
 from typing_extensions import Self
 
 from lightning_rec.config import EmbeddingOptimizer
+from lightning_rec.errors import ExportError
 
 
 class RecLightningModule(pl.LightningModule):
@@ -55,6 +56,27 @@ class RecLightningModule(pl.LightningModule):
                 return EmbeddingOptimizer("rowwise_adagrad", lr=0.05)
         """
         return None
+
+    def inference_module(self, part: Optional[str] = None) -> torch.nn.Module:
+        """The network that serves, for :func:`lightning_rec.serving.export_inference` (``lightning-rec export
+        --format inference``): an ``nn.Module`` of this module's own layers whose ``forward`` takes
+        ``(dense_features: Tensor, sparse_features: KeyedJaggedTensor)`` or ``(sparse_features: KeyedJaggedTensor)``
+        and returns a tensor (scores, probabilities, embeddings). Called on the unsharded module loaded from a
+        checkpoint. ``part`` names one of several networks (e.g. a two-tower model's ``"query"`` tower).
+
+        The default refuses: a module's ``forward`` takes a training batch (labels and all), so only the author
+        knows what serves.
+
+        Example::
+
+            def inference_module(self, part=None):
+                return self.net            # forward(dense_features, sparse_features) -> logits
+        """
+        raise ExportError(
+            f"{type(self).__name__} cannot be exported for serving: it does not override `inference_module()`. "
+            "HINT: return the nn.Module that serves, taking `(dense_features, sparse_features)` or "
+            "`(sparse_features)`."
+        )
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]

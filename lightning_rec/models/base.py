@@ -13,6 +13,7 @@ from lightning_rec.batch import Batch
 from lightning_rec.metrics import ctr_metrics
 from lightning_rec.module import RecLightningModule
 from lightning_rec.config import EmbeddingOptimizer
+from lightning_rec.errors import ExportError
 
 __all__ = ["CTRModule", "DENSE_OPTIMIZERS", "DenseOptimizerName", "TwoOptimizerModule"]
 
@@ -54,6 +55,25 @@ class TwoOptimizerModule(RecLightningModule):
         )
 
 
+class Probability(nn.Module):
+    """Serves a click model: ``sigmoid(net(dense_features, sparse_features))``, shape ``(B,)`` (what
+    ``predict_step`` reports as ``"probability"``).
+
+    Example::
+
+        >>> head = Probability(nn.Bilinear(2, 1, 1, bias=False))
+        >>> head(torch.zeros(3, 2), torch.zeros(3, 1)).tolist()
+        [0.5, 0.5, 0.5]
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: Any) -> torch.Tensor:
+        return torch.sigmoid(self.net(dense_features, sparse_features).squeeze(-1))
+
+
 class CTRModule(TwoOptimizerModule):
     """Click prediction on :class:`~lightning_rec.batch.Batch`\\ es: ``self.model(dense, sparse)`` gives logits, trained
     with binary cross entropy; validation and test report AUROC, log loss, normalized entropy and accuracy (exact
@@ -83,6 +103,13 @@ class CTRModule(TwoOptimizerModule):
             probabilities = torch.sigmoid(model(batch))
         """
         return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+
+    def inference_module(self, part: Optional[str] = None) -> nn.Module:
+        """:class:`Probability` over ``self.model``: serves ``predict_step``'s probabilities (see
+        :func:`lightning_rec.serving.export_inference`)."""
+        if part is not None:
+            raise ExportError(f"{type(self).__name__} serves one network; got part={part!r}. HINT: leave `part` out.")
+        return Probability(self.model)
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)

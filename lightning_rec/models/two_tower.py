@@ -32,6 +32,7 @@ from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.config import SparseFeature
+from lightning_rec.errors import ExportError
 from lightning_rec.metrics import RankingMetrics, target_rank
 from lightning_rec.module import RecLightningModule
 from lightning_rec.config import EmbeddingOptimizer
@@ -424,6 +425,18 @@ class TwoTowerModule(RecLightningModule):
             return {"query": q, "target": batch["target"], "rank": rank}
         q, c = self(batch)
         return {"query": q, "candidate": c, "score": (q * c).sum(1)}
+
+    def inference_module(self, part: Optional[str] = None) -> nn.Module:
+        """One tower, for serving (see :func:`lightning_rec.serving.export_inference`): ``part="query"`` embeds
+        queries (users), ``"candidate"`` embeds items; each takes a ``KeyedJaggedTensor`` of its features and
+        returns ``(B, D)`` L2-normalised embeddings."""
+        towers = {"query": self.model.query_tower, "candidate": self.model.candidate_tower}
+        if part not in towers:
+            raise ExportError(
+                f"{type(self).__name__} serves two towers; choose one with part='query' or part='candidate', got "
+                f"{part!r}."
+            )
+        return towers[part]
 
     def table_parameters(self) -> List[nn.Parameter]:
         """The parameters of both towers' table collections."""

@@ -1,0 +1,311 @@
+"""From a sharded checkpoint to a model that serves: a quantized TorchScript artifact that loads without this
+package (only ``torch`` and FBGEMM's operators), in Python or C++.
+
+:func:`export_inference` loads the checkpoint unsharded (saved at any world size, with any plan), asks the module
+for the network that serves (:meth:`~lightning_rec.RecLightningModule.inference_module`), swaps every
+``EmbeddingBagCollection``/``EmbeddingCollection`` for TorchRec's quantized inference module with tables in the
+chosen dtype (FBGEMM's ``IntNBitTableBatchedEmbeddingBagsCodegen`` kernels), traces it with TorchRec's ``fx``
+tracer (the kernels stay leaves), compiles it with TorchScript and saves it, with a JSON description of its inputs
+(``extra/lightning_rec.json`` in the archive). TorchRec's own recipe (``torchrec/inference/dlrm_predict.py``).
+
+Why TorchScript rather than ``torch.export``: the quantized kernels hold a ``torch.classes.fbgemm.AtomicCounter``
+that has no fake implementation, so ``torch.export`` refuses them (torch 2.13, FBGEMM 1.8); TorchScript saves the
+``KeyedJaggedTensor`` code into the archive, so loading needs neither TorchRec nor this package, and libtorch loads
+it from C++.
+
+The artifact takes plain tensors, one sample per row::
+
+    forward(dense_features: Tensor[B, D],          # only if the served network reads dense features
+            values: Tensor[N] (int64 or int32),     # every id, feature by feature (feature-major, as a KJT)
+            lengths: Tensor[F * B] (int),           # ids per (feature, sample), feature-major
+            weights: Optional[Tensor[N]] = None)    # per-id weights, for weighted collections
+        -> Tensor                                  # what the network returns (CTR models: probabilities [B])
+
+The feature order ``F`` is fixed at export and written in ``extra/lightning_rec.json`` (``"features"``).
+
+Example::
+
+    export_inference("checkpoints/last.ckpt", "model_int8.pt", table_dtype="int8")
+
+    # anywhere, without lightning_rec or torchrec:
+    import torch, fbgemm_gpu                        # fbgemm_gpu registers the kernels' operators
+    model = torch.jit.load("model_int8.pt")
+    with torch.inference_mode():
+        probabilities = model(dense, values, lengths)
+"""
+
+# No `from __future__ import annotations` here: torch.fx and TorchScript read the forwards' annotations as types.
+import copy
+import importlib
+import inspect
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_rec.errors import ExportError
+from lightning_rec.tables import embedding_modules
+
+__all__ = ["InferenceSpec", "TableDtype", "export_inference", "inference_spec", "load_inference"]
+
+TableDtype = Literal["fp32", "fp16", "int8", "int4"]
+_DTYPES: Dict[str, torch.dtype] = {
+    "fp32": torch.float,
+    "fp16": torch.half,
+    "int8": torch.qint8,
+    "int4": torch.quint4x2,
+}
+SPEC_FILE = "lightning_rec.json"
+_KERNELS = ["IntNBitTableBatchedEmbeddingBagsCodegen"]  # FBGEMM's inference kernels: leaves of the fx trace
+
+
+@dataclass(frozen=True)
+class InferenceSpec:
+    """What an artifact expects and holds (``extra/lightning_rec.json`` in the archive).
+
+    Args:
+        features: the sparse features, in the order of ``lengths`` (feature-major).
+        num_dense_features: the width of ``dense_features`` (0: the network reads none, and the artifact takes no
+            ``dense_features`` argument).
+        weighted: whether ``weights`` are read (a collection pools with per-id weights).
+        table_dtype: the tables' storage dtype.
+        tables: table name -> ``[rows, columns]``.
+        model: the LightningModule class it came from, and ``part`` (e.g. ``"query"``).
+    """
+
+    features: List[str]
+    num_dense_features: int
+    weighted: bool
+    table_dtype: str
+    tables: Dict[str, List[int]]
+    model: str
+    part: Optional[str] = None
+
+
+class _Serving(nn.Module):
+    """Plain tensors in, the network's output out: builds the ``KeyedJaggedTensor`` the network takes."""
+
+    def __init__(self, net: nn.Module, features: List[str], dense: bool) -> None:
+        super().__init__()
+        self.net = net
+        self.features = features
+        self.dense = dense
+
+    def forward(
+        self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None
+    ) -> Tensor:
+        sparse = KeyedJaggedTensor(keys=self.features, values=values, lengths=lengths, weights=weights)
+        if self.dense:
+            return self.net(dense_features, sparse)
+        return self.net(sparse)
+
+
+class _SparseOnly(nn.Module):
+    """The artifact's signature when the network reads no dense features (no ``dense_features`` argument)."""
+
+    def __init__(self, serving: nn.Module) -> None:
+        super().__init__()
+        self.serving = serving
+
+    def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        return self.serving(torch.empty(0), values, lengths, weights)
+
+
+def inference_spec(path: Union[str, Path]) -> InferenceSpec:
+    """The :class:`InferenceSpec` stored in the artifact at ``path`` (no model is loaded)."""
+    extra = {SPEC_FILE: ""}
+    torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+    return InferenceSpec(**json.loads(extra[SPEC_FILE]))
+
+
+def load_inference(path: Union[str, Path], map_location: str = "cpu") -> torch.jit.ScriptModule:
+    """Load an artifact in Python (what any program does: ``import fbgemm_gpu`` then ``torch.jit.load``)."""
+    import fbgemm_gpu  # noqa: F401  (registers the operators and classes the kernels use)
+
+    return torch.jit.load(str(path), map_location=map_location)
+
+
+def export_inference(
+    checkpoint: Union[str, Path],
+    output: Union[str, Path],
+    *,
+    table_dtype: TableDtype = "int8",
+    part: Optional[str] = None,
+    model_class: Optional[Union[str, type]] = None,
+    num_dense_features: Optional[int] = None,
+    weights_only: Optional[bool] = None,
+) -> InferenceSpec:
+    """Write the serving network of a sharded checkpoint as a quantized TorchScript artifact (one process, CPU).
+
+    Args:
+        checkpoint: a checkpoint directory written on any number of ranks with any plan.
+        output: the artifact's path (written to a temporary name, then renamed; an existing file is replaced only
+            once the new one is complete).
+        table_dtype: the tables' storage: ``"fp32"`` (the trained rows, bit for bit), ``"fp16"``, ``"int8"`` or
+            ``"int4"`` (row-wise quantized, with a per-row scale and bias). The dense layers stay fp32.
+        part: which network to export, for modules that serve more than one (the two-tower model's ``"query"`` or
+            ``"candidate"`` tower; see the module's ``inference_module``).
+        model_class: the LightningModule class (or ``"package.module.Class"``); default: the one the checkpoint
+            was saved from.
+        num_dense_features: the width of the dense input; default: the module's ``num_dense_features``
+            hyperparameter.
+        weights_only: ``False`` lets the checkpoint's ``meta.pt`` unpickle arbitrary objects (trusted only).
+
+    Returns:
+        the artifact's :class:`InferenceSpec`.
+
+    Raises:
+        ExportError: naming the part of the model that cannot be exported and why; nothing is written then.
+        CheckpointError: the checkpoint is incomplete, corrupt or does not match the module.
+
+    Example::
+
+        spec = export_inference("checkpoints/last.ckpt", "query_tower.pt", part="query", table_dtype="fp16")
+        spec.features           # ['user_id', 'history', ...]: the order of `lengths`
+    """
+    from torchrec.inference.modules import quantize_inference_model
+
+    from lightning_rec.checkpoint import layout, load_module, safe_io
+
+    if table_dtype not in _DTYPES:
+        raise ExportError(f"table_dtype must be one of {sorted(_DTYPES)}, got {table_dtype!r}.")
+    path = layout.recover(Path(checkpoint))
+    cls = _model_class(model_class, safe_io.load_meta(path / layout.META_FILE, weights_only), path)
+    module = load_module(cls, path, weights_only=weights_only).eval()
+    net = _serving_network(module, part)
+    collections = embedding_modules(net)
+    features, weighted, tables = _features(net, collections)
+    dense = _takes_dense(net)
+    if dense:
+        num_dense_features = _num_dense(module, num_dense_features)
+    spec = InferenceSpec(
+        features=features,
+        num_dense_features=num_dense_features if dense else 0,
+        weighted=weighted,
+        table_dtype=table_dtype,
+        tables=tables,
+        model=f"{cls.__module__}.{cls.__qualname__}",
+        part=part,
+    )
+    serving = _Serving(copy.deepcopy(net), features, dense).eval()
+    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])
+    example = _example(spec)
+    with torch.no_grad():
+        quantized(*example)  # TorchRec caches the feature order on the first call: it must not be the trace's
+    scripted = _script(_SparseOnly(quantized) if not dense else quantized, type(net).__name__)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    scripted.save(str(partial), _extra_files={SPEC_FILE: json.dumps(asdict(spec))})
+    os.replace(partial, output)
+    return spec
+
+
+def _model_class(model_class: Optional[Union[str, type]], meta: Dict[str, Any], path: Path) -> type:
+    name = model_class or meta.get("lightning_rec", {}).get("module_class")
+    if name is None:
+        raise ExportError(
+            f"{str(path)!r} does not name the LightningModule it was saved from (checkpoints written before "
+            "lightning_rec recorded it). HINT: pass `model_class=` (`--model-class package.module.Class`)."
+        )
+    if isinstance(name, type):
+        return name
+    module_name, _, qualname = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), qualname)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ExportError(f"cannot import the model class {name!r}: {err}. HINT: pass `model_class=`.") from None
+
+
+def _serving_network(module: nn.Module, part: Optional[str]) -> nn.Module:
+    hook = getattr(module, "inference_module", None)
+    name = type(module).__name__
+    if hook is None:
+        raise ExportError(
+            f"{name} cannot be exported: it defines no `inference_module()`. HINT: subclass RecLightningModule and "
+            "return the nn.Module that serves, taking `(dense_features: Tensor, sparse_features: KeyedJaggedTensor)` "
+            "or `(sparse_features: KeyedJaggedTensor)`."
+        )
+    net = hook(part) if part is not None else hook()
+    if not isinstance(net, nn.Module):
+        raise ExportError(f"{name}.inference_module() returned {type(net).__name__}, not an nn.Module.")
+    if not embedding_modules(net):
+        raise ExportError(
+            f"{name}.inference_module() returned {type(net).__name__}, which holds no EmbeddingBagCollection or "
+            "EmbeddingCollection: there are no tables to serve."
+        )
+    return net
+
+
+def _features(net: nn.Module, collections: Dict[str, nn.Module]) -> Tuple[List[str], bool, Dict[str, List[int]]]:
+    """Every feature the network's collections read (first-seen order), whether any pools with weights, and the
+    tables' shapes."""
+    features: Dict[str, None] = {}
+    tables: Dict[str, List[int]] = {}
+    weighted = False
+    for path, sub in collections.items():
+        if isinstance(sub, EmbeddingBagCollection):
+            configs, weighted = sub.embedding_bag_configs(), weighted or bool(sub.is_weighted())
+        elif isinstance(sub, EmbeddingCollection):
+            configs = sub.embedding_configs()
+        else:  # pragma: no cover - embedding_modules finds only these two
+            raise ExportError(f"{type(net).__name__}.{path}: {type(sub).__name__} has no quantized inference module.")
+        for config in configs:
+            features.update(dict.fromkeys(config.feature_names))
+            tables[config.name] = [int(config.num_embeddings), int(config.embedding_dim)]
+    return list(features), weighted, tables
+
+
+def _takes_dense(net: nn.Module) -> bool:
+    params = [p for p in inspect.signature(net.forward).parameters.values() if p.default is inspect.Parameter.empty]
+    if len(params) not in (1, 2):
+        names = ", ".join(p.name for p in params)
+        raise ExportError(
+            f"{type(net).__name__}.forward({names}) cannot be served: it must take `(sparse_features)` or "
+            "`(dense_features, sparse_features)`, a KeyedJaggedTensor and a dense tensor."
+        )
+    return len(params) == 2
+
+
+def _num_dense(module: nn.Module, given: Optional[int]) -> int:
+    width = given if given is not None else getattr(module, "hparams", {}).get("num_dense_features")
+    if not isinstance(width, int) or width < 0:
+        raise ExportError(
+            f"{type(module).__name__}: the served network reads dense features, but their number is unknown. "
+            "HINT: pass `num_dense_features=` (`--num-dense-features`)."
+        )
+    return width
+
+
+def _example(spec: InferenceSpec) -> Tuple[Tensor, ...]:
+    """Two samples, one id (row 0) per feature: the warm-up call's input."""
+    rows = 2
+    n = rows * len(spec.features)
+    return (
+        torch.zeros(rows, spec.num_dense_features),
+        torch.zeros(n, dtype=torch.long),
+        torch.ones(n, dtype=torch.int32),
+        torch.ones(n) if spec.weighted else None,
+    )
+
+
+def _script(model: nn.Module, name: str) -> torch.jit.ScriptModule:
+    from torchrec.fx import Tracer
+
+    try:
+        graph = Tracer(leaf_modules=_KERNELS).trace(model)
+    except Exception as err:  # fx raises several types; the message names the construct
+        raise ExportError(
+            f"{name} cannot be traced for serving (torch.fx): {type(err).__name__}: {err}. HINT: serving needs a "
+            "forward without data-dependent Python control flow (branch on tensor values, .item(), .tolist())."
+        ) from err
+    try:
+        return torch.jit.script(torch.fx.GraphModule(model, graph))
+    except Exception as err:
+        raise ExportError(f"{name} cannot be compiled with TorchScript: {type(err).__name__}: {err}") from err
