@@ -32,6 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_rec
 from lightning_rec import Batch, RecShardStrategy
+from lightning_rec.testing import QUIET_TRAINER
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -155,15 +156,11 @@ def main() -> None:
     common = dict(
         accelerator="cpu",
         devices=args.devices,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
+        **QUIET_TRAINER,
     )
 
     model = Model(args.tables, args.rows, args.dim)
-    trainer = L.Trainer(strategy=MeasuredStrategy(constraints=constraints, plan_report=False), max_steps=2, **common)
+    trainer = L.Trainer(strategy=MeasuredStrategy(constraints=constraints, report_plan=False), max_steps=2, **common)
     trainer.fit(model, batches(args.tables, args.rows, 2))
     local = local_state_bytes(model, trainer)
     path = root / "bench.ckpt"
@@ -171,7 +168,7 @@ def main() -> None:
     saved = dict(MeasuredStrategy.measured)
 
     model2 = Model(args.tables, args.rows, args.dim)
-    trainer2 = L.Trainer(strategy=MeasuredStrategy(constraints=constraints, plan_report=False), max_steps=2, **common)
+    trainer2 = L.Trainer(strategy=MeasuredStrategy(constraints=constraints, report_plan=False), max_steps=2, **common)
     trainer2.fit(model2, batches(args.tables, args.rows, 2), ckpt_path=path)  # restores, then has nothing to train
     full = args.tables * args.rows * args.dim * 4 * 2  # every table + its Adagrad accumulator, fp32
     result = {

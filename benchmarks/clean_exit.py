@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from lightning_rec.testing.ports import free_port
+from lightning_rec.testing import QUIET_TRAINER
 
 MODES = ("gloo", "gloo_destroy", "gloo_clean", "recshard")
 _HELD: list = []
@@ -94,11 +95,7 @@ def _recshard_job() -> None:
         accelerator="cpu",
         devices=2,
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
+        **QUIET_TRAINER,
     )
     trainer.fit(Model(), DataLoader([batch(trainer.global_rank * 10 + i) for i in range(4)], batch_size=None))
     for _ in range(30):

@@ -6,7 +6,7 @@ bench's model tables (``--size``) are sharded with alternating column-wise / tab
 differs, and a training step of the tables (DMP forward, ``kt.values()``, a loss, backward with the fused update)
 is timed with the reordering on and off, interleaved step by step on the same batches in one process. When the
 orders already agree the strategy removes its wrapper after the first step, so that case costs nothing by
-construction (tests/test_unsharded.py checks the wrapper is gone).
+construction (tests/strategy/test_unsharded.py checks the wrapper is gone).
 
     .venv/bin/python benchmarks/output_order.py --size realistic
 

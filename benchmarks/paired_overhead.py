@@ -35,6 +35,7 @@ from lightning_rec import RecShardStrategy
 from lightning_rec.bench import SIZES, Size
 from lightning_rec.bench.workload import BenchModel, make_batches, table_constraints, init_weights, torch_optimizer
 from lightning_rec.bench.worker import lightning_module, raw_torchrec
+from lightning_rec.testing.ports import rank_env
 
 
 def _step(model: Any, optimizer: Any) -> Callable[[Any], None]:
@@ -86,7 +87,7 @@ def measure(size: Size, steps: int, warmup: int = 20, lr: float = 0.01) -> Dict[
             def make_baseline(model: Any = baseline_model) -> Callable[[Any], None]:
                 return _step(model, torch_optimizer(size.optimizer, model.parameters(), lr))
         else:
-            strategy = RecShardStrategy(constraints=table_constraints(size), plan_report=False)
+            strategy = RecShardStrategy(constraints=table_constraints(size), report_plan=False)
 
             def make_baseline() -> Callable[[Any], None]:
                 return _step(*raw_torchrec(size, lr, device))
@@ -121,15 +122,7 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--steps", type=int, default=1000)
     args = parser.parse_args()
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=os.environ.get("MASTER_PORT", "29573"),
-        WORLD_SIZE="1",
-        RANK="0",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        NODE_RANK="0",
-    )
+    os.environ.update(rank_env(0, 1, int(os.environ.get("MASTER_PORT", "29573"))))
     print(
         json.dumps(
             {"size": args.size, "steps": args.steps, **measure(replace(SIZES[args.size], world_size=1), args.steps)}

@@ -32,6 +32,7 @@ import torch
 
 from lightning_rec.bench import SIZES, workload
 from lightning_rec.bench.worker import run_worker
+from lightning_rec.testing.ports import rank_env
 
 
 def _instrument(events: List[Tuple[str, float]]) -> None:
@@ -182,15 +183,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if "RANK" not in os.environ:  # one process; under torchrun, its environment wins
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=os.environ.get("MASTER_PORT", "29571"),
-            WORLD_SIZE="1",
-            RANK="0",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            NODE_RANK="0",
-        )
+        os.environ.update(rank_env(0, 1, int(os.environ.get("MASTER_PORT", "29571"))))
     world_size = int(os.environ["WORLD_SIZE"])
     size = replace(SIZES[args.size], world_size=world_size, steps=args.steps, warmup=args.warmup)
     events: List[Tuple[str, float]] = []

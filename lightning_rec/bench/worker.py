@@ -275,7 +275,7 @@ def _run_lightning(
         }[checks]
         topology = TopologyConfig(**_planner_hbm(device)) if device.type == "cuda" else None
         strategy = RecShardStrategy(
-            constraints=table_constraints(size), plan_report=False, pipeline=pipeline, topology=topology, **unchecked
+            constraints=table_constraints(size), report_plan=False, pipeline=pipeline, topology=topology, **unchecked
         )
     trainer = L.Trainer(
         accelerator=device.type if device.type == "cpu" else "gpu",

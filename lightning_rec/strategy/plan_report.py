@@ -388,7 +388,7 @@ def write_plan_report(report: PlanReport, directory: "os.PathLike[str] | str") -
         rank_zero_warn(
             f"RecShardStrategy could not write the sharding-plan report to {out!r}: {type(e).__name__}: {e}. "
             "Training goes on. HINT: make the log directory writable and `pip install matplotlib`, or pass "
-            "`RecShardStrategy(plan_report=False)`."
+            "`RecShardStrategy(report_plan=False)`."
         )
         return None
     return out

@@ -1,8 +1,10 @@
-"""Free TCP ports on the loopback interface, for ``MASTER_PORT`` and rendezvous endpoints."""
+"""Free TCP ports on the loopback interface, for ``MASTER_PORT`` and rendezvous endpoints; the environment of a
+rank started by hand."""
 
 from __future__ import annotations
 
 import socket
+from typing import Dict
 
 
 def free_port() -> int:
@@ -23,3 +25,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int, local_world_size: int = 0) -> Dict[str, str]:
+    """The variables torchrun would set for ``rank`` of ``world_size`` on one host (``MASTER_ADDR`` 127.0.0.1), for
+    a process that runs itself as a rank (a benchmark script, say).
+
+    Example::
+
+        >>> rank_env(0, 1, 29500)["LOCAL_WORLD_SIZE"]
+        '1'
+    """
+    local = local_world_size or world_size
+    values = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "WORLD_SIZE": world_size,
+        "RANK": rank,
+        "LOCAL_RANK": rank % local,
+        "LOCAL_WORLD_SIZE": local,
+        "NODE_RANK": rank // local,
+    }
+    return {k: str(v) for k, v in values.items()}

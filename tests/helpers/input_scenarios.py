@@ -1,4 +1,4 @@
-"""Malformed batches thrown at real fits (tests/test_inputs.py). Each scenario returns a JSON-able dict."""
+"""Malformed batches thrown at real fits (tests/inputs/test_inputs.py). Each scenario returns a JSON-able dict."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from lightning_rec import RecShardStrategy
 from tests.helpers.fault_scenarios import FailAt
 from tests.helpers.models import RecModel, make_batches
+from lightning_rec.testing import QUIET_TRAINER
 
 
 def main() -> None:
@@ -32,10 +33,7 @@ def main() -> None:
         accelerator="cpu",
         devices=2,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=callbacks,
     )
     trainer.fit(RecModel(), DataLoader(make_batches(args.steps, 32, seed=trainer.global_rank), batch_size=None))

@@ -16,6 +16,7 @@ import lightning_rec
 from lightning_rec.callbacks import PretrainedRows
 from tests.helpers.models import local_weights
 from tests.helpers.user_models import samples, to_batch
+from lightning_rec.testing import QUIET_TRAINER
 
 # (table, feature, rows): an EBC over user/genre/item and an EC sharing nothing with it.
 BAG_TABLES = [("t_user", "user", 60), ("t_genre", "genre", 20), ("t_item", "item", 90)]
@@ -73,11 +74,7 @@ def start_from_files(
             accelerator="cpu",
             devices=world_size,
             max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
+            **QUIET_TRAINER,
             callbacks=[PretrainedRows(files), _Start(out_dir / f"{tag}.start{rank}.pt")],
         )
         batch = to_batch(samples(8, 3)[rank * 4 : (rank + 1) * 4])

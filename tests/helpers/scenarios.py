@@ -17,6 +17,7 @@ from lightning_rec import RecShardStrategy
 from lightning_rec.strategy.faults import close_process_group_at_exit
 from lightning_rec.strategy.optim import is_fused_parameter
 from lightning_rec.strategy.sharding import plan_rows
+from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.models import RecModel, as_format, deterministic_init, local_weights, save_weights, make_batches
 
 
@@ -45,12 +46,7 @@ def make_trainer(
         devices=world_size // num_nodes,
         num_nodes=num_nodes,
         max_steps=steps,
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET_TRAINER,
     )
     extra_callbacks = kwargs.pop("callbacks", [])
     if any(isinstance(c, ModelCheckpoint) for c in extra_callbacks):
