@@ -2,12 +2,14 @@
 
 Subcommands are LightningCLI's (``fit``, ``validate``, ``test``, ``predict``; ``--print_config``, ``--config``)
 plus ``prepare``, which fetches a dataset ahead of time (the DataModules also fetch on first use), and
-``export``, which turns a sharded checkpoint into one unsharded state dict file::
+``export``, which turns a sharded checkpoint into one unsharded state dict file, or (``--format inference``) into
+a servable TorchScript artifact with quantized tables::
 
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml --trainer.max_epochs=2 --data.batch_size=1024
     lightning-rec prepare movielens --data_dir data/ml-100k
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model.safetensors
+    lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt --format inference
 
 DataModules publish ``sparse_features`` and ``num_dense_features``; they are linked into the model's
 arguments of the same names, so a model config never repeats table sizes. By default, metrics go to a CSV
@@ -65,21 +67,48 @@ def _prepare(argv: List[str]) -> None:
 def _export(argv: List[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-rec export",
-        description="Write the weights of a sharded checkpoint (any world size, any plan) as one unsharded state "
-        "dict: safetensors for *.safetensors, else a torch.save file that loads with weights_only=True.",
+        description="Turn a sharded checkpoint (any world size, any plan) into one file: the unsharded state dict "
+        "(--format weights: safetensors for *.safetensors, else a torch.save file that loads with weights_only=True), "
+        "or a servable TorchScript artifact with quantized tables that loads without lightning_rec "
+        "(--format inference; see README 'Serving').",
     )
     parser.add_argument(
         "checkpoint", help="a checkpoint directory, e.g. lightning_logs/version_0/checkpoints/last.ckpt"
     )
-    parser.add_argument("output", help="e.g. model.safetensors or model.pt")
+    parser.add_argument("output", help="e.g. model.safetensors, model.pt, or model_int8.pt")
+    parser.add_argument("--format", choices=["weights", "inference"], default="weights")
     parser.add_argument(
-        "--prefix", default="", help='export only the weights under this prefix, without it (e.g. "model.")'
+        "--prefix", default="", help='weights: export only the weights under this prefix, without it (e.g. "model.")'
     )
+    parser.add_argument(
+        "--table-dtype", choices=["fp32", "fp16", "int8", "int4"], default="int8", help="inference: the tables' dtype"
+    )
+    parser.add_argument("--part", default=None, help='inference: which network, e.g. "query" for a two-tower model')
+    parser.add_argument("--model-class", default=None, help="inference: package.module.Class (default: the saved one)")
+    parser.add_argument("--num-dense-features", type=int, default=None, help="inference: the dense input's width")
     args = parser.parse_args(argv)
-    from lightning_rec.checkpoint import export
+    if args.format == "weights":
+        from lightning_rec.checkpoint import export
 
-    shapes = export(args.checkpoint, args.output, prefix=args.prefix)
-    print(f"wrote {len(shapes)} tensors ({sum(s.numel() for s in shapes.values()):,} values) to {args.output}")
+        shapes = export(args.checkpoint, args.output, prefix=args.prefix)
+        print(f"wrote {len(shapes)} tensors ({sum(s.numel() for s in shapes.values()):,} values) to {args.output}")
+        return
+    from lightning_rec.serving import export_inference
+
+    spec = export_inference(
+        args.checkpoint,
+        args.output,
+        table_dtype=args.table_dtype,
+        part=args.part,
+        model_class=args.model_class,
+        num_dense_features=args.num_dense_features,
+    )
+    dense = f"dense_features[B, {spec.num_dense_features}], " if spec.num_dense_features else ""
+    print(
+        f"wrote {args.output}: {spec.model}{f' ({spec.part})' if spec.part else ''}, {len(spec.tables)} "
+        f"{spec.table_dtype} tables; forward({dense}values, lengths{', weights' if spec.weighted else ''}) with "
+        f"features {spec.features}"
+    )
 
 
 def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:

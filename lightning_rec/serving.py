@@ -52,7 +52,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_rec.errors import ExportError
 from lightning_rec.tables import embedding_modules
 
-__all__ = ["InferenceSpec", "TableDtype", "export_inference", "inference_spec", "load_inference"]
+__all__ = ["InferenceSpec", "TableDtype", "export_inference", "inference_spec", "load_inference", "serving_inputs"]
 
 TableDtype = Literal["fp32", "fp16", "int8", "int4"]
 _DTYPES: Dict[str, torch.dtype] = {
@@ -122,6 +122,31 @@ def inference_spec(path: Union[str, Path]) -> InferenceSpec:
     extra = {SPEC_FILE: ""}
     torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
     return InferenceSpec(**json.loads(extra[SPEC_FILE]))
+
+
+def serving_inputs(
+    spec: InferenceSpec, sparse_features: KeyedJaggedTensor, dense_features: Optional[Tensor] = None
+) -> Tuple[Tensor, ...]:
+    """The artifact's arguments for a batch held as a ``KeyedJaggedTensor`` (and dense tensor): its features put in
+    ``spec.features`` order, ``values``/``lengths`` (and ``weights`` if the artifact reads them) as plain tensors.
+
+    Example::
+
+        model, spec = load_inference("model.pt"), inference_spec("model.pt")
+        probabilities = model(*serving_inputs(spec, batch.sparse_features, batch.dense_features))
+    """
+    missing = [f for f in spec.features if f not in sparse_features.keys()]
+    if missing:
+        raise ValueError(f"the batch lacks feature(s) {missing}; the artifact reads {spec.features}.")
+    kjt = KeyedJaggedTensor.from_jt_dict({f: sparse_features[f] for f in spec.features})
+    sparse: Tuple[Tensor, ...] = (kjt.values(), kjt.lengths())
+    if spec.weighted:
+        sparse += (kjt.weights(),)
+    if not spec.num_dense_features:
+        return sparse
+    if dense_features is None:
+        raise ValueError(f"the artifact reads {spec.num_dense_features} dense features; pass `dense_features`.")
+    return (dense_features, *sparse)
 
 
 def load_inference(path: Union[str, Path], map_location: str = "cpu") -> torch.jit.ScriptModule:

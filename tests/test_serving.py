@@ -1,0 +1,155 @@
+"""Serving export (``lightning_rec.serving``): a sharded checkpoint becomes a TorchScript artifact with quantized
+tables that predicts in a fresh process without torchrec, lightning or lightning_rec, exactly like the trained
+module for fp32 tables; models that cannot be exported are refused with the part and the reason, writing nothing.
+The main job's artifact against ``lightning-rec predict`` is in ``tests/test_main_job.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_rec import RecLightningModule, RecShardStrategy
+from lightning_rec.errors import ExportError
+from lightning_rec.models import DLRMModule
+from lightning_rec.serving import export_inference, inference_spec, serving_inputs
+from lightning_rec.testing import QUIET_TRAINER
+from tests.helpers import zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
+from tests.helpers.serving import serve_fresh
+from tests.helpers.zoo import ZooCase, seeded_module
+
+
+def _checkpoint(module: nn.Module, batches: List[Any], path: Path) -> Path:
+    """``module`` trained for ``len(batches)`` steps on one process, saved as a sharded checkpoint directory."""
+    trainer = L.Trainer(
+        strategy=RecShardStrategy(), accelerator="cpu", devices=1, max_steps=len(batches), **QUIET_TRAINER
+    )
+    trainer.fit(module, DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+    trainer.save_checkpoint(path)
+    return path
+
+
+def _dlrm_dot() -> DLRMModule:
+    features = zoo_dlrm.movielens()[1]
+    return DLRMModule(features, 2, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+
+
+# name -> (case whose data and training it uses, a different module to build, the parts it serves)
+MODELS: Dict[str, Any] = {
+    "dlrm": (zoo_dlrm.CASE, _dlrm_dot, [None]),
+    "dcnv2": (zoo_dlrm.CASE, None, [None]),
+    "deepfm": (zoo_deepfm.CASE, None, [None]),
+    "two_tower": (zoo_two_tower.CASE, None, ["query", "candidate"]),
+}
+
+
+def _arguments(spec, batch: Any, part: Optional[str]):
+    if part is None:  # a CTR Batch
+        return serving_inputs(spec, batch.sparse_features, batch.dense_features)
+    return serving_inputs(spec, batch[part])
+
+
+def _eager(module: RecLightningModule, batch: Any, part: Optional[str]) -> torch.Tensor:
+    net = module.inference_module(part)
+    with torch.no_grad():
+        if part is None:
+            return net(batch.dense_features, batch.sparse_features)
+        return net(batch[part])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_zoo_model_serves_without_lightning_rec_like_the_trained_module(tmp_path, name):
+    """Trained, checkpointed (sharded), exported per table dtype, served in a fresh process: fp32 tables give the
+    loaded module's own outputs bit for bit, fp16/int8 stay close, int4 closer than chance."""
+    case, build, parts = MODELS[name]
+    case = case if build is None else ZooCase(**{**case.__dict__, "build": build})
+    module = seeded_module(case)
+    ckpt = _checkpoint(module, case.batches(2), tmp_path / "ckpt")
+    loaded = type(module).load_from_checkpoint(ckpt).eval()
+    heldout = case.heldout()
+    jobs, expected, tolerance = [], [], {"fp32": 0.0, "fp16": 2e-3, "int8": 2e-2, "int4": 0.2}
+    for part in parts:
+        for dtype in tolerance if name == "dcnv2" else ("fp32", "int8"):
+            artifact = tmp_path / f"{part or name}_{dtype}.pt"
+            spec = export_inference(ckpt, artifact, table_dtype=dtype, part=part)
+            assert inference_spec(artifact) == spec and spec.table_dtype == dtype and spec.part == part
+            jobs.append((artifact, [_arguments(spec, heldout, part)]))
+            expected.append((dtype, part, _eager(loaded, heldout, part)))
+    served = serve_fresh(jobs, tmp_path)
+    for (dtype, part, want), got in zip(expected, served):
+        assert got.shape == want.shape, (dtype, part)
+        if dtype == "fp32":
+            assert torch.equal(got, want), (part, (got - want).abs().max())
+        else:
+            assert (got - want).abs().max() <= tolerance[dtype], (dtype, part, (got - want).abs().max())
+            assert not torch.equal(got, want), "quantized tables should not be the float rows"
+
+
+# ---- refusals: the part that cannot be exported, and why; nothing written ---------------------------------
+
+
+class _Branchy(nn.Module):
+    """A network whose output depends on a branch on tensor values: torch.fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=10, feature_names=["user"])],
+            device=torch.device("cpu"),
+        )
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        x = self.ebc(sparse_features).values().sum(1)
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+class _BranchyModule(RecLightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _Branchy()
+
+    def training_step(self, batch: Dict[str, Any], batch_idx: int) -> torch.Tensor:
+        return self.net(batch["sparse"]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def inference_module(self, part: Optional[str] = None) -> nn.Module:
+        return self.net
+
+
+def _branchy_checkpoint(path: Path) -> Path:
+    kjt = KeyedJaggedTensor.from_lengths_sync(["user"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
+    return _checkpoint(_BranchyModule(), [{"sparse": kjt}], path)
+
+
+def test_untraceable_network_is_refused_naming_it_and_the_existing_file_is_kept(tmp_path):
+    ckpt = _branchy_checkpoint(tmp_path / "ckpt")
+    output = tmp_path / "model.pt"
+    output.write_bytes(b"the user's earlier artifact")
+    with pytest.raises(ExportError, match=r"_Branchy cannot be traced for serving .*control flow"):
+        export_inference(ckpt, output, table_dtype="fp32")
+    assert output.read_bytes() == b"the user's earlier artifact"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.pt"], "no partial file left behind"
+
+
+def test_modules_without_a_serving_network_and_wrong_arguments_are_refused(tmp_path):
+    sequential = _checkpoint(seeded_module(zoo_sequential.CASE), zoo_sequential.CASE.batches(1), tmp_path / "seq")
+    with pytest.raises(ExportError, match=r"cannot be exported for serving: it does not override `inference_module"):
+        export_inference(sequential, tmp_path / "seq.pt")
+    two_tower = _checkpoint(seeded_module(zoo_two_tower.CASE), zoo_two_tower.CASE.batches(1), tmp_path / "tt")
+    with pytest.raises(ExportError, match=r"serves two towers; choose one with part='query' or part='candidate'"):
+        export_inference(two_tower, tmp_path / "tt.pt")
+    with pytest.raises(ExportError, match=r"table_dtype must be one of .*'int4'.*got 'int3'"):
+        export_inference(two_tower, tmp_path / "tt.pt", part="query", table_dtype="int3")
+    assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".*partial"))
