@@ -5,9 +5,12 @@ The main job's artifact against ``lightning-rec predict`` is in ``tests/test_mai
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import fbgemm_gpu
 import lightning as L
 import pytest
 import torch
@@ -19,9 +22,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_rec import RecLightningModule, RecShardStrategy
 from lightning_rec.errors import ExportError
 from lightning_rec.models import DLRMModule
-from lightning_rec.serving import export_inference, inference_spec, serving_inputs
+from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers import zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
+from tests.helpers.data import REPO
 from tests.helpers.serving import serve_fresh
 from tests.helpers.zoo import ZooCase, seeded_module
 
@@ -153,3 +157,35 @@ def test_modules_without_a_serving_network_and_wrong_arguments_are_refused(tmp_p
     with pytest.raises(ExportError, match=r"table_dtype must be one of .*'int4'.*got 'int3'"):
         export_inference(two_tower, tmp_path / "tt.pt", part="query", table_dtype="int3")
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".*partial"))
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("c++")), reason="needs cmake and a C++ compiler")
+def test_cpp_example_serves_the_artifact_like_python(tmp_path):
+    """README's C++ snippet (examples/serve_cpp), built against the installed libtorch, loads an int8 artifact with
+    FBGEMM's libraries and predicts what Python's ``torch.jit.load`` predicts."""
+    case = zoo_dlrm.CASE
+    ckpt = _checkpoint(seeded_module(case), case.batches(1), tmp_path / "ckpt")
+    spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
+    build = tmp_path / "build"
+    prefix = torch.utils.cmake_prefix_path
+    for cmd in (
+        ["cmake", "-S", str(REPO / "examples" / "serve_cpp"), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
+        ["cmake", "--build", str(build)],
+    ):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows, dense, features = 3, spec.num_dense_features, len(spec.features)
+    fbgemm_dir = Path(fbgemm_gpu.__file__).parent
+    cmd = [str(build / "serve"), str(tmp_path / "model.pt"), str(fbgemm_dir), str(rows), str(dense), str(features)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    cpp = torch.tensor([float(v) for v in out.stdout.split("output:")[1].split()])
+    model = load_inference(tmp_path / "model.pt")
+    with torch.inference_mode():
+        want = model(
+            torch.zeros(rows, dense),
+            torch.zeros(features * rows, dtype=torch.long),
+            torch.ones(features * rows, dtype=torch.int),
+        )
+    assert cpp.shape == want.shape and torch.allclose(cpp, want, atol=1e-5), (cpp, want)
