@@ -124,3 +124,11 @@ def test_config_pickled_under_its_old_module_path_still_loads(tmp_path):
     loaded = load_meta(meta)["constraints"]
     assert loaded == TableConstraints(sharding_types=["column_wise"]) and type(loaded) is TableConstraints
     assert pickle.loads(pickle.dumps(loaded)) == loaded and torch.load(meta, weights_only=False) is not None
+
+
+def test_strategy_plan_report_argument_is_a_deprecated_alias_of_report_plan():
+    """``plan_report`` is the report property; the old argument of that name still works, with a deprecation."""
+    with pytest.warns(DeprecationWarning, match=r"plan_report=\.\.\.\) is now `report_plan=\.\.\.`"):
+        old = lightning_rec.RecShardStrategy(plan_report=False)
+    new = lightning_rec.RecShardStrategy(report_plan=False)
+    assert old.plan_report is None and new.plan_report is None  # no report before setup, either way
