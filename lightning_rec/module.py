@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Optional, Union
 
@@ -64,18 +65,27 @@ class RecLightningModule(pl.LightningModule):
         and returns a tensor (scores, probabilities, embeddings). Called on the unsharded module loaded from a
         checkpoint. ``part`` names one of several networks (e.g. a two-tower model's ``"query"`` tower).
 
-        The default refuses: a module's ``forward`` takes a training batch (labels and all), so only the author
-        knows what serves.
+        The default serves this module itself when its ``forward`` already has that form (two arguments, or one
+        annotated ``KeyedJaggedTensor``), and refuses otherwise: a ``forward`` that takes a training batch (labels
+        and all) says nothing about what serves.
 
         Example::
 
             def inference_module(self, part=None):
                 return self.net            # forward(dense_features, sparse_features) -> logits
         """
+        required = [
+            p for p in inspect.signature(self.forward).parameters.values() if p.default is inspect.Parameter.empty
+        ]
+        annotation = str(required[0].annotation) if len(required) == 1 else ""
+        if part is None and (len(required) == 2 or "KeyedJaggedTensor" in annotation):
+            return self
         raise ExportError(
-            f"{type(self).__name__} cannot be exported for serving: it does not override `inference_module()`. "
-            "HINT: return the nn.Module that serves, taking `(dense_features, sparse_features)` or "
-            "`(sparse_features)`."
+            f"{type(self).__name__} cannot be exported for serving: it does not override `inference_module()`"
+            + (f" (and has no part {part!r})" if part is not None else "")
+            + f", and its forward({', '.join(p.name for p in required)}) does not take `(dense_features, "
+            "sparse_features)` or `(sparse_features: KeyedJaggedTensor)`. HINT: override `inference_module()` to "
+            "return the nn.Module that serves."
         )
 
     @classmethod

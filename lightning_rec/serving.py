@@ -208,7 +208,7 @@ def export_inference(
     features, weighted, tables = _features(net, collections)
     dense = _takes_dense(net)
     if dense:
-        num_dense_features = _num_dense(module, num_dense_features)
+        num_dense_features = _num_dense(module, num_dense_features, net, features)
     spec = InferenceSpec(
         features=features,
         num_dense_features=num_dense_features if dense else 0,
@@ -298,14 +298,35 @@ def _takes_dense(net: nn.Module) -> bool:
     return len(params) == 2
 
 
-def _num_dense(module: nn.Module, given: Optional[int]) -> int:
+def _num_dense(module: nn.Module, given: Optional[int], net: nn.Module, features: List[str]) -> int:
+    """The dense input's width: given, the module's ``num_dense_features`` hyperparameter, or the ``in_features`` of
+    the ``nn.Linear`` that reads the dense input first (found by tracing a copy of the network)."""
     width = given if given is not None else getattr(module, "hparams", {}).get("num_dense_features")
+    if width is None:
+        width = _first_linear_width(net, features)
     if not isinstance(width, int) or width < 0:
         raise ExportError(
-            f"{type(module).__name__}: the served network reads dense features, but their number is unknown. "
-            "HINT: pass `num_dense_features=` (`--num-dense-features`)."
+            f"{type(module).__name__}: the served network reads dense features, but their number is unknown (no "
+            "`num_dense_features` hyperparameter, and no nn.Linear reads them first). HINT: pass "
+            "`num_dense_features=` (`--num-dense-features`)."
         )
     return width
+
+
+def _first_linear_width(net: nn.Module, features: List[str]) -> Optional[int]:
+    from torchrec.fx import Tracer
+
+    serving = _Serving(copy.deepcopy(net), features, dense=True)  # a copy: tracing fills TorchRec's caches
+    try:
+        graph = Tracer(leaf_modules=_KERNELS).trace(serving)
+    except Exception:  # the real trace, later, reports why
+        return None
+    dense = next(n for n in graph.nodes if n.op == "placeholder" and n.target == "dense_features")
+    modules = dict(serving.named_modules())
+    for user in dense.users:
+        if user.op == "call_module" and isinstance(modules.get(user.target), nn.Linear):
+            return int(modules[user.target].in_features)
+    return None
 
 
 def _example(spec: InferenceSpec) -> Tuple[Tensor, ...]:

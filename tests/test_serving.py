@@ -97,6 +97,62 @@ def test_zoo_model_serves_without_lightning_rec_like_the_trained_module(tmp_path
             assert not torch.equal(got, want), "quantized tables should not be the float rows"
 
 
+class _TutorialModel(RecLightningModule):
+    """Written as TorchRec's tutorials write it: tables built on CPU with their own weights, ``kt.values()``, dict
+    batches, its own ``forward(dense, kjt)``, no ``inference_module`` and no hyperparameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        tables = [
+            EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=30, feature_names=["user"]),
+            EmbeddingBagConfig(name="t_item", embedding_dim=4, num_embeddings=50, feature_names=["item", "seen"]),
+        ]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        with torch.no_grad():
+            for i, bag in enumerate(self.ebc.embedding_bags.values()):
+                bag.weight.copy_(torch.randn(bag.weight.shape, generator=torch.Generator().manual_seed(i)))
+        self.bottom = nn.Linear(3, 4)
+        self.top = nn.Linear(16, 1)
+
+    def forward(self, dense, kjt):
+        kt = self.ebc(kjt)
+        return self.top(torch.cat([torch.relu(self.bottom(dense)), kt.values()], dim=1)).squeeze(1)
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["dense"], batch["sparse"])
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch["label"])
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+
+def _tutorial_batch(seed: int, rows: int = 8) -> Dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3, (3 * rows,), generator=g)
+    limits = torch.tensor([30, 50, 50]).repeat_interleave(rows).repeat_interleave(lengths)
+    values = (torch.rand(int(lengths.sum()), generator=g) * limits).long()
+    return {
+        "dense": torch.randn(rows, 3, generator=g),
+        "sparse": KeyedJaggedTensor(keys=["user", "item", "seen"], values=values, lengths=lengths),
+        "label": torch.randint(0, 2, (rows,), generator=g).float(),
+    }
+
+
+@pytest.mark.dist
+def test_a_tutorial_style_model_serves_its_own_forward(tmp_path):
+    """No ``inference_module``, no ``num_dense_features``: its ``forward(dense, kjt)`` serves, the dense width is
+    read from the Linear that takes it, and a shared table (``item``/``seen``) keeps both features."""
+    ckpt = _checkpoint(_TutorialModel(), [_tutorial_batch(i) for i in range(3)], tmp_path / "ckpt")
+    spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="fp32")  # the class the checkpoint names
+    assert spec.features == ["user", "item", "seen"] and spec.num_dense_features == 3 and not spec.weighted
+    loaded = _TutorialModel.load_from_checkpoint(ckpt).eval()
+    batch = _tutorial_batch(99, rows=5)
+    with torch.no_grad():
+        want = loaded(batch["dense"], batch["sparse"])
+    (got,) = serve_fresh([(tmp_path / "model.pt", [serving_inputs(spec, batch["sparse"], batch["dense"])])], tmp_path)
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
 # ---- refusals: the part that cannot be exported, and why; nothing written ---------------------------------
 
 
