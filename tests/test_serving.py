@@ -20,6 +20,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec import RecLightningModule, RecShardStrategy
+from lightning_rec.checkpoint.safe_io import dumps_meta, load_meta
 from lightning_rec.errors import ExportError
 from lightning_rec.models import DLRMModule
 from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
@@ -245,3 +246,19 @@ def test_cpp_example_serves_the_artifact_like_python(tmp_path):
             torch.ones(features * rows, dtype=torch.int),
         )
     assert cpp.shape == want.shape and torch.allclose(cpp, want, atol=1e-5), (cpp, want)
+
+
+def test_a_checkpoint_that_does_not_name_its_class_needs_model_class(tmp_path):
+    """Checkpoints written before the module class was recorded: a hint to pass it (checked before anything is
+    loaded); a class given explicitly is the one exported."""
+    ckpt = _branchy_checkpoint(tmp_path / "ckpt")
+    old = tmp_path / "old.ckpt"
+    shutil.copytree(ckpt, old)
+    meta = load_meta(old / "meta.pt")
+    del meta["lightning_rec"]["module_class"]
+    (old / "meta.pt").write_bytes(dumps_meta(meta))
+    with pytest.raises(ExportError, match=r"does not name the LightningModule .*--model-class package.module.Class"):
+        export_inference(old, tmp_path / "model.pt")
+    with pytest.raises(ExportError, match=r"_Branchy cannot be traced"):  # got past the class: the network is refused
+        export_inference(ckpt, tmp_path / "model.pt", model_class=f"{__name__}._BranchyModule")
+    assert not (tmp_path / "model.pt").exists()
