@@ -165,6 +165,7 @@ def export_inference(
     model_class: Optional[Union[str, type]] = None,
     num_dense_features: Optional[int] = None,
     weights_only: Optional[bool] = None,
+    init_args: Optional[Dict[str, Any]] = None,
 ) -> InferenceSpec:
     """Write the serving network of a sharded checkpoint as a quantized TorchScript artifact (one process, CPU).
 
@@ -181,6 +182,8 @@ def export_inference(
         num_dense_features: the width of the dense input; default: the module's ``num_dense_features``
             hyperparameter.
         weights_only: ``False`` lets the checkpoint's ``meta.pt`` unpickle arbitrary objects (trusted only).
+        init_args: arguments of the module's ``__init__`` the checkpoint did not save (no
+            ``save_hyperparameters()``), or that override saved ones, as for ``load_from_checkpoint``.
 
     Returns:
         the artifact's :class:`InferenceSpec`.
@@ -202,13 +205,14 @@ def export_inference(
         raise ExportError(f"table_dtype must be one of {sorted(_DTYPES)}, got {table_dtype!r}.")
     path = layout.recover(Path(checkpoint))
     cls = _model_class(model_class, safe_io.load_meta(path / layout.META_FILE, weights_only), path)
-    module = load_module(cls, path, weights_only=weights_only).eval()
+    module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
     net = _serving_network(module, part)
     collections = embedding_modules(net)
     features, weighted, tables = _features(net, collections)
+    _check_row_width(tables, table_dtype, type(net).__name__)
     dense = _takes_dense(net)
     if dense:
-        num_dense_features = _num_dense(module, num_dense_features, net, features)
+        num_dense_features = _num_dense(module, num_dense_features, net, features, weighted)
     spec = InferenceSpec(
         features=features,
         num_dense_features=num_dense_features if dense else 0,
@@ -287,6 +291,22 @@ def _features(net: nn.Module, collections: Dict[str, nn.Module]) -> Tuple[List[s
     return list(features), weighted, tables
 
 
+# FBGEMM packs a quantized row in 2-byte units (ncols x bits must be a multiple of 16).
+_ROW_MULTIPLE = {"int8": 2, "int4": 4}
+
+
+def _check_row_width(tables: Dict[str, List[int]], table_dtype: str, name: str) -> None:
+    multiple = _ROW_MULTIPLE.get(table_dtype)
+    odd = {t: dim for t, (_, dim) in tables.items() if multiple and dim % multiple}
+    if odd:
+        fits = [d for d, m in _ROW_MULTIPLE.items() if all(dim % m == 0 for dim in odd.values())]
+        raise ExportError(
+            f"{name}: table(s) {', '.join(f'{t} (embedding_dim {d})' for t, d in odd.items())} cannot be stored as "
+            f"{table_dtype}: FBGEMM's {table_dtype} rows need an embedding_dim that is a multiple of {multiple}. "
+            f"HINT: --table-dtype {' or '.join(fits + ['fp16', 'fp32'])}."
+        )
+
+
 def _takes_dense(net: nn.Module) -> bool:
     params = [p for p in inspect.signature(net.forward).parameters.values() if p.default is inspect.Parameter.empty]
     if len(params) not in (1, 2):
@@ -298,35 +318,65 @@ def _takes_dense(net: nn.Module) -> bool:
     return len(params) == 2
 
 
-def _num_dense(module: nn.Module, given: Optional[int], net: nn.Module, features: List[str]) -> int:
-    """The dense input's width: given, the module's ``num_dense_features`` hyperparameter, or the ``in_features`` of
-    the ``nn.Linear`` that reads the dense input first (found by tracing a copy of the network)."""
+def _num_dense(module: nn.Module, given: Optional[int], net: nn.Module, features: List[str], weighted: bool) -> int:
+    """The dense input's width: given, the module's ``num_dense_features`` hyperparameter, or read from the first
+    ``nn.Linear`` the dense input reaches (see :func:`_dense_width`)."""
     width = given if given is not None else getattr(module, "hparams", {}).get("num_dense_features")
     if width is None:
-        width = _first_linear_width(net, features)
+        width = _dense_width(net, features, weighted)
     if not isinstance(width, int) or width < 0:
         raise ExportError(
             f"{type(module).__name__}: the served network reads dense features, but their number is unknown (no "
-            "`num_dense_features` hyperparameter, and no nn.Linear reads them first). HINT: pass "
+            "`num_dense_features` hyperparameter, and no nn.Linear that the dense input reaches tells it). HINT: pass "
             "`num_dense_features=` (`--num-dense-features`)."
         )
     return width
 
 
-def _first_linear_width(net: nn.Module, features: List[str]) -> Optional[int]:
+class _WidthFound(Exception):
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+
+def _dense_width(net: nn.Module, features: List[str], weighted: bool) -> Optional[int]:
+    """The dense width the first ``nn.Linear`` on the dense input's path implies: the network is run (``torch.fx``
+    interpreter, on a copy) with a dense input of width 0, and that Linear's ``in_features`` minus the width it then
+    receives is the dense width, whether the dense input reaches it alone (``bottom(dense)``) or concatenated with
+    other columns (``over(cat([kt.values(), dense], 1))``). The answer is checked by running the network with it."""
     from torchrec.fx import Tracer
 
-    serving = _Serving(copy.deepcopy(net), features, dense=True)  # a copy: tracing fills TorchRec's caches
+    serving = _Serving(copy.deepcopy(net), features, dense=True)  # a copy: running it fills TorchRec's caches
     try:
         graph = Tracer(leaf_modules=_KERNELS).trace(serving)
     except Exception:  # the real trace, later, reports why
         return None
-    dense = next(n for n in graph.nodes if n.op == "placeholder" and n.target == "dense_features")
-    modules = dict(serving.named_modules())
-    for user in dense.users:
-        if user.op == "call_module" and isinstance(modules.get(user.target), nn.Linear):
-            return int(modules[user.target].in_features)
-    return None
+    reads_dense = {n for n in graph.nodes if n.op == "placeholder" and n.target == "dense_features"}
+    for node in graph.nodes:  # topological order: every node the dense input flows into
+        if any(arg in reads_dense for arg in node.all_input_nodes):
+            reads_dense.add(node)
+
+    class Probe(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            if n.op == "call_module" and n in reads_dense and isinstance(self.fetch_attr(n.target), nn.Linear):
+                args, _ = self.fetch_args_kwargs_from_env(n)
+                raise _WidthFound(self.fetch_attr(n.target).in_features - args[0].shape[-1])
+            return super().run_node(n)
+
+    example = _example(InferenceSpec(features, 0, weighted, "fp32", {}, ""))
+    try:
+        with torch.no_grad():
+            Probe(torch.fx.GraphModule(serving, graph)).run(*example)
+        return None  # no Linear on the dense path
+    except _WidthFound as found:
+        width = found.width
+    except Exception:
+        return None
+    try:
+        with torch.no_grad():
+            serving(torch.zeros(2, width), *example[1:])
+    except Exception:
+        return None
+    return width
 
 
 def _example(spec: InferenceSpec) -> Tuple[Tensor, ...]:

@@ -21,13 +21,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec import RecLightningModule, RecShardStrategy
 from lightning_rec.checkpoint.safe_io import dumps_meta, load_meta
-from lightning_rec.errors import ExportError
+from lightning_rec.errors import CheckpointError, ExportError
 from lightning_rec.models import DLRMModule
 from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
 from lightning_rec.testing import QUIET_TRAINER
-from tests.helpers import zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
+from tests.helpers import user_scenarios, zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
 from tests.helpers.data import REPO
+from tests.helpers.dist import run_ranks
 from tests.helpers.serving import serve_fresh
+from tests.helpers.user_models import REORDERING_PLAN, ValuesModel, samples, to_batch
 from tests.helpers.zoo import ZooCase, seeded_module
 
 
@@ -262,3 +264,104 @@ def test_a_checkpoint_that_does_not_name_its_class_needs_model_class(tmp_path):
     with pytest.raises(ExportError, match=r"_Branchy cannot be traced"):  # got past the class: the network is refused
         export_inference(ckpt, tmp_path / "model.pt", model_class=f"{__name__}._BranchyModule")
     assert not (tmp_path / "model.pt").exists()
+
+
+# ---- a user's model, trained sharded on 2 ranks, against plain PyTorch ------------------------------------------
+
+
+class _ValuesNet(nn.Module):
+    """What a user returns from ``inference_module``: their tables and MLP, taking ``(dense, kjt)``."""
+
+    def __init__(self, ebc: nn.Module, over: nn.Module) -> None:
+        super().__init__()
+        self.ebc, self.over = ebc, over
+
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.over(torch.cat([self.ebc(kjt).values(), dense], dim=1)).squeeze(1)
+
+
+class ServedValuesModel(ValuesModel):
+    """The tutorial-style :class:`ValuesModel` (``forward(batch_dict)``) made servable the documented way."""
+
+    def inference_module(self, part: Optional[str] = None) -> nn.Module:
+        return _ValuesNet(self.ebc, self.over)
+
+
+@pytest.mark.dist
+def test_a_users_model_trained_on_two_ranks_serves_like_plain_pytorch(tmp_path):
+    """A model written as TorchRec's tutorial writes one (CPU tables with their own rows, ``kt.values()``, dict
+    batches), trained on 2 ranks under a plan that reorders the pooled columns, exported from its sharded checkpoint:
+    the artifact, in a process without lightning_rec, predicts the held-out rows as the same model trained with
+    plain PyTorch on whole batches does; int8 tables stay close."""
+    ranks = run_ranks(user_scenarios.fit, 2, tmp_path, constraints=REORDERING_PLAN, save="ckpt")
+    assert [r["reordered"] for r in ranks] == [True, True], "the plan must reorder kt.values() for this to test it"
+    reference = torch.tensor(ranks[0]["ref_logits"])
+    with pytest.raises(ExportError, match=r"ValuesModel cannot be exported .*forward\(batch\)"):
+        export_inference(tmp_path / "ckpt", tmp_path / "no.pt")  # the class the checkpoint names has no net
+    heldout = to_batch(samples(16, user_scenarios.HELDOUT_SEED))
+    jobs = []
+    for dtype in ("fp32", "int8"):
+        artifact = tmp_path / f"model_{dtype}.pt"
+        spec = export_inference(tmp_path / "ckpt", artifact, table_dtype=dtype, model_class=ServedValuesModel)
+        assert spec.features == ["user", "genre", "item"] and spec.num_dense_features == 2
+        jobs.append((artifact, [serving_inputs(spec, heldout["sparse"], heldout["dense"])]))
+    fp32, int8 = serve_fresh(jobs, tmp_path)
+    torch.testing.assert_close(fp32, reference, atol=1e-5, rtol=0)
+    unsharded = ServedValuesModel.load_from_checkpoint(tmp_path / "ckpt").eval()
+    with torch.no_grad():
+        assert torch.equal(fp32, unsharded(heldout)), "fp32 tables: the checkpoint's model, bit for bit"
+    assert 0 < (int8 - fp32).abs().max() <= 2e-2
+
+
+class _NoHyperparameters(_TutorialModel):
+    """A module whose ``__init__`` takes an argument it does not save (no ``save_hyperparameters()``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+
+def test_a_module_that_did_not_save_its_arguments_gets_a_hint_and_init_args(tmp_path):
+    ckpt = _checkpoint(_NoHyperparameters(3), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=r"cannot build _NoHyperparameters .*'width'.*save_hyperparameters"):
+        export_inference(ckpt, tmp_path / "model.pt")
+    assert not (tmp_path / "model.pt").exists()
+    spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="fp32", init_args={"width": 3})
+    assert spec.num_dense_features == 3 and inference_spec(tmp_path / "model.pt") == spec
+
+
+class _NarrowModel(RecLightningModule):
+    """Tables 6 and 2 columns wide, read as ``kt.values()``: int8 fits them, int4 (4-column units) does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        tables = [
+            EmbeddingBagConfig(name="t_wide", embedding_dim=6, num_embeddings=30, feature_names=["user"]),
+            EmbeddingBagConfig(name="t_narrow", embedding_dim=2, num_embeddings=50, feature_names=["item", "seen"]),
+        ]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        self.top = nn.Linear(10, 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.top(self.ebc(kjt).values()).squeeze(1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.binary_cross_entropy_with_logits(self(batch["sparse"]), batch["label"])
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+
+def test_tables_too_narrow_for_the_quantized_dtype_are_named_before_anything_is_written(tmp_path):
+    """FBGEMM packs quantized rows in 2-byte units: int4 needs widths that are multiples of 4, int8 of 2. A table
+    that does not fit is named, with the dtypes that would, before anything is written."""
+    ckpt = _checkpoint(_NarrowModel(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
+    with pytest.raises(
+        ExportError,
+        match=r"t_wide \(embedding_dim 6\), t_narrow \(embedding_dim 2\) cannot be stored "
+        r"as int4: .*multiple of 4\. HINT: --table-dtype int8 or fp16 or fp32",
+    ):
+        export_inference(ckpt, tmp_path / "model.pt", table_dtype="int4")
+    assert not (tmp_path / "model.pt").exists()
+    spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
+    assert spec.tables == {"t_wide": [30, 6], "t_narrow": [50, 2]} and spec.num_dense_features == 0

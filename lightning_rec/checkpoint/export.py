@@ -161,6 +161,14 @@ def _instantiate(cls: Type[M], meta: Dict[str, Any], kwargs: Dict[str, Any]) -> 
     merged = {**hparams, **kwargs}
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         merged = {k: v for k, v in merged.items() if k in params}
+    try:
+        inspect.signature(cls).bind(**merged)
+    except TypeError as err:
+        raise layout.CheckpointError(
+            f"cannot build {cls.__name__} from the checkpoint: {err} (it holds the hyperparameters "
+            f"{sorted(hparams)}). HINT: call `self.save_hyperparameters()` in {cls.__name__}.__init__, or pass the "
+            "missing arguments (`load_from_checkpoint(path, name=value)`; `export_inference(..., init_args={...})`)."
+        ) from None
     return cls(**merged)
 
 
