@@ -19,6 +19,7 @@ log under ``trainer.default_root_dir`` and the progress bar shows samples/s.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, List, Optional
 
@@ -84,25 +85,36 @@ def _export(argv: List[str]) -> None:
         "--table-dtype", choices=["fp32", "fp16", "int8", "int4"], default="int8", help="inference: the tables' dtype"
     )
     parser.add_argument("--part", default=None, help='inference: which network, e.g. "query" for a two-tower model')
-    parser.add_argument("--model-class", default=None, help="inference: package.module.Class (default: the saved one)")
+    parser.add_argument(
+        "--model-class",
+        default=None,
+        help="inference: package.module.Class, importable from here (default: the class the checkpoint names)",
+    )
     parser.add_argument("--num-dense-features", type=int, default=None, help="inference: the dense input's width")
     args = parser.parse_args(argv)
-    if args.format == "weights":
-        from lightning_rec.checkpoint import export
+    from lightning_rec.errors import CheckpointError, ExportError
 
-        shapes = export(args.checkpoint, args.output, prefix=args.prefix)
-        print(f"wrote {len(shapes)} tensors ({sum(s.numel() for s in shapes.values()):,} values) to {args.output}")
-        return
-    from lightning_rec.serving import export_inference
+    try:
+        if args.format == "weights":
+            from lightning_rec.checkpoint import export
 
-    spec = export_inference(
-        args.checkpoint,
-        args.output,
-        table_dtype=args.table_dtype,
-        part=args.part,
-        model_class=args.model_class,
-        num_dense_features=args.num_dense_features,
-    )
+            shapes = export(args.checkpoint, args.output, prefix=args.prefix)
+            print(f"wrote {len(shapes)} tensors ({sum(s.numel() for s in shapes.values()):,} values) to {args.output}")
+            return
+        from lightning_rec.serving import export_inference
+
+        if os.getcwd() not in sys.path:  # --model-class script.Model from the script's folder, as `python -m` would
+            sys.path.insert(0, os.getcwd())
+        spec = export_inference(
+            args.checkpoint,
+            args.output,
+            table_dtype=args.table_dtype,
+            part=args.part,
+            model_class=args.model_class,
+            num_dense_features=args.num_dense_features,
+        )
+    except (CheckpointError, ExportError) as err:  # the user's input: the message, not a traceback
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     dense = f"dense_features[B, {spec.num_dense_features}], " if spec.num_dense_features else ""
     print(
         f"wrote {args.output}: {spec.model}{f' ({spec.part})' if spec.part else ''}, {len(spec.tables)} "

@@ -249,7 +249,13 @@ def _model_class(model_class: Optional[Union[str, type]], meta: Dict[str, Any], 
     try:
         return getattr(importlib.import_module(module_name), qualname)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ExportError(f"cannot import the model class {name!r}: {err}. HINT: pass `model_class=`.") from None
+        hint = "pass `model_class=` (`--model-class package.module.Class`)"
+        if module_name == "__main__":  # saved by a script: its module name is only known to the user
+            hint = (
+                f"{qualname} was defined in the script that trained it; pass `model_class=` (`--model-class "
+                f'script.{qualname}` from the script\'s folder, its training guarded by `if __name__ == "__main__":`)'
+            )
+        raise ExportError(f"cannot import the model class {name!r}: {err}. HINT: {hint}.") from None
 
 
 def _serving_network(module: nn.Module, part: Optional[str]) -> nn.Module:

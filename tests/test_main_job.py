@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from lightning_rec.testing import shell_env
 from tests.helpers.data import REPO, movielens_dir
 
 pytestmark = pytest.mark.dist
-
-_LAUNCH_VARS = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"}
 
 
 def test_movielens_main_job_reaches_auroc_078_in_under_5_minutes(tmp_path: Path) -> None:
@@ -25,7 +23,7 @@ def test_movielens_main_job_reaches_auroc_078_in_under_5_minutes(tmp_path: Path)
     script = Path(sys.executable).with_name("lightning-rec")
     assert script.is_file(), "the lightning-rec console script should be installed by the set-up"
     # A fresh user's shell: no rendezvous variables left over from in-process runs of other tests.
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env = shell_env()
     env["PYTHONWARNINGS"] = "ignore"
     start = time.monotonic()
     out = subprocess.run(

@@ -5,8 +5,10 @@ The main job's artifact against ``lightning-rec predict`` is in ``tests/test_mai
 
 from __future__ import annotations
 
+import runpy
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -24,7 +26,7 @@ from lightning_rec.checkpoint.safe_io import dumps_meta, load_meta
 from lightning_rec.errors import CheckpointError, ExportError
 from lightning_rec.models import DLRMModule
 from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
-from lightning_rec.testing import QUIET_TRAINER
+from lightning_rec.testing import QUIET_TRAINER, shell_env
 from tests.helpers import user_scenarios, zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
 from tests.helpers.data import REPO
 from tests.helpers.dist import run_ranks
@@ -365,3 +367,76 @@ def test_tables_too_narrow_for_the_quantized_dtype_are_named_before_anything_is_
     assert not (tmp_path / "model.pt").exists()
     spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
     assert spec.tables == {"t_wide": [30, 6], "t_narrow": [50, 2]} and spec.num_dense_features == 0
+
+
+_SCRIPT = """
+import torch, lightning as L
+from torch import nn
+from torch.utils.data import DataLoader
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+import lightning_rec
+
+
+def batch(seed, rows=8):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 3, (2 * rows,), generator=g)
+    values = (torch.rand(int(lengths.sum()), generator=g) * 20).long()
+    sparse = KeyedJaggedTensor(keys=["user", "item"], values=values, lengths=lengths)
+    return {"dense": torch.randn(rows, 3, generator=g), "sparse": sparse, "label": torch.rand(rows, generator=g)}
+
+
+class Model(lightning_rec.RecLightningModule):
+    def __init__(self):
+        super().__init__()
+        tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=8, num_embeddings=20, feature_names=[f])
+                  for f in ("user", "item")]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        self.top = nn.Sequential(nn.Linear(19, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, dense, kjt):
+        return self.top(torch.cat([self.ebc(kjt).values(), dense], 1)).squeeze(1)
+
+    def training_step(self, b, i):
+        return nn.functional.binary_cross_entropy_with_logits(self(b["dense"], b["sparse"]), b["label"])
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+
+if __name__ == "__main__":
+    trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2, max_steps=3, logger=False,
+                        enable_progress_bar=False, callbacks=[L.pytorch.callbacks.ModelCheckpoint("ckpts", save_last=True)])
+    trainer.fit(Model(), DataLoader([batch(i) for i in range(3)], batch_size=None, collate_fn=lambda b: b))
+"""
+
+
+@pytest.mark.dist
+def test_a_script_trained_model_exports_from_the_shell(tmp_path):
+    """``python train.py`` (its model in ``__main__``, Trainer(devices=2), ModelCheckpoint), then ``lightning-rec
+    export``: without ``--model-class`` a one-line error says how to name the class (no traceback, nothing written);
+    with ``--model-class train.Model`` from the script's folder the artifact predicts what the checkpoint's model
+    does, its dense width read through ``torch.cat([kt.values(), dense])``."""
+    (tmp_path / "train.py").write_text(_SCRIPT)
+    env = shell_env()
+    out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cli = [str(Path(sys.executable).with_name("lightning-rec")), "export", "ckpts/last.ckpt", "model.pt"]
+    cli += ["--format", "inference", "--table-dtype", "fp32"]
+    out = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert (
+        "Model was defined in the script that trained it" in out.stderr and "--model-class script.Model" in out.stderr
+    )
+    assert not (tmp_path / "model.pt").exists()
+    out = subprocess.run([*cli, "--model-class", "train.Model"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "forward(dense_features[B, 3], values, lengths)" in out.stdout
+    script = runpy.run_path(str(tmp_path / "train.py"))
+    model = script["Model"].load_from_checkpoint(tmp_path / "ckpts" / "last.ckpt").eval()
+    batch = script["batch"](42)
+    with torch.no_grad():
+        want = model(batch["dense"], batch["sparse"])
+    spec = inference_spec(tmp_path / "model.pt")
+    (got,) = serve_fresh([(tmp_path / "model.pt", [serving_inputs(spec, batch["sparse"], batch["dense"])])], tmp_path)
+    assert torch.equal(got, want), (got - want).abs().max()

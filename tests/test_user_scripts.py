@@ -13,6 +13,7 @@ from typing import Optional
 
 import pytest
 
+from lightning_rec.testing import shell_env
 from tests.helpers.dist import REPO, launch
 
 pytestmark = pytest.mark.dist
@@ -24,8 +25,7 @@ def _plain(out: Path, strategy: str, omp_threads: Optional[str] = "1") -> subpro
     """``python -m tests.helpers.user_script`` as a user starts it: no launcher variables in the environment
     (``omp_threads=None``: no OMP_NUM_THREADS either)."""
     out.mkdir(parents=True, exist_ok=True)
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env = shell_env(drop=("OMP_NUM_THREADS",))
     env.update(
         PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", **({"OMP_NUM_THREADS": omp_threads} if omp_threads else {})
     )

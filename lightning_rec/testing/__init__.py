@@ -3,7 +3,8 @@
 * :func:`~lightning_rec.testing.launch.launch`, :func:`~lightning_rec.testing.launch.run_ranks`: start N ranks
   (as torchrun, srun or torchrun agents on several "hosts" would), each running a scenario, and collect results
   (imported from :mod:`lightning_rec.testing.launch`, the module's name being ``launch`` too).
-* :func:`~lightning_rec.testing.ports.free_port`: a free TCP port on ``127.0.0.1`` for ``MASTER_PORT``.
+* :func:`~lightning_rec.testing.ports.free_port`: a free TCP port on ``127.0.0.1`` for ``MASTER_PORT``;
+  :func:`~lightning_rec.testing.ports.shell_env`: the environment of a user's fresh shell (no rendezvous variables).
 * :func:`~lightning_rec.testing.init.deterministic_init` (and its :func:`~lightning_rec.testing.init.pattern`):
   starting weights that depend on name and global index only, whatever the plan or world size.
 * :func:`~lightning_rec.testing.reference.reference_optimizer`: the hand-written TorchRec loop's optimizer.
@@ -16,7 +17,7 @@
 
 from lightning_rec.testing.failures import FailAt, failure_time
 from lightning_rec.testing.init import deterministic_init, pattern
-from lightning_rec.testing.ports import free_port
+from lightning_rec.testing.ports import free_port, shell_env
 from lightning_rec.testing.reference import reference_optimizer
 from lightning_rec.testing.syncs import SyncCounter
 from lightning_rec.testing.trainer import QUIET_TRAINER
@@ -30,4 +31,5 @@ __all__ = [
     "free_port",
     "pattern",
     "reference_optimizer",
+    "shell_env",
 ]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from lightning_rec.testing.ports import free_port
+from lightning_rec.testing.ports import free_port, shell_env
 
 LAUNCHERS = ("env", "slurm", "torchrun")
 
@@ -194,13 +194,11 @@ def launch(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base_env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))},
+        **{k: v for k, v in shell_env().items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))},
         "OMP_NUM_THREADS": "1",
         "PYTHONWARNINGS": "ignore",
         "PYTHONPATH": os.pathsep.join(filter(None, [*map(str, pythonpath), os.environ.get("PYTHONPATH")])),
     }
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        base_env.pop(name, None)
     procs, logs, ended = {}, {}, {}
     worker = command or _worker_command(scenario, out_dir, config, scenarios)
     for name, (argv, env) in _commands(launcher, worker, world_size, nodes).items():

@@ -1,10 +1,14 @@
 """Free TCP ports on the loopback interface, for ``MASTER_PORT`` and rendezvous endpoints; the environment of a
-rank started by hand."""
+rank started by hand, and of a user's fresh shell."""
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Dict
+
+# What torchrun (or an earlier in-process run) leaves in the environment: a fresh shell has none of them.
+RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def free_port() -> int:
@@ -47,3 +51,16 @@ def rank_env(rank: int, world_size: int, port: int, local_world_size: int = 0) -
         "NODE_RANK": rank // local,
     }
     return {k: str(v) for k, v in values.items()}
+
+
+def shell_env(drop: tuple = ()) -> Dict[str, str]:
+    """This process's environment as a user's fresh shell has it: without the rendezvous variables
+    (:data:`RENDEZVOUS_VARS`) and without ``drop``, for starting a script or ``lightning-rec`` as a user would.
+
+    Example::
+
+        >>> env = shell_env(drop=("OMP_NUM_THREADS",))
+        >>> any(name in env for name in (*RENDEZVOUS_VARS, "OMP_NUM_THREADS"))
+        False
+    """
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS and k not in drop}

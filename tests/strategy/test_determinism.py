@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_rec.testing import shell_env
 from tests.helpers.dist import REPO, run_ranks
 from tests.helpers.models import saved_weights
 from tests.helpers import scenarios
@@ -40,11 +40,7 @@ def test_two_runs_are_bit_identical(tmp_path, world_size, strategy):
 def test_two_cli_runs_on_two_processes_log_identical_losses(tmp_path):
     """The whole user path: `lightning-rec fit` (Lightning's launcher, 2 processes, shuffled synthetic data, DLRM)."""
     script = Path(sys.executable).with_name("lightning-rec")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"}
-    }
+    env = shell_env()
     losses = []
     for i in range(2):
         out = subprocess.run(
