@@ -19,9 +19,15 @@ from lightning_rec.testing.ports import free_port
 from tests.helpers.dist import REPO
 
 
-def _bench(*args: str, timeout: float = 300):
+def _bench(*args: str, timeout: float = 300, script: str = "-m lightning_rec.bench"):
+    """Run the bench (or a ``benchmarks/`` script) from the repository; its output and its last line's JSON."""
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_rec.bench", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *script.split(), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "MASTER_PORT": str(free_port())},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout, json.loads(out.stdout.strip().splitlines()[-1])
@@ -29,27 +35,8 @@ def _bench(*args: str, timeout: float = 300):
 
 @pytest.mark.dist
 def test_bench_tiny_runs_and_reports_the_ratios():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_rec.bench",
-            "--quick",
-            "--sizes",
-            "tiny",
-            "--repeats",
-            "1",
-            "--variants",
-            "raw,recshard",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "tiny: raw and recshard trained identically (losses, plan, kernels)" in out.stdout
-    final = json.loads(out.stdout.strip().splitlines()[-1])
+    stdout, final = _bench("--quick", "--sizes", "tiny", "--repeats", "1", "--variants", "raw,recshard")
+    assert "tiny: raw and recshard trained identically (losses, plan, kernels)" in stdout
     for key in (
         "recshard_vs_raw",
         "pipelined_vs_raw_pipeline",
@@ -297,16 +284,7 @@ def test_bench_without_a_gpu_refuses_row_wise_and_runs_the_gpu_sizes_with_fewer_
 
 @pytest.mark.dist
 def test_profile_step_times_the_phases_and_lightnings_hooks():
-    out = subprocess.run(
-        [sys.executable, "benchmarks/profile_step.py", "recshard", "--size", "tiny", "--steps", "30", "--hooks"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "MASTER_PORT": str(free_port())},
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    record = json.loads(out.stdout.strip().splitlines()[-1])
+    _, record = _bench("recshard", "--size", "tiny", "--steps", "30", "--hooks", script="benchmarks/profile_step.py")
     phases = record["phases_ms"]
     assert phases["forward"] > 0 and phases["backward"] > 0 and phases["rest"] > 0
     assert phases["cycle"] >= phases["forward"] + phases["backward"]
@@ -332,16 +310,7 @@ def test_lightnings_own_overhead_and_recshards_beyond_it():
 
 @pytest.mark.dist
 def test_paired_overhead_pairs_each_lightning_step_with_its_baseline():
-    out = subprocess.run(
-        [sys.executable, "benchmarks/paired_overhead.py", "--size", "tiny", "--steps", "20"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "MASTER_PORT": str(free_port())},
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    record = json.loads(out.stdout.strip().splitlines()[-1])
+    _, record = _bench("--size", "tiny", "--steps", "20", script="benchmarks/paired_overhead.py")
     for name in ("recshard", "lightning"):
         assert 0 < record[f"{name}_baseline_ms"] and 0 < record[f"{name}_ms"]
     assert record["overhead_ms"] == round(record["recshard_ms"] - record["recshard_baseline_ms"], 4)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict
 
 VARIANTS = ("raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp", "lightning_sparse")
@@ -60,40 +60,29 @@ class Size:
         return self.tables * self.batch_size * self.pooling
 
 
+# GPU-sized, Criteo-like (26 sparse features, 13 dense; 13.3 GB of fp32 tables), one process: one-hot and
+# multi-hot (20 ids per feature: 8.5M ids, 68 MB of int64 per batch; 4 distinct batches, cycled).
+_CRITEO = Size(
+    "criteo_onehot",
+    tables=26,
+    rows=1_000_000,
+    dim=128,
+    batch_size=16384,
+    pooling=1,
+    steps=30,
+    warmup=5,
+    dense=13,
+    distinct_batches=4,
+    gpu=True,
+)
 SIZES = {
     "tiny": Size("tiny", tables=4, rows=1000, dim=16, batch_size=64, pooling=2, steps=200, warmup=20),
     "realistic": Size("realistic", tables=8, rows=200_000, dim=64, batch_size=4096, steps=60),
     "realistic_2proc": Size("realistic_2proc", tables=8, rows=200_000, dim=64, batch_size=4096, world_size=2, steps=40),
     # Tables dominate memory (2 GB of fp32 rows): where plain nn.EmbeddingBag's dense gradients cost the most.
     "large": Size("large", tables=8, rows=1_000_000, dim=64, batch_size=4096, steps=8, warmup=3),
-    # GPU-sized, Criteo-like (26 sparse features, 13 dense; 13.3 GB of fp32 tables), one process: one-hot and
-    # multi-hot (20 ids per feature: 8.5M ids, 68 MB of int64 per batch; 4 distinct batches, cycled).
-    "criteo_onehot": Size(
-        "criteo_onehot",
-        tables=26,
-        rows=1_000_000,
-        dim=128,
-        batch_size=16384,
-        pooling=1,
-        steps=30,
-        warmup=5,
-        dense=13,
-        distinct_batches=4,
-        gpu=True,
-    ),
-    "criteo_multihot": Size(
-        "criteo_multihot",
-        tables=26,
-        rows=1_000_000,
-        dim=128,
-        batch_size=16384,
-        pooling=20,
-        steps=30,
-        warmup=5,
-        dense=13,
-        distinct_batches=4,
-        gpu=True,
-    ),
+    "criteo_onehot": _CRITEO,
+    "criteo_multihot": replace(_CRITEO, name="criteo_multihot", pooling=20),
 }
 GPU_SIZES = tuple(name for name, size in SIZES.items() if size.gpu)
 OPTIMIZERS = ("sgd", "adagrad")
