@@ -91,6 +91,12 @@ def _export(argv: List[str]) -> None:
         help="inference: package.module.Class, importable from here (default: the class the checkpoint names)",
     )
     parser.add_argument("--num-dense-features", type=int, default=None, help="inference: the dense input's width")
+    parser.add_argument(
+        "--bounds-check",
+        choices=["error", "warn", "ignore", "none"],
+        default="error",
+        help="inference: an id outside its table raises (error), or reads row 0 (warn, ignore), or is not checked",
+    )
     args = parser.parse_args(argv)
     from lightning_rec.errors import CheckpointError, ExportError
 
@@ -112,6 +118,7 @@ def _export(argv: List[str]) -> None:
             part=args.part,
             model_class=args.model_class,
             num_dense_features=args.num_dense_features,
+            bounds_check=args.bounds_check,
         )
     except (CheckpointError, ExportError) as err:  # the user's input: the message, not a traceback
         parser.exit(2, f"{parser.prog}: error: {err}\n")

@@ -45,14 +45,24 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import Tensor, nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_rec.config import BoundsCheck
 from lightning_rec.errors import ExportError
 from lightning_rec.tables import embedding_modules
 
-__all__ = ["InferenceSpec", "TableDtype", "export_inference", "inference_spec", "load_inference", "serving_inputs"]
+__all__ = [
+    "InferenceSpec",
+    "TableDtype",
+    "check_inputs",
+    "export_inference",
+    "inference_spec",
+    "load_inference",
+    "serving_inputs",
+]
 
 TableDtype = Literal["fp32", "fp16", "int8", "int4"]
 _DTYPES: Dict[str, torch.dtype] = {
@@ -60,6 +70,13 @@ _DTYPES: Dict[str, torch.dtype] = {
     "fp16": torch.half,
     "int8": torch.qint8,
     "int4": torch.quint4x2,
+}
+# The training strategy's policy names for FBGEMM's modes (an id outside its table).
+_BOUNDS_CHECK = {
+    "error": BoundsCheckMode.FATAL,
+    "warn": BoundsCheckMode.WARNING,
+    "ignore": BoundsCheckMode.IGNORE,
+    "none": BoundsCheckMode.NONE,
 }
 SPEC_FILE = "lightning_rec.json"
 _KERNELS = ["IntNBitTableBatchedEmbeddingBagsCodegen"]  # FBGEMM's inference kernels: leaves of the fx trace
@@ -77,6 +94,7 @@ class InferenceSpec:
         table_dtype: the tables' storage dtype.
         tables: table name -> ``[rows, columns]``.
         model: the LightningModule class it came from, and ``part`` (e.g. ``"query"``).
+        bounds_check: what the artifact does with an id outside its table (see :func:`export_inference`).
     """
 
     features: List[str]
@@ -86,20 +104,68 @@ class InferenceSpec:
     tables: Dict[str, List[int]]
     model: str
     part: Optional[str] = None
+    bounds_check: str = "warn"  # artifacts written before the policy was recorded: FBGEMM's default
+
+
+@torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact
+def check_inputs(values: Tensor, lengths: Tensor, features: List[str], rows: Tensor) -> Tensor:
+    """Raise a ``ValueError`` naming the problem when ``values``/``lengths`` do not fit the artifact: a ``lengths``
+    that is not one entry per (feature, sample), lengths that do not add up to ``values``, or an id outside its
+    feature's table (``rows``: the table's rows per feature). Returns ``values``.
+
+    Example::
+
+        >>> check_inputs(torch.tensor([3, 9]), torch.tensor([1, 1]), ["user", "item"], torch.tensor([10, 5]))
+        Traceback (most recent call last):
+        ...
+        ValueError: feature 'item': id 9 is outside its table of 5 rows (ids run from 0 to 4)
+    """
+    num = len(features)
+    if lengths.numel() % num != 0:
+        raise ValueError(
+            "lengths has " + str(lengths.numel()) + " entries; the artifact reads " + str(num) + " features and "
+            "takes one length per (feature, sample), feature-major"
+        )
+    counts = lengths.view(num, -1).sum(1)
+    total = int(counts.sum())
+    if total != values.numel():
+        raise ValueError("lengths add up to " + str(total) + " ids, but values holds " + str(values.numel()))
+    bad = (values < 0) | (values >= torch.repeat_interleave(rows, counts))
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        f = int((torch.cumsum(counts, 0) <= i).sum())
+        n = int(rows[f])
+        raise ValueError(
+            "feature '"
+            + features[f]
+            + "': id "
+            + str(int(values[i]))
+            + " is outside its table of "
+            + str(n)
+            + " rows (ids run from 0 to "
+            + str(n - 1)
+            + ")"
+        )
+    return values
 
 
 class _Serving(nn.Module):
-    """Plain tensors in, the network's output out: builds the ``KeyedJaggedTensor`` the network takes."""
+    """Plain tensors in, the network's output out: builds the ``KeyedJaggedTensor`` the network takes, after
+    :func:`check_inputs` when ``rows`` (the table rows of each feature) is given."""
 
-    def __init__(self, net: nn.Module, features: List[str], dense: bool) -> None:
+    def __init__(self, net: nn.Module, features: List[str], dense: bool, rows: Optional[List[int]] = None) -> None:
         super().__init__()
         self.net = net
         self.features = features
         self.dense = dense
+        self.check = rows is not None
+        self.register_buffer("rows", torch.tensor(rows or [], dtype=torch.long))
 
     def forward(
         self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None
     ) -> Tensor:
+        if self.check:
+            values = check_inputs(values, lengths, self.features, self.rows)
         sparse = KeyedJaggedTensor(keys=self.features, values=values, lengths=lengths, weights=weights)
         if self.dense:
             return self.net(dense_features, sparse)
@@ -166,6 +232,7 @@ def export_inference(
     num_dense_features: Optional[int] = None,
     weights_only: Optional[bool] = None,
     init_args: Optional[Dict[str, Any]] = None,
+    bounds_check: BoundsCheck = "error",
 ) -> InferenceSpec:
     """Write the serving network of a sharded checkpoint as a quantized TorchScript artifact (one process, CPU).
 
@@ -184,6 +251,10 @@ def export_inference(
         weights_only: ``False`` lets the checkpoint's ``meta.pt`` unpickle arbitrary objects (trusted only).
         init_args: arguments of the module's ``__init__`` the checkpoint did not save (no
             ``save_hyperparameters()``), or that override saved ones, as for ``load_from_checkpoint``.
+        bounds_check: what the artifact does with an id outside its table: ``"error"`` (raise, naming the table's
+            index, the id and the table's rows: FBGEMM's ``BoundsCheckMode.FATAL``), ``"warn"``/``"ignore"`` (read
+            row 0 instead, FBGEMM's default for inference kernels), ``"none"`` (no check: out-of-range ids read
+            arbitrary memory). As the training strategy's ``bounds_check``.
 
     Returns:
         the artifact's :class:`InferenceSpec`.
@@ -203,12 +274,15 @@ def export_inference(
 
     if table_dtype not in _DTYPES:
         raise ExportError(f"table_dtype must be one of {sorted(_DTYPES)}, got {table_dtype!r}.")
+    if bounds_check not in _BOUNDS_CHECK:
+        raise ExportError(f"bounds_check must be one of {list(_BOUNDS_CHECK)}, got {bounds_check!r}.")
     path = layout.recover(Path(checkpoint))
     cls = _model_class(model_class, safe_io.load_meta(path / layout.META_FILE, weights_only), path)
     module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
     net = _serving_network(module, part)
     collections = embedding_modules(net)
-    features, weighted, tables = _features(net, collections)
+    feature_rows, weighted, tables = _features(net, collections)
+    features = list(feature_rows)
     _check_row_width(tables, table_dtype, type(net).__name__)
     dense = _takes_dense(net)
     if dense:
@@ -221,9 +295,14 @@ def export_inference(
         tables=tables,
         model=f"{cls.__module__}.{cls.__qualname__}",
         part=part,
+        bounds_check=bounds_check,
     )
-    serving = _Serving(copy.deepcopy(net), features, dense).eval()
+    rows = [feature_rows[f] for f in features] if bounds_check == "error" else None
+    serving = _Serving(copy.deepcopy(net), features, dense, rows).eval()
     quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])
+    for kernel in quantized.modules():
+        if type(kernel).__name__ in _KERNELS:  # TorchScript keeps the attribute: the artifact checks its ids
+            kernel.bounds_check_mode_int = _BOUNDS_CHECK[bounds_check].value
     example = _example(spec)
     with torch.no_grad():
         quantized(*example)  # TorchRec caches the feature order on the first call: it must not be the trace's
@@ -278,10 +357,10 @@ def _serving_network(module: nn.Module, part: Optional[str]) -> nn.Module:
     return net
 
 
-def _features(net: nn.Module, collections: Dict[str, nn.Module]) -> Tuple[List[str], bool, Dict[str, List[int]]]:
-    """Every feature the network's collections read (first-seen order), whether any pools with weights, and the
-    tables' shapes."""
-    features: Dict[str, None] = {}
+def _features(net: nn.Module, collections: Dict[str, nn.Module]) -> Tuple[Dict[str, int], bool, Dict[str, List[int]]]:
+    """Every feature the network's collections read (first-seen order) with its table's rows, whether any pools with
+    weights, and the tables' shapes."""
+    features: Dict[str, int] = {}
     tables: Dict[str, List[int]] = {}
     weighted = False
     for path, sub in collections.items():
@@ -292,9 +371,9 @@ def _features(net: nn.Module, collections: Dict[str, nn.Module]) -> Tuple[List[s
         else:  # pragma: no cover - embedding_modules finds only these two
             raise ExportError(f"{type(net).__name__}.{path}: {type(sub).__name__} has no quantized inference module.")
         for config in configs:
-            features.update(dict.fromkeys(config.feature_names))
+            features.update(dict.fromkeys(config.feature_names, int(config.num_embeddings)))
             tables[config.name] = [int(config.num_embeddings), int(config.embedding_dim)]
-    return list(features), weighted, tables
+    return features, weighted, tables
 
 
 # FBGEMM packs a quantized row in 2-byte units (ncols x bits must be a multiple of 16).

@@ -440,3 +440,33 @@ def test_a_script_trained_model_exports_from_the_shell(tmp_path):
     spec = inference_spec(tmp_path / "model.pt")
     (got,) = serve_fresh([(tmp_path / "model.pt", [serving_inputs(spec, batch["sparse"], batch["dense"])])], tmp_path)
     assert torch.equal(got, want), (got - want).abs().max()
+
+
+def test_the_artifact_refuses_ids_outside_their_tables_and_malformed_lengths(tmp_path):
+    """``bounds_check="error"`` (the default, as in training): an id outside its table raises, naming the feature,
+    the id and the table's rows; lengths that do not fit the features or the values are refused. ``"warn"`` keeps
+    FBGEMM's serving default: a too large id reads row 0."""
+    ckpt = _checkpoint(_TutorialModel(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
+    spec = export_inference(ckpt, tmp_path / "strict.pt", table_dtype="fp32")
+    lenient = export_inference(ckpt, tmp_path / "lenient.pt", table_dtype="fp32", bounds_check="warn")
+    assert (spec.bounds_check, lenient.bounds_check) == ("error", "warn")
+    strict, lenient = load_inference(tmp_path / "strict.pt"), load_inference(tmp_path / "lenient.pt")
+    dense, lengths = torch.zeros(1, 3), torch.tensor([1, 1, 1])
+    good = torch.tensor([29, 0, 49])  # user (30 rows), item and seen (one table of 50 rows)
+    with torch.no_grad():
+        assert torch.equal(strict(dense, good, lengths), lenient(dense, good, lengths))
+        for bad, message in (
+            (
+                torch.tensor([30, 0, 0]),
+                r"feature 'user': id 30 is outside its table of 30 rows \(ids run from 0 to 29\)",
+            ),
+            (torch.tensor([0, 0, -1]), r"feature 'seen': id -1 is outside its table of 50 rows"),
+        ):
+            with pytest.raises(Exception, match=message):
+                strict(dense, bad, lengths)
+        too_large = torch.tensor([30, 0, 0])
+        assert torch.equal(lenient(dense, too_large, lengths), lenient(dense, torch.tensor([0, 0, 0]), lengths))
+        with pytest.raises(Exception, match=r"lengths has 4 entries; the artifact reads 3 features"):
+            strict(dense, good, torch.tensor([1, 1, 1, 0]))
+        with pytest.raises(Exception, match=r"lengths add up to 4 ids, but values holds 3"):
+            strict(dense, good, torch.tensor([1, 2, 1]))
