@@ -29,6 +29,7 @@ USER_FACING = [
     "callbacks.py",
     "metrics.py",
     "pretrained.py",
+    "serving.py",
     "config.py",
     "errors.py",
     "tables.py",
