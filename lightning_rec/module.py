@@ -65,9 +65,10 @@ class RecLightningModule(pl.LightningModule):
         and returns a tensor (scores, probabilities, embeddings). Called on the unsharded module loaded from a
         checkpoint. ``part`` names one of several networks (e.g. a two-tower model's ``"query"`` tower).
 
-        The default serves this module itself when its ``forward`` already has that form (two arguments, or one
-        annotated ``KeyedJaggedTensor``), and refuses otherwise: a ``forward`` that takes a training batch (labels
-        and all) says nothing about what serves.
+        The default serves this module itself when its ``forward`` may have that form (two arguments, or one that
+        is not annotated as something else than a ``KeyedJaggedTensor``); the export then calls it on a
+        ``KeyedJaggedTensor`` and refuses it, with this hint, if that fails (a ``forward`` that takes a training
+        batch, labels and all, says nothing about what serves).
 
         Example::
 
@@ -77,8 +78,9 @@ class RecLightningModule(pl.LightningModule):
         required = [
             p for p in inspect.signature(self.forward).parameters.values() if p.default is inspect.Parameter.empty
         ]
-        annotation = str(required[0].annotation) if len(required) == 1 else ""
-        if part is None and (len(required) == 2 or "KeyedJaggedTensor" in annotation):
+        annotation = required[0].annotation if len(required) == 1 else None
+        one_kjt = annotation is inspect.Parameter.empty or "KeyedJaggedTensor" in str(annotation)
+        if part is None and (len(required) == 2 or (len(required) == 1 and one_kjt)):
             return self
         raise ExportError(
             f"{type(self).__name__} cannot be exported for serving: it does not override `inference_module()`"

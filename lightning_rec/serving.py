@@ -304,8 +304,11 @@ def export_inference(
         if type(kernel).__name__ in _KERNELS:  # TorchScript keeps the attribute: the artifact checks its ids
             kernel.bounds_check_mode_int = _BOUNDS_CHECK[bounds_check].value
     example = _example(spec)
-    with torch.no_grad():
-        quantized(*example)  # TorchRec caches the feature order on the first call: it must not be the trace's
+    try:
+        with torch.no_grad():
+            quantized(*example)  # TorchRec caches the feature order on the first call: it must not be the trace's
+    except Exception as err:
+        raise ExportError(_call_failed(module, net, dense, err)) from err
     scripted = _script(_SparseOnly(quantized) if not dense else quantized, type(net).__name__)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -390,6 +393,21 @@ def _check_row_width(tables: Dict[str, List[int]], table_dtype: str, name: str) 
             f"{table_dtype}: FBGEMM's {table_dtype} rows need an embedding_dim that is a multiple of {multiple}. "
             f"HINT: --table-dtype {' or '.join(fits + ['fp16', 'fp32'])}."
         )
+
+
+def _call_failed(module: nn.Module, net: nn.Module, dense: bool, err: Exception) -> str:
+    """Why the served network could not be called on a ``KeyedJaggedTensor`` (and a dense tensor), and what to do."""
+    call = "forward(dense_features, sparse_features: KeyedJaggedTensor)" if dense else "forward(sparse_features)"
+    hint = (
+        f"override `{type(module).__name__}.inference_module()` to return the nn.Module that serves, taking "
+        "`(dense_features, sparse_features: KeyedJaggedTensor)` or `(sparse_features: KeyedJaggedTensor)`"
+        if net is module
+        else f"the module `inference_module()` returns must take {call}"
+    )
+    return (
+        f"{type(net).__name__} cannot be served as {call}: calling it on a KeyedJaggedTensor"
+        f"{' and a dense tensor' if dense else ''} of two samples raised {type(err).__name__}: {err}. HINT: {hint}."
+    )
 
 
 def _takes_dense(net: nn.Module) -> bool:

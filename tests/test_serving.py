@@ -333,7 +333,8 @@ def test_a_module_that_did_not_save_its_arguments_gets_a_hint_and_init_args(tmp_
 
 
 class _NarrowModel(RecLightningModule):
-    """Tables 6 and 2 columns wide, read as ``kt.values()``: int8 fits them, int4 (4-column units) does not."""
+    """Tables 6 and 2 columns wide, read as ``kt.values()``: int8 fits them, int4 (4-column units) does not. Its
+    ``forward(kjt)`` is not annotated: served all the same."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -344,7 +345,7 @@ class _NarrowModel(RecLightningModule):
         self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
         self.top = nn.Linear(10, 1)
 
-    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+    def forward(self, kjt):  # not annotated, as users often write it: the export finds it takes a KJT
         return self.top(self.ebc(kjt).values()).squeeze(1)
 
     def training_step(self, batch, batch_idx):
@@ -367,6 +368,27 @@ def test_tables_too_narrow_for_the_quantized_dtype_are_named_before_anything_is_
     assert not (tmp_path / "model.pt").exists()
     spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
     assert spec.tables == {"t_wide": [30, 6], "t_narrow": [50, 2]} and spec.num_dense_features == 0
+
+
+class _DictForward(_NarrowModel):
+    """``forward(batch)`` on a dict batch, not annotated: only calling it on a KeyedJaggedTensor tells."""
+
+    def forward(self, batch):
+        return self.top(self.ebc(batch["sparse"]).values()).squeeze(1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.binary_cross_entropy_with_logits(self(batch), batch["label"])
+
+
+def test_a_forward_that_takes_a_training_batch_is_refused_with_the_hint(tmp_path):
+    ckpt = _checkpoint(_DictForward(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
+    with pytest.raises(
+        ExportError,
+        match=r"_DictForward cannot be served as forward\(sparse_features\): calling it on a KeyedJaggedTensor of two "
+        r"samples raised KeyError: 'sparse'\. HINT: override `_DictForward.inference_module\(\)`",
+    ):
+        export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
+    assert not (tmp_path / "model.pt").exists()
 
 
 _SCRIPT = """
