@@ -136,15 +136,9 @@ def check_inputs(values: Tensor, lengths: Tensor, features: List[str], rows: Ten
         f = int((torch.cumsum(counts, 0) <= i).sum())
         n = int(rows[f])
         raise ValueError(
-            "feature '"
-            + features[f]
-            + "': id "
-            + str(int(values[i]))
-            + " is outside its table of "
-            + str(n)
-            + " rows (ids run from 0 to "
-            + str(n - 1)
-            + ")"
+            "feature '{}': id {} is outside its table of {} rows (ids run from 0 to {})".format(
+                features[f], int(values[i]), n, n - 1
+            )
         )
     return values
 
