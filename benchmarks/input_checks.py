@@ -28,25 +28,17 @@ import torch.distributed as dist
 def measure(size_name: str, steps: int) -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     from lightning_rec.bench.workload import SIZES, BenchModel, make_batches, table_constraints, init_weights
     from lightning_rec.inputs import InputChecks, input_specs
     from lightning_rec.inputs.kjt import FeatureTables
-    from lightning_rec.testing.reference import reference_optimizer
+    from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 
     size = SIZES[size_name]
     model = BenchModel.build(size)
     specs = input_specs(model, [type(model.tables)])
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01})
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=1, compute_device="cpu", local_world_size=1),
-        constraints={t: ParameterConstraints(**c) for t, c in table_constraints(size).items()},
-    )
-    dmp = DistributedModelParallel(
-        model, device=torch.device("cpu"), plan=planner.plan(model, [sharder]), sharders=[sharder]
-    )
+    dmp = reference_dmp(model, [sharder], torch.device("cpu"), table_constraints(size))
     init_weights(dmp.module)
     optimizer = reference_optimizer(dmp, lambda ps: torch.optim.SGD(ps, lr=0.01))
     checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")

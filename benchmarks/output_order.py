@@ -29,27 +29,21 @@ import torch.distributed as dist
 def measure(size_name: str, steps: int) -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     from lightning_rec.bench.workload import SIZES, BenchModel, make_batches
     from lightning_rec.strategy.unsharded import output_orders, restore_output_order
+    from lightning_rec.testing.reference import reference_dmp
 
     size = SIZES[size_name]
     model = BenchModel.build(size)
     ebc = model.tables
     names = [c.name for c in ebc.embedding_bag_configs()]
-    constraints = {
-        n: ParameterConstraints(sharding_types=["column_wise" if i % 2 == 0 else "table_wise"])
-        for i, n in enumerate(names)
-    }
+    constraints = {n: {"sharding_types": ["column_wise" if i % 2 == 0 else "table_wise"]} for i, n in enumerate(names)}
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01})
     holder = torch.nn.Module()
     holder.ebc = ebc
     orders = output_orders(holder, [type(ebc)])
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints)
-    plan = planner.collective_plan(holder, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(holder, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dmp = reference_dmp(holder, [sharder], torch.device("cpu"), constraints)
     sharded = dmp.module.ebc
     batches = make_batches(size, 0, 8)
 

@@ -129,27 +129,13 @@ def _planner_hbm(device) -> Dict[str, Any]:
 def raw_torchrec(size: Size, lr: float, device):
     """The hand-written TorchRec setup of the ``raw`` variants: the bench model in DMP (planned over the default
     process group) and a ``CombinedOptimizer`` of the fused one and the dense one. Returns ``(dmp, optimizer)``."""
-    import torch.distributed as dist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
-    from lightning_rec.testing.reference import reference_optimizer
+    from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 
     model = BenchModel.build(size)
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(size.optimizer, lr))
-    constraints = {t: ParameterConstraints(**c) for t, c in table_constraints(size).items()}
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(
-            world_size=size.world_size,
-            compute_device=device.type,
-            local_world_size=size.world_size,
-            **_planner_hbm(device),
-        ),
-        constraints=constraints,
-    )
-    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
+    dmp = reference_dmp(model, [sharder], device, table_constraints(size), **_planner_hbm(device))
     init_weights(dmp.module)
     return dmp, reference_optimizer(dmp, lambda ps: torch_optimizer(size.optimizer, ps, lr))
 

@@ -7,7 +7,8 @@
   :func:`~lightning_rec.testing.ports.shell_env`: the environment of a user's fresh shell (no rendezvous variables).
 * :func:`~lightning_rec.testing.init.deterministic_init` (and its :func:`~lightning_rec.testing.init.pattern`):
   starting weights that depend on name and global index only, whatever the plan or world size.
-* :func:`~lightning_rec.testing.reference.reference_optimizer`: the hand-written TorchRec loop's optimizer.
+* :func:`~lightning_rec.testing.reference.reference_dmp`, :func:`~lightning_rec.testing.reference.reference_optimizer`:
+  the hand-written TorchRec loop's sharded model (planner + ``DistributedModelParallel``) and optimizer.
 * :class:`~lightning_rec.testing.failures.FailAt`, :func:`~lightning_rec.testing.failures.failure_time`: make a
   rank raise, die, hang or get a bad id at a given step, and tell when it did.
 * :data:`~lightning_rec.testing.trainer.QUIET_TRAINER`: the ``Trainer`` arguments of a measured or compared run.
@@ -18,7 +19,7 @@
 from lightning_rec.testing.failures import FailAt, failure_time
 from lightning_rec.testing.init import deterministic_init, pattern
 from lightning_rec.testing.ports import free_port, shell_env
-from lightning_rec.testing.reference import reference_optimizer
+from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 from lightning_rec.testing.syncs import SyncCounter
 from lightning_rec.testing.trainer import QUIET_TRAINER
 
@@ -30,6 +31,7 @@ __all__ = [
     "failure_time",
     "free_port",
     "pattern",
+    "reference_dmp",
     "reference_optimizer",
     "shell_env",
 ]

@@ -148,9 +148,8 @@ def reference(
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    from lightning_rec.testing.reference import reference_optimizer
+    from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 
     model = model or {}
     dist.init_process_group("gloo")
@@ -159,7 +158,7 @@ def reference(
     plan = torch.load(out_dir / f"{plan_from}.plan.pt", weights_only=False)
     fused = {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": lr, "eps": 1e-10}  # torch Adagrad's eps
     sharders = [EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
-    dmp = DistributedModelParallel(m, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = reference_dmp(m, sharders, torch.device("cpu"), plan=plan)
     deterministic_init(dmp.module)
     opt = reference_optimizer(dmp, lambda ps: torch.optim.Adagrad(ps, lr=lr))
     losses: List[float] = []

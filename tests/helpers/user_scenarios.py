@@ -274,10 +274,8 @@ def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torch import nn
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
-    from lightning_rec.testing.reference import reference_optimizer
+    from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 
     import torch.nn.functional as F
 
@@ -297,12 +295,7 @@ def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline
         fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": LR, "eps": 1e-10}
     )
     root = WithLoss(model) if pipeline else model
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(), compute_device=device.type),
-        constraints={t: ParameterConstraints(**c) for t, c in TABLE_WISE_PLAN.items()},
-    )
-    plan = planner.collective_plan(root, [sharder], dist.group.WORLD)
-    dmp = DistributedModelParallel(root, device=device, plan=plan, sharders=[sharder])
+    dmp = reference_dmp(root, [sharder], device, TABLE_WISE_PLAN)
     optimizer = reference_optimizer(dmp, lambda ps: torch.optim.Adagrad(ps, lr=LR))
     loader = DataLoader(batches, batch_size=None, pin_memory=device.type == "cuda")
     if pipeline:
