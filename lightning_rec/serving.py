@@ -412,6 +412,12 @@ def _takes_dense(net: nn.Module) -> bool:
             f"{type(net).__name__}.forward({names}) cannot be served: it must take `(sparse_features)` or "
             "`(dense_features, sparse_features)`, a KeyedJaggedTensor and a dense tensor."
         )
+    if len(params) == 2 and "KeyedJaggedTensor" in str(params[0].annotation):
+        raise ExportError(
+            f"{type(net).__name__}.forward({params[0].name}, {params[1].name}) takes the KeyedJaggedTensor first; "
+            "the artifact calls forward(dense_features, sparse_features). HINT: swap the arguments, or return a "
+            "module that takes them in that order from `inference_module()`."
+        )
     return len(params) == 2
 
 
@@ -425,7 +431,8 @@ def _num_dense(module: nn.Module, given: Optional[int], net: nn.Module, features
         raise ExportError(
             f"{type(module).__name__}: the served network reads dense features, but their number is unknown (no "
             "`num_dense_features` hyperparameter, and no nn.Linear that the dense input reaches tells it). HINT: pass "
-            "`num_dense_features=` (`--num-dense-features`)."
+            "`num_dense_features=` (`--num-dense-features`); if its forward takes the KeyedJaggedTensor first, swap "
+            "the arguments: the artifact calls forward(dense_features, sparse_features)."
         )
     return width
 

@@ -391,6 +391,36 @@ def test_a_forward_that_takes_a_training_batch_is_refused_with_the_hint(tmp_path
     assert not (tmp_path / "model.pt").exists()
 
 
+class _SparseFirst(_TutorialModel):
+    """``forward(kjt, dense)``: the artifact calls ``(dense_features, sparse_features)``."""
+
+    def forward(self, kjt, dense):
+        return super().forward(dense, kjt)
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["sparse"], batch["dense"])
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch["label"])
+
+
+class _SparseFirstAnnotated(_SparseFirst):
+    def forward(self, kjt: KeyedJaggedTensor, dense: torch.Tensor) -> torch.Tensor:
+        return super().forward(kjt, dense)
+
+
+@pytest.mark.parametrize(
+    "cls, message",
+    [
+        (_SparseFirstAnnotated, r"forward\(kjt, dense\) takes the KeyedJaggedTensor first; the artifact calls "),
+        (_SparseFirst, r"if its forward takes the KeyedJaggedTensor first, swap the arguments"),
+    ],
+)
+def test_a_forward_that_takes_the_sparse_features_first_is_refused_naming_the_order(tmp_path, cls, message):
+    ckpt = _checkpoint(cls(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=message):
+        export_inference(ckpt, tmp_path / "model.pt", table_dtype="fp32")
+    assert not (tmp_path / "model.pt").exists()
+
+
 _SCRIPT = """
 import torch, lightning as L
 from torch import nn
