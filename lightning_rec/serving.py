@@ -423,18 +423,30 @@ def _takes_dense(net: nn.Module) -> bool:
 
 def _num_dense(module: nn.Module, given: Optional[int], net: nn.Module, features: List[str], weighted: bool) -> int:
     """The dense input's width: given, the module's ``num_dense_features`` hyperparameter, or read from the first
-    ``nn.Linear`` the dense input reaches (see :func:`_dense_width`)."""
+    layer the dense input reaches (see :func:`_dense_width`)."""
     width = given if given is not None else getattr(module, "hparams", {}).get("num_dense_features")
     if width is None:
         width = _dense_width(net, features, weighted)
     if not isinstance(width, int) or width < 0:
         raise ExportError(
             f"{type(module).__name__}: the served network reads dense features, but their number is unknown (no "
-            "`num_dense_features` hyperparameter, and no nn.Linear that the dense input reaches tells it). HINT: pass "
+            "`num_dense_features` hyperparameter, and no Linear, BatchNorm1d or LayerNorm the dense input reaches tells "
+            "it). HINT: pass "
             "`num_dense_features=` (`--num-dense-features`); if its forward takes the KeyedJaggedTensor first, swap "
             "the arguments: the artifact calls forward(dense_features, sparse_features)."
         )
     return width
+
+
+def _input_width(module: nn.Module) -> Optional[int]:
+    """The last-dimension width a layer takes, for the layers a dense input meets first."""
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if isinstance(module, nn.BatchNorm1d):
+        return module.num_features
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
+        return module.normalized_shape[0]
+    return None
 
 
 class _WidthFound(Exception):
@@ -443,10 +455,11 @@ class _WidthFound(Exception):
 
 
 def _dense_width(net: nn.Module, features: List[str], weighted: bool) -> Optional[int]:
-    """The dense width the first ``nn.Linear`` on the dense input's path implies: the network is run (``torch.fx``
-    interpreter, on a copy) with a dense input of width 0, and that Linear's ``in_features`` minus the width it then
-    receives is the dense width, whether the dense input reaches it alone (``bottom(dense)``) or concatenated with
-    other columns (``over(cat([kt.values(), dense], 1))``). The answer is checked by running the network with it."""
+    """The dense width the first ``nn.Linear`` (or ``BatchNorm1d``, ``LayerNorm``) on the dense input's path implies:
+    the network is run (``torch.fx`` interpreter, on a copy) with a dense input of width 0, and the width that layer
+    takes minus the width it then receives is the dense width, whether the dense input reaches it alone
+    (``bottom(dense)``) or concatenated with other columns (``over(cat([kt.values(), dense], 1))``). The answer is
+    checked by running the network with it."""
     from torchrec.fx import Tracer
 
     serving = _Serving(copy.deepcopy(net), features, dense=True)  # a copy: running it fills TorchRec's caches
@@ -461,9 +474,10 @@ def _dense_width(net: nn.Module, features: List[str], weighted: bool) -> Optiona
 
     class Probe(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
-            if n.op == "call_module" and n in reads_dense and isinstance(self.fetch_attr(n.target), nn.Linear):
+            width = _input_width(self.fetch_attr(n.target)) if n.op == "call_module" and n in reads_dense else None
+            if width is not None:
                 args, _ = self.fetch_args_kwargs_from_env(n)
-                raise _WidthFound(self.fetch_attr(n.target).in_features - args[0].shape[-1])
+                raise _WidthFound(width - args[0].shape[-1])
             return super().run_node(n)
 
     example = _example(InferenceSpec(features, 0, weighted, "fp32", {}, ""))

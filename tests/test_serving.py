@@ -391,6 +391,38 @@ def test_a_forward_that_takes_a_training_batch_is_refused_with_the_hint(tmp_path
     assert not (tmp_path / "model.pt").exists()
 
 
+class _DensePath(_TutorialModel):
+    """The dense input normalised first (``BatchNorm1d``/``LayerNorm``), or concatenated with ``kt.values()``."""
+
+    def __init__(self, path: str = "batchnorm") -> None:
+        super().__init__()
+        self.path = path
+        if path == "batchnorm":
+            self.bottom = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 4))
+        elif path == "layernorm":
+            self.bottom = nn.Sequential(nn.LayerNorm(3), nn.ReLU(), nn.Linear(3, 4))
+        else:
+            self.top = nn.Linear(12 + 3, 1)
+
+    def forward(self, dense, kjt):
+        if self.path == "concatenated":
+            return self.top(torch.cat([self.ebc(kjt).values(), dense], dim=1)).squeeze(1)
+        return super().forward(dense, kjt)
+
+
+@pytest.mark.parametrize("path", ["batchnorm", "layernorm", "concatenated"])
+def test_the_dense_width_is_read_from_the_first_layer_the_dense_input_reaches(tmp_path, path):
+    ckpt = _checkpoint(_DensePath(path), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
+    spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="fp32", init_args={"path": path})
+    assert spec.num_dense_features == 3
+    loaded = _DensePath.load_from_checkpoint(ckpt, path=path).eval()
+    batch = _tutorial_batch(5)
+    with torch.no_grad():
+        want = loaded(batch["dense"], batch["sparse"])
+        got = load_inference(tmp_path / "model.pt")(*serving_inputs(spec, batch["sparse"], batch["dense"]))
+    assert torch.equal(got, want)
+
+
 class _SparseFirst(_TutorialModel):
     """``forward(kjt, dense)``: the artifact calls ``(dense_features, sparse_features)``."""
 
