@@ -123,13 +123,13 @@ def check_inputs(values: Tensor, lengths: Tensor, features: List[str], rows: Ten
     num = len(features)
     if lengths.numel() % num != 0:
         raise ValueError(
-            "lengths has " + str(lengths.numel()) + " entries; the artifact reads " + str(num) + " features and "
-            "takes one length per (feature, sample), feature-major"
+            "lengths has {} entries; the artifact reads {} features and takes one length per (feature, sample), "
+            "feature-major".format(lengths.numel(), num)
         )
     counts = lengths.view(num, -1).sum(1)
     total = int(counts.sum())
     if total != values.numel():
-        raise ValueError("lengths add up to " + str(total) + " ids, but values holds " + str(values.numel()))
+        raise ValueError("lengths add up to {} ids, but values holds {}".format(total, values.numel()))
     bad = (values < 0) | (values >= torch.repeat_interleave(rows, counts))
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
@@ -245,10 +245,11 @@ def export_inference(
         weights_only: ``False`` lets the checkpoint's ``meta.pt`` unpickle arbitrary objects (trusted only).
         init_args: arguments of the module's ``__init__`` the checkpoint did not save (no
             ``save_hyperparameters()``), or that override saved ones, as for ``load_from_checkpoint``.
-        bounds_check: what the artifact does with an id outside its table: ``"error"`` (raise, naming the table's
-            index, the id and the table's rows: FBGEMM's ``BoundsCheckMode.FATAL``), ``"warn"``/``"ignore"`` (read
-            row 0 instead, FBGEMM's default for inference kernels), ``"none"`` (no check: out-of-range ids read
-            arbitrary memory). As the training strategy's ``bounds_check``.
+        bounds_check: what the artifact does with an id outside its table: ``"error"`` (:func:`check_inputs` raises
+            a ``ValueError`` naming the feature, the id and the table's rows, and refuses malformed ``lengths``;
+            FBGEMM's ``BoundsCheckMode.FATAL`` behind it), ``"warn"``/``"ignore"`` (a too large id reads row 0,
+            FBGEMM's default for inference kernels), ``"none"`` (no check). As the training strategy's
+            ``bounds_check``.
 
     Returns:
         the artifact's :class:`InferenceSpec`.
@@ -291,7 +292,7 @@ def export_inference(
         part=part,
         bounds_check=bounds_check,
     )
-    rows = [feature_rows[f] for f in features] if bounds_check == "error" else None
+    rows = list(feature_rows.values()) if bounds_check == "error" else None
     serving = _Serving(copy.deepcopy(net), features, dense, rows).eval()
     quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])
     for kernel in quantized.modules():
