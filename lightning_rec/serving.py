@@ -431,10 +431,9 @@ def _num_dense(module: nn.Module, given: Optional[int], net: nn.Module, features
     if not isinstance(width, int) or width < 0:
         raise ExportError(
             f"{type(module).__name__}: the served network reads dense features, but their number is unknown (no "
-            "`num_dense_features` hyperparameter, and no Linear, BatchNorm1d or LayerNorm the dense input reaches tells "
-            "it). HINT: pass "
-            "`num_dense_features=` (`--num-dense-features`); if its forward takes the KeyedJaggedTensor first, swap "
-            "the arguments: the artifact calls forward(dense_features, sparse_features)."
+            "`num_dense_features` hyperparameter, and no Linear, BatchNorm1d or LayerNorm the dense input reaches "
+            "tells it). HINT: pass `num_dense_features=` (`--num-dense-features`); if its forward takes the "
+            "KeyedJaggedTensor first, swap the arguments: the artifact calls forward(dense_features, sparse_features)."
         )
     return width
 
