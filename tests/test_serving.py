@@ -45,6 +45,13 @@ def _checkpoint(module: nn.Module, batches: List[Any], path: Path) -> Path:
     return path
 
 
+def _assert_refused(ckpt: Path, work: Path, match: str, error: type = ExportError, **kwargs: Any) -> None:
+    """``export_inference(ckpt, ...)`` raises ``error`` matching ``match``, and writes nothing."""
+    with pytest.raises(error, match=match):
+        export_inference(ckpt, work / "model.pt", **kwargs)
+    assert not (work / "model.pt").exists() and not list(work.glob(".*partial"))
+
+
 def _dlrm_dot() -> DLRMModule:
     features = zoo_dlrm.movielens()[1]
     return DLRMModule(features, 2, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
@@ -325,9 +332,7 @@ class _NoHyperparameters(_TutorialModel):
 
 def test_a_module_that_did_not_save_its_arguments_gets_a_hint_and_init_args(tmp_path):
     ckpt = _checkpoint(_NoHyperparameters(3), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
-    with pytest.raises(CheckpointError, match=r"cannot build _NoHyperparameters .*'width'.*save_hyperparameters"):
-        export_inference(ckpt, tmp_path / "model.pt")
-    assert not (tmp_path / "model.pt").exists()
+    _assert_refused(ckpt, tmp_path, r"cannot build _NoHyperparameters .*'width'.*save_hyperparameters", CheckpointError)
     spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="fp32", init_args={"width": 3})
     assert spec.num_dense_features == 3 and inference_spec(tmp_path / "model.pt") == spec
 
@@ -359,13 +364,8 @@ def test_tables_too_narrow_for_the_quantized_dtype_are_named_before_anything_is_
     """FBGEMM packs quantized rows in 2-byte units: int4 needs widths that are multiples of 4, int8 of 2. A table
     that does not fit is named, with the dtypes that would, before anything is written."""
     ckpt = _checkpoint(_NarrowModel(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
-    with pytest.raises(
-        ExportError,
-        match=r"t_wide \(embedding_dim 6\), t_narrow \(embedding_dim 2\) cannot be stored "
-        r"as int4: .*multiple of 4\. HINT: --table-dtype int8 or fp16 or fp32",
-    ):
-        export_inference(ckpt, tmp_path / "model.pt", table_dtype="int4")
-    assert not (tmp_path / "model.pt").exists()
+    match = r"t_wide \(embedding_dim 6\), t_narrow \(embedding_dim 2\) cannot be stored as int4: .*multiple of 4\. "
+    _assert_refused(ckpt, tmp_path, match + r"HINT: --table-dtype int8 or fp16 or fp32", table_dtype="int4")
     spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
     assert spec.tables == {"t_wide": [30, 6], "t_narrow": [50, 2]} and spec.num_dense_features == 0
 
@@ -382,13 +382,10 @@ class _DictForward(_NarrowModel):
 
 def test_a_forward_that_takes_a_training_batch_is_refused_with_the_hint(tmp_path):
     ckpt = _checkpoint(_DictForward(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
-    with pytest.raises(
-        ExportError,
-        match=r"_DictForward cannot be served as forward\(sparse_features\): calling it on a KeyedJaggedTensor of two "
-        r"samples raised KeyError: 'sparse'\. HINT: override `_DictForward.inference_module\(\)`",
-    ):
-        export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
-    assert not (tmp_path / "model.pt").exists()
+    match = r"_DictForward cannot be served as forward\(sparse_features\): calling it on a KeyedJaggedTensor of two "
+    _assert_refused(
+        ckpt, tmp_path, match + r"samples raised KeyError: 'sparse'\. HINT: override `_DictForward.inference"
+    )
 
 
 class _DensePath(_TutorialModel):
@@ -448,9 +445,7 @@ class _SparseFirstAnnotated(_SparseFirst):
 )
 def test_a_forward_that_takes_the_sparse_features_first_is_refused_naming_the_order(tmp_path, cls, message):
     ckpt = _checkpoint(cls(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
-    with pytest.raises(ExportError, match=message):
-        export_inference(ckpt, tmp_path / "model.pt", table_dtype="fp32")
-    assert not (tmp_path / "model.pt").exists()
+    _assert_refused(ckpt, tmp_path, message, table_dtype="fp32")
 
 
 _SCRIPT = """
