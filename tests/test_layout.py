@@ -29,12 +29,11 @@ USER_FACING = [
     "callbacks.py",
     "metrics.py",
     "pretrained.py",
-    "serving.py",
     "config.py",
     "errors.py",
     "tables.py",
 ]
-USER_FACING_DIRS = ["models", "data"]
+USER_FACING_DIRS = ["models", "data", "serving"]
 MECHANICS = ("lightning_rec.strategy", "lightning_rec.inputs", "lightning_rec.bench", "lightning_rec.testing")
 
 

@@ -1,0 +1,56 @@
+"""From a sharded checkpoint to a model that serves: a quantized TorchScript artifact that loads without this
+package (only ``torch`` and FBGEMM's operators), in Python or C++.
+
+:func:`export_inference` loads the checkpoint unsharded (saved at any world size, with any plan), asks the module
+for the network that serves (:meth:`~lightning_rec.RecLightningModule.inference_module`), swaps every
+``EmbeddingBagCollection``/``EmbeddingCollection`` for TorchRec's quantized inference module with tables in the
+chosen dtype (FBGEMM's ``IntNBitTableBatchedEmbeddingBagsCodegen`` kernels), traces it with TorchRec's ``fx``
+tracer (the kernels stay leaves), compiles it with TorchScript and saves it, with a JSON description of its inputs
+(``extra/lightning_rec.json`` in the archive). TorchRec's own recipe (``torchrec/inference/dlrm_predict.py``).
+
+Why TorchScript rather than ``torch.export``: the quantized kernels hold a ``torch.classes.fbgemm.AtomicCounter``
+that has no fake implementation, so ``torch.export`` refuses them (torch 2.13, FBGEMM 1.8); TorchScript saves the
+``KeyedJaggedTensor`` code into the archive, so loading needs neither TorchRec nor this package, and libtorch loads
+it from C++.
+
+The artifact takes plain tensors, one sample per row::
+
+    forward(dense_features: Tensor[B, D],          # only if the served network reads dense features
+            values: Tensor[N] (int64 or int32),     # every id, feature by feature (feature-major, as a KJT)
+            lengths: Tensor[F * B] (int),           # ids per (feature, sample), feature-major
+            weights: Optional[Tensor[N]] = None)    # per-id weights, for weighted collections
+        -> Tensor                                  # what the network returns (CTR models: probabilities [B])
+
+The feature order ``F`` is fixed at export and written in ``extra/lightning_rec.json`` (``"features"``).
+
+Example::
+
+    export_inference("checkpoints/last.ckpt", "model_int8.pt", table_dtype="int8")
+
+    # anywhere, without lightning_rec or torchrec:
+    import torch, fbgemm_gpu                        # fbgemm_gpu registers the kernels' operators
+    model = torch.jit.load("model_int8.pt")
+    with torch.inference_mode():
+        probabilities = model(dense, values, lengths)
+"""
+
+from lightning_rec.serving.artifact import (
+    SPEC_FILE,
+    InferenceSpec,
+    check_inputs,
+    inference_spec,
+    load_inference,
+    serving_inputs,
+)
+from lightning_rec.serving.export import TableDtype, export_inference
+
+__all__ = [
+    "SPEC_FILE",
+    "InferenceSpec",
+    "TableDtype",
+    "check_inputs",
+    "export_inference",
+    "inference_spec",
+    "load_inference",
+    "serving_inputs",
+]

@@ -1,0 +1,173 @@
+"""What a serving artifact is and how it is called: its :class:`InferenceSpec` (``extra/lightning_rec.json`` in the
+archive), the input check compiled into it (:func:`check_inputs`), the wrapper that turns plain tensors into the
+``KeyedJaggedTensor`` the network takes, and the helpers that load one and build its arguments."""
+
+# No `from __future__ import annotations` here: torch.fx and TorchScript read the forwards' annotations as types.
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = [
+    "SPEC_FILE",
+    "InferenceSpec",
+    "ServingWrapper",
+    "SparseOnly",
+    "check_inputs",
+    "example_inputs",
+    "inference_spec",
+    "load_inference",
+    "serving_inputs",
+]
+
+SPEC_FILE = "lightning_rec.json"
+
+
+@dataclass(frozen=True)
+class InferenceSpec:
+    """What an artifact expects and holds (``extra/lightning_rec.json`` in the archive).
+
+    Args:
+        features: the sparse features, in the order of ``lengths`` (feature-major).
+        num_dense_features: the width of ``dense_features`` (0: the network reads none, and the artifact takes no
+            ``dense_features`` argument).
+        weighted: whether ``weights`` are read (a collection pools with per-id weights).
+        table_dtype: the tables' storage dtype.
+        tables: table name -> ``[rows, columns]``.
+        model: the LightningModule class it came from, and ``part`` (e.g. ``"query"``).
+        bounds_check: what the artifact does with an id outside its table (see :func:`export_inference`).
+    """
+
+    features: List[str]
+    num_dense_features: int
+    weighted: bool
+    table_dtype: str
+    tables: Dict[str, List[int]]
+    model: str
+    part: Optional[str] = None
+    bounds_check: str = "warn"  # artifacts written before the policy was recorded: FBGEMM's default
+
+
+@torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact
+def check_inputs(values: Tensor, lengths: Tensor, features: List[str], rows: Tensor) -> Tensor:
+    """Raise a ``ValueError`` naming the problem when ``values``/``lengths`` do not fit the artifact: a ``lengths``
+    that is not one entry per (feature, sample), lengths that do not add up to ``values``, or an id outside its
+    feature's table (``rows``: the table's rows per feature). Returns ``values``.
+
+    Example::
+
+        >>> check_inputs(torch.tensor([3, 9]), torch.tensor([1, 1]), ["user", "item"], torch.tensor([10, 5]))
+        Traceback (most recent call last):
+        ...
+        ValueError: feature 'item': id 9 is outside its table of 5 rows (ids run from 0 to 4)
+    """
+    num = len(features)
+    if lengths.numel() % num != 0:
+        raise ValueError(
+            "lengths has {} entries; the artifact reads {} features and takes one length per (feature, sample), "
+            "feature-major".format(lengths.numel(), num)
+        )
+    counts = lengths.view(num, -1).sum(1)
+    total = int(counts.sum())
+    if total != values.numel():
+        raise ValueError("lengths add up to {} ids, but values holds {}".format(total, values.numel()))
+    bad = (values < 0) | (values >= torch.repeat_interleave(rows, counts))
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        f = int((torch.cumsum(counts, 0) <= i).sum())
+        n = int(rows[f])
+        raise ValueError(
+            "feature '{}': id {} is outside its table of {} rows (ids run from 0 to {})".format(
+                features[f], int(values[i]), n, n - 1
+            )
+        )
+    return values
+
+
+class ServingWrapper(nn.Module):
+    """Plain tensors in, the network's output out: builds the ``KeyedJaggedTensor`` the network takes, after
+    :func:`check_inputs` when ``rows`` (the table rows of each feature) is given."""
+
+    def __init__(self, net: nn.Module, features: List[str], dense: bool, rows: Optional[List[int]] = None) -> None:
+        super().__init__()
+        self.net = net
+        self.features = features
+        self.dense = dense
+        self.check = rows is not None
+        self.register_buffer("rows", torch.tensor(rows or [], dtype=torch.long))
+
+    def forward(
+        self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None
+    ) -> Tensor:
+        if self.check:
+            values = check_inputs(values, lengths, self.features, self.rows)
+        sparse = KeyedJaggedTensor(keys=self.features, values=values, lengths=lengths, weights=weights)
+        if self.dense:
+            return self.net(dense_features, sparse)
+        return self.net(sparse)
+
+
+class SparseOnly(nn.Module):
+    """The artifact's signature when the network reads no dense features (no ``dense_features`` argument)."""
+
+    def __init__(self, serving: nn.Module) -> None:
+        super().__init__()
+        self.serving = serving
+
+    def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        return self.serving(torch.empty(0), values, lengths, weights)
+
+
+def inference_spec(path: Union[str, Path]) -> InferenceSpec:
+    """The :class:`InferenceSpec` stored in the artifact at ``path`` (no model is loaded)."""
+    extra = {SPEC_FILE: ""}
+    torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+    return InferenceSpec(**json.loads(extra[SPEC_FILE]))
+
+
+def serving_inputs(
+    spec: InferenceSpec, sparse_features: KeyedJaggedTensor, dense_features: Optional[Tensor] = None
+) -> Tuple[Tensor, ...]:
+    """The artifact's arguments for a batch held as a ``KeyedJaggedTensor`` (and dense tensor): its features put in
+    ``spec.features`` order, ``values``/``lengths`` (and ``weights`` if the artifact reads them) as plain tensors.
+
+    Example::
+
+        model, spec = load_inference("model.pt"), inference_spec("model.pt")
+        probabilities = model(*serving_inputs(spec, batch.sparse_features, batch.dense_features))
+    """
+    missing = [f for f in spec.features if f not in sparse_features.keys()]
+    if missing:
+        raise ValueError(f"the batch lacks feature(s) {missing}; the artifact reads {spec.features}.")
+    kjt = KeyedJaggedTensor.from_jt_dict({f: sparse_features[f] for f in spec.features})
+    sparse: Tuple[Tensor, ...] = (kjt.values(), kjt.lengths())
+    if spec.weighted:
+        sparse += (kjt.weights(),)
+    if not spec.num_dense_features:
+        return sparse
+    if dense_features is None:
+        raise ValueError(f"the artifact reads {spec.num_dense_features} dense features; pass `dense_features`.")
+    return (dense_features, *sparse)
+
+
+def load_inference(path: Union[str, Path], map_location: str = "cpu") -> torch.jit.ScriptModule:
+    """Load an artifact in Python (what any program does: ``import fbgemm_gpu`` then ``torch.jit.load``)."""
+    import fbgemm_gpu  # noqa: F401  (registers the operators and classes the kernels use)
+
+    return torch.jit.load(str(path), map_location=map_location)
+
+
+def example_inputs(spec: InferenceSpec) -> Tuple[Tensor, ...]:
+    """Two samples, one id (row 0) per feature: the warm-up call's input."""
+    rows = 2
+    n = rows * len(spec.features)
+    return (
+        torch.zeros(rows, spec.num_dense_features),
+        torch.zeros(n, dtype=torch.long),
+        torch.ones(n, dtype=torch.int32),
+        torch.ones(n) if spec.weighted else None,
+    )

@@ -1,0 +1,181 @@
+"""``export_inference``: a sharded checkpoint -> a quantized TorchScript artifact (see :mod:`lightning_rec.serving`)."""
+
+import copy
+import importlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, Literal, Optional, Union
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+from torch import nn
+
+from lightning_rec.config import BoundsCheck
+from lightning_rec.errors import ExportError
+from lightning_rec.serving.artifact import SPEC_FILE, InferenceSpec, ServingWrapper, SparseOnly, example_inputs
+from lightning_rec.serving.network import (
+    KERNELS,
+    call_failed,
+    check_row_width,
+    network_features,
+    num_dense,
+    serving_network,
+    takes_dense,
+)
+from lightning_rec.tables import embedding_modules
+
+__all__ = ["TableDtype", "export_inference"]
+
+TableDtype = Literal["fp32", "fp16", "int8", "int4"]
+
+_DTYPES: Dict[str, torch.dtype] = {
+    "fp32": torch.float,
+    "fp16": torch.half,
+    "int8": torch.qint8,
+    "int4": torch.quint4x2,
+}
+
+# The training strategy's policy names for FBGEMM's modes (an id outside its table).
+_BOUNDS_CHECK = {
+    "error": BoundsCheckMode.FATAL,
+    "warn": BoundsCheckMode.WARNING,
+    "ignore": BoundsCheckMode.IGNORE,
+    "none": BoundsCheckMode.NONE,
+}
+
+
+def export_inference(
+    checkpoint: Union[str, Path],
+    output: Union[str, Path],
+    *,
+    table_dtype: TableDtype = "int8",
+    part: Optional[str] = None,
+    model_class: Optional[Union[str, type]] = None,
+    num_dense_features: Optional[int] = None,
+    weights_only: Optional[bool] = None,
+    init_args: Optional[Dict[str, Any]] = None,
+    bounds_check: BoundsCheck = "error",
+) -> InferenceSpec:
+    """Write the serving network of a sharded checkpoint as a quantized TorchScript artifact (one process, CPU).
+
+    Args:
+        checkpoint: a checkpoint directory written on any number of ranks with any plan.
+        output: the artifact's path (written to a temporary name, then renamed; an existing file is replaced only
+            once the new one is complete).
+        table_dtype: the tables' storage: ``"fp32"`` (the trained rows, bit for bit), ``"fp16"``, ``"int8"`` or
+            ``"int4"`` (row-wise quantized, with a per-row scale and bias). The dense layers stay fp32.
+        part: which network to export, for modules that serve more than one (the two-tower model's ``"query"`` or
+            ``"candidate"`` tower; see the module's ``inference_module``).
+        model_class: the LightningModule class (or ``"package.module.Class"``); default: the one the checkpoint
+            was saved from.
+        num_dense_features: the width of the dense input; default: the module's ``num_dense_features``
+            hyperparameter.
+        weights_only: ``False`` lets the checkpoint's ``meta.pt`` unpickle arbitrary objects (trusted only).
+        init_args: arguments of the module's ``__init__`` the checkpoint did not save (no
+            ``save_hyperparameters()``), or that override saved ones, as for ``load_from_checkpoint``.
+        bounds_check: what the artifact does with an id outside its table: ``"error"`` (:func:`check_inputs` raises
+            a ``ValueError`` naming the feature, the id and the table's rows, and refuses malformed ``lengths``;
+            FBGEMM's ``BoundsCheckMode.FATAL`` behind it), ``"warn"``/``"ignore"`` (a too large id reads row 0,
+            FBGEMM's default for inference kernels), ``"none"`` (no check). As the training strategy's
+            ``bounds_check``.
+
+    Returns:
+        the artifact's :class:`InferenceSpec`.
+
+    Raises:
+        ExportError: naming the part of the model that cannot be exported and why; nothing is written then.
+        CheckpointError: the checkpoint is incomplete, corrupt or does not match the module.
+
+    Example::
+
+        spec = export_inference("checkpoints/last.ckpt", "query_tower.pt", part="query", table_dtype="fp16")
+        spec.features           # ['user_id', 'history', ...]: the order of `lengths`
+    """
+    from torchrec.inference.modules import quantize_inference_model
+
+    from lightning_rec.checkpoint import layout, load_module, safe_io
+
+    if table_dtype not in _DTYPES:
+        raise ExportError(f"table_dtype must be one of {sorted(_DTYPES)}, got {table_dtype!r}.")
+    if bounds_check not in _BOUNDS_CHECK:
+        raise ExportError(f"bounds_check must be one of {list(_BOUNDS_CHECK)}, got {bounds_check!r}.")
+    path = layout.recover(Path(checkpoint))
+    cls = _model_class(model_class, safe_io.load_meta(path / layout.META_FILE, weights_only), path)
+    module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
+    net = serving_network(module, part)
+    collections = embedding_modules(net)
+    feature_rows, weighted, tables = network_features(net, collections)
+    features = list(feature_rows)
+    check_row_width(tables, table_dtype, type(net).__name__)
+    dense = takes_dense(net)
+    if dense:
+        num_dense_features = num_dense(module, num_dense_features, net, features, weighted)
+    spec = InferenceSpec(
+        features=features,
+        num_dense_features=num_dense_features if dense else 0,
+        weighted=weighted,
+        table_dtype=table_dtype,
+        tables=tables,
+        model=f"{cls.__module__}.{cls.__qualname__}",
+        part=part,
+        bounds_check=bounds_check,
+    )
+    rows = list(feature_rows.values()) if bounds_check == "error" else None
+    serving = ServingWrapper(copy.deepcopy(net), features, dense, rows).eval()
+    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])
+    for kernel in quantized.modules():
+        if type(kernel).__name__ in KERNELS:  # TorchScript keeps the attribute: the artifact checks its ids
+            kernel.bounds_check_mode_int = _BOUNDS_CHECK[bounds_check].value
+    example = example_inputs(spec)
+    try:
+        with torch.no_grad():
+            quantized(*example)  # TorchRec caches the feature order on the first call: it must not be the trace's
+    except Exception as err:
+        raise ExportError(call_failed(module, net, dense, err)) from err
+    scripted = _script(SparseOnly(quantized) if not dense else quantized, type(net).__name__)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    scripted.save(str(partial), _extra_files={SPEC_FILE: json.dumps(asdict(spec))})
+    os.replace(partial, output)
+    return spec
+
+
+def _model_class(model_class: Optional[Union[str, type]], meta: Dict[str, Any], path: Path) -> type:
+    name = model_class or meta.get("lightning_rec", {}).get("module_class")
+    if name is None:
+        raise ExportError(
+            f"{str(path)!r} does not name the LightningModule it was saved from (checkpoints written before "
+            "lightning_rec recorded it). HINT: pass `model_class=` (`--model-class package.module.Class`)."
+        )
+    if isinstance(name, type):
+        return name
+    module_name, _, qualname = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), qualname)
+    except (ImportError, AttributeError, ValueError) as err:
+        hint = "pass `model_class=` (`--model-class package.module.Class`)"
+        if module_name == "__main__":  # saved by a script: its module name is only known to the user
+            hint = (
+                f"{qualname} was defined in the script that trained it; pass `model_class=` (`--model-class "
+                f'script.{qualname}` from the script\'s folder, its training guarded by `if __name__ == "__main__":`)'
+            )
+        raise ExportError(f"cannot import the model class {name!r}: {err}. HINT: {hint}.") from None
+
+
+def _script(model: nn.Module, name: str) -> torch.jit.ScriptModule:
+    from torchrec.fx import Tracer
+
+    try:
+        graph = Tracer(leaf_modules=KERNELS).trace(model)
+    except Exception as err:  # fx raises several types; the message names the construct
+        raise ExportError(
+            f"{name} cannot be traced for serving (torch.fx): {type(err).__name__}: {err}. HINT: serving needs a "
+            "forward without data-dependent Python control flow (branch on tensor values, .item(), .tolist())."
+        ) from err
+    try:
+        return torch.jit.script(torch.fx.GraphModule(model, graph))
+    except Exception as err:
+        raise ExportError(f"{name} cannot be compiled with TorchScript: {type(err).__name__}: {err}") from err

@@ -1,0 +1,204 @@
+"""Which network of a LightningModule serves, and what it reads: the features and tables of its collections, whether
+it takes dense features and how wide they are, and the refusals that name the part that cannot be served."""
+
+import copy
+import inspect
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+from lightning_rec.errors import ExportError
+from lightning_rec.serving.artifact import InferenceSpec, ServingWrapper, example_inputs
+from lightning_rec.tables import embedding_modules
+
+__all__ = [
+    "KERNELS",
+    "call_failed",
+    "check_row_width",
+    "network_features",
+    "num_dense",
+    "serving_network",
+    "takes_dense",
+]
+
+KERNELS = ["IntNBitTableBatchedEmbeddingBagsCodegen"]  # FBGEMM's inference kernels: leaves of the fx trace
+
+
+def serving_network(module: nn.Module, part: Optional[str]) -> nn.Module:
+    """What ``module.inference_module(part)`` returns, refused (``ExportError``) unless it is an ``nn.Module`` that
+    holds embedding tables."""
+    hook = getattr(module, "inference_module", None)
+    name = type(module).__name__
+    if hook is None:
+        raise ExportError(
+            f"{name} cannot be exported: it defines no `inference_module()`. HINT: subclass RecLightningModule and "
+            "return the nn.Module that serves, taking `(dense_features: Tensor, sparse_features: KeyedJaggedTensor)` "
+            "or `(sparse_features: KeyedJaggedTensor)`."
+        )
+    net = hook(part) if part is not None else hook()
+    if not isinstance(net, nn.Module):
+        raise ExportError(f"{name}.inference_module() returned {type(net).__name__}, not an nn.Module.")
+    if not embedding_modules(net):
+        raise ExportError(
+            f"{name}.inference_module() returned {type(net).__name__}, which holds no EmbeddingBagCollection or "
+            "EmbeddingCollection: there are no tables to serve."
+        )
+    return net
+
+
+def network_features(
+    net: nn.Module, collections: Dict[str, nn.Module]
+) -> Tuple[Dict[str, int], bool, Dict[str, List[int]]]:
+    """Every feature the network's collections read (first-seen order) with its table's rows, whether any pools with
+    weights, and the tables' shapes."""
+    features: Dict[str, int] = {}
+    tables: Dict[str, List[int]] = {}
+    weighted = False
+    for path, sub in collections.items():
+        if isinstance(sub, EmbeddingBagCollection):
+            configs, weighted = sub.embedding_bag_configs(), weighted or bool(sub.is_weighted())
+        elif isinstance(sub, EmbeddingCollection):
+            configs = sub.embedding_configs()
+        else:  # pragma: no cover - embedding_modules finds only these two
+            raise ExportError(f"{type(net).__name__}.{path}: {type(sub).__name__} has no quantized inference module.")
+        for config in configs:
+            features.update(dict.fromkeys(config.feature_names, int(config.num_embeddings)))
+            tables[config.name] = [int(config.num_embeddings), int(config.embedding_dim)]
+    return features, weighted, tables
+
+
+# FBGEMM packs a quantized row in 2-byte units (ncols x bits must be a multiple of 16).
+_ROW_MULTIPLE = {"int8": 2, "int4": 4}
+
+
+def check_row_width(tables: Dict[str, List[int]], table_dtype: str, name: str) -> None:
+    """Refuse (``ExportError``) tables whose width FBGEMM cannot store as ``table_dtype``, naming them and the dtypes
+    that would fit.
+
+    Example::
+
+        >>> check_row_width({"t_user": [10, 6]}, "int4", "Net")
+        Traceback (most recent call last):
+        ...
+        lightning_rec.errors.ExportError: Net: table(s) t_user (embedding_dim 6) cannot be stored as int4: FBGEMM's int4 rows need an embedding_dim that is a multiple of 4. HINT: --table-dtype int8 or fp16 or fp32.
+    """
+    multiple = _ROW_MULTIPLE.get(table_dtype)
+    odd = {t: dim for t, (_, dim) in tables.items() if multiple and dim % multiple}
+    if odd:
+        fits = [d for d, m in _ROW_MULTIPLE.items() if all(dim % m == 0 for dim in odd.values())]
+        raise ExportError(
+            f"{name}: table(s) {', '.join(f'{t} (embedding_dim {d})' for t, d in odd.items())} cannot be stored as "
+            f"{table_dtype}: FBGEMM's {table_dtype} rows need an embedding_dim that is a multiple of {multiple}. "
+            f"HINT: --table-dtype {' or '.join(fits + ['fp16', 'fp32'])}."
+        )
+
+
+def call_failed(module: nn.Module, net: nn.Module, dense: bool, err: Exception) -> str:
+    """Why the served network could not be called on a ``KeyedJaggedTensor`` (and a dense tensor), and what to do."""
+    call = "forward(dense_features, sparse_features: KeyedJaggedTensor)" if dense else "forward(sparse_features)"
+    hint = (
+        f"override `{type(module).__name__}.inference_module()` to return the nn.Module that serves, taking "
+        "`(dense_features, sparse_features: KeyedJaggedTensor)` or `(sparse_features: KeyedJaggedTensor)`"
+        if net is module
+        else f"the module `inference_module()` returns must take {call}"
+    )
+    return (
+        f"{type(net).__name__} cannot be served as {call}: calling it on a KeyedJaggedTensor"
+        f"{' and a dense tensor' if dense else ''} of two samples raised {type(err).__name__}: {err}. HINT: {hint}."
+    )
+
+
+def takes_dense(net: nn.Module) -> bool:
+    """Whether ``net.forward`` takes ``(dense_features, sparse_features)`` (``False``: ``(sparse_features)``);
+    other signatures, and the sparse features first when annotated so, are refused."""
+    params = [p for p in inspect.signature(net.forward).parameters.values() if p.default is inspect.Parameter.empty]
+    if len(params) not in (1, 2):
+        names = ", ".join(p.name for p in params)
+        raise ExportError(
+            f"{type(net).__name__}.forward({names}) cannot be served: it must take `(sparse_features)` or "
+            "`(dense_features, sparse_features)`, a KeyedJaggedTensor and a dense tensor."
+        )
+    if len(params) == 2 and "KeyedJaggedTensor" in str(params[0].annotation):
+        raise ExportError(
+            f"{type(net).__name__}.forward({params[0].name}, {params[1].name}) takes the KeyedJaggedTensor first; "
+            "the artifact calls forward(dense_features, sparse_features). HINT: swap the arguments, or return a "
+            "module that takes them in that order from `inference_module()`."
+        )
+    return len(params) == 2
+
+
+def num_dense(module: nn.Module, given: Optional[int], net: nn.Module, features: List[str], weighted: bool) -> int:
+    """The dense input's width: given, the module's ``num_dense_features`` hyperparameter, or read from the first
+    layer the dense input reaches (see :func:`_dense_width`)."""
+    width = given if given is not None else getattr(module, "hparams", {}).get("num_dense_features")
+    if width is None:
+        width = _dense_width(net, features, weighted)
+    if not isinstance(width, int) or width < 0:
+        raise ExportError(
+            f"{type(module).__name__}: the served network reads dense features, but their number is unknown (no "
+            "`num_dense_features` hyperparameter, and no Linear, BatchNorm1d or LayerNorm the dense input reaches "
+            "tells it). HINT: pass `num_dense_features=` (`--num-dense-features`); if its forward takes the "
+            "KeyedJaggedTensor first, swap the arguments: the artifact calls forward(dense_features, sparse_features)."
+        )
+    return width
+
+
+def _input_width(module: nn.Module) -> Optional[int]:
+    """The last-dimension width a layer takes, for the layers a dense input meets first."""
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if isinstance(module, nn.BatchNorm1d):
+        return module.num_features
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
+        return module.normalized_shape[0]
+    return None
+
+
+class _WidthFound(Exception):
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+
+def _dense_width(net: nn.Module, features: List[str], weighted: bool) -> Optional[int]:
+    """The dense width the first ``nn.Linear`` (or ``BatchNorm1d``, ``LayerNorm``) on the dense input's path implies:
+    the network is run (``torch.fx`` interpreter, on a copy) with a dense input of width 0, and the width that layer
+    takes minus the width it then receives is the dense width, whether the dense input reaches it alone
+    (``bottom(dense)``) or concatenated with other columns (``over(cat([kt.values(), dense], 1))``). The answer is
+    checked by running the network with it."""
+    from torchrec.fx import Tracer
+
+    serving = ServingWrapper(copy.deepcopy(net), features, dense=True)  # a copy: running it fills TorchRec's caches
+    try:
+        graph = Tracer(leaf_modules=KERNELS).trace(serving)
+    except Exception:  # the real trace, later, reports why
+        return None
+    reads_dense = {n for n in graph.nodes if n.op == "placeholder" and n.target == "dense_features"}
+    for node in graph.nodes:  # topological order: every node the dense input flows into
+        if any(arg in reads_dense for arg in node.all_input_nodes):
+            reads_dense.add(node)
+
+    class Probe(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            width = _input_width(self.fetch_attr(n.target)) if n.op == "call_module" and n in reads_dense else None
+            if width is not None:
+                args, _ = self.fetch_args_kwargs_from_env(n)
+                raise _WidthFound(width - args[0].shape[-1])
+            return super().run_node(n)
+
+    example = example_inputs(InferenceSpec(features, 0, weighted, "fp32", {}, ""))
+    try:
+        with torch.no_grad():
+            Probe(torch.fx.GraphModule(serving, graph)).run(*example)
+        return None  # no Linear on the dense path
+    except _WidthFound as found:
+        width = found.width
+    except Exception:
+        return None
+    try:
+        with torch.no_grad():
+            serving(torch.zeros(2, width), *example[1:])
+    except Exception:
+        return None
+    return width
