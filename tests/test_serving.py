@@ -549,3 +549,5 @@ def test_the_artifact_refuses_ids_outside_their_tables_and_malformed_lengths(tmp
             strict(dense, good, torch.tensor([1, 1, 1, 0]))
         with pytest.raises(Exception, match=r"lengths add up to 4 ids, but values holds 3"):
             strict(dense, good, torch.tensor([1, 2, 1]))
+        with pytest.raises(Exception, match=r"lengths holds a negative length"):
+            strict(dense, good, torch.tensor([2, -1, 2]))  # adds up to 3: only the sign tells

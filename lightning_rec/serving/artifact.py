@@ -55,8 +55,8 @@ class InferenceSpec:
 @torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact
 def check_inputs(values: Tensor, lengths: Tensor, features: List[str], rows: Tensor) -> Tensor:
     """Raise a ``ValueError`` naming the problem when ``values``/``lengths`` do not fit the artifact: a ``lengths``
-    that is not one entry per (feature, sample), lengths that do not add up to ``values``, or an id outside its
-    feature's table (``rows``: the table's rows per feature). Returns ``values``.
+    that is not one entry per (feature, sample), a negative length, lengths that do not add up to ``values``, or an
+    id outside its feature's table (``rows``: the table's rows per feature). Returns ``values``.
 
     Example::
 
@@ -71,6 +71,8 @@ def check_inputs(values: Tensor, lengths: Tensor, features: List[str], rows: Ten
             "lengths has {} entries; the artifact reads {} features and takes one length per (feature, sample), "
             "feature-major".format(lengths.numel(), num)
         )
+    if bool((lengths < 0).any()):
+        raise ValueError("lengths holds a negative length")
     counts = lengths.view(num, -1).sum(1)
     total = int(counts.sum())
     if total != values.numel():

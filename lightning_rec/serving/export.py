@@ -24,7 +24,6 @@ from lightning_rec.serving.network import (
     serving_network,
     takes_dense,
 )
-from lightning_rec.tables import embedding_modules
 
 __all__ = ["TableDtype", "export_inference"]
 
@@ -39,7 +38,7 @@ _DTYPES: Dict[str, torch.dtype] = {
 
 # The training strategy's policy names for FBGEMM's modes (an id outside its table).
 _BOUNDS_CHECK = {
-    "error": BoundsCheckMode.FATAL,
+    "error": BoundsCheckMode.NONE,  # check_inputs, compiled into the artifact, has already read every id and length
     "warn": BoundsCheckMode.WARNING,
     "ignore": BoundsCheckMode.IGNORE,
     "none": BoundsCheckMode.NONE,
@@ -76,8 +75,8 @@ def export_inference(
         init_args: arguments of the module's ``__init__`` the checkpoint did not save (no
             ``save_hyperparameters()``), or that override saved ones, as for ``load_from_checkpoint``.
         bounds_check: what the artifact does with an id outside its table: ``"error"`` (:func:`check_inputs` raises
-            a ``ValueError`` naming the feature, the id and the table's rows, and refuses malformed ``lengths``;
-            FBGEMM's ``BoundsCheckMode.FATAL`` behind it), ``"warn"``/``"ignore"`` (a too large id reads row 0,
+            a ``ValueError`` naming the feature, the id and the table's rows, and refuses malformed ``lengths``,
+            before the kernels run; they then skip their own check), ``"warn"``/``"ignore"`` (a too large id reads row 0,
             FBGEMM's default for inference kernels), ``"none"`` (no check). As the training strategy's
             ``bounds_check``.
 
@@ -105,8 +104,7 @@ def export_inference(
     cls = _model_class(model_class, safe_io.load_meta(path / layout.META_FILE, weights_only), path)
     module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
     net = serving_network(module, part)
-    collections = embedding_modules(net)
-    feature_rows, weighted, tables = network_features(net, collections)
+    feature_rows, weighted, tables = network_features(net)
     features = list(feature_rows)
     check_row_width(tables, table_dtype, type(net).__name__)
     dense = takes_dense(net)
@@ -126,7 +124,7 @@ def export_inference(
     serving = ServingWrapper(copy.deepcopy(net), features, dense, rows).eval()
     quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])
     for kernel in quantized.modules():
-        if type(kernel).__name__ in KERNELS:  # TorchScript keeps the attribute: the artifact checks its ids
+        if type(kernel).__name__ in KERNELS:  # TorchScript keeps the attribute in the artifact
             kernel.bounds_check_mode_int = _BOUNDS_CHECK[bounds_check].value
     example = example_inputs(spec)
     try:

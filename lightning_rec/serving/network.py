@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec import EmbeddingBagCollection
 
 from lightning_rec.errors import ExportError
 from lightning_rec.serving.artifact import InferenceSpec, ServingWrapper, example_inputs
@@ -48,21 +48,17 @@ def serving_network(module: nn.Module, part: Optional[str]) -> nn.Module:
     return net
 
 
-def network_features(
-    net: nn.Module, collections: Dict[str, nn.Module]
-) -> Tuple[Dict[str, int], bool, Dict[str, List[int]]]:
-    """Every feature the network's collections read (first-seen order) with its table's rows, whether any pools with
-    weights, and the tables' shapes."""
+def network_features(net: nn.Module) -> Tuple[Dict[str, int], bool, Dict[str, List[int]]]:
+    """Every feature the network's table collections read (first-seen order) with its table's rows, whether any
+    pools with weights, and the tables' shapes."""
     features: Dict[str, int] = {}
     tables: Dict[str, List[int]] = {}
     weighted = False
-    for path, sub in collections.items():
+    for sub in embedding_modules(net).values():  # EmbeddingBagCollection or EmbeddingCollection
         if isinstance(sub, EmbeddingBagCollection):
             configs, weighted = sub.embedding_bag_configs(), weighted or bool(sub.is_weighted())
-        elif isinstance(sub, EmbeddingCollection):
+        else:
             configs = sub.embedding_configs()
-        else:  # pragma: no cover - embedding_modules finds only these two
-            raise ExportError(f"{type(net).__name__}.{path}: {type(sub).__name__} has no quantized inference module.")
         for config in configs:
             features.update(dict.fromkeys(config.feature_names, int(config.num_embeddings)))
             tables[config.name] = [int(config.num_embeddings), int(config.embedding_dim)]
