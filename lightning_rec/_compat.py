@@ -150,3 +150,66 @@ def unwrap_optimizer(optimizer: object) -> object:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+# TorchRec: a managed-collision module (`ManagedCollisionEmbeddingBagCollection`/`...EmbeddingCollection`) keeps its
+# embedding collection and its `ManagedCollisionCollection` in underscore attributes, with no public accessor (the
+# feature-processed module has `split()`); the table configs, input checks and serving need both.
+def managed_collision_parts(module: object) -> "tuple":
+    """``(embedding collection, ManagedCollisionCollection, {table: its ManagedCollisionModule})`` of a
+    managed-collision embedding module."""
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+    if not isinstance(module, BaseManagedCollisionEmbeddingCollection):
+        raise TypeError(f"expected a managed-collision embedding module, got {type(module).__name__}")
+    collection = module._managed_collision_collection
+    return module._embedding_module, collection, dict(collection._managed_collision_modules.items())
+
+
+# TorchRec: an embedding sharder keeps its FBGEMM arguments in `_fused_params` (a feature-processed or
+# managed-collision sharder in the EBC/EC sharder it holds as `_ebc_sharder`/`_e_sharder`), read-only through the
+# `fused_params` property. The strategy must pass the fused optimizer derived from `configure_optimizers` into a
+# sharder the user passed in (TorchRec has no setter, and rebuilding the user's sharder would lose its other options).
+def _fused_params_holder(sharder: object) -> "Optional[object]":
+    from torchrec.distributed.embedding_types import BaseEmbeddingSharder
+    from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from torchrec.distributed.mc_embedding_modules import BaseManagedCollisionEmbeddingCollectionSharder
+
+    if isinstance(sharder, FeatureProcessedEmbeddingBagCollectionSharder):
+        return _fused_params_holder(_private(sharder, "_ebc_sharder"))
+    if isinstance(sharder, BaseManagedCollisionEmbeddingCollectionSharder):
+        return _fused_params_holder(_private(sharder, "_e_sharder"))
+    return sharder if isinstance(sharder, BaseEmbeddingSharder) else None
+
+
+def _private(obj: object, name: str) -> object:
+    if name not in vars(obj):
+        raise AttributeError(
+            f"{type(obj).__name__} has no attribute {name!r}: this TorchRec version keeps it elsewhere "
+            "(lightning_rec._compat must follow it)."
+        )
+    return vars(obj)[name]
+
+
+def sharder_fused_params(sharder: object) -> "Optional[dict]":
+    """The ``fused_params`` an embedding sharder sets (``{}`` for none), or ``None`` for another kind of sharder."""
+    holder = _fused_params_holder(sharder)
+    return None if holder is None else dict(_private(holder, "_fused_params") or {})  # type: ignore[call-overload]
+
+
+def with_sharder_fused_params(sharder: object, fused_params: dict) -> object:
+    """A copy of an embedding sharder whose tables get ``fused_params`` (the sharder itself is left as it was)."""
+    import copy
+
+    from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from torchrec.distributed.mc_embedding_modules import BaseManagedCollisionEmbeddingCollectionSharder
+
+    out = copy.copy(sharder)
+    if isinstance(sharder, FeatureProcessedEmbeddingBagCollectionSharder):
+        out._ebc_sharder = with_sharder_fused_params(_private(sharder, "_ebc_sharder"), fused_params)  # type: ignore[attr-defined]
+    elif isinstance(sharder, BaseManagedCollisionEmbeddingCollectionSharder):
+        out._e_sharder = with_sharder_fused_params(_private(sharder, "_e_sharder"), fused_params)  # type: ignore[attr-defined]
+    else:
+        _private(sharder, "_fused_params")
+        out._fused_params = dict(fused_params)  # type: ignore[attr-defined]
+    return out

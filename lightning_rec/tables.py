@@ -1,9 +1,12 @@
 """Which submodules of a model hold embedding tables that get sharded: the one place this is decided.
 
 A pure function of the module tree, below the machinery that shards them: the planner, the input checks, the
-unsharded view, the pretrained rows and the strategy all ask it. TorchRec's ``EmbeddingBagCollection`` and
-``EmbeddingCollection`` are sharded, plus the module type of any extra sharder given to the strategy; of nested
-matches only the outermost is.
+unsharded view, the pretrained rows and the strategy all ask it. Every TorchRec embedding module that trains is
+sharded (:data:`TABLE_MODULE_TYPES`: ``EmbeddingBagCollection``, ``EmbeddingCollection``, the position-weighted
+``FeatureProcessedEmbeddingBagCollection`` and the managed-collision ``ManagedCollisionEmbeddingBagCollection`` /
+``ManagedCollisionEmbeddingCollection``), plus the module type of any extra sharder given to the strategy; of
+nested matches only the outermost is (a managed-collision module's inner ``EmbeddingBagCollection`` is sharded with
+it, not apart).
 
 Example::
 
@@ -18,17 +21,74 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple, Type
+from typing import Dict, List, Optional, Sequence, Tuple, Type, Union
 
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.types import ShardedModule
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+from torchrec.modules.mc_embedding_modules import (
+    BaseManagedCollisionEmbeddingCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 
-__all__ = ["TABLE_MODULE_TYPES", "embedding_modules", "embedding_tables", "is_sharded", "sharded_module_types"]
+from lightning_rec import _compat
 
-# The module types sharded without any extra sharder.
-TABLE_MODULE_TYPES: Tuple[Type[nn.Module], ...] = (EmbeddingBagCollection, EmbeddingCollection)
+__all__ = [
+    "TABLE_MODULE_TYPES",
+    "embedding_modules",
+    "embedding_tables",
+    "inner_collection",
+    "is_sharded",
+    "sharded_module_types",
+    "table_configs",
+]
+
+# The module types sharded without any extra sharder (each has a built-in sharder: lightning_rec.strategy.sharding).
+TABLE_MODULE_TYPES: Tuple[Type[nn.Module], ...] = (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    FeatureProcessedEmbeddingBagCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
+
+
+def inner_collection(module: nn.Module) -> Optional[Union[EmbeddingBagCollection, EmbeddingCollection]]:
+    """The ``EmbeddingBagCollection``/``EmbeddingCollection`` that holds ``module``'s tables: the module itself, the
+    one a feature processor or a managed-collision collection sits in front of, or ``None`` (another module).
+
+    Example::
+
+        >>> import torch
+        >>> from torchrec import EmbeddingBagConfig
+        >>> ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+        ...     feature_names=["f"])], device=torch.device("meta"))
+        >>> inner_collection(ebc) is ebc
+        True
+    """
+    if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
+        return module
+    if isinstance(module, FeatureProcessedEmbeddingBagCollection):
+        return module.split()[1]
+    if isinstance(module, BaseManagedCollisionEmbeddingCollection):
+        return _compat.managed_collision_parts(module)[0]
+    return None
+
+
+def table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
+    """The table configs of an embedding module (see :func:`inner_collection`); a custom sharder's module is asked
+    for ``embedding_bag_configs()`` or ``embedding_configs()``, and has none if it answers to neither."""
+    inner = inner_collection(module) or module
+    if isinstance(inner, EmbeddingBagCollection) or (
+        not isinstance(inner, EmbeddingCollection) and callable(getattr(inner, "embedding_bag_configs", None))
+    ):
+        return list(inner.embedding_bag_configs())  # type: ignore[operator]
+    if callable(getattr(inner, "embedding_configs", None)):
+        return list(inner.embedding_configs())  # type: ignore[operator]
+    return []
 
 
 def sharded_module_types(sharders: Sequence[object] = ()) -> Tuple[Type[nn.Module], ...]:
@@ -65,8 +125,7 @@ def embedding_tables(
     tables: Dict[str, BaseEmbeddingConfig] = {}
     owners: Dict[str, str] = {}
     for path, sub in embedding_modules(module, module_types).items():
-        configs = sub.embedding_bag_configs() if hasattr(sub, "embedding_bag_configs") else sub.embedding_configs()
-        for config in configs:
+        for config in table_configs(sub):
             if config.name in tables:
                 raise ValueError(
                     f"Table name {config.name!r} is used by both {owners[config.name]!r} and {path!r}. "

@@ -176,6 +176,7 @@ class InputChecks:
         self._trusted: "OrderedDict[int, _Trusted]" = OrderedDict()
         self._pending: Deque[_PendingLoss] = deque()
         self.door_reads = 0  # KJTs whose contents were read at a module's door (not checked on the host)
+        self._named_unread: set = set()  # (path, features) already warned about
 
     @contextlib.contextmanager
     def ahead(self, batches: int = 1) -> Iterator[None]:
@@ -246,7 +247,21 @@ class InputChecks:
                 features = check_on_host(kjt, self.tables, check_ids=self.check_ids, where=self.where)
                 if features:
                     checked.append((path, kjt, features))
+                    self._name_unread(path, kjt.keys())
         return checked
+
+    def _name_unread(self, path: str, keys: List[str]) -> None:
+        """Warn once about features of a table input that no sharded module reads: allowed (each module reads its
+        own features, as in TorchRec), but often a typo or a table left out of the model."""
+        unread = tuple(k for k in keys if k not in self.tables.features)
+        if unread and (path, unread) not in self._named_unread:
+            self._named_unread.add((path, unread))
+            warnings.warn(
+                f"{path} carries feature(s) {list(unread)} that no embedding table of the model reads; they are "
+                f"ignored (the tables read {sorted(self.tables.features)}). HINT: check the feature names of the "
+                "EmbeddingBagConfig/EmbeddingConfig, or leave these features out of the batch.",
+                stacklevel=2,
+            )
 
     def trust(self, checked: HostChecked, device_batch: Any) -> None:
         """Let the doors skip reading the contents of ``device_batch``'s KJTs that :meth:`check_host` checked (the
@@ -270,7 +285,7 @@ class InputChecks:
     def at_door(self, features: Any, spec: ModuleInputs) -> KeyedJaggedTensor:
         """Check what a sharded module is given (its contents only if the host did not check them)."""
         trusted = self._trusted_features(features)
-        data = trusted is None or not trusted.issuperset(features.keys())
+        data = trusted is None or not trusted.issuperset(spec.features)
         self.door_reads += data
         return check_features(features, spec, check_ids=self.check_ids, where=self.where, data=data)
 

@@ -38,6 +38,15 @@ _HINT_IDS = (
     "HINT: hash or bucketize raw ids into [0, num_embeddings) in the data pipeline (e.g. `id % num_embeddings`), "
     "or enlarge the table; `RecShardStrategy(bounds_check='warn')` restores TorchRec's default (bad ids read row 0)."
 )
+_HINT_RAW_IDS = (
+    "HINT: a managed-collision module remaps raw ids from [0, input_hash_size) into its table (sharded, each rank "
+    "owns a slice of that space); hash larger ids into it in the data pipeline, or give the managed-collision "
+    "module a larger `input_hash_size`."
+)
+
+
+def _ids_hint(description: str) -> str:
+    return _HINT_RAW_IDS if "managed collision" in description else _HINT_IDS
 
 
 def check_features(
@@ -50,13 +59,15 @@ def check_features(
 ) -> KeyedJaggedTensor:
     """Check a ``KeyedJaggedTensor`` against what ``spec``'s module expects; return it in the module's feature order.
 
-    Checked, in this order, each failure an :class:`InputError`: it is a KJT; its keys are unique and are
-    exactly the module's features (none missing, none unknown); values are 1-D ``int32``/``int64`` ids; lengths
+    Checked, in this order, each failure an :class:`InputError`: it is a KJT; its keys are unique and include every
+    one of the module's features (a batch may carry features other modules read: as in TorchRec, a module reads its
+    own and ignores the rest); values are 1-D ``int32``/``int64`` ids; lengths
     (or offsets) are 1-D integers, one per sample and feature, non-negative, adding up to the number of values;
     the batch has at least one sample; a weighted module's weights are floating, one per id and finite (an
     unweighted module gets none); with ``check_ids``, every id lies in ``[0, num_embeddings)`` of its feature's
-    table. Features in another order than the module's are put in its order (TorchRec would otherwise pair them
-    with the wrong tables).
+    table. Features in another order than the module's, or beside other modules' features, are put in its order
+    and only its features are passed on (a sharded module freezes the key order of its first batch and would
+    otherwise pair later batches' features with the wrong tables).
 
     Args:
         kjt: what the module was given.
@@ -69,7 +80,7 @@ def check_features(
             (its features and weights against the module's) reads no tensor, so it never waits for the device.
 
     Returns:
-        ``kjt``, or a permuted copy in the module's feature order.
+        ``kjt``, or a permuted copy holding the module's features in its order.
 
     Reading the contents of a device tensor makes the host wait for the device (one wait per call, all
     contents fetched at once); :class:`~lightning_rec.inputs.InputChecks` therefore checks contents on the host
@@ -92,7 +103,7 @@ def check_features(
     if data:
         form = _check_form(kjt, keys, fail)
         _check_weights_presence(form.weights, spec.weighted, fail)
-        rows = {key: spec.tables[key][1] for key in keys} if check_ids else {}
+        rows = {key: spec.tables[key][1] for key in keys if key in spec.tables} if check_ids else {}
         _check_contents(form, rows, spec.describe, fail, on_host=False)
     else:  # check_on_host checked its form and contents: what is left depends on the module
         _check_weights_presence(kjt.weights_or_none(), spec.weighted, fail)
@@ -135,23 +146,20 @@ def check_on_host(
 
 def _check_keys(keys: List[str], spec: ModuleInputs, fail: Callable[[str], InputError]) -> None:
     if len(keys) == len(spec.features) and spec.tables.keys() == set(keys):
-        return  # exactly the module's features, each once (the check of every step)
+        return  # exactly the module's features, each once (the check of most steps)
     duplicated = sorted({k for k in keys if keys.count(k) > 1})
     missing = [f for f in spec.features if f not in keys]
-    unknown = [k for k in dict.fromkeys(keys) if k not in spec.tables]
     problems = []
     if missing:
         problems.append(
             f"lacks feature(s) {missing} (" + ", ".join(f"table {spec.tables[f][0]!r}" for f in missing) + ")"
         )
-    if unknown:
-        problems.append(f"has feature(s) {unknown} that no table of this module reads")
     if duplicated:
         problems.append(f"has duplicated feature(s) {duplicated}")
     if problems:
         raise fail(
-            f"the KeyedJaggedTensor {' and '.join(problems)}; it has {keys}, the module expects {list(spec.features)}. "
-            "HINT: give each embedding module exactly its own features (e.g. `kjt.split([...])`, or "
+            f"the KeyedJaggedTensor {' and '.join(problems)}; it has {keys}, the module reads {list(spec.features)}. "
+            "HINT: give each embedding module a KeyedJaggedTensor with every feature it reads, each once (e.g. "
             "`KeyedJaggedTensor.from_lengths_sync(keys=[...], ...)` with the module's feature names)."
         )
 
@@ -250,9 +258,13 @@ def _samples_per_key(
     return [stride] * len(keys)
 
 
-def _check_weights_presence(weights: Optional[torch.Tensor], weighted: bool, fail: Callable[[str], InputError]) -> None:
+def _check_weights_presence(
+    weights: Optional[torch.Tensor], weighted: Optional[bool], fail: Callable[[str], InputError]
+) -> None:
     """A weighted module needs per-id weights. An unweighted one must get none: sharded TorchRec would apply them
     (the unsharded module ignores them), silently training something else than the model says."""
+    if weighted is None:
+        return  # the module makes its own weights (feature processors)
     if weights is None and weighted:
         raise fail("its tables are weighted (is_weighted=True) but the KeyedJaggedTensor carries no weights.")
     if weights is not None and not weighted:
@@ -424,7 +436,7 @@ def _check_id_ranges(
         sample = _sample_of_id(form.lengths, form.per_key, keys.index(key), first)
         raise fail(
             f"{describe(key)} has {bad.numel()} id(s) outside [0, {limit}): {int(ids[first])} (sample {sample})"
-            f"{'' if bad.numel() == 1 else f', min {low}, max {high}'}. {_HINT_IDS}"
+            f"{'' if bad.numel() == 1 else f', min {low}, max {high}'}. {_ids_hint(describe(key))}"
         )
 
 

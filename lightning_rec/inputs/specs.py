@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec import EmbeddingBagCollection
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
-from lightning_rec.tables import TABLE_MODULE_TYPES, embedding_modules
+from lightning_rec import _compat
+from lightning_rec.tables import TABLE_MODULE_TYPES, embedding_modules, inner_collection, table_configs
 
 __all__ = ["FeatureTable", "FeatureTables", "ModuleInputs", "input_specs"]
 
@@ -28,8 +31,11 @@ class ModuleInputs:
     Args:
         path: the module's path in the LightningModule (for messages), e.g. ``"sparse_arch.ebc"``.
         features: its feature names, in the order of its table configs (the order it is given in).
-        tables: per feature, the table name and its number of rows.
-        weighted: whether its tables pool with per-id weights (``is_weighted``), so the KJT must carry them.
+        tables: per feature, the table name and the ids it takes: its number of rows, or for a managed-collision
+            module (``raw_ids``) the size of the raw id space (``input_hash_size``) its collision module remaps.
+        weighted: whether its tables pool with per-id weights (``is_weighted``), so the KJT must carry them;
+            ``None``: it may carry them or not (a feature-processed module makes its own weights).
+        raw_ids: the module takes raw ids and remaps them to rows itself (managed collision).
 
     Example::
 
@@ -44,37 +50,45 @@ class ModuleInputs:
     path: str
     features: Tuple[str, ...]
     tables: Mapping[str, Tuple[str, int]]
-    weighted: bool = False
+    weighted: Optional[bool] = False
+    raw_ids: bool = False
 
     @classmethod
     def of(cls, path: str, module: nn.Module) -> Optional["ModuleInputs"]:
-        """The inputs of an ``EmbeddingBagCollection``/``EmbeddingCollection`` (``None`` for other modules,
-        e.g. a custom sharder's, whose inputs this package does not know)."""
-        if isinstance(module, EmbeddingBagCollection):
-            configs, weighted = module.embedding_bag_configs(), bool(module.is_weighted())
-        elif isinstance(module, EmbeddingCollection):
-            configs, weighted = module.embedding_configs(), False
-        else:
+        """The inputs of a TorchRec embedding module (see :data:`lightning_rec.tables.TABLE_MODULE_TYPES`; ``None``
+        for other modules, e.g. a custom sharder's, whose inputs this package does not know)."""
+        inner = inner_collection(module)
+        if inner is None:
             return None
+        sizes = {config.name: int(config.num_embeddings) for config in table_configs(module)}
+        weighted: Optional[bool] = isinstance(inner, EmbeddingBagCollection) and bool(inner.is_weighted())
+        raw_ids = isinstance(module, BaseManagedCollisionEmbeddingCollection)
+        if isinstance(module, FeatureProcessedEmbeddingBagCollection):
+            weighted = None  # its feature processors compute the weights its tables pool with
+        elif raw_ids:  # ids are remapped into the table by the module: bounded by the space it remaps from
+            sizes = {table: int(mc.input_size()) for table, mc in _compat.managed_collision_parts(module)[2].items()}
         tables: Dict[str, Tuple[str, int]] = {}
-        for config in configs:
+        for config in table_configs(module):
             for feature in config.feature_names:
-                tables.setdefault(feature, (config.name, int(config.num_embeddings)))
-        return cls(path=path, features=tuple(tables), tables=tables, weighted=weighted)
+                tables.setdefault(feature, (config.name, sizes[config.name]))
+        return cls(path=path, features=tuple(tables), tables=tables, weighted=weighted, raw_ids=raw_ids)
 
     def describe(self, feature: str) -> str:
-        """``"feature 'user' (table 't_user', 60 rows)"``, for messages."""
+        """``"feature 'user' (table 't_user', 60 rows)"``, for messages (a managed-collision table's raw ids:
+        ``"feature 'user' (table 't_user', raw ids below input_hash_size 1024)"``)."""
         table, rows = self.tables[feature]
-        return f"feature {feature!r} (table {table!r}, {rows} rows)"
+        return _describe(feature, table, rows, self.raw_ids)
 
 
 @dataclass(frozen=True)
 class FeatureTable:
-    """Where one feature's ids go: the module, its table and the table's number of rows."""
+    """Where one feature's ids go: the module, its table and the table's number of rows (``raw``: the size of the
+    raw id space a managed-collision module remaps into the table)."""
 
     module: str
     table: str
     rows: int
+    raw: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,8 +114,8 @@ class FeatureTables:
         ambiguous = set()
         for spec in specs.values():
             for feature, (table, rows) in spec.tables.items():
-                seen = features.setdefault(feature, FeatureTable(spec.path, table, rows))
-                if seen.rows != rows:
+                seen = features.setdefault(feature, FeatureTable(spec.path, table, rows, spec.raw_ids))
+                if seen.rows != rows or seen.raw != spec.raw_ids:
                     ambiguous.add(feature)
         return cls(features, frozenset(ambiguous))
 
@@ -113,7 +127,13 @@ class FeatureTables:
     def describe(self, feature: str) -> str:
         """``"feature 'user' (table 't_user', 60 rows)"``, for messages."""
         entry = self.features[feature]
-        return f"feature {feature!r} (table {entry.table!r}, {entry.rows} rows)"
+        return _describe(feature, entry.table, entry.rows, entry.raw)
+
+
+def _describe(feature: str, table: str, rows: int, raw: bool) -> str:
+    if raw:
+        return f"feature {feature!r} (table {table!r}, managed collision: raw ids below input_hash_size {rows})"
+    return f"feature {feature!r} (table {table!r}, {rows} rows)"
 
 
 def input_specs(module: nn.Module, module_types: Sequence[type] = TABLE_MODULE_TYPES) -> Dict[str, ModuleInputs]:

@@ -5,7 +5,7 @@ parameters and DMP's inner DDP, and the forward redirection that manual optimiza
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, Type
 
 import lightning.pytorch as pl
 import torch
@@ -19,7 +19,7 @@ from lightning_rec import _compat
 from lightning_rec.inputs.kjt import ModuleInputs
 from lightning_rec.strategy.optim import EmbeddingOptimizer, is_fused_parameter
 from lightning_rec.strategy.plan_report import PlanReport
-from lightning_rec.strategy.sharding import embedding_modules
+from lightning_rec.tables import embedding_modules, inner_collection
 from lightning_rec.strategy.unsharded import capture_weights, output_orders, restore_output_order, restore_weights
 
 _SHARDED_STATE_ATTR = "_lightning_rec_sharded"
@@ -37,6 +37,8 @@ class ShardedState:
         report: the sharding-plan report built when it was sharded.
         inputs: what each sharded embedding module expects of its input, by module path (what the input checks
             of :mod:`lightning_rec.inputs` compare batches with; the sharded modules no longer expose their configs).
+        dense_ids: the ``id`` of each dense parameter inside an embedding module (a feature processor's position
+            weights): trained by the dense optimizer, not the tables'.
     """
 
     dmp: DistributedModelParallel
@@ -44,6 +46,13 @@ class ShardedState:
     embedding_optimizer: EmbeddingOptimizer
     report: Optional[PlanReport] = None
     inputs: Dict[str, ModuleInputs] = field(default_factory=dict)
+    dense_ids: FrozenSet[int] = frozenset()
+
+
+def dense_parameter_ids(modules: Sequence[nn.Module]) -> FrozenSet[int]:
+    """The parameters of embedding ``modules`` that are no table's (a feature processor's position weights)."""
+    tables = {id(p) for m in modules for p in (inner_collection(m) or m).parameters()}
+    return frozenset(id(p) for m in modules for p in m.parameters() if id(p) not in tables)
 
 
 def sharded_state(module: Optional[nn.Module]) -> Optional[ShardedState]:
@@ -74,13 +83,15 @@ def dense_ddp(model: Optional[nn.Module]) -> Optional[DistributedDataParallel]:
     return inner if isinstance(inner, DistributedDataParallel) else None
 
 
-def table_parameters(module: nn.Module, plan: ShardingPlan) -> List[Tuple[str, nn.Parameter]]:
-    """Parameters (by FQN) of the modules ``plan`` sharded."""
+def table_parameters(
+    module: nn.Module, plan: ShardingPlan, dense_ids: FrozenSet[int] = frozenset()
+) -> List[Tuple[str, nn.Parameter]]:
+    """Parameters (by FQN) of the tables of the modules ``plan`` sharded (``dense_ids``: their other parameters)."""
     paths = tuple(plan.plan)
     return [
         (n, p)
         for n, p in module.named_parameters()
-        if any(n.startswith(f"{path}.") if path else True for path in paths)
+        if any(n.startswith(f"{path}.") if path else True for path in paths) and id(p) not in dense_ids
     ]
 
 
@@ -244,6 +255,7 @@ def shard_module(
     :func:`sharded_state`)."""
     held = capture_weights(module, module_types)
     orders = output_orders(module, module_types)
+    dense_ids = dense_parameter_ids(list(embedding_modules(module, module_types).values()))
     dmp = shard_with_dmp(
         module,
         plan,
@@ -258,7 +270,12 @@ def shard_module(
     del held  # the unsharded tables can be freed now
     restore_output_order(dmp.module, orders)
     state = ShardedState(
-        dmp=dmp, plan=plan, embedding_optimizer=embedding_optimizer, report=report, inputs=dict(inputs or {})
+        dmp=dmp,
+        plan=plan,
+        embedding_optimizer=embedding_optimizer,
+        report=report,
+        inputs=dict(inputs or {}),
+        dense_ids=dense_ids,
     )
     # A plain attribute (not a submodule): the module stays the root of its own state_dict.
     object.__setattr__(module, _SHARDED_STATE_ATTR, state)
@@ -278,14 +295,15 @@ def prepare_for_optimizers(
     """
     if state is None:
         emb_modules = list(embedding_modules(module, module_types).values())
-        ids = {id(p) for m in emb_modules for p in m.parameters()}
+        dense = dense_parameter_ids(emb_modules)
+        ids = {id(p) for m in emb_modules for p in m.parameters() if id(p) not in dense}
         materialize_dense(module, device, skip=emb_modules)
     else:  # already sharded (e.g. validate, then fit)
-        ids = {id(p) for _, p in table_parameters(module, state.plan)}
+        ids = {id(p) for _, p in table_parameters(module, state.plan, state.dense_ids)}
     return lambda p: id(p) in ids or is_fused_parameter(p)
 
 
-def unfused_table_parameters(module: nn.Module, plan: ShardingPlan) -> Dict[str, nn.Parameter]:
+def unfused_table_parameters(module: nn.Module, state: ShardedState) -> Dict[str, nn.Parameter]:
     """Table parameters that no fused optimizer owns (TorchRec keeps ``data_parallel`` tables on a dense
     kernel on CPU); they got new parameters when sharded and need an optimizer of their own."""
-    return {n: p for n, p in table_parameters(module, plan) if not is_fused_parameter(p)}
+    return {n: p for n, p in table_parameters(module, state.plan, state.dense_ids) if not is_fused_parameter(p)}

@@ -382,7 +382,7 @@ class RecShardStrategy(ParallelStrategy):
                 named_parameters=dict(module.named_parameters()),
                 is_embedding=is_embedding,
                 lr_source=lr_source,
-                table_params=unfused_table_parameters(module, state.plan),
+                table_params=unfused_table_parameters(module, state),
                 embedding_optimizer=state.embedding_optimizer,
             )
             self.lr_scheduler_configs = lr_scheduler_configs

@@ -136,7 +136,9 @@ class TableSharder:
     ) -> ShardedState:
         """Plan (rank 0, broadcast; or this configuration's ``plan``), log the plan, and shard ``module`` in place
         with DMP (see :func:`lightning_rec.strategy.dmp.shard_module`)."""
-        sharders = make_sharders({**embedding_optimizer.to_fused_params(), **self.fused_params}, self.sharders)
+        sharders = make_sharders(
+            {**embedding_optimizer.to_fused_params(), **self.fused_params}, self.sharders, owner=self.owner
+        )
         pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
         plan, options = self.plan, None
         local_world_size = (self.topology or TopologyConfig()).ranks_per_host(num_processes)

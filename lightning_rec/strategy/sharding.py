@@ -7,7 +7,7 @@ resulting plan as a table people can read is :mod:`lightning_rec.strategy.plan_r
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch.distributed as dist
 from torch import nn
@@ -18,6 +18,11 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
 
 from lightning_rec import _compat
@@ -29,24 +34,76 @@ from lightning_rec.strategy.plan_report import format_rows as format_rows, plan_
 from lightning_rec.tables import embedding_modules as embedding_modules  # re-exported: the old path
 from lightning_rec.tables import embedding_tables
 
-# What TorchRec can shard on each device (ROW_WISE/TABLE_ROW_WISE/GRID_SHARD need CUDA kernels).
+# What TorchRec can shard on each device. TorchRec's sharders list ROW_WISE/TABLE_ROW_WISE for CUDA only, yet they
+# run over gloo on CPU and train exactly like the unsharded module (tests/strategy/test_torchrec_models.py): the
+# built-in sharders below offer them on CPU too. GRID_SHARD stays CUDA-only (see _CUDA_ONLY_SHARDING_TYPES).
 _CPU_SHARDING_TYPES = (
     ShardingType.TABLE_WISE.value,
     ShardingType.COLUMN_WISE.value,
     ShardingType.TABLE_COLUMN_WISE.value,
     ShardingType.DATA_PARALLEL.value,
-)
-_CUDA_SHARDING_TYPES = _CPU_SHARDING_TYPES + (
     ShardingType.ROW_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
-    ShardingType.GRID_SHARD.value,
 )
+_CUDA_ONLY_SHARDING_TYPES = (ShardingType.GRID_SHARD.value,)
+_CUDA_SHARDING_TYPES = _CPU_SHARDING_TYPES + _CUDA_ONLY_SHARDING_TYPES
 # Kernels that train (the quantised ones are inference-only); UVM kernels need CUDA.
 _CPU_KERNELS = (EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value)
 _CUDA_KERNELS = _CPU_KERNELS + (
     EmbeddingComputeKernel.FUSED_UVM.value,
     EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
 )
+# The fused_params keys that describe the embedding optimizer (EmbeddingOptimizer.to_fused_params writes them).
+_OPTIMIZER_KEYS = ("optimizer", "learning_rate", "eps", "beta1", "beta2", "weight_decay", "weight_decay_mode")
+
+
+def _offered(types_for: Callable[[str], List[str]], compute_device_type: str) -> List[str]:
+    """A TorchRec sharder's sharding types, plus on CPU those it lists for CUDA only that run on CPU too."""
+    types = list(types_for(compute_device_type))
+    if compute_device_type == "cpu":
+        types += [t for t in types_for("cuda") if t in _CPU_SHARDING_TYPES and t not in types]
+    return types
+
+
+class EBCSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's ``EmbeddingBagCollectionSharder``, offering ``row_wise`` and ``table_row_wise`` on CPU too
+    (TorchRec lists them for CUDA only; over gloo they train exactly like the unsharded module).
+
+    Example::
+
+        sharder = EBCSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
+        "row_wise" in sharder.sharding_types("cpu")   # True
+    """
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:  # noqa: D102
+        return _offered(super().sharding_types, compute_device_type)
+
+
+class ECSharder(EmbeddingCollectionSharder):
+    """TorchRec's ``EmbeddingCollectionSharder``, offering ``row_wise`` and ``table_row_wise`` on CPU too (see
+    :class:`EBCSharder`)."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:  # noqa: D102
+        return _offered(super().sharding_types, compute_device_type)
+
+
+class _FusedKernelOnCpu:
+    """A managed-collision sharder lists FBGEMM's UVM and key-value kernels on every device; on CPU only ``fused``
+    runs (TorchRec's CPU planner otherwise picks ``fused_uvm``)."""
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:  # noqa: D102
+        kernels = super().compute_kernels(sharding_type, compute_device_type)  # type: ignore[misc]
+        return kernels if compute_device_type == "cuda" else [k for k in kernels if k in _CPU_KERNELS]
+
+
+class MCEBCSharder(_FusedKernelOnCpu, ManagedCollisionEmbeddingBagCollectionSharder):
+    """TorchRec's ``ManagedCollisionEmbeddingBagCollectionSharder`` (row-wise tables, the raw id space split across
+    ranks with them), with the fused kernel on CPU; its tables go through ``ebc_sharder`` (default
+    :class:`EBCSharder`, which admits row-wise on CPU)."""
+
+
+class MCECSharder(_FusedKernelOnCpu, ManagedCollisionEmbeddingCollectionSharder):
+    """TorchRec's ``ManagedCollisionEmbeddingCollectionSharder``, as :class:`MCEBCSharder` for unpooled tables."""
 
 
 def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[str, ...]:
@@ -60,7 +117,7 @@ def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[
     Example::
 
         >>> supported_sharding_types("cpu")
-        ('table_wise', 'column_wise', 'table_column_wise', 'data_parallel')
+        ('table_wise', 'column_wise', 'table_column_wise', 'data_parallel', 'row_wise', 'table_row_wise')
     """
     types = _CUDA_SHARDING_TYPES if device_type == "cuda" else _CPU_SHARDING_TYPES
     if sequence and device_type != "cuda":
@@ -107,13 +164,15 @@ def validate_constraints(
 
 def default_constraints(tables: Mapping[str, BaseEmbeddingConfig], device_type: str) -> Dict[str, TableConstraints]:
     """Constraints that keep the planner to what ``device_type`` can run (TorchRec's planner would otherwise
-    propose CUDA-only row-wise shardings on a CPU job)."""
-    return {
-        name: TableConstraints(
-            sharding_types=list(supported_sharding_types(device_type, isinstance(c, EmbeddingConfig)))
-        )
-        for name, c in tables.items()
-    }
+    propose CUDA-only shardings on a CPU job). A table whose width is not a multiple of 4 is kept data-parallel where
+    it can be: TorchRec's fused kernels refuse it (``local_cols`` not divisible by 4), the dense one takes it."""
+    constraints = {}
+    for name, config in tables.items():
+        types = supported_sharding_types(device_type, isinstance(config, EmbeddingConfig))
+        if config.embedding_dim % 4:
+            types = tuple(t for t in types if t == ShardingType.DATA_PARALLEL.value) or types
+        constraints[name] = TableConstraints(sharding_types=list(types))
+    return constraints
 
 
 def make_planner(
@@ -165,18 +224,57 @@ def plan_sharding(
 
 
 def make_sharders(
-    fused_params: Mapping[str, object], extra: Sequence[ModuleSharder[nn.Module]] = ()
+    fused_params: Mapping[str, Any], extra: Sequence[ModuleSharder[nn.Module]] = (), owner: str = "RecShardStrategy"
 ) -> List[ModuleSharder[nn.Module]]:
-    """TorchRec's EBC and EC sharders with ``fused_params``; an ``extra`` sharder replaces the one for its type."""
-    by_type: Dict[type, ModuleSharder[nn.Module]] = {
-        s.module_type: s
-        for s in (
-            EmbeddingBagCollectionSharder(fused_params=dict(fused_params)),
-            EmbeddingCollectionSharder(fused_params=dict(fused_params)),
-        )
-    }
-    by_type.update({s.module_type: s for s in extra})
+    """A sharder for every TorchRec embedding module that trains, each with ``fused_params`` (the fused optimizer
+    and FBGEMM's arguments).
+
+    The built-in ones are :class:`EBCSharder`, :class:`ECSharder`, TorchRec's
+    ``FeatureProcessedEmbeddingBagCollectionSharder`` (position-weighted tables) and :class:`MCEBCSharder` /
+    :class:`MCECSharder` (managed collision). A sharder in ``extra`` replaces the built-in one for its module type,
+    and an ``extra`` EBC/EC sharder is also what the feature-processed and managed-collision sharders shard their
+    tables with. An ``extra`` embedding sharder keeps every ``fused_params`` entry it sets and gets the others from
+    ``fused_params``: the fused optimizer derived from ``configure_optimizers`` reaches it too (it is a copy: the
+    user's sharder is left as it was).
+
+    Raises:
+        ValueError: if an ``extra`` sharder sets an optimizer entry (``optimizer``, ``learning_rate``, ...) that
+            differs from the one ``fused_params`` derives, naming both.
+    """
+    fused = dict(fused_params)
+    given = {s.module_type: _with_fused_params(s, fused, owner) for s in extra}
+    ebc = given.get(EmbeddingBagCollection) or EBCSharder(fused_params=dict(fused))
+    ec = given.get(EmbeddingCollection) or ECSharder(fused_params=dict(fused))
+    built_in: List[ModuleSharder[nn.Module]] = [
+        ebc,
+        ec,
+        FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc),  # type: ignore[arg-type]
+        MCEBCSharder(ebc_sharder=ebc, mc_sharder=ManagedCollisionCollectionSharder()),  # type: ignore[arg-type]
+        MCECSharder(ec_sharder=ec, mc_sharder=ManagedCollisionCollectionSharder()),  # type: ignore[arg-type]
+    ]
+    by_type: Dict[type, ModuleSharder[nn.Module]] = {s.module_type: s for s in built_in}
+    by_type.update(given)
     return list(by_type.values())
+
+
+def _with_fused_params(
+    sharder: ModuleSharder[nn.Module], fused: Mapping[str, Any], owner: str
+) -> ModuleSharder[nn.Module]:
+    own = _compat.sharder_fused_params(sharder)
+    if own is None:
+        return sharder  # not an embedding sharder: nothing of ours to pass in
+    conflicts = [k for k in _OPTIMIZER_KEYS if k in own and k in fused and own[k] != fused[k]]
+    if conflicts:
+        raise ValueError(
+            f"{owner}: the sharder {type(sharder).__name__} sets the embedding optimizer "
+            + ", ".join(f"{k}={own[k]!r}" for k in conflicts)
+            + " in its fused_params, but the optimizer derived from `configure_optimizers` (or "
+            "`configure_embedding_optimizer`) has "
+            + ", ".join(f"{k}={fused[k]!r}" for k in conflicts)
+            + ": the tables would not be trained the way the module says. HINT: leave the optimizer out of the "
+            "sharder's fused_params (the strategy passes it in), or declare the same one in the module."
+        )
+    return _compat.with_sharder_fused_params(sharder, {**fused, **own})
 
 
 def plan_module(

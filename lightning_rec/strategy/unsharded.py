@@ -38,12 +38,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from fbgemm_gpu.permute_pooled_embedding_modules import PermutePooledEmbeddings
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from lightning_rec import _compat
-from lightning_rec.tables import TABLE_MODULE_TYPES, embedding_modules
+from lightning_rec.tables import TABLE_MODULE_TYPES, embedding_modules, inner_collection, table_configs
 
 __all__ = ["capture_weights", "output_orders", "restore_output_order", "restore_weights"]
 
@@ -60,13 +59,9 @@ def output_orders(
     order the unsharded module returns them, by module path (call it before sharding)."""
     orders: Dict[str, List[str]] = {}
     for path, sub in embedding_modules(module, module_types).items():
-        if isinstance(sub, EmbeddingBagCollection):
-            configs: Sequence[Any] = sub.embedding_bag_configs()
-        elif isinstance(sub, EmbeddingCollection):
-            configs = sub.embedding_configs()
-        else:  # a custom sharder's module: its own output contract
+        if inner_collection(sub) is None:  # a custom sharder's module: its own output contract
             continue
-        orders[path] = list(itertools.chain.from_iterable(get_embedding_names_by_table(list(configs))))
+        orders[path] = list(itertools.chain.from_iterable(get_embedding_names_by_table(table_configs(sub))))
     return orders
 
 

@@ -51,11 +51,11 @@ def _fit(**kwargs):
     trainer.fit(RecModel(), DataLoader(make_batches(1, 4, seed=0), batch_size=None))
 
 
-def test_row_wise_on_cpu_fails_before_distributed_start():
+def test_a_cuda_only_sharding_type_on_cpu_fails_before_distributed_start():
     import torch.distributed as dist
 
-    with pytest.raises(ValueError, match="'row_wise' cannot run on CPU"):
-        _fit(strategy=RecShardStrategy(constraints={"t_user": TableConstraints(sharding_types=["row_wise"])}))
+    with pytest.raises(ValueError, match="'grid_shard' cannot run on CPU.*row_wise, table_row_wise"):
+        _fit(strategy=RecShardStrategy(constraints={"t_user": TableConstraints(sharding_types=["grid_shard"])}))
     assert not dist.is_initialized()
 
 
