@@ -34,19 +34,26 @@ from lightning_rec.strategy.plan_report import format_rows as format_rows, plan_
 from lightning_rec.tables import embedding_modules as embedding_modules  # re-exported: the old path
 from lightning_rec.tables import embedding_tables
 
-# What TorchRec can shard on each device. TorchRec's sharders list ROW_WISE/TABLE_ROW_WISE for CUDA only, yet they
-# run over gloo on CPU and train exactly like the unsharded module (tests/strategy/test_torchrec_models.py): the
-# built-in sharders below offer them on CPU too. GRID_SHARD stays CUDA-only (see _CUDA_ONLY_SHARDING_TYPES).
-_CPU_SHARDING_TYPES = (
+# What TorchRec can train with on each device. TorchRec's EBC sharder lists row_wise, table_row_wise and grid_shard for
+# CUDA only, yet over gloo on CPU they train exactly like the unsharded module (tests/strategy/test_torchrec_models.py),
+# so EBCSharder offers them there too. Its EC sharder lists table_wise, column_wise, row_wise and data_parallel on
+# every device; data-parallel EmbeddingCollections fail on CPU in TorchRec 1.8 (their output lengths do not match their
+# values), so they are left out there.
+_POOLED_SHARDING_TYPES = (
     ShardingType.TABLE_WISE.value,
     ShardingType.COLUMN_WISE.value,
     ShardingType.TABLE_COLUMN_WISE.value,
     ShardingType.DATA_PARALLEL.value,
     ShardingType.ROW_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.GRID_SHARD.value,
 )
-_CUDA_ONLY_SHARDING_TYPES = (ShardingType.GRID_SHARD.value,)
-_CUDA_SHARDING_TYPES = _CPU_SHARDING_TYPES + _CUDA_ONLY_SHARDING_TYPES
+_SEQUENCE_SHARDING_TYPES = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.DATA_PARALLEL.value,
+)
 # Kernels that train (the quantised ones are inference-only); UVM kernels need CUDA.
 _CPU_KERNELS = (EmbeddingComputeKernel.FUSED.value, EmbeddingComputeKernel.DENSE.value)
 _CUDA_KERNELS = _CPU_KERNELS + (
@@ -57,17 +64,9 @@ _CUDA_KERNELS = _CPU_KERNELS + (
 _OPTIMIZER_KEYS = ("optimizer", "learning_rate", "eps", "beta1", "beta2", "weight_decay", "weight_decay_mode")
 
 
-def _offered(types_for: Callable[[str], List[str]], compute_device_type: str) -> List[str]:
-    """A TorchRec sharder's sharding types, plus on CPU those it lists for CUDA only that run on CPU too."""
-    types = list(types_for(compute_device_type))
-    if compute_device_type == "cpu":
-        types += [t for t in types_for("cuda") if t in _CPU_SHARDING_TYPES and t not in types]
-    return types
-
-
 class EBCSharder(EmbeddingBagCollectionSharder):
-    """TorchRec's ``EmbeddingBagCollectionSharder``, offering ``row_wise`` and ``table_row_wise`` on CPU too
-    (TorchRec lists them for CUDA only; over gloo they train exactly like the unsharded module).
+    """TorchRec's ``EmbeddingBagCollectionSharder``, offering ``row_wise``, ``table_row_wise`` and ``grid_shard`` on
+    CPU too (TorchRec lists them for CUDA only; over gloo they train exactly like the unsharded module).
 
     Example::
 
@@ -76,15 +75,7 @@ class EBCSharder(EmbeddingBagCollectionSharder):
     """
 
     def sharding_types(self, compute_device_type: str) -> List[str]:  # noqa: D102
-        return _offered(super().sharding_types, compute_device_type)
-
-
-class ECSharder(EmbeddingCollectionSharder):
-    """TorchRec's ``EmbeddingCollectionSharder``, offering ``row_wise`` and ``table_row_wise`` on CPU too (see
-    :class:`EBCSharder`)."""
-
-    def sharding_types(self, compute_device_type: str) -> List[str]:  # noqa: D102
-        return _offered(super().sharding_types, compute_device_type)
+        return super().sharding_types("cuda" if compute_device_type == "cpu" else compute_device_type)
 
 
 class _FusedKernelOnCpu:
@@ -111,18 +102,22 @@ def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[
 
     Args:
         device_type: ``"cpu"`` or ``"cuda"``.
-        sequence: for a table of an ``EmbeddingCollection`` (unpooled). TorchRec 1.8's data-parallel
-            ``EmbeddingCollection`` fails on CPU (its output lengths do not match its values), so it is left out.
+        sequence: for a table of an ``EmbeddingCollection`` (unpooled): TorchRec shards those table-wise,
+            column-wise, row-wise or data-parallel; data-parallel fails on CPU in TorchRec 1.8 (its output lengths
+            do not match its values), so it is left out there.
 
     Example::
 
         >>> supported_sharding_types("cpu")
-        ('table_wise', 'column_wise', 'table_column_wise', 'data_parallel', 'row_wise', 'table_row_wise')
+        ('table_wise', 'column_wise', 'table_column_wise', 'data_parallel', 'row_wise', 'table_row_wise', 'grid_shard')
+        >>> supported_sharding_types("cpu", sequence=True)
+        ('table_wise', 'column_wise', 'row_wise')
     """
-    types = _CUDA_SHARDING_TYPES if device_type == "cuda" else _CPU_SHARDING_TYPES
-    if sequence and device_type != "cuda":
-        types = tuple(t for t in types if t != ShardingType.DATA_PARALLEL.value)
-    return types
+    if not sequence:
+        return _POOLED_SHARDING_TYPES
+    if device_type == "cuda":
+        return _SEQUENCE_SHARDING_TYPES
+    return tuple(t for t in _SEQUENCE_SHARDING_TYPES if t != ShardingType.DATA_PARALLEL.value)
 
 
 def validate_constraints(
@@ -149,7 +144,8 @@ def validate_constraints(
         for st in c.sharding_types or []:
             if st not in types_ok:
                 problems.append(
-                    f"table {table!r}: sharding type {st!r} cannot run on {device_type.upper()}; "
+                    f"table {table!r}: sharding type {st!r} cannot run on {device_type.upper()}"
+                    f"{' for an EmbeddingCollection table' if isinstance(tables.get(table), EmbeddingConfig) else ''}; "
                     f"supported there: {', '.join(types_ok)}"
                 )
         for k in c.compute_kernels or []:
@@ -229,7 +225,7 @@ def make_sharders(
     """A sharder for every TorchRec embedding module that trains, each with ``fused_params`` (the fused optimizer
     and FBGEMM's arguments).
 
-    The built-in ones are :class:`EBCSharder`, :class:`ECSharder`, TorchRec's
+    The built-in ones are :class:`EBCSharder`, TorchRec's ``EmbeddingCollectionSharder`` and
     ``FeatureProcessedEmbeddingBagCollectionSharder`` (position-weighted tables) and :class:`MCEBCSharder` /
     :class:`MCECSharder` (managed collision). A sharder in ``extra`` replaces the built-in one for its module type,
     and an ``extra`` EBC/EC sharder is also what the feature-processed and managed-collision sharders shard their
@@ -244,7 +240,7 @@ def make_sharders(
     fused = dict(fused_params)
     given = {s.module_type: _with_fused_params(s, fused, owner) for s in extra}
     ebc = given.get(EmbeddingBagCollection) or EBCSharder(fused_params=dict(fused))
-    ec = given.get(EmbeddingCollection) or ECSharder(fused_params=dict(fused))
+    ec = given.get(EmbeddingCollection) or EmbeddingCollectionSharder(fused_params=dict(fused))
     built_in: List[ModuleSharder[nn.Module]] = [
         ebc,
         ec,

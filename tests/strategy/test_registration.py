@@ -51,11 +51,13 @@ def _fit(**kwargs):
     trainer.fit(RecModel(), DataLoader(make_batches(1, 4, seed=0), batch_size=None))
 
 
-def test_a_cuda_only_sharding_type_on_cpu_fails_before_distributed_start():
+def test_a_cuda_only_kernel_on_cpu_fails_before_distributed_start():
     import torch.distributed as dist
 
-    with pytest.raises(ValueError, match="'grid_shard' cannot run on CPU.*row_wise, table_row_wise"):
-        _fit(strategy=RecShardStrategy(constraints={"t_user": TableConstraints(sharding_types=["grid_shard"])}))
+    with pytest.raises(
+        ValueError, match="compute kernel 'fused_uvm' cannot train on CPU; supported there: fused, dense"
+    ):
+        _fit(strategy=RecShardStrategy(constraints={"t_user": TableConstraints(compute_kernels=["fused_uvm"])}))
     assert not dist.is_initialized()
 
 

@@ -24,15 +24,16 @@ def _tables(with_ec: bool = False):
     return embedding_tables(model, [EmbeddingBagCollection, EmbeddingCollection])
 
 
-def test_row_wise_runs_on_cpu_and_grid_shard_is_refused_there_with_the_alternatives():
-    for st in ("row_wise", "ROW_WISE", "table_row_wise"):
+def test_row_wise_runs_on_cpu_and_what_torchrec_cannot_shard_is_refused_with_the_alternatives():
+    for st in ("row_wise", "ROW_WISE", "table_row_wise", "grid_shard"):
         validate_constraints({"t_user": TableConstraints(sharding_types=[st])}, _tables(), "cpu")
+    tabs = _tables(with_ec=True)
     with pytest.raises(ValueError) as info:
-        validate_constraints({"t_user": TableConstraints(sharding_types=["GRID_SHARD"])}, _tables(), "cpu")
+        validate_constraints({"t_tag": TableConstraints(sharding_types=["TABLE_ROW_WISE"])}, tabs, "cuda")
     msg = str(info.value)
-    assert "table 't_user': sharding type 'grid_shard' cannot run on CPU" in msg
-    assert "table_wise, column_wise, table_column_wise, data_parallel, row_wise, table_row_wise" in msg
-    validate_constraints({"t_user": TableConstraints(sharding_types=["grid_shard"])}, _tables(), "cuda")
+    assert "table 't_tag': sharding type 'table_row_wise' cannot run on CUDA for an EmbeddingCollection table" in msg
+    assert "supported there: table_wise, column_wise, row_wise, data_parallel" in msg
+    validate_constraints({"t_tag": TableConstraints(sharding_types=["row_wise"])}, tabs, "cpu")
 
 
 def test_data_parallel_embedding_collection_is_refused_on_cpu():
@@ -45,12 +46,12 @@ def test_data_parallel_embedding_collection_is_refused_on_cpu():
 def test_every_problem_is_listed():
     bad = {
         "nope": TableConstraints(),
-        "t_user": TableConstraints(sharding_types=["grid_shard"], compute_kernels=["fused_uvm"]),
+        "t_user": TableConstraints(sharding_types=["data_parallel"], compute_kernels=["fused_uvm"]),
     }
     with pytest.raises(ValueError) as info:
         validate_constraints(bad, _tables(), "cpu")
     msg = str(info.value)
-    assert "unknown tables ['nope']" in msg and "'grid_shard'" in msg and "'fused_uvm'" in msg
+    assert "unknown tables ['nope']" in msg and "'data_parallel'" not in msg and "'fused_uvm'" in msg
 
 
 def test_tables_are_found_at_any_depth_and_names_must_be_unique():

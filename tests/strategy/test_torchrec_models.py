@@ -1,0 +1,248 @@
+"""TorchRec's own test models and inputs under recshard, compared with their unsharded reference the way TorchRec's
+``sharding_single_rank_test`` compares them: the unsharded model trained on each global batch against the sharded one
+trained on every rank's slice of it (the ranks' mean loss is the global loss: equal slices).
+
+The model is ``torchrec.distributed.test_utils.test_model.TestSparseNN`` (nobody here wrote it): an
+``EmbeddingBagCollection``, a position-weighted ``FeatureProcessedEmbeddingBagCollection`` reading features of the same
+KeyedJaggedTensor, and a weighted ``EmbeddingBagCollection`` on a second one; inputs from ``ModelInput.generate``;
+tables built on CPU with rows of their own. Wrapped as a user wraps it: ``loss, _ = self.model(batch)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.optim import RowWiseAdagrad
+
+import lightning_rec
+from lightning_rec import EmbeddingOptimizer, RecShardStrategy
+from tests.helpers.dist import run_ranks
+
+NUM_FLOAT = 16
+LR = 0.1
+TOL = 1e-5
+POSITION_WEIGHTED = {"table_0": 5, "table_2": 5}  # max lengths: these tables read position-weighted ids
+# The sharding types TorchRec lists for CUDA only, and the column-splitting ones, in one plan (table-wise is every other
+# test's): row-wise and column-wise position-weighted tables, a grid-sharded plain one, weighted ones row-wise per
+# host and data-parallel.
+MIXED_PLAN = {
+    "table_0": {"sharding_types": ["row_wise"]},
+    "table_1": {"sharding_types": ["grid_shard"], "min_partition": 8},
+    "table_2": {"sharding_types": ["column_wise"], "min_partition": 8},
+    "weighted_table_0": {"sharding_types": ["table_row_wise"]},
+    "weighted_table_1": {"sharding_types": ["data_parallel"]},
+}
+# Row-wise Adagrad keeps one accumulator per row, the mean over the row's columns: a table split column-wise keeps
+# one per shard (FBGEMM's, as in TorchRec) and drifts from unsharded training, so its mixed plan splits no columns.
+ROWWISE_ADAGRAD_PLAN = {**MIXED_PLAN, **{t: {"sharding_types": ["table_wise"]} for t in ("table_1", "table_2")}}
+ROW_WISE_PLAN = {t: {"sharding_types": ["row_wise"]} for t in MIXED_PLAN}
+TABLE_WISE_PLAN = {t: {"sharding_types": ["table_wise"]} for t in MIXED_PLAN}
+
+
+def _tables():
+    tables = [
+        EmbeddingBagConfig(
+            name=f"table_{i}", embedding_dim=16, num_embeddings=40 + 10 * i, feature_names=[f"feature_{i}"]
+        )
+        for i in range(3)
+    ]
+    weighted = [
+        EmbeddingBagConfig(
+            name=f"weighted_table_{i}",
+            embedding_dim=8,
+            num_embeddings=30 + 5 * i,
+            feature_names=[f"weighted_feature_{i}"],
+        )
+        for i in range(2)
+    ]
+    return tables, weighted
+
+
+def _model(seed: int) -> TestSparseNN:
+    torch.manual_seed(seed)
+    tables, weighted = _tables()
+    return TestSparseNN(
+        tables=tables,
+        weighted_tables=weighted,
+        num_float_features=NUM_FLOAT,
+        dense_device=torch.device("cpu"),
+        sparse_device=torch.device("cpu"),
+        max_feature_lengths=POSITION_WEIGHTED,
+    )
+
+
+def _inputs(steps: int, world_size: int, seed: int = 100):
+    tables, weighted = _tables()
+    return [
+        ModelInput.generate(
+            batch_size=4,
+            world_size=world_size,
+            num_float_features=NUM_FLOAT,
+            tables=tables,
+            weighted_tables=weighted,
+            random_seed=seed + s,
+            max_feature_lengths=[5] * len(tables),
+        )
+        for s in range(steps)
+    ]
+
+
+class TorchRecModel(lightning_rec.RecLightningModule):
+    """A TorchRec model in a LightningModule, as a user writes it: the model computes its own loss."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.model, self.optimizer = model, optimizer
+        self.losses: List[float] = []
+
+    def training_step(self, batch: ModelInput, batch_idx: int) -> torch.Tensor:
+        loss, _ = self.model(batch)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def predict_step(self, batch: ModelInput, batch_idx: int) -> torch.Tensor:
+        return self.model(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _torch_optimizer(self.optimizer, self.parameters())
+
+    def configure_embedding_optimizer(self) -> Optional[EmbeddingOptimizer]:
+        return EmbeddingOptimizer("rowwise_adagrad", lr=LR, eps=1e-8) if self.optimizer == "rowwise_adagrad" else None
+
+
+def _torch_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR) if name == "sgd" else torch.optim.Adagrad(params, lr=LR, eps=1e-8)
+
+
+def _reference(model: TestSparseNN, inputs, optimizer: str, eval_input: ModelInput) -> Dict[str, Any]:
+    """Plain PyTorch on the unsharded model, whole global batches: the losses, then the predictions."""
+    model = copy.deepcopy(model)
+    named = dict(model.named_parameters())
+    is_table = {n: ".embedding_bags." in n for n in named}
+    if optimizer == "rowwise_adagrad":  # tables: row-wise Adagrad (FBGEMM's), the rest as configure_optimizers says
+        opts = [
+            RowWiseAdagrad([p for n, p in named.items() if is_table[n]], lr=LR, eps=1e-8),
+            torch.optim.Adagrad([p for n, p in named.items() if not is_table[n]], lr=LR, eps=1e-8),
+        ]
+    else:
+        opts = [_torch_optimizer(optimizer, model.parameters())]
+    losses = []
+    for global_input, _ in inputs:
+        for opt in opts:
+            opt.zero_grad()
+        loss, _ = model(global_input)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        losses.append(float(loss))
+    model.eval()
+    with torch.no_grad():
+        return {"ref_losses": losses, "ref_preds": model(eval_input).tolist()}
+
+
+def _trainer(world_size: int, steps: int = 1, **strategy: Any) -> L.Trainer:
+    return L.Trainer(
+        strategy=RecShardStrategy(**strategy),
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+
+
+def _eval_input(rank: int, world_size: int) -> ModelInput:
+    """Held-out rows: the whole batch on 1 rank, its halves on 2 (concatenated, the halves are the whole)."""
+    whole, halves = _inputs(1, 2, seed=7)[0]
+    return whole if world_size == 1 else halves[rank]
+
+
+def _predict(trainer: L.Trainer, module: TorchRecModel, rank: int, world_size: int, **kwargs: Any) -> List[float]:
+    return torch.cat(
+        trainer.predict(module, DataLoader([_eval_input(rank, world_size)], batch_size=None), **kwargs)
+    ).tolist()
+
+
+def fit(
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    constraints: Optional[Dict[str, Any]] = None,
+    optimizer: str = "sgd",
+    steps: int = 3,
+    save: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Train on this rank's slice of every global batch; rank 0 also trains the unsharded reference."""
+    model = _model(seed=0)
+    inputs = _inputs(steps, world_size)
+    result = _reference(model, inputs, optimizer, _eval_input(0, 1)) if rank == 0 else {}
+    module = TorchRecModel(model, optimizer)
+    trainer = _trainer(world_size, steps, constraints=constraints)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, DataLoader([local[rank] for _, local in inputs], batch_size=None))
+    if save:
+        trainer.save_checkpoint(out_dir / save)
+    plan = {t: s.sharding_type for m in trainer.strategy.sharding_plan.plan.values() for t, s in m.items()}
+    return {**result, "losses": module.losses, "preds": _predict(trainer, module, rank, world_size), "plan": plan}
+
+
+def predict_from(
+    rank: int, world_size: int, out_dir: Path, ckpt: str, constraints: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """A fresh model (other rows and weights: everything must come from the checkpoint) predicts under ``constraints``."""
+    module = TorchRecModel(_model(seed=1234))
+    trainer = _trainer(world_size, constraints=constraints)
+    return {"preds": _predict(trainer, module, rank, world_size, ckpt_path=ckpt)}
+
+
+def _mean_losses(results: List[Dict[str, Any]]) -> List[float]:
+    return [sum(r["losses"][i] for r in results) / len(results) for i in range(len(results[0]["losses"]))]
+
+
+def _preds(results: List[Dict[str, Any]]) -> List[float]:
+    return [x for r in results for x in r["preds"]]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_every_cpu_sharding_type_trains_testsparsenn_like_unsharded_torchrec(tmp_path, optimizer):
+    plan = ROWWISE_ADAGRAD_PLAN if optimizer == "rowwise_adagrad" else MIXED_PLAN
+    results = run_ranks(fit, 2, tmp_path, constraints=plan, optimizer=optimizer)
+    ref = results[0]
+    assert results[0]["plan"] == {t: c["sharding_types"][0] for t, c in plan.items()}
+    assert _mean_losses(results) == pytest.approx(ref["ref_losses"], abs=TOL)
+    assert _preds(results) == pytest.approx(ref["ref_preds"], abs=TOL)
+
+
+@pytest.mark.dist
+def test_row_wise_checkpoints_reshard_to_every_other_type_and_world_size(tmp_path):
+    two = run_ranks(fit, 2, tmp_path, constraints=ROW_WISE_PLAN, optimizer="rowwise_adagrad", save="rw2")
+    assert _mean_losses(two) == pytest.approx(two[0]["ref_losses"], abs=TOL)
+    expected = two[0]["ref_preds"]
+    for ranks, plan in ((1, TABLE_WISE_PLAN), (2, MIXED_PLAN)):
+        res = run_ranks(predict_from, ranks, tmp_path / f"to{ranks}", ckpt=str(tmp_path / "rw2"), constraints=plan)
+        assert _preds(res) == pytest.approx(expected, abs=TOL), (ranks, plan)
+    # ... and from every other type (2 ranks) into row-wise on 1 rank.
+    mixed = run_ranks(fit, 2, tmp_path / "mixed", constraints=MIXED_PLAN, optimizer="adagrad", save="mx")
+    res = run_ranks(predict_from, 1, tmp_path / "mx1", ckpt=str(tmp_path / "mixed" / "mx"), constraints=ROW_WISE_PLAN)
+    assert _preds(res) == pytest.approx(mixed[0]["ref_preds"], abs=TOL)
+
+
+def test_row_wise_on_one_rank_trains_like_unsharded_torchrec(tmp_path):
+    (result,) = [fit(0, 1, tmp_path, constraints=ROW_WISE_PLAN, optimizer="rowwise_adagrad")]
+    assert set(result["plan"].values()) == {"row_wise"}
+    assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
+    assert result["preds"] == pytest.approx(result["ref_preds"], abs=TOL)
