@@ -7,7 +7,7 @@ resulting plan as a table people can read is :mod:`lightning_rec.strategy.plan_r
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch.distributed as dist
 from torch import nn

@@ -19,6 +19,9 @@ import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from torchrec import EmbeddingBagCollection
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim import RowWiseAdagrad
@@ -183,13 +186,14 @@ def fit(
     optimizer: str = "sgd",
     steps: int = 3,
     save: Optional[str] = None,
+    sharders: Optional[List[Any]] = None,
 ) -> Dict[str, Any]:
     """Train on this rank's slice of every global batch; rank 0 also trains the unsharded reference."""
     model = _model(seed=0)
     inputs = _inputs(steps, world_size)
     result = _reference(model, inputs, optimizer, _eval_input(0, 1)) if rank == 0 else {}
     module = TorchRecModel(model, optimizer)
-    trainer = _trainer(world_size, steps, constraints=constraints)
+    trainer = _trainer(world_size, steps, constraints=constraints, sharders=sharders)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, DataLoader([local[rank] for _, local in inputs], batch_size=None))
@@ -246,3 +250,39 @@ def test_row_wise_on_one_rank_trains_like_unsharded_torchrec(tmp_path):
     assert set(result["plan"].values()) == {"row_wise"}
     assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
     assert result["preds"] == pytest.approx(result["ref_preds"], abs=TOL)
+
+
+class _RowWiseOnCpu(EmbeddingBagCollectionSharder):
+    """A sharder as a TorchRec user subclasses one (here: to admit row-wise on CPU); it sets no optimizer."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return super().sharding_types("cuda")
+
+
+def test_a_sharder_the_user_passes_keeps_the_optimizer_of_configure_optimizers(tmp_path):
+    sharders = [_RowWiseOnCpu(), EmbeddingCollectionSharder()]
+    result = fit(0, 1, tmp_path, constraints=ROW_WISE_PLAN, optimizer="adagrad", steps=6, sharders=sharders)
+    assert set(result["plan"].values()) == {"row_wise"}
+    assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
+    assert result["preds"] == pytest.approx(result["ref_preds"], abs=TOL)
+    assert sharders[0].fused_params is None  # the user's sharder itself is left as it was
+
+
+def test_a_sharder_with_another_optimizer_is_refused_naming_both():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from lightning_rec.strategy.sharding import make_sharders
+
+    derived = EmbeddingOptimizer("adagrad", lr=0.5).to_fused_params()
+    own = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-8})
+    with pytest.raises(
+        ValueError,
+        match=r"EmbeddingBagCollectionSharder sets the embedding optimizer optimizer=.*"
+        r"EXACT_ROWWISE_ADAGRAD.*has optimizer=.*EXACT_ADAGRAD",
+    ):
+        make_sharders(derived, [own])
+    agreeing = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.5}
+    )
+    (ebc,) = [s for s in make_sharders(derived, [agreeing]) if s.module_type is EmbeddingBagCollection]
+    assert ebc.fused_params["optimizer"] == EmbOptimType.EXACT_ADAGRAD and ebc.fused_params["eps"] == derived["eps"]
