@@ -11,7 +11,7 @@ Example::
 
 from lightning_rec import _compat, _moved
 from lightning_rec.batch import Batch, RowCollator, collate_rows
-from lightning_rec.config import EmbeddingOptimizer, TableConstraints, TopologyConfig, checkpoint_safe
+from lightning_rec.config import EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig, checkpoint_safe
 from lightning_rec.errors import InputError, NonFiniteError
 from lightning_rec.module import RecLightningModule
 from lightning_rec.strategy import RecOptimizer, RecShardStrategy
@@ -23,6 +23,7 @@ __all__ = [
     "EmbeddingOptimizer",
     "InputError",
     "NonFiniteError",
+    "QuantizedComms",
     "RecLightningModule",
     "RecOptimizer",
     "RecShardStrategy",

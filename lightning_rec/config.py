@@ -29,6 +29,7 @@ __all__ = [
     "EmbeddingOptimizer",
     "NonFinitePolicy",
     "OptimizerName",
+    "QuantizedComms",
     "SparseFeature",
     "TableConstraints",
     "TopologyConfig",
@@ -270,6 +271,84 @@ class TopologyConfig:
     def ranks_per_host(self, launched: int) -> int:
         """The planner's local world size: this override, else ``launched`` (ranks per host as started)."""
         return self.local_world_size or launched
+
+
+CommPrecision = Literal["fp32", "fp16", "bf16", "int8", "fp8"]
+"""A precision of the embedding all-to-alls (TorchRec's ``CommType``, lower case)."""
+
+_COMM_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
+
+
+@checkpoint_safe
+@dataclass
+class QuantizedComms:
+    """Precision of the pooled/sequence embedding all-to-alls (and row-wise reduce-scatters) in the forward pass and
+    of their gradients in the backward pass: TorchRec's ``QCommsConfig`` through FBGEMM's codecs. The tables and
+    dense layers keep their own precision; only what travels between ranks is quantized.
+
+    Args:
+        forward: ``"fp32"`` (no quantization), ``"fp16"``, ``"bf16"``, ``"int8"`` or ``"fp8"`` (CUDA only).
+        backward: the same, for the gradients (default: as ``forward``).
+        forward_loss_scale, backward_loss_scale: TorchRec's scales for fp16 (numerical headroom).
+
+    On CPU (gloo): fp16 and bf16 run under every sharding type; int8 runs for pooled tables sharded table-wise,
+    column-wise or data-parallel (FBGEMM's int8 codec fails in the row-wise reduce-scatter and on sequence
+    embeddings there); fp8 has no CPU kernel. What cannot run is refused before anything is sharded.
+
+    Example::
+
+        RecShardStrategy(qcomms="fp16")                                   # both directions
+        RecShardStrategy(qcomms={"forward": "fp16", "backward": "bf16"})
+    """
+
+    forward: CommPrecision = "fp32"
+    backward: Optional[CommPrecision] = None
+    forward_loss_scale: Optional[float] = None
+    backward_loss_scale: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        self.forward = self.forward.lower()  # type: ignore[assignment]
+        self.backward = (self.backward or self.forward).lower()  # type: ignore[assignment]
+        for direction, value in (("forward", self.forward), ("backward", self.backward)):
+            if value not in _COMM_PRECISIONS:
+                raise ValueError(
+                    f"QuantizedComms: {direction} precision {value!r} is not one of {', '.join(_COMM_PRECISIONS)}."
+                )
+
+    @classmethod
+    def of(cls, value: Union["QuantizedComms", str, Dict[str, Any], Any, None]) -> Optional["QuantizedComms"]:
+        """From what ``RecShardStrategy(qcomms=...)`` takes: this class, a precision for both directions, a dict of
+        its arguments, or TorchRec's ``QCommsConfig``; ``None`` and full precision give ``None``."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = cls(forward=value)  # type: ignore[arg-type]
+        elif isinstance(value, dict):
+            value = cls(**value)
+        elif not isinstance(value, cls):  # TorchRec's QCommsConfig
+            value = cls(
+                forward=str(value.forward_precision),  # type: ignore[arg-type]
+                backward=str(value.backward_precision),  # type: ignore[arg-type]
+                forward_loss_scale=value.forward_loss_scale,
+                backward_loss_scale=value.backward_loss_scale,
+            )
+        return None if value.forward == value.backward == "fp32" else value
+
+    @property
+    def precisions(self) -> Tuple[str, str]:
+        """``(forward, backward)``."""
+        return self.forward, self.backward or self.forward
+
+    def to_torchrec(self) -> Any:
+        """TorchRec's ``QCommsConfig``."""
+        from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig
+
+        return QCommsConfig(
+            forward_precision=CommType(self.forward),
+            backward_precision=CommType(self.backward or self.forward),
+            forward_loss_scale=self.forward_loss_scale,
+            backward_loss_scale=self.backward_loss_scale,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from lightning_rec.strategy.faults import FailureBoard, close_process_group_at_e
 from lightning_rec.batch import custom_batch_hooks, to_device
 from lightning_rec.config import NonFinitePolicy
 from lightning_rec.inputs import InputChecks
-from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, TableConstraints, TopologyConfig
+from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig
 from lightning_rec.strategy.optim import (
     RecOptimizer,
     combine_optimizers,
@@ -115,6 +115,10 @@ class RecShardStrategy(ParallelStrategy):
         static_graph: passed to the DDP wrapper of the dense part (TorchRec's default: ``True``); with one rank there is
             no DDP (an all-reduce over one rank changes nothing; see :class:`~lightning_rec.strategy.dmp.DenseDataParallel`).
         find_unused_parameters: passed to the DDP wrapper of the dense part.
+        qcomms: quantize what the tables send between ranks (the embedding all-to-alls forward, their gradients
+            backward): a :class:`~lightning_rec.config.QuantizedComms`, a precision for both directions (``"fp16"``,
+            ``"bf16"``, ``"int8"``, ``"fp8"``), ``{"forward": "fp16", "backward": "bf16"}``, or TorchRec's
+            ``QCommsConfig``. Default: full precision. What cannot run on the device is refused before sharding.
         pipeline: overlap the next batch's host-to-device copy and input distribution (all-to-all) with the
             current batch's forward/backward, as TorchRec's ``TrainPipelineSparseDist`` does, inside Lightning's
             loop (see :mod:`lightning_rec.strategy.pipeline`). Training only; same losses as without.
@@ -153,6 +157,7 @@ class RecShardStrategy(ParallelStrategy):
         find_unused_parameters: bool = False,
         report_plan: bool = True,
         pipeline: bool = False,
+        qcomms: Optional[Union[QuantizedComms, str, Mapping[str, Any]]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -177,6 +182,7 @@ class RecShardStrategy(ParallelStrategy):
             bounds_check=bounds_check,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
+            qcomms=qcomms,
             owner=type(self).__name__,
         )
         self._input_checks = InputChecks(

@@ -25,12 +25,12 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from lightning_rec import _compat
-from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, TableConstraints, TopologyConfig
+from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig
 from lightning_rec.inputs import input_specs
 from lightning_rec.strategy.dmp import ShardedState, shard_module
 from lightning_rec.strategy.optim import bounds_check_params, resolve_embedding_optimizer
 from lightning_rec.strategy.plan_report import PlanReport
-from lightning_rec.strategy.sharding import make_sharders, plan_module, validate_constraints
+from lightning_rec.strategy.sharding import check_qcomms, make_sharders, plan_module, validate_constraints
 from lightning_rec.tables import embedding_tables, sharded_module_types
 
 __all__ = ["TableSharder"]
@@ -49,6 +49,7 @@ class TableSharder:
     fused_params: Dict[str, Any] = field(default_factory=dict)
     static_graph: bool = True
     find_unused_parameters: bool = False
+    qcomms: Optional[QuantizedComms] = None
     owner: str = "RecShardStrategy"  # who the messages name
 
     @classmethod
@@ -64,6 +65,7 @@ class TableSharder:
         bounds_check: BoundsCheck = "error",
         static_graph: bool = True,
         find_unused_parameters: bool = False,
+        qcomms: Union[QuantizedComms, str, Mapping[str, Any], Any, None] = None,
         owner: str = "RecShardStrategy",
     ) -> "TableSharder":
         """The configuration from the strategy's arguments: dicts become the typed configs, ``bounds_check``
@@ -86,6 +88,7 @@ class TableSharder:
             fused_params={**bounds_check_params(bounds_check), **dict(fused_params or {})},
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
+            qcomms=QuantizedComms.of(dict(qcomms) if isinstance(qcomms, Mapping) else qcomms),
             owner=owner,
         )
 
@@ -109,6 +112,7 @@ class TableSharder:
             )
         if self.plan is None:
             validate_constraints(self.constraints, tables, device_type)
+        check_qcomms(self.qcomms, tables, self.constraints, device_type)
 
     def embedding_optimizer_for(
         self, module: nn.Module, optimizers: List[Optimizer], is_embedding: Callable[[Tensor], bool], device_type: str
@@ -137,7 +141,10 @@ class TableSharder:
         """Plan (rank 0, broadcast; or this configuration's ``plan``), log the plan, and shard ``module`` in place
         with DMP (see :func:`lightning_rec.strategy.dmp.shard_module`)."""
         sharders = make_sharders(
-            {**embedding_optimizer.to_fused_params(), **self.fused_params}, self.sharders, owner=self.owner
+            {**embedding_optimizer.to_fused_params(), **self.fused_params},
+            self.sharders,
+            owner=self.owner,
+            qcomms=self.qcomms,
         )
         pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
         plan, options = self.plan, None
@@ -153,6 +160,7 @@ class TableSharder:
                 local_world_size=local_world_size,
                 device_type=device.type,
                 pg=pg,
+                qcomms=self.qcomms,
             )
         report = PlanReport.from_plan(plan, world_size, device.type, options, local_world_size)
         rank_zero_info(

@@ -18,6 +18,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fbgemm_qcomm_codec import get_qcomm_codecs_registry
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
@@ -28,7 +29,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingCon
 from lightning_rec import _compat
 
 # Re-exported from where they live now: the old paths keep working (the plan's rows belong to the report).
-from lightning_rec.config import TableConstraints, TopologyConfig
+from lightning_rec.config import QuantizedComms, TableConstraints, TopologyConfig
 from lightning_rec.strategy.plan_report import PlanRow as PlanRow, format_plan as format_plan
 from lightning_rec.strategy.plan_report import format_rows as format_rows, plan_rows as plan_rows
 from lightning_rec.tables import embedding_modules as embedding_modules  # re-exported: the old path
@@ -158,13 +159,76 @@ def validate_constraints(
         raise ValueError("Invalid sharding constraints:\n  - " + "\n  - ".join(problems))
 
 
-def default_constraints(tables: Mapping[str, BaseEmbeddingConfig], device_type: str) -> Dict[str, TableConstraints]:
+# On CPU (gloo), what FBGEMM's int8 codec cannot carry: the reduce-scatter of row-wise shardings (its encoder gets no
+# context there) and sequence embeddings (their sizes are no multiple of its row block). Found by trying each.
+_INT8_CPU_UNSUPPORTED = (
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.GRID_SHARD.value,
+)
+
+
+def check_qcomms(
+    qcomms: Optional[QuantizedComms],
+    tables: Mapping[str, BaseEmbeddingConfig],
+    constraints: Mapping[str, TableConstraints],
+    device_type: str,
+) -> None:
+    """Refuse quantized comms that cannot run on ``device_type`` with these tables, naming the tables and why.
+
+    Raises:
+        ValueError: fp8 on CPU (FBGEMM's fp8 codec has no CPU kernel); int8 on CPU for an EmbeddingCollection's
+            tables or a table constrained to a row-wise sharding type.
+    """
+    if qcomms is None or device_type == "cuda":
+        return
+    precisions = qcomms.precisions
+    if "fp8" in precisions:
+        raise ValueError(
+            "Quantized comms: fp8 cannot run on CPU (FBGEMM's fp8 codec has no CPU kernel). "
+            "HINT: use 'fp16' or 'bf16' there (or 'int8' for pooled tables)."
+        )
+    if "int8" not in precisions:
+        return
+    sequence = sorted(name for name, config in tables.items() if isinstance(config, EmbeddingConfig))
+    row_wise = sorted(
+        name for name, c in constraints.items() if set(c.sharding_types or ()) & set(_INT8_CPU_UNSUPPORTED)
+    )
+    problems = []
+    if sequence:
+        problems.append(f"EmbeddingCollection tables {sequence} (FBGEMM's int8 codec fails on sequence embeddings)")
+    if row_wise:
+        problems.append(
+            f"tables {row_wise} constrained to row_wise/table_row_wise/grid_shard (its row-wise reduce-scatter fails)"
+        )
+    if problems:
+        raise ValueError(
+            "Quantized comms: int8 cannot run on CPU for " + "; ".join(problems) + ". HINT: use 'fp16' or 'bf16', "
+            "or shard these tables table-wise or column-wise."
+        )
+
+
+def qcomms_registry(qcomms: Optional[QuantizedComms]) -> Optional[Dict[str, Any]]:
+    """TorchRec's codec registry for ``qcomms`` (``None``: full precision)."""
+    if qcomms is None:
+        return None
+    # No device: TorchRec then keeps bf16 as asked. Given the CPU device it replaces bf16 by fp16 ("not supported on
+    # GLOO"), yet gloo carries bfloat16 all-to-alls with this torch (tests/strategy/test_torchrec_models.py).
+    return get_qcomm_codecs_registry(qcomms.to_torchrec())
+
+
+def default_constraints(
+    tables: Mapping[str, BaseEmbeddingConfig], device_type: str, qcomms: Optional[QuantizedComms] = None
+) -> Dict[str, TableConstraints]:
     """Constraints that keep the planner to what ``device_type`` can run (TorchRec's planner would otherwise
-    propose CUDA-only shardings on a CPU job). A table whose width is not a multiple of 4 is kept data-parallel where
+    propose CUDA-only shardings on a CPU job, and row-wise ones that int8 ``qcomms`` cannot carry there). A table whose width is not a multiple of 4 is kept data-parallel where
     it can be: TorchRec's fused kernels refuse it (``local_cols`` not divisible by 4), the dense one takes it."""
+    int8_on_cpu = qcomms is not None and "int8" in qcomms.precisions and device_type != "cuda"
     constraints = {}
     for name, config in tables.items():
         types = supported_sharding_types(device_type, isinstance(config, EmbeddingConfig))
+        if int8_on_cpu:  # see check_qcomms
+            types = tuple(t for t in types if t not in _INT8_CPU_UNSUPPORTED)
         if config.embedding_dim % 4:
             types = tuple(t for t in types if t == ShardingType.DATA_PARALLEL.value) or types
         constraints[name] = TableConstraints(sharding_types=list(types))
@@ -220,7 +284,10 @@ def plan_sharding(
 
 
 def make_sharders(
-    fused_params: Mapping[str, Any], extra: Sequence[ModuleSharder[nn.Module]] = (), owner: str = "RecShardStrategy"
+    fused_params: Mapping[str, Any],
+    extra: Sequence[ModuleSharder[nn.Module]] = (),
+    owner: str = "RecShardStrategy",
+    qcomms: Optional[QuantizedComms] = None,
 ) -> List[ModuleSharder[nn.Module]]:
     """A sharder for every TorchRec embedding module that trains, each with ``fused_params`` (the fused optimizer
     and FBGEMM's arguments).
@@ -231,22 +298,33 @@ def make_sharders(
     and an ``extra`` EBC/EC sharder is also what the feature-processed and managed-collision sharders shard their
     tables with. An ``extra`` embedding sharder keeps every ``fused_params`` entry it sets and gets the others from
     ``fused_params``: the fused optimizer derived from ``configure_optimizers`` reaches it too (it is a copy: the
-    user's sharder is left as it was).
+    user's sharder is left as it was). ``qcomms`` quantizes the built-in sharders' all-to-alls (an ``extra`` sharder
+    keeps its own ``qcomm_codecs_registry``).
 
     Raises:
         ValueError: if an ``extra`` sharder sets an optimizer entry (``optimizer``, ``learning_rate``, ...) that
             differs from the one ``fused_params`` derives, naming both.
     """
-    fused = dict(fused_params)
+    fused, codecs = dict(fused_params), qcomms_registry(qcomms)
     given = {s.module_type: _with_fused_params(s, fused, owner) for s in extra}
-    ebc = given.get(EmbeddingBagCollection) or EBCSharder(fused_params=dict(fused))
-    ec = given.get(EmbeddingCollection) or EmbeddingCollectionSharder(fused_params=dict(fused))
+    ebc = given.get(EmbeddingBagCollection) or EBCSharder(fused_params=dict(fused), qcomm_codecs_registry=codecs)
+    ec = given.get(EmbeddingCollection) or EmbeddingCollectionSharder(
+        fused_params=dict(fused), qcomm_codecs_registry=codecs
+    )
     built_in: List[ModuleSharder[nn.Module]] = [
         ebc,
         ec,
-        FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc),  # type: ignore[arg-type]
-        MCEBCSharder(ebc_sharder=ebc, mc_sharder=ManagedCollisionCollectionSharder()),  # type: ignore[arg-type]
-        MCECSharder(ec_sharder=ec, mc_sharder=ManagedCollisionCollectionSharder()),  # type: ignore[arg-type]
+        FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc, qcomm_codecs_registry=codecs),  # type: ignore[arg-type]
+        MCEBCSharder(
+            ebc_sharder=ebc,  # type: ignore[arg-type]
+            mc_sharder=ManagedCollisionCollectionSharder(),
+            qcomm_codecs_registry=codecs,
+        ),
+        MCECSharder(
+            ec_sharder=ec,  # type: ignore[arg-type]
+            mc_sharder=ManagedCollisionCollectionSharder(),
+            qcomm_codecs_registry=codecs,
+        ),
     ]
     by_type: Dict[type, ModuleSharder[nn.Module]] = {s.module_type: s for s in built_in}
     by_type.update(given)
@@ -284,6 +362,7 @@ def plan_module(
     local_world_size: int,
     device_type: str,
     pg: Optional[dist.ProcessGroup],
+    qcomms: Optional[QuantizedComms] = None,
 ) -> Tuple[ShardingPlan, Optional[list]]:
     """Plan every table of ``module`` (user constraints over the device defaults), on rank 0 when distributed.
     ``local_world_size``: ranks per host (the planner's intra- vs inter-host costs depend on it).
@@ -297,7 +376,7 @@ def plan_module(
         device_type=device_type,
         topology=topology,
         local_world_size=local_world_size,
-        constraints={**default_constraints(tables, device_type), **constraints},
+        constraints={**default_constraints(tables, device_type, qcomms), **constraints},
     )
     plan = plan_sharding(module, sharders, planner, pg)
     return plan, _compat.planner_sharding_options(planner)

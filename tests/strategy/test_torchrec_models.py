@@ -31,7 +31,7 @@ from lightning_rec import EmbeddingOptimizer, RecShardStrategy
 from tests.helpers.dist import run_ranks
 
 NUM_FLOAT = 16
-LR = 0.1
+LR = 0.02
 TOL = 1e-5
 POSITION_WEIGHTED = {"table_0": 5, "table_2": 5}  # max lengths: these tables read position-weighted ids
 # The sharding types TorchRec lists for CUDA only, and the column-splitting ones, in one plan (table-wise is every other
@@ -286,3 +286,38 @@ def test_a_sharder_with_another_optimizer_is_refused_naming_both():
     )
     (ebc,) = [s for s in make_sharders(derived, [agreeing]) if s.module_type is EmbeddingBagCollection]
     assert ebc.fused_params["optimizer"] == EmbOptimType.EXACT_ADAGRAD and ebc.fused_params["eps"] == derived["eps"]
+
+
+@pytest.mark.dist
+def test_quantized_comms_halve_what_the_tables_send_and_stay_near_full_precision():
+    from benchmarks.qcomms import measure
+
+    result = measure(["fp32", "bf16"], plan="row_wise", steps=4, batch=8)
+    bf16 = result["bf16"]
+    assert bf16["bytes_vs_baseline"] == 0.5  # every embedding all-to-all / reduce-scatter carried 2-byte values
+    assert bf16["input_bytes_per_step"] == result["fp32"]["input_bytes_per_step"]  # ids are never quantized
+    assert 0 < bf16["max_loss_diff"] < 1e-4 and bf16["max_pred_diff"] < 1e-3  # BENCHMARKS.md "Quantized comms"
+
+
+def test_quantized_comms_that_cannot_run_on_cpu_are_refused_naming_why():
+    from torchrec import EmbeddingConfig
+
+    from lightning_rec.config import QuantizedComms, TableConstraints
+    from lightning_rec.strategy.sharding import check_qcomms
+
+    tables = {c.name: c for c in _tables()[0]}
+    with pytest.raises(ValueError, match="fp8 cannot run on CPU"):
+        check_qcomms(QuantizedComms("fp16", backward="fp8"), tables, {}, "cpu")
+    rows = {"table_1": TableConstraints(sharding_types=["row_wise"])}
+    with pytest.raises(ValueError, match=r"int8 cannot run on CPU for tables \['table_1'\] constrained to row_wise"):
+        check_qcomms(QuantizedComms("int8"), tables, rows, "cpu")
+    seq = {"t_seq": EmbeddingConfig(name="t_seq", embedding_dim=8, num_embeddings=10, feature_names=["s"])}
+    with pytest.raises(ValueError, match=r"EmbeddingCollection tables \['t_seq'\]"):
+        check_qcomms(QuantizedComms("int8"), {**tables, **seq}, {}, "cpu")
+    for ok in ("fp16", "bf16", "int8"):
+        check_qcomms(QuantizedComms(ok), tables, {}, "cpu")
+    check_qcomms(QuantizedComms("fp8"), {**tables, **seq}, rows, "cuda")
+    # Wired into the strategy: refused when the model is connected, before anything is sharded.
+    strategy = RecShardStrategy(qcomms={"forward": "fp8"})
+    with pytest.raises(ValueError, match="fp8 cannot run on CPU"):
+        strategy.sharder.check_model(TorchRecModel(_model(0)), "cpu")
