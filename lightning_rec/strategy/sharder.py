@@ -30,7 +30,13 @@ from lightning_rec.inputs import input_specs
 from lightning_rec.strategy.dmp import ShardedState, shard_module
 from lightning_rec.strategy.optim import bounds_check_params, resolve_embedding_optimizer
 from lightning_rec.strategy.plan_report import PlanReport
-from lightning_rec.strategy.sharding import check_qcomms, make_sharders, plan_module, validate_constraints
+from lightning_rec.strategy.sharding import (
+    check_managed_collision,
+    check_qcomms,
+    make_sharders,
+    plan_module,
+    validate_constraints,
+)
 from lightning_rec.tables import embedding_tables, sharded_module_types
 
 __all__ = ["TableSharder"]
@@ -146,6 +152,7 @@ class TableSharder:
             owner=self.owner,
             qcomms=self.qcomms,
         )
+        check_managed_collision(module, self.module_types, self.constraints, world_size, device.type)
         pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
         plan, options = self.plan, None
         local_world_size = (self.topology or TopologyConfig()).ranks_per_host(num_processes)

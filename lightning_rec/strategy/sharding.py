@@ -27,6 +27,8 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
 
 from lightning_rec import _compat
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 # Re-exported from where they live now: the old paths keep working (the plan's rows belong to the report).
 from lightning_rec.config import QuantizedComms, TableConstraints, TopologyConfig
@@ -205,6 +207,57 @@ def check_qcomms(
         raise ValueError(
             "Quantized comms: int8 cannot run on CPU for " + "; ".join(problems) + ". HINT: use 'fp16' or 'bf16', "
             "or shard these tables table-wise or column-wise."
+        )
+
+
+def check_managed_collision(
+    module: nn.Module,
+    module_types: Sequence[Type[nn.Module]],
+    constraints: Mapping[str, TableConstraints],
+    world_size: int,
+    device_type: str,
+) -> None:
+    """Refuse managed-collision modules TorchRec cannot shard here, before any planning, naming the table and why.
+
+    TorchRec shards a managed-collision table row-wise only, each rank owning a block of its raw id space and of its
+    rows; the collision module's ``buckets`` must split evenly over the ranks. Its hash-based
+    ``HashZchManagedCollisionModule`` trains on CUDA only (FBGEMM's CPU kernel is read-only). A collision module left
+    at the default ``input_hash_size`` (2**63 - 1) is warned about on several ranks: ids are routed to a rank by
+    their block of that space, so every realistic id lands on rank 0 and the other ranks' rows stay unused.
+
+    Raises:
+        ValueError: naming every problem.
+    """
+    from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
+
+    problems, default_space = [], []
+    for path, sub in embedding_modules(module, module_types).items():
+        if not isinstance(sub, BaseManagedCollisionEmbeddingCollection):
+            continue
+        for table, mc in _compat.managed_collision_parts(sub)[2].items():
+            where = f"table {table!r} ({path})"
+            types = (constraints.get(table) or TableConstraints()).sharding_types
+            if types and types != [ShardingType.ROW_WISE.value]:
+                problems.append(f"{where} is managed-collision, which TorchRec shards row_wise only (asked: {types})")
+            if isinstance(mc, HashZchManagedCollisionModule) and device_type != "cuda":
+                problems.append(
+                    f"{where} uses HashZchManagedCollisionModule, whose FBGEMM kernel trains on CUDA only (on CPU it "
+                    "is read-only); use MCHManagedCollisionModule there"
+                )
+            elif mc.buckets() % world_size:
+                problems.append(
+                    f"{where}: its collision module has buckets={mc.buckets()}, which does not split over "
+                    f"{world_size} ranks; build it with buckets={world_size} (or a multiple)"
+                )
+            if world_size > 1 and mc.input_size() >= 2**62:
+                default_space.append(table)
+    if problems:
+        raise ValueError("Managed-collision tables cannot be sharded as built:\n  - " + "\n  - ".join(problems))
+    if default_space:
+        rank_zero_warn(
+            f"Managed-collision tables {default_space} keep the default input_hash_size (2**63 - 1): raw ids are "
+            "routed to a rank by their block of that space, so every id below 2**62 goes to rank 0 and the other "
+            "ranks' rows stay unused. HINT: give MCHManagedCollisionModule the real id range as input_hash_size."
         )
 
 

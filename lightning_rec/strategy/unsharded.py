@@ -39,6 +39,7 @@ from fbgemm_gpu.permute_pooled_embedding_modules import PermutePooledEmbeddings
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from lightning_rec import _compat
@@ -156,7 +157,9 @@ def _wrap(sharded: nn.Module, reorder: _Reorder) -> None:
     def wrapped(callback: Callable[[Any], Any]) -> Callable[..., Any]:
         def compute_and_output_dist(ctx: Any, dist_input: Any) -> Any:
             awaitable = original(ctx, dist_input)
-            awaitable.callbacks.append(callback)  # applied to the value the awaitable's wait() returns
+            # A managed-collision module returns (embeddings, remapped ids): the embeddings are reordered.
+            pooled = awaitable[0] if isinstance(awaitable, tuple) else awaitable
+            pooled.callbacks.append(callback)  # applied to the value the awaitable's wait() returns
             return awaitable
 
         return compute_and_output_dist
@@ -178,11 +181,20 @@ def capture_weights(
     held: Dict[str, Dict[str, torch.Tensor]] = {}
     for path, sub in embedding_modules(module, module_types).items():
         tensors = {
-            k: t for k, t in sub.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor) and not t.is_meta
+            k: t
+            for k, t in sub.state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor) and not t.is_meta and _is_held(sub, k)
         }
         if tensors:
             held[path] = {k: t.detach() for k, t in tensors.items()}
     return held
+
+
+def _is_held(module: nn.Module, key: str) -> bool:
+    """Whether the state-dict entry ``key`` is carried over into the sharded module: everything but a
+    managed-collision module's collision state, which describes the id space of one shard layout (its output
+    segments, its sorted raw ids per shard) and starts afresh when sharded; a checkpoint restores it."""
+    return not isinstance(module, BaseManagedCollisionEmbeddingCollection) or key.startswith("_embedding_module.")
 
 
 @torch.no_grad()

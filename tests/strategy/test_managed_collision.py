@@ -1,0 +1,328 @@
+"""Managed-collision ("zero-collision hashing") tables under recshard, against TorchRec by hand.
+
+The module is built as TorchRec's ZCH tests build it (``TestEBCSparseArchZCH``'s sort-based branch): a
+``ManagedCollisionEmbeddingBagCollection`` over an ``EmbeddingBagCollection`` and a ``ManagedCollisionCollection`` of
+``MCHManagedCollisionModule(..., eviction_policy=DistanceLFU_EvictionPolicy(), buckets=2)``; tables on CPU with rows
+of their own; raw ids from a space 15x the table.
+
+TorchRec shards such a table row-wise, each rank owning a block of the raw id space and of the rows (its own slots
+and its own miss row), so on 2 ranks it does not compute what the unsharded module computes; the reference there is
+TorchRec's own sharded training, written by hand (planner, ``ManagedCollisionEmbeddingBagCollectionSharder``, DMP,
+``CombinedOptimizer``) on the same ranks and batches. On 1 rank the reference is the unsharded module.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from torchrec.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy,
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+)
+
+import lightning_rec
+from lightning_rec import RecShardStrategy
+from lightning_rec.errors import InputError
+from tests.helpers.dist import run_ranks
+
+HASH_SIZE = 960  # raw ids: [0, 960), split in 2 buckets of 480
+ROWS = 64
+LR = 0.1
+TOL = 1e-5
+FEATURES = ("f0", "f1")
+ROW_WISE = {f"t_{f}": {"sharding_types": ["row_wise"]} for f in FEATURES}
+
+
+def _mc_ebc(
+    eviction_interval: int, hash_size: int = HASH_SIZE, buckets: int = 2
+) -> ManagedCollisionEmbeddingBagCollection:
+    # A row freed by eviction is refilled by its table's init_fn: a constant one keeps runs comparable.
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{f}",
+            embedding_dim=8,
+            num_embeddings=ROWS,
+            feature_names=[f],
+            init_fn=functools.partial(nn.init.constant_, val=0.05),
+        )
+        for f in FEATURES
+    ]
+    cpu = torch.device("cpu")
+    collisions = ManagedCollisionCollection(
+        {
+            t.name: MCHManagedCollisionModule(
+                zch_size=ROWS,
+                device=cpu,
+                input_hash_size=hash_size,
+                eviction_interval=eviction_interval,
+                eviction_policy=DistanceLFU_EvictionPolicy(),
+                buckets=buckets,
+            )
+            for t in tables
+        },
+        embedding_configs=tables,
+    )
+    return ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=tables, device=cpu), collisions, return_remapped_features=True
+    )
+
+
+class ZchModel(lightning_rec.RecLightningModule):
+    """Pooled managed-collision embeddings of two features into a linear layer; records losses and remapped ids."""
+
+    def __init__(self, seed: int = 0, eviction_interval: int = 2, **mc: Any) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.mc_ebc = _mc_ebc(eviction_interval, **mc)
+        with torch.no_grad():
+            for p in self.mc_ebc.parameters():
+                p.copy_(torch.randn(p.shape) * 0.3)
+        self.over = nn.Linear(8 * len(FEATURES), 1)
+        self.losses: List[float] = []
+        self.remapped: List[Dict[str, List[int]]] = []
+
+    def forward(self, kjt: KeyedJaggedTensor) -> Tuple[torch.Tensor, KeyedJaggedTensor]:
+        kt, remapped = self.mc_ebc(kjt)
+        return self.over(kt.values()).squeeze(1), remapped
+
+    def training_step(self, batch: Tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        kjt, label = batch
+        logits, remapped = self(kjt)
+        loss = F.binary_cross_entropy_with_logits(logits, label)
+        self.losses.append(float(loss.detach()))
+        self.remapped.append({f: remapped[f].values().tolist() for f in FEATURES})
+        return loss
+
+    def predict_step(self, batch: Tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0])[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def _batches(rank: int, steps: int, size: int = 8, seed: int = 0) -> List[Tuple[KeyedJaggedTensor, torch.Tensor]]:
+    """``steps`` batches of this rank: 1-3 raw ids per feature and sample, a few ids shared by every rank."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    out = []
+    for _ in range(steps):
+        lengths = torch.randint(1, 4, (len(FEATURES) * size,), generator=g)
+        values = torch.randint(0, HASH_SIZE, (int(lengths.sum()),), generator=g)
+        values[:4] = torch.tensor([5, 600, 17, 959])  # the same raw ids on every rank
+        kjt = KeyedJaggedTensor.from_lengths_sync(list(FEATURES), values, lengths)
+        out.append((kjt, torch.randint(0, 2, (size,), generator=g).float()))
+    return out
+
+
+def _trainer(world_size: int, steps: int = 1, **strategy: Any) -> L.Trainer:
+    return L.Trainer(
+        strategy=RecShardStrategy(**strategy),
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+
+
+def _torchrec_by_hand(rank: int, steps: int, eviction_interval: int) -> Dict[str, Any]:
+    """TorchRec's own sharded training of the same model, rows and batches, on the ranks already started."""
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+    from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
+    from torchrec.distributed.types import ShardedTensor
+
+    from lightning_rec.testing.reference import reference_dmp, reference_optimizer
+
+    class RowWiseOnCpu(EmbeddingBagCollectionSharder):  # TorchRec lists row-wise for CUDA only
+        def sharding_types(self, compute_device_type: str) -> List[str]:
+            return super().sharding_types("cuda")
+
+    model = ZchModel(eviction_interval=eviction_interval)
+    rows = {k: v.clone() for k, v in model.state_dict().items() if "_embedding_module" in k}
+    sharder = ManagedCollisionEmbeddingBagCollectionSharder(
+        ebc_sharder=RowWiseOnCpu(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}),
+        mc_sharder=ManagedCollisionCollectionSharder(),
+    )
+    constraints = {t: {"sharding_types": ["row_wise"], "compute_kernels": ["fused"]} for t in ROW_WISE}
+    dmp = reference_dmp(model, [sharder], torch.device("cpu"), constraints)
+    with torch.no_grad():  # the rows the module was built with (TorchRec's sharders draw new ones)
+        for key, t in dmp.state_dict().items():
+            if key in rows and isinstance(t, ShardedTensor):
+                for shard in t.local_shards():
+                    (r, c), (n, m) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    shard.tensor.copy_(rows[key][r : r + n, c : c + m])
+    optimizer = reference_optimizer(dmp, lambda ps: torch.optim.SGD(ps, lr=LR))
+    losses, remapped = [], []
+    for kjt, label in _batches(rank, steps):
+        optimizer.zero_grad()
+        logits, ids = dmp(kjt)
+        loss = F.binary_cross_entropy_with_logits(logits, label)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+        remapped.append({f: ids[f].values().tolist() for f in FEATURES})
+    dist.barrier()
+    return {"ref_losses": losses, "ref_remapped": remapped}
+
+
+def _collision_state(module: nn.Module) -> Dict[str, Any]:
+    """Each collision buffer of this rank: (global row offset, values), ShardedTensor or whole."""
+    from lightning_rec import _compat
+
+    out = {}
+    for key, t in module.state_dict().items():
+        if "_mch_" not in key:
+            continue
+        if isinstance(t, _compat.ShardedTensor):
+            out[key] = [(s.metadata.shard_offsets[0], s.tensor.tolist()) for s in t.local_shards()]
+        else:
+            out[key] = [(0, t.tolist())]
+    return out
+
+
+def fit(
+    rank: int, world_size: int, out_dir: Path, steps: int = 4, eviction_interval: int = 2, save: str = ""
+) -> Dict[str, Any]:
+    """TorchRec by hand on these ranks, then recshard on the same rows and batches."""
+    import torch.distributed as dist
+
+    result: Dict[str, Any] = {}
+    if world_size > 1:
+        dist.init_process_group("gloo")  # recshard joins this process group
+        result = _torchrec_by_hand(rank, steps, eviction_interval)
+    model = ZchModel(eviction_interval=eviction_interval)
+    unsharded = copy.deepcopy(model) if world_size == 1 else None
+    trainer = _trainer(world_size, steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(_batches(rank, steps), batch_size=None))
+    if save:
+        trainer.save_checkpoint(out_dir / save)
+    if unsharded is not None:  # one rank: the unsharded module, trained by plain PyTorch
+        optimizer = torch.optim.SGD(unsharded.parameters(), lr=LR)
+        for kjt, label in _batches(rank, steps):
+            optimizer.zero_grad()
+            logits, ids = unsharded(kjt)
+            loss = F.binary_cross_entropy_with_logits(logits, label)
+            loss.backward()
+            optimizer.step()
+            result.setdefault("ref_losses", []).append(float(loss))
+            result.setdefault("ref_remapped", []).append({f: ids[f].values().tolist() for f in FEATURES})
+    plan = {t: s.sharding_type for m in trainer.strategy.sharding_plan.plan.values() for t, s in m.items()}
+    return {
+        **result,
+        "losses": model.losses,
+        "remapped": model.remapped,
+        "raw": [{f: kjt[f].values().tolist() for f in FEATURES} for kjt, _ in _batches(rank, steps)],
+        "plan": plan,
+        "state": _collision_state(model),
+    }
+
+
+def restore(rank: int, world_size: int, out_dir: Path, ckpt: str) -> Dict[str, Any]:
+    """A fresh model (no ids seen) loads a checkpoint with ``trainer.validate``-free loading: ``fit`` for 0 steps."""
+    model = ZchModel(seed=99)
+    trainer = _trainer(world_size, steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(_batches(rank, 1), batch_size=None), ckpt_path=ckpt)
+    return {"state": _collision_state(model)}
+
+
+def _assembled(results: List[Dict[str, Any]]) -> Dict[str, List[Any]]:
+    """Every collision buffer whole, from each rank's row blocks."""
+    out: Dict[str, List[Any]] = {}
+    for key in results[0]["state"]:
+        blocks = sorted(block for r in results for block in r["state"][key])
+        out[key] = [x for _, values in blocks for x in values]
+    return out
+
+
+@pytest.mark.dist
+def test_managed_collision_tables_train_as_torchrec_trains_them_and_every_rank_remaps_alike(tmp_path):
+    results = run_ranks(fit, 2, tmp_path, steps=4, save="ckpt")
+    for rank, r in enumerate(results):
+        assert set(r["plan"].values()) == {"row_wise"}
+        assert r["losses"] == pytest.approx(r["ref_losses"], abs=TOL), rank
+        assert r["remapped"] == r["ref_remapped"], rank
+    # Every rank remaps a raw id to the same row (ids seen by both ranks included), within the table.
+    seen: Dict[Tuple[int, str, int], int] = {}
+    for r in results:
+        for step, (raw, ids) in enumerate(zip(r["raw"], r["remapped"])):
+            for f in FEATURES:
+                assert all(0 <= i < ROWS for i in ids[f])
+                for x, i in zip(raw[f], ids[f]):
+                    assert seen.setdefault((step, f, x), i) == i, (step, f, x)
+    shared = [(s, f, x) for (s, f, x) in seen if x in (5, 600, 17, 959)]
+    assert len(shared) >= 8  # the ids both ranks sent
+    misses = (ROWS // 2 - 1, ROWS - 1)  # each shard's last row takes the ids it has no slot for
+    assert sum(i not in misses for (s, f, x), i in seen.items() if s == 3) >= 10  # evictions admitted ids
+
+    # The collision state (sorted raw ids, their rows, counts, last access) is saved and restored exactly, 2 -> 1
+    # and back 1 -> 2.
+    saved = _assembled(results)
+    assert any(v != saved[k][:1] * len(v) for k, v in saved.items())  # the state is not its initial fill
+    (one,) = run_ranks(restore, 1, tmp_path / "to1", ckpt=str(tmp_path / "ckpt"))
+    assert _assembled([one]) == saved
+    (single,) = run_ranks(fit, 1, tmp_path / "one", steps=3, save="ckpt1")
+    back = run_ranks(restore, 2, tmp_path / "to2", ckpt=str(tmp_path / "one" / "ckpt1"))
+    assert _assembled(back) == _assembled([single])
+
+
+def test_on_one_rank_managed_collision_trains_like_the_unsharded_module(tmp_path):
+    result = fit(0, 1, tmp_path, steps=4, eviction_interval=1000)  # no eviction: the unsharded module never evicts
+    assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
+    assert result["remapped"] == result["ref_remapped"]
+
+
+def test_raw_ids_are_checked_against_the_hash_space_not_the_table(tmp_path):
+    kjt, label = _batches(0, 1)[0]
+    values = kjt.values().clone()
+    values[3] = HASH_SIZE + 7  # inside no bucket: TorchRec would route it to a rank by `id % world_size`
+    bad = KeyedJaggedTensor.from_lengths_sync(list(FEATURES), values, kjt.lengths())
+    with pytest.raises(
+        InputError,
+        match=rf"raw ids below input_hash_size {HASH_SIZE}\) has 1 id\(s\) outside "
+        rf"\[0, {HASH_SIZE}\): {HASH_SIZE + 7}.*managed-collision module remaps raw ids",
+    ):
+        _trainer(1).fit(ZchModel(), DataLoader([(bad, label)], batch_size=None))
+    # Raw ids far above the table's rows are what it takes.
+    assert int(kjt.values().max()) >= ROWS
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "constraints", "message"),
+    [
+        ({"buckets": 3}, None, r"buckets=3, which does not split over 2 ranks; build it with buckets=2"),
+        ({}, {"t_f0": {"sharding_types": ["table_wise"]}}, r"'t_f0'.*shards row_wise only \(asked: \['table_wise'\]\)"),
+    ],
+)
+def test_managed_collision_tables_torchrec_cannot_shard_are_refused_before_planning(kwargs, constraints, message):
+    from lightning_rec.config import TableConstraints
+    from lightning_rec.strategy.sharding import check_managed_collision
+    from lightning_rec.tables import TABLE_MODULE_TYPES
+
+    model = ZchModel(**kwargs)
+    typed = {t: TableConstraints(**c) for t, c in (constraints or {}).items()}
+    with pytest.raises(ValueError, match=message):
+        check_managed_collision(model, TABLE_MODULE_TYPES, typed, world_size=2, device_type="cpu")
+    with pytest.warns(UserWarning, match=r"keep the default input_hash_size"):
+        check_managed_collision(ZchModel(hash_size=2**63 - 1), TABLE_MODULE_TYPES, {}, world_size=2, device_type="cpu")
