@@ -11,7 +11,7 @@ from torchrec import EmbeddingBagCollection
 
 from lightning_rec.errors import ExportError
 from lightning_rec.serving.artifact import InferenceSpec, ServingWrapper, example_inputs
-from lightning_rec.tables import embedding_modules
+from lightning_rec.tables import embedding_modules, inner_collection
 
 __all__ = [
     "KERNELS",
@@ -40,10 +40,20 @@ def serving_network(module: nn.Module, part: Optional[str]) -> nn.Module:
     net = hook(part) if part is not None else hook()
     if not isinstance(net, nn.Module):
         raise ExportError(f"{name}.inference_module() returned {type(net).__name__}, not an nn.Module.")
-    if not embedding_modules(net):
+    found = embedding_modules(net)
+    if not found:
         raise ExportError(
             f"{name}.inference_module() returned {type(net).__name__}, which holds no EmbeddingBagCollection or "
             "EmbeddingCollection: there are no tables to serve."
+        )
+    unserved = {path: type(sub).__name__ for path, sub in found.items() if inner_collection(sub) is not sub}
+    if unserved:
+        raise ExportError(
+            f"{name}: {', '.join(f'{t} ({p!r})' for p, t in unserved.items())} cannot be exported yet: the artifact "
+            "serves plain EmbeddingBagCollection/EmbeddingCollection tables, while a managed-collision module must "
+            "carry its collision state (TorchRec's QuantManagedCollision* modules) and a feature-processed one its "
+            "position weights. HINT: serve these with TorchRec's inference API (`quantize_inference_model` with "
+            "QuantManagedCollisionEmbeddingBagCollection in its mapping) from `load_from_checkpoint`'s module."
         )
     return net
 

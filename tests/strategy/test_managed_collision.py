@@ -35,7 +35,8 @@ from torchrec.modules.mc_modules import (
 
 import lightning_rec
 from lightning_rec import RecShardStrategy
-from lightning_rec.errors import InputError
+from lightning_rec.errors import ExportError, InputError
+from lightning_rec.serving import export_inference
 from tests.helpers.dist import run_ranks
 
 HASH_SIZE = 960  # raw ids: [0, 960), split in 2 buckets of 480
@@ -256,6 +257,19 @@ def _assembled(results: List[Dict[str, Any]]) -> Dict[str, List[Any]]:
     return out
 
 
+def _by_raw_id(state: Dict[str, List[Any]]) -> Dict[str, Dict[int, Tuple[int, ...]]]:
+    """Per table: raw id -> (its row, its count, its last access), for the slots that hold an id."""
+    out = {}
+    for f in FEATURES:
+        prefix = next(k for k in state if f".t_{f}._mch_sorted_raw_ids" in k).rsplit(".", 1)[0]
+        raw = state[f"{prefix}._mch_sorted_raw_ids"]
+        columns = [
+            state[f"{prefix}.{n}"] for n in ("_mch_remapped_ids_mapping", "_mch_counts", "_mch_last_access_iter")
+        ]
+        out[f] = {x: tuple(c[i] for c in columns) for i, x in enumerate(raw) if x != torch.iinfo(torch.int64).max}
+    return out
+
+
 @pytest.mark.dist
 def test_managed_collision_tables_train_as_torchrec_trains_them_and_every_rank_remaps_alike(tmp_path):
     results = run_ranks(fit, 2, tmp_path, steps=4, save="ckpt")
@@ -285,6 +299,16 @@ def test_managed_collision_tables_train_as_torchrec_trains_them_and_every_rank_r
     (single,) = run_ranks(fit, 1, tmp_path / "one", steps=3, save="ckpt1")
     back = run_ranks(restore, 2, tmp_path / "to2", ckpt=str(tmp_path / "one" / "ckpt1"))
     assert _assembled(back) == _assembled([single])
+
+    # load_from_checkpoint in this (non-distributed) process: the unsharded module with the trained collision state.
+    # (Its load hook re-sorts the buffers of the one bucket layout; what each raw id maps to is what was saved.)
+    loaded = ZchModel.load_from_checkpoint(tmp_path / "ckpt")
+    assert all(_by_raw_id(saved).values())
+    assert _by_raw_id(_assembled([{"state": _collision_state(loaded)}])) == _by_raw_id(saved)
+    # Serving: refused clearly, nothing written.
+    with pytest.raises(ExportError, match=r"ManagedCollisionEmbeddingBagCollection \('mc_ebc'\) cannot be exported"):
+        export_inference(tmp_path / "ckpt", tmp_path / "model.pt")
+    assert not list(tmp_path.glob("*model.pt*"))
 
 
 def test_on_one_rank_managed_collision_trains_like_the_unsharded_module(tmp_path):
