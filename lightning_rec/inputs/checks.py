@@ -50,7 +50,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec import _compat
 from lightning_rec.config import NonFinitePolicy
-from lightning_rec.errors import NonFiniteError
+from lightning_rec.errors import InputError, NonFiniteError
 from lightning_rec.inputs.kjt import check_features, check_on_host, host_numpy
 from lightning_rec.inputs.specs import FeatureTables, ModuleInputs
 
@@ -177,6 +177,7 @@ class InputChecks:
         self._pending: Deque[_PendingLoss] = deque()
         self.door_reads = 0  # KJTs whose contents were read at a module's door (not checked on the host)
         self._named_unread: set = set()  # (path, features) already warned about
+        self._vbe_refusals: dict = {}  # module path -> why it cannot train on a variable-batch KJT
 
     @contextlib.contextmanager
     def ahead(self, batches: int = 1) -> Iterator[None]:
@@ -203,10 +204,19 @@ class InputChecks:
         except Exception:  # noqa: BLE001 - a message must never fail the check it explains
             return ""
 
-    def install(self, sharded_root: nn.Module, specs: Mapping[str, ModuleInputs]) -> None:
+    def install(
+        self,
+        sharded_root: nn.Module,
+        specs: Mapping[str, ModuleInputs],
+        variable_batch_refusals: Optional[Mapping[str, str]] = None,
+    ) -> None:
         """Put :func:`check_features` in front of ``input_dist`` of each sharded module named in ``specs`` (paths
-        in ``sharded_root``, the module DMP wraps); without structure checks, take it away. Idempotent."""
+        in ``sharded_root``, the module DMP wraps); without structure checks, take it away. Idempotent.
+
+        ``variable_batch_refusals``: by module path, why that module cannot train on a variable-batch-per-feature
+        (VBE) KJT; such a KJT is refused at its door with the reason, before TorchRec fails on it."""
         self.tables = FeatureTables.of(specs)
+        self._vbe_refusals = dict(variable_batch_refusals or {})
         for path, spec in specs.items():
             sharded = sharded_root.get_submodule(path)
             original = getattr(sharded, "_lightning_rec_input_dist", None)
@@ -284,6 +294,14 @@ class InputChecks:
 
     def at_door(self, features: Any, spec: ModuleInputs) -> KeyedJaggedTensor:
         """Check what a sharded module is given (its contents only if the host did not check them)."""
+        if spec.path in self._vbe_refusals and isinstance(features, KeyedJaggedTensor):
+            if features.variable_stride_per_key():
+                raise InputError(
+                    f"{self.where() + ': ' if self.where() else ''}module {spec.path!r}: the KeyedJaggedTensor has a "
+                    f"variable batch size per feature (VBE), which it cannot train on: {self._vbe_refusals[spec.path]}. "
+                    "HINT: give every feature the same batch size, or shard its tables table-wise or column-wise "
+                    "with sgd, rowwise_adagrad or adam."
+                )
         trusted = self._trusted_features(features)
         data = trusted is None or not trusted.issuperset(spec.features)
         self.door_reads += data

@@ -74,6 +74,7 @@ from lightning_rec.strategy.settings import (
     toggle_optimizer_error,
 )
 from lightning_rec.strategy.sharder import TableSharder
+from lightning_rec.strategy.sharding import vbe_refusals
 
 
 # How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
@@ -377,7 +378,11 @@ class RecShardStrategy(ParallelStrategy):
                 "uses the same one, or build a fresh model."
             )
         self.model = state.dmp
-        self._input_checks.install(state.dmp.module, state.inputs)
+        self._input_checks.install(
+            state.dmp.module,
+            state.inputs,
+            vbe_refusals(state.plan, state.embedding_optimizer.name, self.root_device.type, self.world_size),
+        )
         self._batch_hooks = custom_batch_hooks(module, trainer.datamodule)
         self._redirect_steps = dense_ddp(state.dmp) is not None
 

@@ -261,6 +261,49 @@ def check_managed_collision(
         )
 
 
+# FBGEMM's table-batched kernels train variable-batch (VBE) inputs with these fused optimizers only.
+_VBE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+# On CPU TorchRec 1.8 fails on VBE inputs of data-parallel tables (its lookup splits them wrongly), and on several
+# gloo ranks on row-wise ones (their gradients are all-gathered in uneven sizes, and gloo's all-gather takes equal
+# ones); on one rank row-wise ones train exactly. Found by trying each.
+_VBE_CPU_UNSUPPORTED = (ShardingType.DATA_PARALLEL.value,)
+_VBE_GLOO_UNSUPPORTED = (
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.GRID_SHARD.value,
+)
+
+
+def vbe_refusals(plan: ShardingPlan, optimizer_name: str, device_type: str, world_size: int = 1) -> Dict[str, str]:
+    """Why each sharded module of ``plan`` cannot train on a variable-batch-per-feature KJT, by module path (modules
+    that can are left out): the input checks refuse such a batch at the module's door, naming the reason.
+
+    Example::
+
+        >>> vbe_refusals(ShardingPlan(plan={}), "adagrad", "cpu", world_size=2)
+        {}
+    """
+    refusals: Dict[str, str] = {}
+    for path, tables in plan.plan.items():
+        reasons = []
+        if optimizer_name not in _VBE_OPTIMIZERS:
+            reasons.append(
+                f"FBGEMM's kernels train variable-batch inputs with {', '.join(_VBE_OPTIMIZERS)} only, and the "
+                f"tables use {optimizer_name}"
+            )
+        if device_type != "cuda":
+            unsupported = _VBE_CPU_UNSUPPORTED + (_VBE_GLOO_UNSUPPORTED if world_size > 1 else ())
+            odd = sorted(f"{t} ({p.sharding_type})" for t, p in tables.items() if p.sharding_type in unsupported)
+            if odd:
+                reasons.append(
+                    "on CPU TorchRec fails on them for data-parallel tables, and over several gloo ranks for "
+                    f"row-wise ones: {', '.join(odd)}"
+                )
+        if reasons:
+            refusals[path] = "; ".join(reasons)
+    return refusals
+
+
 def qcomms_registry(qcomms: Optional[QuantizedComms]) -> Optional[Dict[str, Any]]:
     """TorchRec's codec registry for ``qcomms`` (``None``: full precision)."""
     if qcomms is None:

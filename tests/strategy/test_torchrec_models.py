@@ -70,21 +70,34 @@ def _tables():
     return tables, weighted
 
 
-def _model(seed: int) -> TestSparseNN:
+def _model(seed: int, vbe: bool = False) -> TestSparseNN:
+    """TestSparseNN; with ``vbe`` without weighted or position-weighted tables (TorchRec's variable-batch generator
+    makes no weights, and the unsharded reference's feature processors need one batch size)."""
     torch.manual_seed(seed)
     tables, weighted = _tables()
     return TestSparseNN(
         tables=tables,
-        weighted_tables=weighted,
+        weighted_tables=[] if vbe else weighted,
         num_float_features=NUM_FLOAT,
         dense_device=torch.device("cpu"),
         sparse_device=torch.device("cpu"),
-        max_feature_lengths=POSITION_WEIGHTED,
+        max_feature_lengths=None if vbe else POSITION_WEIGHTED,
     )
 
 
-def _inputs(steps: int, world_size: int, seed: int = 100):
+def _inputs(steps: int, world_size: int, seed: int = 100, vbe: bool = False):
     tables, weighted = _tables()
+    if vbe:  # variable batch per feature: KJTs with a stride per feature and rank
+        return [
+            ModelInput.generate_variable_batch_input(
+                average_batch_size=4,
+                world_size=world_size,
+                num_float_features=NUM_FLOAT,
+                tables=tables,
+                random_seed=seed + s,
+            )
+            for s in range(steps)
+        ]
     return [
         ModelInput.generate(
             batch_size=4,
@@ -166,16 +179,17 @@ def _trainer(world_size: int, steps: int = 1, **strategy: Any) -> L.Trainer:
     )
 
 
-def _eval_input(rank: int, world_size: int) -> ModelInput:
+def _eval_input(rank: int, world_size: int, vbe: bool = False) -> ModelInput:
     """Held-out rows: the whole batch on 1 rank, its halves on 2 (concatenated, the halves are the whole)."""
-    whole, halves = _inputs(1, 2, seed=7)[0]
+    whole, halves = _inputs(1, 2, seed=7, vbe=vbe)[0]
     return whole if world_size == 1 else halves[rank]
 
 
-def _predict(trainer: L.Trainer, module: TorchRecModel, rank: int, world_size: int, **kwargs: Any) -> List[float]:
-    return torch.cat(
-        trainer.predict(module, DataLoader([_eval_input(rank, world_size)], batch_size=None), **kwargs)
-    ).tolist()
+def _predict(
+    trainer: L.Trainer, module: TorchRecModel, rank: int, world_size: int, vbe: bool = False, **kwargs: Any
+) -> List[float]:
+    loader = DataLoader([_eval_input(rank, world_size, vbe)], batch_size=None)
+    return torch.cat(trainer.predict(module, loader, **kwargs)).tolist()
 
 
 def fit(
@@ -187,11 +201,12 @@ def fit(
     steps: int = 3,
     save: Optional[str] = None,
     sharders: Optional[List[Any]] = None,
+    vbe: bool = False,
 ) -> Dict[str, Any]:
     """Train on this rank's slice of every global batch; rank 0 also trains the unsharded reference."""
-    model = _model(seed=0)
-    inputs = _inputs(steps, world_size)
-    result = _reference(model, inputs, optimizer, _eval_input(0, 1)) if rank == 0 else {}
+    model = _model(seed=0, vbe=vbe)
+    inputs = _inputs(steps, world_size, vbe=vbe)
+    result = _reference(model, inputs, optimizer, _eval_input(0, 1, vbe)) if rank == 0 else {}
     module = TorchRecModel(model, optimizer)
     trainer = _trainer(world_size, steps, constraints=constraints, sharders=sharders)
     with warnings.catch_warnings():
@@ -200,7 +215,8 @@ def fit(
     if save:
         trainer.save_checkpoint(out_dir / save)
     plan = {t: s.sharding_type for m in trainer.strategy.sharding_plan.plan.values() for t, s in m.items()}
-    return {**result, "losses": module.losses, "preds": _predict(trainer, module, rank, world_size), "plan": plan}
+    preds = _predict(trainer, module, rank, world_size, vbe)
+    return {**result, "losses": module.losses, "preds": preds, "plan": plan}
 
 
 def predict_from(
@@ -321,3 +337,40 @@ def test_quantized_comms_that_cannot_run_on_cpu_are_refused_naming_why():
     strategy = RecShardStrategy(qcomms={"forward": "fp8"})
     with pytest.raises(ValueError, match="fp8 cannot run on CPU"):
         strategy.sharder.check_model(TorchRecModel(_model(0)), "cpu")
+
+
+@pytest.mark.dist
+def test_variable_batch_per_feature_trains_like_unsharded_torchrec_where_torchrec_runs_it(tmp_path):
+    plan = {t: {"sharding_types": ["table_wise"]} for t in ("table_0", "table_1")}
+    plan["table_2"] = {"sharding_types": ["column_wise"], "min_partition": 8}
+    results = run_ranks(fit, 2, tmp_path, constraints=plan, optimizer="sgd", vbe=True)
+    assert _mean_losses(results) == pytest.approx(results[0]["ref_losses"], abs=TOL)
+    assert _preds(results) == pytest.approx(results[0]["ref_preds"], abs=TOL)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "plan", "reason"),
+    [
+        (
+            "adagrad",
+            {"table_0": {"sharding_types": ["table_wise"]}},
+            r"train variable-batch inputs with sgd, rowwise_adagrad, adam only.*adagrad",
+        ),
+        (
+            "sgd",
+            {"table_0": {"sharding_types": ["data_parallel"]}},
+            r"on CPU TorchRec fails on them .*table_0 \(data_parallel\)",
+        ),
+    ],
+)
+def test_variable_batch_inputs_torchrec_cannot_train_are_refused_naming_why(tmp_path, optimizer, plan, reason):
+    from lightning_rec.errors import InputError
+
+    with pytest.raises(InputError, match=rf"module 'model.sparse.ebc': .*variable batch size per feature.*{reason}"):
+        fit(0, 1, tmp_path, constraints=plan, optimizer=optimizer, vbe=True, steps=1)
+
+
+def test_variable_batch_inputs_train_row_wise_on_one_rank(tmp_path):
+    result = fit(0, 1, tmp_path, constraints={"table_0": {"sharding_types": ["row_wise"]}}, vbe=True)
+    assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
+    assert result["preds"] == pytest.approx(result["ref_preds"], abs=TOL)
