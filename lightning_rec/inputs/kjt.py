@@ -158,7 +158,7 @@ def _check_keys(keys: List[str], spec: ModuleInputs, fail: Callable[[str], Input
         problems.append(f"has duplicated feature(s) {duplicated}")
     if problems:
         raise fail(
-            f"the KeyedJaggedTensor {' and '.join(problems)}; it has {keys}, the module reads {list(spec.features)}. "
+            f"the KeyedJaggedTensor {' and '.join(problems)}; it has {keys}, the module expects {list(spec.features)}. "
             "HINT: give each embedding module a KeyedJaggedTensor with every feature it reads, each once (e.g. "
             "`KeyedJaggedTensor.from_lengths_sync(keys=[...], ...)` with the module's feature names)."
         )

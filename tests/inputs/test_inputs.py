@@ -11,6 +11,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.inputs import InputChecks, InputError, ModuleInputs, NonFiniteError, check_features, check_finite
+from lightning_rec.inputs.specs import FeatureTables
 from tests.helpers.dist import launch, run_ranks
 from tests.helpers import checkpoint_scenarios, input_scenarios, scenarios
 
@@ -19,6 +20,46 @@ SPEC = ModuleInputs("ebc", ("user", "genre"), {"user": ("t_user", 10), "genre": 
 
 def _check(where: str = "training step 3 (epoch 0, batch 3)", spec: ModuleInputs = SPEC, **kjt) -> KeyedJaggedTensor:
     return check_features(KeyedJaggedTensor(**kjt), spec, where=where)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A batch may carry features other modules read; each module reads its own.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_a_module_reads_its_own_features_of_a_shared_kjt_and_a_missing_one_is_an_error():
+    kjt = dict(
+        keys=["item", "genre", "user"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1, 0, 0])
+    )
+    out = _check(**kjt)
+    assert out.keys() == ["user", "genre"]  # the module's features, in its order; 'item' is another module's
+    assert out["user"].values().tolist() == [] and out["genre"].values().tolist() == [3, 4]
+    with pytest.raises(
+        InputError, match=r"lacks feature\(s\) \['genre'\] \(table 't_genre'\); it has \['item', 'user'\]"
+    ):
+        _check(keys=["item", "user"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1, 0, 0]))
+    # Ids are still checked against the table that reads them, not the other features'.
+    with pytest.raises(
+        InputError, match=r"feature 'genre' \(table 't_genre', 5 rows\) has 1 id\(s\) outside \[0, 5\): 7"
+    ):
+        _check(
+            keys=["item", "genre", "user"], values=torch.tensor([99, 7, 1]), lengths=torch.tensor([1, 0, 1, 0, 1, 0])
+        )
+
+
+def test_a_feature_no_table_of_the_model_reads_is_named_once_in_a_warning():
+    checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")
+    checks.tables = FeatureTables.of({"ebc": SPEC})
+    kjt = KeyedJaggedTensor(
+        keys=["user", "genre", "agee"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1])
+    )
+    with pytest.warns(UserWarning, match=r"batch\['sparse'\] carries feature\(s\) \['agee'\] that no embedding table"):
+        checks.check_host({"sparse": kjt})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the next batch is not warned about again
+        checks.check_host({"sparse": kjt})
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -32,8 +73,6 @@ EXPECTED_ERRORS = {
     "rows) has 1 id(s) outside [0, 80): -3 (sample 0).",
     "missing_feature": "InputError: training step 3 (epoch 0, batch 3): module 'ebc': the KeyedJaggedTensor lacks "
     "feature(s) ['genre'] (table 't_genre'); it has ['user', 'item'], the module expects ['user', 'item', 'genre'].",
-    "unknown_feature": "InputError: training step 3 (epoch 0, batch 3): module 'ebc': the KeyedJaggedTensor has "
-    "feature(s) ['age'] that no table of this module reads;",
     "lengths_mismatch": "InputError: training step 3 (epoch 0, batch 3): module 'ebc': the lengths add up to 49 ids "
     "but there are 48 values.",
     "float_values": "InputError: training step 3 (epoch 0, batch 3): module 'ebc': values must be a 1-D tensor of "
@@ -47,7 +86,10 @@ EXPECTED_ERRORS = {
 @pytest.mark.dist
 def test_each_bad_batch_fails_at_its_step_naming_what_is_wrong_and_changes_nothing(tmp_path):
     results = run_ranks(
-        input_scenarios.bad_batches, 1, tmp_path, cases=list(EXPECTED_ERRORS) + ["none", "permuted", "int32_ids"]
+        input_scenarios.bad_batches,
+        1,
+        tmp_path,
+        cases=list(EXPECTED_ERRORS) + ["none", "permuted", "int32_ids", "unknown_feature"],
     )[0]
     for case, expected in EXPECTED_ERRORS.items():
         r = results[case]
@@ -55,10 +97,11 @@ def test_each_bad_batch_fails_at_its_step_naming_what_is_wrong_and_changes_nothi
         assert r["steps_done"] == 3, case  # steps 0-2 trained, the bad step 3 did not
         assert r["weights_unchanged"] and r["optimizer_unchanged"], f"{case}: the refused step changed state"
     assert "HINT" in results["id_too_large"]["error"] and "bounds_check='warn'" in results["id_too_large"]["error"]
-    # Features in another order than the module's, and int32 ids, are the same batch: the same losses.
+    # Features in another order than the module's, int32 ids, and a feature no table reads beside the module's
+    # (each module reads its own features, as in TorchRec) are the same batch: the same losses.
     good = results["none"]
     assert good["error"] is None and len(good["losses"]) == 6
-    for case in ("permuted", "int32_ids"):
+    for case in ("permuted", "int32_ids", "unknown_feature"):
         assert results[case]["error"] is None
         assert results[case]["losses"] == good["losses"], case
 
