@@ -287,7 +287,7 @@ def test_config_runs_with_the_cli(tmp_path: Path) -> None:
     assert isinstance(cli.model, SequentialRecModule) and isinstance(cli.datamodule, MovieLensSequenceDataModule)
     assert cli.model.num_items == cli.datamodule.num_items == 1683  # linked from the DataModule
     plan = cli.trainer.strategy.sharding_plan.get_plan_for_module("model.item_ec")
-    assert plan["t_item"].sharding_type == "column_wise"
+    assert plan["t_item"].sharding_type == "row_wise"
     metrics = cli.trainer.callback_metrics
     assert {"train/loss", "val/hr@10", "val/ndcg@10"} <= set(metrics)
     assert 0.0 <= float(metrics["val/ndcg@10"]) <= float(metrics["val/hr@10"]) <= 1.0
