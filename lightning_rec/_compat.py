@@ -7,7 +7,8 @@ imported here, once, so that a Lightning upgrade that moves them breaks one file
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Dict, Iterator, Optional
 
 # Lightning: process-group helpers shared by its own DDP/FSDP/ModelParallel strategies. There is no public
 # equivalent; re-implementing them would fork Lightning's handling of cluster environments and timeouts.
@@ -213,3 +214,28 @@ def with_sharder_fused_params(sharder: object, fused_params: dict) -> object:
         _private(sharder, "_fused_params")
         out._fused_params = dict(fused_params)  # type: ignore[attr-defined]
     return out
+
+
+# TorchRec: a table's own fused parameters (another optimizer or learning rate than its sharder's) are read from its
+# unsharded weight's `_optimizer_classes`/`_optimizer_kwargs` when the module is sharded (embeddingbag.py and
+# embedding.py, `create_sharding_infos_by_sharding`), which `torchrec.optim.apply_optimizer_in_backward` sets. That
+# function also hooks an optimizer into the weight's backward; the unsharded weight never runs a backward here, so the
+# strategy sets the two attributes alone, for the time of sharding.
+_TABLE_OPTIMIZER_ATTRS = ("_optimizer_classes", "_optimizer_kwargs")
+
+
+@contextlib.contextmanager
+def table_fused_params(weights: "Dict[object, dict]") -> "Iterator[None]":
+    """Within this block, each unsharded table weight (key) carries its own fused parameters (value) for TorchRec's
+    sharders; restored afterwards."""
+    saved = {id(w): (w, {a: w.__dict__[a] for a in _TABLE_OPTIMIZER_ATTRS if a in w.__dict__}) for w in weights}
+    try:
+        for weight, fused in weights.items():
+            weight._optimizer_classes = [None]  # type: ignore[attr-defined]
+            weight._optimizer_kwargs = [dict(fused)]  # type: ignore[attr-defined]
+        yield
+    finally:
+        for weight, before in saved.values():
+            for attr in _TABLE_OPTIMIZER_ATTRS:
+                weight.__dict__.pop(attr, None)
+            weight.__dict__.update(before)

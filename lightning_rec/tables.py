@@ -44,6 +44,7 @@ __all__ = [
     "is_sharded",
     "sharded_module_types",
     "table_configs",
+    "table_weights",
 ]
 
 # The module types sharded without any extra sharder (each has a built-in sharder: lightning_rec.strategy.sharding).
@@ -134,6 +135,20 @@ def embedding_tables(
             tables[config.name] = config
             owners[config.name] = path
     return tables
+
+
+def table_weights(
+    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
+) -> Dict[str, nn.Parameter]:
+    """Every unsharded table's weight, by table name (what a param group of ``configure_optimizers`` holds)."""
+    weights: Dict[str, nn.Parameter] = {}
+    for sub in embedding_modules(module, module_types).values():
+        inner = inner_collection(sub)
+        holders = (
+            inner.embedding_bags if isinstance(inner, EmbeddingBagCollection) else getattr(inner, "embeddings", {})
+        )
+        weights.update({name: holder.weight for name, holder in holders.items()})
+    return weights
 
 
 def is_sharded(module: nn.Module) -> bool:

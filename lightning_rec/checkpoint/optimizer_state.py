@@ -77,9 +77,9 @@ def canonical_state(optimizer: Optimizer, named_parameters: Mapping[str, Tensor]
         for fqn, entries in optimizer.fused.state_dict()["state"].items()
     }
     state.update(_torch_state_by_fqn(optimizer.dense, dense_names))
-    if optimizer.table_optimizer is not None:
-        table_names = {id(p): n for n, p in optimizer.table_params.items()}
-        for fqn, entries in _torch_state_by_fqn(optimizer.table_optimizer, table_names).items():
+    table_names = {id(p): n for n, p in optimizer.table_params.items()}
+    for table_optimizer in optimizer.table_optimizers:
+        for fqn, entries in _torch_state_by_fqn(table_optimizer, table_names).items():
             state[fqn] = _table_state_to_canonical(entries)
     return {
         "state": state,
@@ -130,10 +130,8 @@ class OptimizerTarget:
             owners.update({fqn: "dense" for fqn in self.optimizer.dense_params})
             owners.update({fqn: "table" for fqn in self.optimizer.table_params})
             self._torch.append((self.optimizer.dense, {id(p): n for n, p in self.optimizer.dense_params.items()}))
-            if self.optimizer.table_optimizer is not None:
-                self._torch.append(
-                    (self.optimizer.table_optimizer, {id(p): n for n, p in self.optimizer.table_params.items()})
-                )
+            table_names = {id(p): n for n, p in self.optimizer.table_params.items()}
+            self._torch += [(table_optimizer, table_names) for table_optimizer in self.optimizer.table_optimizers]
             self._rows = {fqn: int(v.size(0)) for fqn, v in model_state.items() if fqn in owners and is_tensor(v)}
         else:
             names = {id(p): n for n, p in named_parameters.items()}

@@ -39,6 +39,7 @@ class ShardedState:
             of :mod:`lightning_rec.inputs` compare batches with; the sharded modules no longer expose their configs).
         dense_ids: the ``id`` of each dense parameter inside an embedding module (a feature processor's position
             weights): trained by the dense optimizer, not the tables'.
+        table_optimizers: tables trained by a fused optimizer of their own (their param group's), by table name.
     """
 
     dmp: DistributedModelParallel
@@ -47,6 +48,7 @@ class ShardedState:
     report: Optional[PlanReport] = None
     inputs: Dict[str, ModuleInputs] = field(default_factory=dict)
     dense_ids: FrozenSet[int] = frozenset()
+    table_optimizers: Dict[str, EmbeddingOptimizer] = field(default_factory=dict)
 
 
 def dense_parameter_ids(modules: Sequence[nn.Module]) -> FrozenSet[int]:

@@ -12,7 +12,7 @@ turns itself into TorchRec ``fused_params``; importable from here too). This mod
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
@@ -112,26 +112,39 @@ def embedding_optimizer_from_torch(optimizer: Optimizer, group: Mapping[str, Any
     )
 
 
+def embedding_groups(
+    optimizers: Iterable[Optimizer], is_embedding: Callable[[torch.Tensor], bool]
+) -> List[Tuple[int, Dict[str, Any]]]:
+    """Every (optimizer index, param group) that holds embedding parameters, in order."""
+    return [
+        (idx, group)
+        for idx, opt in enumerate(optimizers)
+        for group in opt.param_groups
+        if any(is_embedding(p) for p in group["params"])
+    ]
+
+
 def find_embedding_group(
     optimizers: Iterable[Optimizer], is_embedding: Callable[[torch.Tensor], bool]
 ) -> Optional[Tuple[int, Dict[str, Any]]]:
     """Locate the single (optimizer index, param group) that holds the embedding parameters.
 
-    Returns ``None`` when no optimizer holds any. Raises when they are spread over several groups (their
-    hyperparameters could differ, while a fused kernel applies one update rule per table batch).
+    Returns ``None`` when no optimizer holds any. Raises when they are spread over several groups (see
+    :func:`resolve_embedding_optimizer`, which trains each table by its own group when it knows the tables).
     """
-    found: List[Tuple[int, Dict[str, Any]]] = []
-    for idx, opt in enumerate(optimizers):
-        for group in opt.param_groups:
-            if any(is_embedding(p) for p in group["params"]):
-                found.append((idx, group))
+    found = embedding_groups(optimizers, is_embedding)
     if len(found) > 1:
         raise ValueError(
             f"The embedding parameters are spread over {len(found)} optimizer param groups. A fused embedding "
-            "optimizer needs one set of hyperparameters. HINT: put all embedding parameters in one param group, "
+            "optimizer needs one set of hyperparameters per table. HINT: put each table's weight in one param group, "
             "or declare the embedding optimizer with `RecLightningModule.configure_embedding_optimizer()`."
         )
     return found[0] if found else None
+
+
+TableOptimizers = Dict[str, Tuple[EmbeddingOptimizer, Dict[str, Any]]]
+"""Per table name: the fused optimizer derived from the param group holding its weight, and that group (whose
+learning rate it follows)."""
 
 
 def strip_params(optimizer: Optimizer, is_embedding: Callable[[torch.Tensor], bool]) -> int:
@@ -179,7 +192,10 @@ class RecOptimizer(CombinedOptimizer):
         lr_source: the param group whose ``lr`` the embedding tables follow, or ``None`` to keep the
             fused optimizer's own learning rate.
         table_optimizer: an ordinary optimizer (same rule as the fused one) for table parameters that TorchRec
-            keeps on a non-fused kernel (``data_parallel`` tables on CPU), with ``table_params`` by name.
+            keeps on a non-fused kernel (``data_parallel`` tables on CPU), with ``table_params`` by name; or a list
+            of them (tables with rules of their own).
+        lr_sources: instead of ``lr_source``, pairs ``(group, source)``: the fused or table optimizer's param group
+            that follows the learning rate of the user's param group ``source`` (tables in several groups).
 
     Example::
 
@@ -193,29 +209,40 @@ class RecOptimizer(CombinedOptimizer):
         dense: Optimizer,
         dense_params: Mapping[str, torch.Tensor],
         lr_source: Optional[Dict[str, Any]] = None,
-        table_optimizer: Optional[Optimizer] = None,
+        table_optimizer: Optional[Union[Optimizer, Sequence[Optimizer]]] = None,
         table_params: Optional[Mapping[str, torch.Tensor]] = None,
+        lr_sources: Optional[Sequence[Tuple[Dict[str, Any], Dict[str, Any]]]] = None,
     ) -> None:
         self.dense = dense
-        self.table_optimizer = table_optimizer
+        tables = [table_optimizer] if isinstance(table_optimizer, Optimizer) else list(table_optimizer or [])
+        self.table_optimizers: List[Optimizer] = tables
+        self.table_optimizer = tables[0] if len(tables) == 1 else None  # the usual single one
         self.dense_params: Dict[str, torch.Tensor] = dict(dense_params)
         self.table_params: Dict[str, torch.Tensor] = dict(table_params or {})
         # `KeyedOptimizerWrapper` builds its optimizer from a factory; ours already exists (schedulers are
         # bound to it), so the factory hands it back. State and param groups are shared, not copied.
         keyed: List[KeyedOptimizer] = [fused, KeyedOptimizerWrapper(dict(dense_params), lambda _params: dense)]
-        if table_optimizer is not None:
-            keyed.append(KeyedOptimizerWrapper(dict(table_params or {}), lambda _params: table_optimizer))
+        by_id = {id(p): n for n, p in self.table_params.items()}
+        for opt in tables:
+            named = {by_id[id(p)]: p for g in opt.param_groups for p in g["params"]}
+            keyed.append(KeyedOptimizerWrapper(named, lambda _params, _opt=opt: _opt))
         # No key prefixes: optimizer state stays keyed by parameter FQN, like the model state_dict.
         super().__init__(keyed)
         self.fused = fused
-        self._lr_source = lr_source
-        self._pushed_lr: Optional[float] = None  # the rate last pushed into the kernels by `sync_lr`
+        self._lr_sources: List[Tuple[Dict[str, Any], Dict[str, Any]]] = (
+            list(lr_sources)
+            if lr_sources is not None
+            else [(group, lr_source) for group in self._follower_groups()]
+            if lr_source is not None
+            else []
+        )
+        self._pushed_lrs: Optional[List[float]] = None  # the rates last pushed into the kernels by `sync_lr`
         self.sync_lr()
 
     def _follower_groups(self) -> List[Dict[str, Any]]:
         groups = list(self.fused.param_groups)
-        if self.table_optimizer is not None:
-            groups += self.table_optimizer.param_groups
+        for opt in self.table_optimizers:
+            groups += opt.param_groups
         return groups
 
     @property
@@ -233,24 +260,23 @@ class RecOptimizer(CombinedOptimizer):
         self.sync_lr()
 
     def sync_lr(self) -> None:
-        """Copy the source group's learning rate into the fused kernels (idempotent; called every step, so
+        """Copy the source groups' learning rates into the fused kernels (idempotent; called every step, so
         it returns at once unless a rate moved)."""
-        if self._lr_source is None:
+        if not self._lr_sources:
             return
-        lr = self._lr_source["lr"]
-        groups = self._follower_groups()
-        if lr == self._pushed_lr and all(group["lr"] == lr for group in groups):
+        lrs = [source["lr"] for _, source in self._lr_sources]
+        if lrs == self._pushed_lrs and all(group["lr"] == source["lr"] for group, source in self._lr_sources):
             return
-        for group in groups:
-            group["lr"] = lr
+        for group, source in self._lr_sources:
+            group["lr"] = source["lr"]
         self.fused.step()  # a fused optimizer's step() only pushes param_groups' lr into the kernels
-        self._pushed_lr = lr
+        self._pushed_lrs = lrs
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sync_lr()
         self.dense.zero_grad(set_to_none=set_to_none)
-        if self.table_optimizer is not None:
-            self.table_optimizer.zero_grad(set_to_none=set_to_none)
+        for opt in self.table_optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         # No sync_lr here: the tables update inside the closure's backward, after `zero_grad` (and Lightning's
@@ -260,8 +286,8 @@ class RecOptimizer(CombinedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self.dense.step()
-        if self.table_optimizer is not None:
-            self.table_optimizer.step()
+        for opt in self.table_optimizers:
+            opt.step()
         return loss
 
 
@@ -278,18 +304,49 @@ def resolve_embedding_optimizer(
     has_tables: bool,
     device_type: str,
     owner: str = "RecShardStrategy",
-) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]:
-    """The fused optimizer, and the param group whose learning rate it follows (``None``: its own).
+    table_weights: Optional[Mapping[str, torch.Tensor]] = None,
+) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]], Optional[TableOptimizers]]:
+    """The fused optimizer, the param group whose learning rate it follows (``None``: its own), and per-table
+    optimizers when the tables sit in several param groups (``None`` otherwise).
 
     An explicitly ``declared`` optimizer wins; otherwise it is derived from the param group holding the
-    tables; with optimizers but no such group the update rule is unknown (an error); with no optimizers at
-    all (evaluation) a zero-lr SGD stands in, since no update happens.
+    tables. Tables spread over several groups (other learning rates, other optimizers) each get the fused version
+    of their own group's rule, as TorchRec trains tables with their own fused parameters (``table_weights``: each
+    table's weight, to find its group; the first group's rule is then the default). With optimizers but no such
+    group the update rule is unknown (an error); with no optimizers at all (evaluation) a zero-lr SGD stands in,
+    since no update happens.
+
+    Example::
+
+        >>> t1, t2 = torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(4, 2))
+        >>> opt = torch.optim.Adagrad([{"params": [t1], "lr": 0.1}, {"params": [t2], "lr": 0.3}])
+        >>> _, _, per_table = resolve_embedding_optimizer([opt], lambda p: p is t1 or p is t2, declared=None,
+        ...     has_tables=True, device_type="cpu", table_weights={"t1": t1, "t2": t2})
+        >>> {t: o.lr for t, (o, _) in per_table.items()}
+        {'t1': 0.1, 't2': 0.3}
     """
-    found = find_embedding_group(optimizers, is_embedding)
+    found = embedding_groups(optimizers, is_embedding)
+    per_table: Optional[TableOptimizers] = None
     if declared is not None:
         emb_opt, lr_source = declared, None
-    elif found is not None:
-        emb_opt, lr_source = embedding_optimizer_from_torch(optimizers[found[0]], found[1]), found[1]
+    elif len(found) > 1 and table_weights is not None:
+        derived = {id(group): embedding_optimizer_from_torch(optimizers[idx], group) for idx, group in found}
+        per_table = {}
+        for table, weight in table_weights.items():
+            group = next((g for _, g in found if any(p is weight for p in g["params"])), None)
+            if group is None:
+                raise ValueError(
+                    f"{owner}: the embedding parameters are spread over {len(found)} param groups, and table "
+                    f"{table!r} is in none of them, so its update rule is unknown. HINT: put every table's weight "
+                    "in one of the param groups of `configure_optimizers`."
+                )
+            per_table[table] = (derived[id(group)], group)
+        for opt, _ in per_table.values():
+            opt.validate_for(device_type)
+        emb_opt, lr_source = next(iter(per_table.values()))[0], None
+    elif found:
+        idx, group = find_embedding_group(optimizers, is_embedding)  # type: ignore[misc]  # one, or it raises
+        emb_opt, lr_source = embedding_optimizer_from_torch(optimizers[idx], group), group
     elif optimizers and has_tables:
         raise ValueError(
             f"{owner}: no optimizer returned by `configure_optimizers` holds the embedding "
@@ -300,7 +357,7 @@ def resolve_embedding_optimizer(
     else:
         emb_opt, lr_source = EmbeddingOptimizer("sgd", lr=0.0), None  # evaluation only: no update happens
     emb_opt.validate_for(device_type)
-    return emb_opt, lr_source
+    return emb_opt, lr_source, per_table
 
 
 def combine_optimizers(
@@ -312,8 +369,12 @@ def combine_optimizers(
     lr_source: Optional[Dict[str, Any]],
     table_params: Mapping[str, torch.nn.Parameter],
     embedding_optimizer: EmbeddingOptimizer,
+    per_table: Optional[TableOptimizers] = None,
 ) -> Tuple["RecOptimizer", List[Optimizer]]:
     """Strip the tables from the user's optimizers and put the fused one beside the right dense optimizer.
+
+    With ``per_table`` (tables in several param groups), each fused param group follows the learning rate of the
+    group its tables came from, and tables on a non-fused kernel get an optimizer per rule.
 
     Returns:
         the :class:`RecOptimizer` and the optimizer list Lightning should drive (the RecOptimizer replaces the
@@ -329,13 +390,47 @@ def combine_optimizers(
     dense = optimizers[host]
     dense_params = (p for g in dense.param_groups for p in g["params"])
     dense_named = {names.get(id(p), f"param_{i}"): p for i, p in enumerate(dense_params)}
-    rec = RecOptimizer(
-        fused,
-        dense,
-        dense_named,
-        lr_source=lr_source,
-        table_optimizer=embedding_optimizer.torch_optimizer(table_params.values()) if table_params else None,
-        table_params=dict(table_params),
-    )
+    if per_table is None:
+        rec = RecOptimizer(
+            fused,
+            dense,
+            dense_named,
+            lr_source=lr_source,
+            table_optimizer=embedding_optimizer.torch_optimizer(table_params.values()) if table_params else None,
+            table_params=dict(table_params),
+        )
+    else:
+        table_opts, pairs = _per_table_optimizers(fused, table_params, per_table)
+        rec = RecOptimizer(
+            fused, dense, dense_named, table_optimizer=table_opts, table_params=dict(table_params), lr_sources=pairs
+        )
     optimizers[host] = rec
     return rec, optimizers
+
+
+def _table_of(fqn: str) -> str:
+    """The table of a table weight's name (``...embedding_bags.<table>.weight``, ``...embeddings.<table>.weight``)."""
+    return fqn.rsplit(".", 2)[-2]
+
+
+def _per_table_optimizers(
+    fused: KeyedOptimizer, table_params: Mapping[str, torch.nn.Parameter], per_table: TableOptimizers
+) -> Tuple[List[Optimizer], List[Tuple[Dict[str, Any], Dict[str, Any]]]]:
+    """An optimizer per rule for the non-fused tables, and which user group each fused or table group follows."""
+    pairs: List[Tuple[Dict[str, Any], Dict[str, Any]]] = []
+    names = {id(p): n for n, p in fused.params.items()}
+    for group in fused.param_groups:
+        tables = [_table_of(names[id(p)]) for p in group["params"] if id(p) in names]
+        known = [t for t in tables if t in per_table]
+        if known:  # TorchRec groups tables by their fused parameters: one rule, one source per group
+            pairs.append((group, per_table[known[0]][1]))
+    by_rule: Dict[int, Tuple[EmbeddingOptimizer, Dict[str, Any], List[torch.nn.Parameter]]] = {}
+    for name, param in table_params.items():
+        rule, source = per_table[_table_of(name)]
+        by_rule.setdefault(id(source), (rule, source, []))[2].append(param)
+    optimizers = []
+    for rule, source, params in by_rule.values():
+        opt = rule.torch_optimizer(params)
+        optimizers.append(opt)
+        pairs += [(group, source) for group in opt.param_groups]
+    return optimizers, pairs

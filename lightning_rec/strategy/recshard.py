@@ -362,18 +362,24 @@ class RecShardStrategy(ParallelStrategy):
         # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
         if fitting or (state is None and is_overridden("configure_optimizers", module)):
             optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
-        emb_opt, lr_source = self.sharder.embedding_optimizer_for(
+        emb_opt, lr_source, per_table = self.sharder.embedding_optimizer_for(
             module, optimizers, is_embedding, self.root_device.type
         )
 
         if state is None:
             state = self.sharder.shard(
-                module, emb_opt, world_size=self.world_size, num_processes=self.num_processes, device=self.root_device
+                module,
+                emb_opt,
+                world_size=self.world_size,
+                num_processes=self.num_processes,
+                device=self.root_device,
+                per_table=per_table,
             )
-        elif emb_opt != state.embedding_optimizer and fitting:
+        elif fitting and (emb_opt, _rules(per_table)) != (state.embedding_optimizer, state.table_optimizers):
             raise RuntimeError(
                 f"{type(self).__name__}: the model was sharded earlier with embedding optimizer "
-                f"{state.embedding_optimizer}, but now asks for {emb_opt}. The fused optimizer is part of the "
+                f"{state.table_optimizers or state.embedding_optimizer}, but now asks for "
+                f"{_rules(per_table) or emb_opt}. The fused optimizer is part of the "
                 "sharded kernels. HINT: declare it with `configure_embedding_optimizer()` so that every run "
                 "uses the same one, or build a fresh model."
             )
@@ -381,7 +387,12 @@ class RecShardStrategy(ParallelStrategy):
         self._input_checks.install(
             state.dmp.module,
             state.inputs,
-            vbe_refusals(state.plan, state.embedding_optimizer.name, self.root_device.type, self.world_size),
+            vbe_refusals(
+                state.plan,
+                sorted({o.name for o in [state.embedding_optimizer, *state.table_optimizers.values()]}),
+                self.root_device.type,
+                self.world_size,
+            ),
         )
         self._batch_hooks = custom_batch_hooks(module, trainer.datamodule)
         self._redirect_steps = dense_ddp(state.dmp) is not None
@@ -395,6 +406,7 @@ class RecShardStrategy(ParallelStrategy):
                 lr_source=lr_source,
                 table_params=unfused_table_parameters(module, state),
                 embedding_optimizer=state.embedding_optimizer,
+                per_table=per_table,
             )
             self.lr_scheduler_configs = lr_scheduler_configs
             if self._report_plan and state.report is not None:
@@ -651,3 +663,8 @@ class RecShardStrategy(ParallelStrategy):
         if trainer is None:
             return ""
         return describe_position(trainer, ahead, transferring=self._transferring, batch=batch)
+
+
+def _rules(per_table: Optional[Dict[str, Any]]) -> Dict[str, EmbeddingOptimizer]:
+    """Each table's own fused optimizer (``per_table``: as :meth:`TableSharder.embedding_optimizer_for` gives it)."""
+    return {table: opt for table, (opt, _) in (per_table or {}).items()}

@@ -7,8 +7,8 @@ Example::
 
     sharder = TableSharder.from_arguments(constraints={"t_item": {"sharding_types": ["column_wise"]}})
     sharder.check_model(model, device_type="cpu")                  # before any distributed work
-    emb_opt, lr_source = sharder.embedding_optimizer_for(model, optimizers, is_embedding, "cpu")
-    state = sharder.shard(model, emb_opt, world_size=2, num_processes=2, device=torch.device("cpu"))
+    emb_opt, lr_source, per_table = sharder.embedding_optimizer_for(model, optimizers, is_embedding, "cpu")
+    state = sharder.shard(model, emb_opt, world_size=2, num_processes=2, device=torch.device("cpu"), per_table=per_table)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lightning_rec import _compat
 from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig
 from lightning_rec.inputs import input_specs
 from lightning_rec.strategy.dmp import ShardedState, shard_module
-from lightning_rec.strategy.optim import bounds_check_params, resolve_embedding_optimizer
+from lightning_rec.strategy.optim import TableOptimizers, bounds_check_params, resolve_embedding_optimizer
 from lightning_rec.strategy.plan_report import PlanReport
 from lightning_rec.strategy.sharding import (
     check_managed_collision,
@@ -37,7 +37,7 @@ from lightning_rec.strategy.sharding import (
     plan_module,
     validate_constraints,
 )
-from lightning_rec.tables import embedding_tables, sharded_module_types
+from lightning_rec.tables import embedding_tables, sharded_module_types, table_weights
 
 __all__ = ["TableSharder"]
 
@@ -122,9 +122,10 @@ class TableSharder:
 
     def embedding_optimizer_for(
         self, module: nn.Module, optimizers: List[Optimizer], is_embedding: Callable[[Tensor], bool], device_type: str
-    ) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]:
+    ) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]], Optional[TableOptimizers]]:
         """The fused optimizer (the module's ``configure_embedding_optimizer()``, this configuration's, or derived
-        from ``optimizers``) and the param group whose learning rate it follows (``None``: its own)."""
+        from ``optimizers``), the param group whose learning rate it follows (``None``: its own), and each table's own
+        when the tables sit in several param groups (see :func:`~lightning_rec.strategy.optim.resolve_embedding_optimizer`)."""
         declared = getattr(module, "configure_embedding_optimizer", lambda: None)() or self.embedding_optimizer
         return resolve_embedding_optimizer(
             optimizers,
@@ -133,6 +134,7 @@ class TableSharder:
             has_tables=bool(self.tables(module)),
             device_type=device_type,
             owner=self.owner,
+            table_weights=table_weights(module, self.module_types),
         )
 
     def shard(
@@ -143,9 +145,28 @@ class TableSharder:
         world_size: int,
         num_processes: int,
         device: torch.device,
+        per_table: Optional[TableOptimizers] = None,
     ) -> ShardedState:
         """Plan (rank 0, broadcast; or this configuration's ``plan``), log the plan, and shard ``module`` in place
-        with DMP (see :func:`lightning_rec.strategy.dmp.shard_module`)."""
+        with DMP (see :func:`lightning_rec.strategy.dmp.shard_module`); ``per_table``: tables trained by their own
+        fused optimizer (TorchRec groups tables by their fused parameters)."""
+        own = {}
+        if per_table:
+            weights = table_weights(module, self.module_types)
+            own = {weights[t]: opt.to_fused_params() for t, (opt, _) in per_table.items() if t in weights}
+        with _compat.table_fused_params(own):
+            state = self._shard(module, embedding_optimizer, world_size, num_processes, device)
+        state.table_optimizers = {t: opt for t, (opt, _) in (per_table or {}).items()}
+        return state
+
+    def _shard(
+        self,
+        module: nn.Module,
+        embedding_optimizer: EmbeddingOptimizer,
+        world_size: int,
+        num_processes: int,
+        device: torch.device,
+    ) -> ShardedState:
         sharders = make_sharders(
             {**embedding_optimizer.to_fused_params(), **self.fused_params},
             self.sharders,

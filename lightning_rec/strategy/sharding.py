@@ -274,22 +274,25 @@ _VBE_GLOO_UNSUPPORTED = (
 )
 
 
-def vbe_refusals(plan: ShardingPlan, optimizer_name: str, device_type: str, world_size: int = 1) -> Dict[str, str]:
+def vbe_refusals(
+    plan: ShardingPlan, optimizer_names: Sequence[str], device_type: str, world_size: int = 1
+) -> Dict[str, str]:
     """Why each sharded module of ``plan`` cannot train on a variable-batch-per-feature KJT, by module path (modules
     that can are left out): the input checks refuse such a batch at the module's door, naming the reason.
 
     Example::
 
-        >>> vbe_refusals(ShardingPlan(plan={}), "adagrad", "cpu", world_size=2)
+        >>> vbe_refusals(ShardingPlan(plan={}), ["adagrad"], "cpu", world_size=2)
         {}
     """
     refusals: Dict[str, str] = {}
     for path, tables in plan.plan.items():
         reasons = []
-        if optimizer_name not in _VBE_OPTIMIZERS:
+        others = [name for name in optimizer_names if name not in _VBE_OPTIMIZERS]
+        if others:
             reasons.append(
                 f"FBGEMM's kernels train variable-batch inputs with {', '.join(_VBE_OPTIMIZERS)} only, and the "
-                f"tables use {optimizer_name}"
+                f"tables use {', '.join(others)}"
             )
         if device_type != "cuda":
             unsupported = _VBE_CPU_UNSUPPORTED + (_VBE_GLOO_UNSUPPORTED if world_size > 1 else ())

@@ -120,19 +120,49 @@ class TorchRecModel(lightning_rec.RecLightningModule):
         self.model, self.optimizer = model, optimizer
         self.losses: List[float] = []
 
+        self.automatic_optimization = optimizer != "two_optimizers"
+
     def training_step(self, batch: ModelInput, batch_idx: int) -> torch.Tensor:
         loss, _ = self.model(batch)
         self.losses.append(float(loss.detach()))
+        if not self.automatic_optimization:  # several optimizers: Lightning's manual optimization
+            optimizers = self.optimizers()
+            for opt in optimizers:
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt in optimizers:
+                opt.step()
         return loss
 
     def predict_step(self, batch: ModelInput, batch_idx: int) -> torch.Tensor:
         return self.model(batch)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
+        if self.optimizer in ("param_groups", "two_optimizers"):
+            return _per_table_optimizers(self.optimizer, dict(self.named_parameters()))
         return _torch_optimizer(self.optimizer, self.parameters())
 
     def configure_embedding_optimizer(self) -> Optional[EmbeddingOptimizer]:
         return EmbeddingOptimizer("rowwise_adagrad", lr=LR, eps=1e-8) if self.optimizer == "rowwise_adagrad" else None
+
+
+def _per_table_optimizers(how: str, named: Dict[str, torch.nn.Parameter]) -> Any:
+    """Tables in param groups of their own: ``"param_groups"``, one Adagrad whose groups give the plain tables, the
+    weighted ones and the dense layers three learning rates, with a scheduler halving them every step;
+    ``"two_optimizers"``, Adagrad for the dense layers and plain tables, SGD for the weighted tables."""
+    plain = [p for n, p in named.items() if ".embedding_bags.table_" in n]
+    weighted = [p for n, p in named.items() if ".embedding_bags.weighted_table_" in n]
+    dense = [p for n, p in named.items() if ".embedding_bags." not in n]
+    if how == "param_groups":
+        opt = torch.optim.Adagrad(
+            [{"params": dense}, {"params": plain, "lr": 0.05}, {"params": weighted, "lr": 0.01}], lr=LR, eps=1e-8
+        )
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    return [
+        torch.optim.Adagrad([{"params": dense}, {"params": plain, "lr": 0.05}], lr=LR, eps=1e-8),
+        torch.optim.SGD(weighted, lr=0.5),
+    ]
 
 
 def _torch_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -149,8 +179,12 @@ def _reference(model: TestSparseNN, inputs, optimizer: str, eval_input: ModelInp
             RowWiseAdagrad([p for n, p in named.items() if is_table[n]], lr=LR, eps=1e-8),
             torch.optim.Adagrad([p for n, p in named.items() if not is_table[n]], lr=LR, eps=1e-8),
         ]
+    elif optimizer in ("param_groups", "two_optimizers"):
+        configured = _per_table_optimizers(optimizer, named)
+        opts = [configured["optimizer"]] if isinstance(configured, dict) else configured
     else:
         opts = [_torch_optimizer(optimizer, model.parameters())]
+    schedulers = [configured["lr_scheduler"]["scheduler"]] if optimizer == "param_groups" else []
     losses = []
     for global_input, _ in inputs:
         for opt in opts:
@@ -159,6 +193,8 @@ def _reference(model: TestSparseNN, inputs, optimizer: str, eval_input: ModelInp
         loss.backward()
         for opt in opts:
             opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
         losses.append(float(loss))
     model.eval()
     with torch.no_grad():
@@ -208,7 +244,9 @@ def fit(
     inputs = _inputs(steps, world_size, vbe=vbe)
     result = _reference(model, inputs, optimizer, _eval_input(0, 1, vbe)) if rank == 0 else {}
     module = TorchRecModel(model, optimizer)
-    trainer = _trainer(world_size, steps, constraints=constraints, sharders=sharders)
+    # Lightning counts a global step per `optimizer.step()`: two a batch with two optimizers.
+    max_steps = steps * (2 if optimizer == "two_optimizers" else 1)
+    trainer = _trainer(world_size, max_steps, constraints=constraints, sharders=sharders)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, DataLoader([local[rank] for _, local in inputs], batch_size=None))
@@ -372,5 +410,21 @@ def test_variable_batch_inputs_torchrec_cannot_train_are_refused_naming_why(tmp_
 
 def test_variable_batch_inputs_train_row_wise_on_one_rank(tmp_path):
     result = fit(0, 1, tmp_path, constraints={"table_0": {"sharding_types": ["row_wise"]}}, vbe=True)
+    assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
+    assert result["preds"] == pytest.approx(result["ref_preds"], abs=TOL)
+
+
+@pytest.mark.dist
+def test_tables_in_param_groups_of_their_own_train_each_by_its_group_as_plain_pytorch(tmp_path):
+    """Three learning rates in one Adagrad (plain tables, weighted tables, dense), all halved every step by a
+    scheduler: every table follows its own group (TorchRec groups tables by their fused parameters)."""
+    results = run_ranks(fit, 2, tmp_path, constraints=MIXED_PLAN, optimizer="param_groups", steps=4)
+    assert _mean_losses(results) == pytest.approx(results[0]["ref_losses"], abs=TOL)
+    assert _preds(results) == pytest.approx(results[0]["ref_preds"], abs=TOL)
+
+
+def test_tables_under_two_optimizers_train_each_by_its_own(tmp_path):
+    """Adagrad for the plain tables and the dense layers, SGD for the weighted tables (manual optimization)."""
+    result = fit(0, 1, tmp_path, constraints=ROWWISE_ADAGRAD_PLAN, optimizer="two_optimizers", steps=4)
     assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
     assert result["preds"] == pytest.approx(result["ref_preds"], abs=TOL)
