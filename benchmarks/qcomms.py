@@ -66,6 +66,7 @@ def train(rank: int, world_size: int, out_dir: Path, precision: str, plan: str, 
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
     import lightning_rec
+    from lightning_rec.testing import QUIET_TRAINER
 
     tables = [
         EmbeddingBagConfig(name=f"table_{i}", embedding_dim=16, num_embeddings=100, feature_names=[f"feature_{i}"])
@@ -112,11 +113,7 @@ def train(rank: int, world_size: int, out_dir: Path, precision: str, plan: str, 
         accelerator="cpu",
         devices=world_size,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
+        **QUIET_TRAINER,
     )
     counts: Dict[str, int] = {}
     with warnings.catch_warnings(), counting_comms(counts):

@@ -257,10 +257,12 @@ def test_bench_refuses_unknown_names_and_a_plot_without_a_sweep(capsys):
 
 @pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.is_available(), reason="for machines without a GPU")
-def test_bench_without_a_gpu_refuses_row_wise_and_runs_the_gpu_sizes_with_fewer_rows(capsys):
-    with pytest.raises(SystemExit):
-        main(["--sizes", "tiny", "--sharding", "row_wise"])
-    assert "row_wise needs CUDA" in capsys.readouterr().err
+def test_bench_without_a_gpu_runs_the_gpu_sizes_with_fewer_rows_and_row_wise(capsys):
+    final = main(
+        ["--sizes", "tiny", "--variants", "raw,recshard", "--sharding", "row_wise", "--repeats", "1", "--steps", "3"]
+    )
+    assert final["measured"]["tiny"]["sharding"] == "row_wise" and set(final["by_size"]["tiny"]) == {"raw", "recshard"}
+    assert "tiny: raw and recshard trained identically (losses, plan, kernels)" in capsys.readouterr().out
     final = main(
         [
             "--sizes",

@@ -23,8 +23,7 @@ Variants (same model, data, plan, kernels and optimizer; every DataLoader pins i
 
 ``--optimizer sgd|adagrad`` (default sgd): ``torch.optim.SGD``/``Adagrad`` for the dense layers and the plain
 tables; the fused tables get FBGEMM's exact counterpart (``EXACT_SGD``/``EXACT_ADAGRAD``, what recshard derives
-from the same torch optimizer). ``--sharding`` sets every table's sharding type (``row_wise`` and
-``table_row_wise`` need CUDA).
+from the same torch optimizer). ``--sharding`` sets every table's sharding type (row-wise ones run on CPU too).
 
 Sizes: ``tiny`` (loop overhead), ``realistic`` (a step of tens of ms: 8 tables of 200k x 64, batch 4096),
 ``realistic_2proc`` (the same on 2 gloo processes), ``large`` (8 tables of 1M x 64: tables dominate memory,

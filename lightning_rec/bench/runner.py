@@ -15,7 +15,7 @@ from lightning_rec.bench.worker import RESULT_PREFIX, run_worker
 from lightning_rec.bench.workload import EXTRA_VARIANTS, GPU_SIZES, OPTIMIZERS, SIZES, VARIANTS, Size
 from lightning_rec.testing.ports import free_port
 
-# Sharding types the bench can ask of every table (all on the fused kernel); row_wise and table_row_wise need CUDA.
+# Sharding types the bench can ask of every table (all on the fused kernel; every one runs on CPU too).
 SHARDINGS = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 
 
@@ -284,8 +284,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the benchmark (see the module docstring); returns the final JSON record."""
     import torch
 
-    from lightning_rec.strategy.sharding import supported_sharding_types
-
     parser = argparse.ArgumentParser(
         prog="python -m lightning_rec.bench",
         description="recshard vs hand-written TorchRec vs plain Lightning, A/B alternated",
@@ -325,9 +323,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         default="steady",
         help="glibc heap settings of every variant's processes (default: steady; see BENCHMARKS.md)",
     )
-    parser.add_argument(
-        "--sharding", choices=SHARDINGS, default="table_wise", help="every table's sharding type (row_wise: CUDA only)"
-    )
+    parser.add_argument("--sharding", choices=SHARDINGS, default="table_wise", help="every table's sharding type")
     parser.add_argument("--allow-cpu", action="store_true", help="run the GPU sizes at full size without a GPU")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size-json", default=None, help=argparse.SUPPRESS)
@@ -350,12 +346,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value} (the first step allocates: it is never timed)")
     cuda = torch.cuda.is_available()
-    if not cuda and args.sharding not in supported_sharding_types("cpu"):
-        parser.error(
-            f"{args.sharding} needs CUDA: TorchRec's EmbeddingBagCollectionSharder offers row_wise and "
-            "table_row_wise only with FBGEMM's CUDA kernels, and there is no GPU here. HINT: on CPU use one of "
-            f"{', '.join(t for t in SHARDINGS if t in supported_sharding_types('cpu'))}."
-        )
     for name in size_names:
         size = SIZES[name]
         if size.gpu and not cuda and args.rows is None and not args.allow_cpu:

@@ -129,12 +129,12 @@ def _planner_hbm(device) -> Dict[str, Any]:
 def raw_torchrec(size: Size, lr: float, device):
     """The hand-written TorchRec setup of the ``raw`` variants: the bench model in DMP (planned over the default
     process group) and a ``CombinedOptimizer`` of the fused one and the dense one. Returns ``(dmp, optimizer)``."""
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-
+    from lightning_rec.strategy.sharding import EBCSharder
     from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 
     model = BenchModel.build(size)
-    sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(size.optimizer, lr))
+    # TorchRec's EBC sharder, admitting its CUDA-listed sharding types (row-wise) on CPU too, as recshard's does.
+    sharder = EBCSharder(fused_params=fused_params(size.optimizer, lr))
     dmp = reference_dmp(model, [sharder], device, table_constraints(size), **_planner_hbm(device))
     init_weights(dmp.module)
     return dmp, reference_optimizer(dmp, lambda ps: torch_optimizer(size.optimizer, ps, lr))

@@ -25,7 +25,7 @@ class Size:
         pooling: ids per sample and feature.
         world_size: processes (gloo on CPU, nccl on CUDA).
         steps: timed steps; ``warmup`` untimed steps run first.
-        sharding: the sharding type of every table (``row_wise`` needs CUDA).
+        sharding: the sharding type of every table.
         dense: dense features per sample (4; 13 at the Criteo-like sizes, as in Criteo).
         distinct_batches: how many different batches are built and cycled through (0: one per step). The GPU
             sizes cycle a few, so that the host does not hold ``warmup + steps`` batches of 68 MB.

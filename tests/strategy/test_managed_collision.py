@@ -37,6 +37,7 @@ import lightning_rec
 from lightning_rec import RecShardStrategy
 from lightning_rec.errors import ExportError, InputError
 from lightning_rec.serving import export_inference
+from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.dist import run_ranks
 
 HASH_SIZE = 960  # raw ids: [0, 960), split in 2 buckets of 480
@@ -133,11 +134,7 @@ def _trainer(world_size: int, steps: int = 1, **strategy: Any) -> L.Trainer:
         accelerator="cpu",
         devices=world_size,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
+        **QUIET_TRAINER,
     )
 
 
@@ -350,3 +347,32 @@ def test_managed_collision_tables_torchrec_cannot_shard_are_refused_before_plann
         check_managed_collision(model, TABLE_MODULE_TYPES, typed, world_size=2, device_type="cpu")
     with pytest.warns(UserWarning, match=r"keep the default input_hash_size"):
         check_managed_collision(ZchModel(hash_size=2**63 - 1), TABLE_MODULE_TYPES, {}, world_size=2, device_type="cpu")
+
+
+def test_torchrecs_own_zch_test_model_trains_and_its_single_bucket_is_refused_on_two_ranks(tmp_path):
+    """``TestSparseNN(zch_kwargs=...)``: TorchRec's ZCH test arch (managed-collision EBCs on meta, one bucket)."""
+    from types import SimpleNamespace
+
+    from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
+
+    from lightning_rec.strategy.sharding import check_managed_collision
+    from lightning_rec.tables import TABLE_MODULE_TYPES
+    from tests.strategy.test_torchrec_models import TorchRecModel
+
+    tables = [
+        EmbeddingBagConfig(name=f"table_{i}", embedding_dim=8, num_embeddings=32, feature_names=[f"feature_{i}"])
+        for i in range(2)
+    ]
+    zch = {t.name: SimpleNamespace(mc_type="sort-zch", input_hash_size=4000) for t in tables}
+    model = TestSparseNN(tables=tables, num_float_features=16, dense_device=torch.device("cpu"), zch_kwargs=zch)
+    with pytest.raises(ValueError, match=r"'table_0' \(sparse.ebc\): its collision module has buckets=1"):
+        check_managed_collision(model, TABLE_MODULE_TYPES, {}, world_size=2, device_type="cpu")
+    inputs = [
+        ModelInput.generate(4, 1, 16, tables, [], random_seed=s)[1][0] for s in range(3)
+    ]  # ids below the 32 rows: raw ids well inside the hash space
+    module = TorchRecModel(model)
+    trainer = _trainer(1, 3)
+    trainer.fit(module, DataLoader(inputs, batch_size=None))
+    plan = trainer.strategy.sharding_plan.get_plan_for_module("model.sparse.ebc")
+    assert {t: p.sharding_type for t, p in plan.items()} == {"table_0": "row_wise", "table_1": "row_wise"}
+    assert len(module.losses) == 3 and all(0 < loss < 10 for loss in module.losses)

@@ -28,6 +28,7 @@ from torchrec.optim import RowWiseAdagrad
 
 import lightning_rec
 from lightning_rec import EmbeddingOptimizer, RecShardStrategy
+from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.dist import run_ranks
 
 NUM_FLOAT = 16
@@ -201,17 +202,13 @@ def _reference(model: TestSparseNN, inputs, optimizer: str, eval_input: ModelInp
         return {"ref_losses": losses, "ref_preds": model(eval_input).tolist()}
 
 
-def _trainer(world_size: int, steps: int = 1, **strategy: Any) -> L.Trainer:
+def _trainer(world_size: int, steps: int = 1, accelerator: str = "cpu", **strategy: Any) -> L.Trainer:
     return L.Trainer(
         strategy=RecShardStrategy(**strategy),
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=world_size,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
+        **QUIET_TRAINER,
     )
 
 
@@ -238,6 +235,7 @@ def fit(
     save: Optional[str] = None,
     sharders: Optional[List[Any]] = None,
     vbe: bool = False,
+    accelerator: str = "cpu",
 ) -> Dict[str, Any]:
     """Train on this rank's slice of every global batch; rank 0 also trains the unsharded reference."""
     model = _model(seed=0, vbe=vbe)
@@ -246,14 +244,14 @@ def fit(
     module = TorchRecModel(model, optimizer)
     # Lightning counts a global step per `optimizer.step()`: two a batch with two optimizers.
     max_steps = steps * (2 if optimizer == "two_optimizers" else 1)
-    trainer = _trainer(world_size, max_steps, constraints=constraints, sharders=sharders)
+    trainer = _trainer(world_size, max_steps, accelerator, constraints=constraints, sharders=sharders)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, DataLoader([local[rank] for _, local in inputs], batch_size=None))
     if save:
         trainer.save_checkpoint(out_dir / save)
     plan = {t: s.sharding_type for m in trainer.strategy.sharding_plan.plan.values() for t, s in m.items()}
-    preds = _predict(trainer, module, rank, world_size, vbe)
+    preds = [float(x) for x in _predict(trainer, module, rank, world_size, vbe)]
     return {**result, "losses": module.losses, "preds": preds, "plan": plan}
 
 
@@ -428,3 +426,19 @@ def test_tables_under_two_optimizers_train_each_by_its_own(tmp_path):
     result = fit(0, 1, tmp_path, constraints=ROWWISE_ADAGRAD_PLAN, optimizer="two_optimizers", steps=4)
     assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
     assert result["preds"] == pytest.approx(result["ref_preds"], abs=TOL)
+
+
+# GPU twin: the same TorchRec model and plans on CUDA (nccl), where a GPU is present; it skips elsewhere.
+@pytest.mark.dist
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the CUDA build of FBGEMM")
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_on_cuda_every_sharding_type_trains_testsparsenn_like_unsharded_torchrec(tmp_path, world_size, optimizer):
+    if world_size > torch.cuda.device_count():
+        pytest.skip(f"needs {world_size} GPUs")
+    plan = ROWWISE_ADAGRAD_PLAN if optimizer == "rowwise_adagrad" else MIXED_PLAN
+    results = run_ranks(fit, world_size, tmp_path, constraints=plan, optimizer=optimizer, accelerator="gpu")
+    # Other kernels than the CPU reference's: to 1e-4.
+    assert _mean_losses(results) == pytest.approx(results[0]["ref_losses"], abs=1e-4)
+    assert _preds(results) == pytest.approx(results[0]["ref_preds"], abs=1e-4)
