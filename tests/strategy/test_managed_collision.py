@@ -25,8 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+)
+from torchrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 from torchrec.modules.mc_modules import (
     DistanceLFU_EvictionPolicy,
     ManagedCollisionCollection,
@@ -376,3 +385,74 @@ def test_torchrecs_own_zch_test_model_trains_and_its_single_bucket_is_refused_on
     plan = trainer.strategy.sharding_plan.get_plan_for_module("model.sparse.ebc")
     assert {t: p.sharding_type for t, p in plan.items()} == {"table_0": "row_wise", "table_1": "row_wise"}
     assert len(module.losses) == 3 and all(0 < loss < 10 for loss in module.losses)
+
+
+class SequenceZchModel(lightning_rec.RecLightningModule):
+    """A ``ManagedCollisionEmbeddingCollection`` (unpooled): every id's embedding, summed per feature, into a loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        tables = [
+            EmbeddingConfig(
+                name=f"t_{f}",
+                embedding_dim=8,
+                num_embeddings=ROWS,
+                feature_names=[f],
+                init_fn=functools.partial(nn.init.constant_, val=0.05),  # what an evicted row is refilled with
+            )
+            for f in FEATURES
+        ]
+        collisions = ManagedCollisionCollection(
+            {
+                t.name: MCHManagedCollisionModule(
+                    zch_size=ROWS,
+                    device=torch.device("cpu"),
+                    input_hash_size=HASH_SIZE,
+                    eviction_interval=1,
+                    eviction_policy=DistanceLFU_EvictionPolicy(),
+                    buckets=2,
+                )
+                for t in tables
+            },
+            embedding_configs=tables,
+        )
+        self.mc_ec = ManagedCollisionEmbeddingCollection(
+            EmbeddingCollection(tables=tables, device=torch.device("cpu")), collisions, return_remapped_features=True
+        )
+        self.losses: List[float] = []
+        self.remapped: List[Dict[str, List[int]]] = []
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        out, remapped = self.mc_ec(kjt)
+        self.remapped.append({f: remapped[f].values().tolist() for f in FEATURES})
+        return sum((out[f].values().sum(0) ** 2).sum() for f in FEATURES)
+
+    def training_step(self, batch: Tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(batch[0])
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def test_a_managed_collision_embedding_collection_trains_like_the_unsharded_module_on_one_rank(tmp_path):
+    model = SequenceZchModel()
+    unsharded = copy.deepcopy(model)
+    batches = _batches(0, 4)
+    trainer = _trainer(1, 4)
+    trainer.fit(model, DataLoader(batches, batch_size=None))
+    plan = trainer.strategy.sharding_plan.get_plan_for_module("mc_ec")
+    assert {t: p.sharding_type for t, p in plan.items()} == {f"t_{f}": "row_wise" for f in FEATURES}
+    optimizer = torch.optim.SGD(unsharded.parameters(), lr=LR)
+    expected = []
+    for kjt, _ in batches:
+        optimizer.zero_grad()
+        loss = unsharded(kjt)
+        loss.backward()
+        optimizer.step()
+        expected.append(float(loss))
+    assert model.losses == pytest.approx(expected, rel=1e-5)
+    assert model.remapped == unsharded.remapped
+    assert any(i != ROWS - 1 for step in model.remapped[1:] for ids in step.values() for i in ids)  # ids admitted
