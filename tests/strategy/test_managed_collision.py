@@ -372,18 +372,29 @@ def test_torchrecs_own_zch_test_model_trains_and_its_single_bucket_is_refused_on
         EmbeddingBagConfig(name=f"table_{i}", embedding_dim=8, num_embeddings=32, feature_names=[f"feature_{i}"])
         for i in range(2)
     ]
-    zch = {t.name: SimpleNamespace(mc_type="sort-zch", input_hash_size=4000) for t in tables}
-    model = TestSparseNN(tables=tables, num_float_features=16, dense_device=torch.device("cpu"), zch_kwargs=zch)
+    # (Its forward needs weighted tables too: it unpacks the weighted module's output unconditionally.)
+    weighted = [EmbeddingBagConfig(name="weighted", embedding_dim=8, num_embeddings=32, feature_names=["wf"])]
+    zch = {t.name: SimpleNamespace(mc_type="sort-zch", input_hash_size=4000) for t in tables + weighted}
+    model = TestSparseNN(
+        tables=tables,
+        weighted_tables=weighted,
+        num_float_features=16,
+        dense_device=torch.device("cpu"),
+        zch_kwargs=zch,
+    )
     with pytest.raises(ValueError, match=r"'table_0' \(sparse.ebc\): its collision module has buckets=1"):
         check_managed_collision(model, TABLE_MODULE_TYPES, {}, world_size=2, device_type="cpu")
     inputs = [
-        ModelInput.generate(4, 1, 16, tables, [], random_seed=s)[1][0] for s in range(3)
+        ModelInput.generate(4, 1, 16, tables, weighted, random_seed=s)[1][0] for s in range(3)
     ]  # ids below the 32 rows: raw ids well inside the hash space
     module = TorchRecModel(model)
     trainer = _trainer(1, 3)
     trainer.fit(module, DataLoader(inputs, batch_size=None))
     plan = trainer.strategy.sharding_plan.get_plan_for_module("model.sparse.ebc")
     assert {t: p.sharding_type for t, p in plan.items()} == {"table_0": "row_wise", "table_1": "row_wise"}
+    assert trainer.strategy.sharding_plan.get_plan_for_module("model.sparse.weighted_ebc")[
+        "weighted"
+    ].sharding_type == ("row_wise")
     assert len(module.losses) == 3 and all(0 < loss < 10 for loss in module.losses)
 
 
