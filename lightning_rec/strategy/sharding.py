@@ -1,8 +1,13 @@
-"""From tables, topology and per-table constraints to a TorchRec ``ShardingPlan``.
+"""From tables, topology and per-table constraints to a TorchRec ``ShardingPlan``, and the sharders that carry it out.
 
 The planner itself is TorchRec's ``EmbeddingShardingPlanner``; this module turns typed, YAML-friendly
 configuration into its inputs and checks them against the model and device before any distributed work (the
-resulting plan as a table people can read is :mod:`lightning_rec.strategy.plan_report`).
+resulting plan as a table people can read is :mod:`lightning_rec.strategy.plan_report`). It also holds:
+
+* the sharders of every TorchRec embedding module that trains (:func:`make_sharders`: EBC and EC, position-weighted
+  and managed-collision ones, with the fused optimizer and quantized comms passed into each, a user's too);
+* what TorchRec can run on each device, found by trying each on CPU, and the refusals that name what cannot
+  (:func:`validate_constraints`, :func:`check_qcomms`, :func:`check_managed_collision`, :func:`vbe_refusals`).
 """
 
 from __future__ import annotations
@@ -10,11 +15,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torchrec.distributed.planner import EmbeddingShardingPlanner
-from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
-from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -23,12 +26,14 @@ from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCol
 from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
-from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 from lightning_rec import _compat
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 # Re-exported from where they live now: the old paths keep working (the plan's rows belong to the report).
 from lightning_rec.config import QuantizedComms, TableConstraints, TopologyConfig
