@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
-from lightning_rec.tables import embedding_modules
+from lightning_rec.tables import embedding_modules, inner_collection
 
 __all__ = ["Rows", "load_rows", "read_rows"]
 
@@ -86,11 +86,12 @@ def table_holders(module: nn.Module) -> Dict[str, List[Tuple[str, nn.Module, int
     """Table name -> every (module path, its nn.Embedding(Bag), rows, columns) that declares it."""
     found: Dict[str, List[Tuple[str, nn.Module, int, int]]] = {}
     for path, sub in embedding_modules(module).items():
-        if isinstance(sub, EmbeddingBagCollection):
-            configs, holders = sub.embedding_bag_configs(), sub.embedding_bags
-        elif isinstance(sub, EmbeddingCollection):
-            configs, holders = sub.embedding_configs(), sub.embeddings
-        else:  # pragma: no cover - only the two types are searched
+        inner = inner_collection(sub)  # a position-weighted or managed-collision module's tables are its collection's
+        if isinstance(inner, EmbeddingBagCollection):
+            configs, holders = inner.embedding_bag_configs(), inner.embedding_bags
+        elif isinstance(inner, EmbeddingCollection):
+            configs, holders = inner.embedding_configs(), inner.embeddings
+        else:  # pragma: no cover - only TorchRec's table modules are searched
             continue
         for config in configs:
             found.setdefault(config.name, []).append(

@@ -467,3 +467,12 @@ def test_a_managed_collision_embedding_collection_trains_like_the_unsharded_modu
     assert model.losses == pytest.approx(expected, rel=1e-5)
     assert model.remapped == unsharded.remapped
     assert any(i != ROWS - 1 for step in model.remapped[1:] for ids in step.values() for i in ids)  # ids admitted
+
+
+def test_pretrained_rows_reach_a_managed_collision_table():
+    from lightning_rec.pretrained import load_rows
+
+    model = ZchModel()
+    load_rows(model, {"t_f0": torch.full((ROWS, 8), 0.5)})
+    (weight,) = [p for n, p in model.named_parameters() if n.endswith("embedding_bags.t_f0.weight")]
+    assert torch.equal(weight.detach(), torch.full((ROWS, 8), 0.5))
