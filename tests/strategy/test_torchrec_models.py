@@ -291,6 +291,15 @@ def test_row_wise_checkpoints_reshard_to_every_other_type_and_world_size(tmp_pat
     for ranks, plan in ((1, TABLE_WISE_PLAN), (2, MIXED_PLAN)):
         res = run_ranks(predict_from, ranks, tmp_path / f"to{ranks}", ckpt=str(tmp_path / "rw2"), constraints=plan)
         assert _preds(res) == pytest.approx(expected, abs=TOL), (ranks, plan)
+    # Exported to one unsharded state dict, TorchRec's plain model predicts the same (in this process, no ranks).
+    from lightning_rec.checkpoint import export, load_exported
+
+    export(tmp_path / "rw2", tmp_path / "rw2.pt", prefix="model.")
+    plain = _model(seed=4321)
+    plain.load_state_dict(load_exported(tmp_path / "rw2.pt"))
+    plain.eval()
+    with torch.no_grad():
+        assert plain(_eval_input(0, 1)).tolist() == pytest.approx(expected, abs=TOL)
     # ... and from every other type (2 ranks) into row-wise on 1 rank.
     mixed = run_ranks(fit, 2, tmp_path / "mixed", constraints=MIXED_PLAN, optimizer="adagrad", save="mx")
     res = run_ranks(predict_from, 1, tmp_path / "mx1", ckpt=str(tmp_path / "mixed" / "mx"), constraints=ROW_WISE_PLAN)
