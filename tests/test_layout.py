@@ -132,3 +132,51 @@ def test_strategy_plan_report_argument_is_a_deprecated_alias_of_report_plan():
         old = lightning_rec.RecShardStrategy(plan_report=False)
     new = lightning_rec.RecShardStrategy(report_plan=False)
     assert old.plan_report is None and new.plan_report is None  # no report before setup, either way
+
+
+def test_the_torchrec_internals_compat_relies_on_exist_in_the_installed_torchrec():
+    """``_compat``'s helpers for managed-collision modules, sharders' fused parameters and per-table optimizers read
+    and write TorchRec's private attributes: each must still exist (a TorchRec upgrade that moves one fails here)."""
+    import inspect
+
+    import torchrec.distributed.embedding as ec_sharding
+    import torchrec.distributed.embeddingbag as ebc_sharding
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        ManagedCollisionCollection,
+        MCHManagedCollisionModule,
+    )
+
+    from lightning_rec import _compat
+
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=8, feature_names=["f"])]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    mc = MCHManagedCollisionModule(
+        zch_size=8, device=torch.device("cpu"), eviction_interval=1, eviction_policy=DistanceLFU_EvictionPolicy()
+    )
+    module = ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection({"t": mc}, tables))
+    inner, collection, per_table = _compat.managed_collision_parts(module)
+    assert inner is ebc and isinstance(collection, ManagedCollisionCollection) and per_table == {"t": mc}
+
+    fused = {"learning_rate": 0.5}
+    for sharder in (
+        EmbeddingBagCollectionSharder(fused_params={"eps": 1.0}),
+        FeatureProcessedEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder(fused_params={"eps": 1.0})),
+        ManagedCollisionEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder(fused_params={"eps": 1.0})),
+    ):
+        assert _compat.sharder_fused_params(sharder) == {"eps": 1.0}
+        copy = _compat.with_sharder_fused_params(sharder, fused)
+        assert copy.fused_params == fused and sharder.fused_params == {"eps": 1.0}  # the original is left as it was
+
+    # The per-table fused parameters are read from these attributes when TorchRec shards EBCs and ECs.
+    for source in (inspect.getsource(ebc_sharding), inspect.getsource(ec_sharding)):
+        assert all(f'getattr(param, "{attr}"' in source for attr in _compat._TABLE_OPTIMIZER_ATTRS)
+    weight = ebc.embedding_bags["t"].weight
+    with _compat.table_fused_params({weight: {"learning_rate": 0.1}}):
+        assert weight._optimizer_kwargs == [{"learning_rate": 0.1}] and weight._optimizer_classes == [None]
+    assert not hasattr(weight, "_optimizer_kwargs")  # restored
