@@ -198,18 +198,27 @@ def sharder_fused_params(sharder: object) -> "Optional[dict]":
     return None if holder is None else dict(_private(holder, "_fused_params") or {})  # type: ignore[call-overload]
 
 
-def with_sharder_fused_params(sharder: object, fused_params: dict) -> object:
-    """A copy of an embedding sharder whose tables get ``fused_params`` (the sharder itself is left as it was)."""
+def with_sharder_fused_params(
+    sharder: object, fused_params: dict, classes: "Optional[Dict[type, type]]" = None
+) -> object:
+    """A copy of an embedding sharder whose tables get ``fused_params`` (the sharder itself is left as it was).
+
+    ``classes``: a copy (or the copy of a sharder it holds) whose type is a key becomes an instance of the value, a
+    subclass that adds no state (e.g. TorchRec's EBC sharder -> one that also offers row-wise on CPU)."""
     import copy
 
     from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
     from torchrec.distributed.mc_embedding_modules import BaseManagedCollisionEmbeddingCollectionSharder
 
     out = copy.copy(sharder)
+    upgrade = (classes or {}).get(type(sharder))
+    if upgrade is not None:
+        out.__class__ = upgrade
     if isinstance(sharder, FeatureProcessedEmbeddingBagCollectionSharder):
-        out._ebc_sharder = with_sharder_fused_params(_private(sharder, "_ebc_sharder"), fused_params)  # type: ignore[attr-defined]
+        inner = with_sharder_fused_params(_private(sharder, "_ebc_sharder"), fused_params, classes)
+        out._ebc_sharder = inner  # type: ignore[attr-defined]
     elif isinstance(sharder, BaseManagedCollisionEmbeddingCollectionSharder):
-        out._e_sharder = with_sharder_fused_params(_private(sharder, "_e_sharder"), fused_params)  # type: ignore[attr-defined]
+        out._e_sharder = with_sharder_fused_params(_private(sharder, "_e_sharder"), fused_params, classes)  # type: ignore[attr-defined]
     else:
         _private(sharder, "_fused_params")
         out._fused_params = dict(fused_params)  # type: ignore[attr-defined]

@@ -86,23 +86,26 @@ class EBCSharder(EmbeddingBagCollectionSharder):
         return super().sharding_types("cuda" if compute_device_type == "cpu" else compute_device_type)
 
 
-class _FusedKernelOnCpu:
+def _kernels_on(kernels: List[str], compute_device_type: str) -> List[str]:
     """A managed-collision sharder lists FBGEMM's UVM and key-value kernels on every device; on CPU only ``fused``
     runs (TorchRec's CPU planner otherwise picks ``fused_uvm``)."""
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:  # noqa: D102
-        kernels = super().compute_kernels(sharding_type, compute_device_type)  # type: ignore[misc]
-        return kernels if compute_device_type == "cuda" else [k for k in kernels if k in _CPU_KERNELS]
+    return kernels if compute_device_type == "cuda" else [k for k in kernels if k in _CPU_KERNELS]
 
 
-class MCEBCSharder(_FusedKernelOnCpu, ManagedCollisionEmbeddingBagCollectionSharder):
+class MCEBCSharder(ManagedCollisionEmbeddingBagCollectionSharder):
     """TorchRec's ``ManagedCollisionEmbeddingBagCollectionSharder`` (row-wise tables, the raw id space split across
     ranks with them), with the fused kernel on CPU; its tables go through ``ebc_sharder`` (default
     :class:`EBCSharder`, which admits row-wise on CPU)."""
 
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:  # noqa: D102
+        return _kernels_on(super().compute_kernels(sharding_type, compute_device_type), compute_device_type)
 
-class MCECSharder(_FusedKernelOnCpu, ManagedCollisionEmbeddingCollectionSharder):
+
+class MCECSharder(ManagedCollisionEmbeddingCollectionSharder):
     """TorchRec's ``ManagedCollisionEmbeddingCollectionSharder``, as :class:`MCEBCSharder` for unpooled tables."""
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:  # noqa: D102
+        return _kernels_on(super().compute_kernels(sharding_type, compute_device_type), compute_device_type)
 
 
 def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[str, ...]:
@@ -452,7 +455,14 @@ def _with_fused_params(
             + ": the tables would not be trained the way the module says. HINT: leave the optimizer out of the "
             "sharder's fused_params (the strategy passes it in), or declare the same one in the module."
         )
-    return _compat.with_sharder_fused_params(sharder, {**fused, **own})
+    # TorchRec's own sharders become the ones that run row-wise on CPU too (a subclass, no other change): a user who
+    # passes TorchRec's managed-collision sharder gets what TorchRec gives on CUDA, not "no available sharding type".
+    upgrades: Dict[type, type] = {
+        EmbeddingBagCollectionSharder: EBCSharder,
+        ManagedCollisionEmbeddingBagCollectionSharder: MCEBCSharder,
+        ManagedCollisionEmbeddingCollectionSharder: MCECSharder,
+    }
+    return _compat.with_sharder_fused_params(sharder, {**fused, **own}, upgrades)
 
 
 def plan_module(

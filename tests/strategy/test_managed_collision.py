@@ -206,7 +206,13 @@ def _collision_state(module: nn.Module) -> Dict[str, Any]:
 
 
 def fit(
-    rank: int, world_size: int, out_dir: Path, steps: int = 4, eviction_interval: int = 2, save: str = ""
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    steps: int = 4,
+    eviction_interval: int = 2,
+    save: str = "",
+    sharders: Any = None,
 ) -> Dict[str, Any]:
     """TorchRec by hand on these ranks, then recshard on the same rows and batches."""
     import torch.distributed as dist
@@ -217,7 +223,7 @@ def fit(
         result = _torchrec_by_hand(rank, steps, eviction_interval)
     model = ZchModel(eviction_interval=eviction_interval)
     unsharded = copy.deepcopy(model) if world_size == 1 else None
-    trainer = _trainer(world_size, steps)
+    trainer = _trainer(world_size, steps, sharders=sharders)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, DataLoader(_batches(rank, steps), batch_size=None))
@@ -321,6 +327,18 @@ def test_on_one_rank_managed_collision_trains_like_the_unsharded_module(tmp_path
     result = fit(0, 1, tmp_path, steps=4, eviction_interval=1000)  # no eviction: the unsharded module never evicts
     assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
     assert result["remapped"] == result["ref_remapped"]
+
+
+def test_torchrecs_own_managed_collision_sharder_passed_in_trains_as_the_built_in_one(tmp_path):
+    """TorchRec's sharder lists row-wise for CUDA only and UVM kernels on CPU; passed in, its copy runs here too."""
+    from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+
+    sharder = ManagedCollisionEmbeddingBagCollectionSharder()
+    passed = fit(0, 1, tmp_path / "passed", steps=3, eviction_interval=1000, sharders=[sharder])
+    built_in = fit(0, 1, tmp_path / "built_in", steps=3, eviction_interval=1000)
+    assert passed["losses"] == built_in["losses"] and passed["remapped"] == built_in["remapped"]
+    assert passed["losses"] == pytest.approx(passed["ref_losses"], abs=TOL)
+    assert type(sharder) is ManagedCollisionEmbeddingBagCollectionSharder  # the user's object is left as it was
 
 
 def test_raw_ids_are_checked_against_the_hash_space_not_the_table(tmp_path):
