@@ -233,6 +233,15 @@ def with_sharder_fused_params(
 _TABLE_OPTIMIZER_ATTRS = ("_optimizer_classes", "_optimizer_kwargs")
 
 
+def in_backward_optimizer(weight: object) -> "Optional[tuple]":
+    """``(optimizer class, kwargs)`` that ``torchrec.optim.apply_optimizer_in_backward`` gave this table weight, or
+    ``None``."""
+    classes, kwargs = vars(weight).get("_optimizer_classes"), vars(weight).get("_optimizer_kwargs")
+    if not classes or classes[0] is None or not kwargs:
+        return None
+    return classes[0], dict(kwargs[0])
+
+
 @contextlib.contextmanager
 def table_fused_params(weights: "Dict[object, dict]") -> "Iterator[None]":
     """Within this block, each unsharded table weight (key) carries its own fused parameters (value) for TorchRec's

@@ -142,9 +142,15 @@ def find_embedding_group(
     return found[0] if found else None
 
 
-TableOptimizers = Dict[str, Tuple[EmbeddingOptimizer, Dict[str, Any]]]
+TableOptimizers = Dict[str, Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]]
 """Per table name: the fused optimizer derived from the param group holding its weight, and that group (whose
-learning rate it follows)."""
+learning rate it follows; ``None`` for a table given its own with ``apply_optimizer_in_backward``)."""
+
+
+def _from_in_backward(optimizer_class: type, kwargs: Mapping[str, Any]) -> EmbeddingOptimizer:
+    """The fused equivalent of an optimizer TorchRec's ``apply_optimizer_in_backward`` gave a table."""
+    probe = optimizer_class([torch.nn.Parameter(torch.zeros(1, 1))], **kwargs)
+    return embedding_optimizer_from_torch(probe, probe.param_groups[0])
 
 
 def strip_params(optimizer: Optimizer, is_embedding: Callable[[torch.Tensor], bool]) -> int:
@@ -325,14 +331,23 @@ def resolve_embedding_optimizer(
         >>> {t: o.lr for t, (o, _) in per_table.items()}
         {'t1': 0.1, 't2': 0.3}
     """
-    found = embedding_groups(optimizers, is_embedding)
+    # Tables given an optimizer of their own with TorchRec's `apply_optimizer_in_backward` keep it, as in TorchRec.
+    own = {
+        table: _from_in_backward(*rule)
+        for table, weight in (table_weights or {}).items()
+        if declared is None and (rule := _compat.in_backward_optimizer(weight)) is not None
+    }
+    own_ids = {id(table_weights[t]) for t in own} if table_weights else set()
+    found = embedding_groups(optimizers, lambda p: is_embedding(p) and id(p) not in own_ids)
     per_table: Optional[TableOptimizers] = None
     if declared is not None:
         emb_opt, lr_source = declared, None
-    elif len(found) > 1 and table_weights is not None:
+    elif (len(found) > 1 or own) and table_weights is not None:
         derived = {id(group): embedding_optimizer_from_torch(optimizers[idx], group) for idx, group in found}
-        per_table = {}
+        per_table = {table: (rule, None) for table, rule in own.items()}
         for table, weight in table_weights.items():
+            if table in own:
+                continue
             group = next((g for _, g in found if any(p is weight for p in g["params"])), None)
             if group is None:
                 raise ValueError(
@@ -351,8 +366,9 @@ def resolve_embedding_optimizer(
         raise ValueError(
             f"{owner}: no optimizer returned by `configure_optimizers` holds the embedding "
             "parameters, so their update rule is unknown. HINT: include them (e.g. "
-            "`torch.optim.Adagrad(self.parameters(), lr=0.1)`), or declare the embedding optimizer with "
-            "`configure_embedding_optimizer()`."
+            "`torch.optim.Adagrad(self.parameters(), lr=0.1)`), declare the embedding optimizer with "
+            "`configure_embedding_optimizer()`, or give tables their own with TorchRec's "
+            "`apply_optimizer_in_backward`."
         )
     else:
         emb_opt, lr_source = EmbeddingOptimizer("sgd", lr=0.0), None  # evaluation only: no update happens
@@ -421,16 +437,16 @@ def _per_table_optimizers(
     names = {id(p): n for n, p in fused.params.items()}
     for group in fused.param_groups:
         tables = [_table_of(names[id(p)]) for p in group["params"] if id(p) in names]
-        known = [t for t in tables if t in per_table]
-        if known:  # TorchRec groups tables by their fused parameters: one rule, one source per group
-            pairs.append((group, per_table[known[0]][1]))
-    by_rule: Dict[int, Tuple[EmbeddingOptimizer, Dict[str, Any], List[torch.nn.Parameter]]] = {}
+        sources = [per_table[t][1] for t in tables if t in per_table]
+        if sources and sources[0] is not None:  # TorchRec groups tables by their fused parameters: one source a group
+            pairs.append((group, sources[0]))
+    by_rule: Dict[Any, Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]], List[torch.nn.Parameter]]] = {}
     for name, param in table_params.items():
         rule, source = per_table[_table_of(name)]
-        by_rule.setdefault(id(source), (rule, source, []))[2].append(param)
+        by_rule.setdefault(id(source) if source is not None else repr(rule), (rule, source, []))[2].append(param)
     optimizers = []
     for rule, source, params in by_rule.values():
         opt = rule.torch_optimizer(params)
         optimizers.append(opt)
-        pairs += [(group, source) for group in opt.param_groups]
+        pairs += [(group, source) for group in opt.param_groups if source is not None]
     return optimizers, pairs

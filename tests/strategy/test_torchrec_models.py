@@ -170,9 +170,23 @@ def _torch_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR) if name == "sgd" else torch.optim.Adagrad(params, lr=LR, eps=1e-8)
 
 
+def _in_backward(model: TestSparseNN) -> None:
+    """TorchRec's per-table optimizer: the weighted tables get row-wise Adagrad of their own, applied in backward."""
+    from torchrec.optim import apply_optimizer_in_backward
+
+    weights = [p for n, p in model.named_parameters() if ".embedding_bags.weighted_table_" in n]
+    apply_optimizer_in_backward(RowWiseAdagrad, weights, {"lr": 0.05, "eps": 1e-8})
+
+
 def _reference(model: TestSparseNN, inputs, optimizer: str, eval_input: ModelInput) -> Dict[str, Any]:
     """Plain PyTorch on the unsharded model, whole global batches: the losses, then the predictions."""
     model = copy.deepcopy(model)
+    if optimizer == "in_backward":  # those tables step in the backward pass; the optimizer gets the rest
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        _in_backward(model)
+        rest = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
+        model_optimizer = torch.optim.Adagrad(rest, lr=LR, eps=1e-8)
     named = dict(model.named_parameters())
     is_table = {n: ".embedding_bags." in n for n in named}
     if optimizer == "rowwise_adagrad":  # tables: row-wise Adagrad (FBGEMM's), the rest as configure_optimizers says
@@ -180,6 +194,8 @@ def _reference(model: TestSparseNN, inputs, optimizer: str, eval_input: ModelInp
             RowWiseAdagrad([p for n, p in named.items() if is_table[n]], lr=LR, eps=1e-8),
             torch.optim.Adagrad([p for n, p in named.items() if not is_table[n]], lr=LR, eps=1e-8),
         ]
+    elif optimizer == "in_backward":
+        opts = [model_optimizer]
     elif optimizer in ("param_groups", "two_optimizers"):
         configured = _per_table_optimizers(optimizer, named)
         opts = [configured["optimizer"]] if isinstance(configured, dict) else configured
@@ -241,6 +257,8 @@ def fit(
     model = _model(seed=0, vbe=vbe)
     inputs = _inputs(steps, world_size, vbe=vbe)
     result = _reference(model, inputs, optimizer, _eval_input(0, 1, vbe)) if rank == 0 else {}
+    if optimizer == "in_backward":
+        _in_backward(model)
     module = TorchRecModel(model, optimizer)
     # Lightning counts a global step per `optimizer.step()`: two a batch with two optimizers.
     max_steps = steps * (2 if optimizer == "two_optimizers" else 1)
@@ -451,3 +469,11 @@ def test_on_cuda_every_sharding_type_trains_testsparsenn_like_unsharded_torchrec
     # Other kernels than the CPU reference's: to 1e-4.
     assert _mean_losses(results) == pytest.approx(results[0]["ref_losses"], abs=1e-4)
     assert _preds(results) == pytest.approx(results[0]["ref_preds"], abs=1e-4)
+
+
+def test_tables_given_their_own_optimizer_with_apply_optimizer_in_backward_keep_it(tmp_path):
+    """TorchRec's per-table API: row-wise Adagrad for the weighted tables, Adagrad from configure_optimizers for the
+    rest (TorchRec leaves in-backward parameters out of the other optimizers)."""
+    result = fit(0, 1, tmp_path, constraints=ROWWISE_ADAGRAD_PLAN, optimizer="in_backward", steps=4)
+    assert result["losses"] == pytest.approx(result["ref_losses"], abs=TOL)
+    assert result["preds"] == pytest.approx(result["ref_preds"], abs=TOL)
