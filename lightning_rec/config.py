@@ -299,6 +299,10 @@ class QuantizedComms:
 
         RecShardStrategy(qcomms="fp16")                                   # both directions
         RecShardStrategy(qcomms={"forward": "fp16", "backward": "bf16"})
+        RecShardStrategy(qcomms=QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16))
+
+        >>> QuantizedComms.of({"forward_precision": "fp16", "backward_precision": "bf16"}).precisions
+        ('fp16', 'bf16')
     """
 
     forward: CommPrecision = "fp32"
@@ -323,8 +327,14 @@ class QuantizedComms:
             return None
         if isinstance(value, str):
             value = cls(forward=value)  # type: ignore[arg-type]
-        elif isinstance(value, dict):
-            value = cls(**value)
+        elif isinstance(value, dict):  # also with QCommsConfig's names (forward_precision, backward_precision)
+            renamed = {"forward_precision": "forward", "backward_precision": "backward"}
+            value = cls(
+                **{
+                    renamed.get(k, k): str(v.value if hasattr(v, "value") else v) if k in renamed else v
+                    for k, v in value.items()
+                }
+            )
         elif not isinstance(value, cls):  # TorchRec's QCommsConfig
             value = cls(
                 forward=str(value.forward_precision),  # type: ignore[arg-type]
