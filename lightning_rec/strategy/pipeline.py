@@ -45,6 +45,31 @@ from lightning_rec.inputs import InputChecks
 from lightning_rec.inputs.kjt import InputError
 
 
+def check_pipelinable(module: nn.Module, module_types: Any, owner: str = "RecShardStrategy") -> None:
+    """Refuse ``pipeline=True`` for embedding modules this pipeline does not drive yet, naming them, before anything
+    is sharded: a position-weighted ``FeatureProcessedEmbeddingBagCollection`` (its feature processor got the
+    distributed KJT without its position weights) and managed-collision modules (their sharded input distribution
+    takes another form). Found by trying both; without ``pipeline`` they train exactly.
+
+    Raises:
+        ValueError: naming every such module and what to do instead.
+    """
+    from lightning_rec.tables import embedding_modules, inner_collection
+
+    odd = {
+        path: type(sub).__name__
+        for path, sub in embedding_modules(module, module_types).items()
+        if inner_collection(sub) not in (None, sub)  # a feature processor or collision module in front of its tables
+    }
+    if odd:
+        raise ValueError(
+            f"{owner}(pipeline=True) does not pipeline "
+            + ", ".join(f"{name} ({path!r})" for path, name in odd.items())
+            + " yet: the pipelined input distribution covers EmbeddingBagCollection and EmbeddingCollection. "
+            "HINT: train this model with `pipeline=False` (the default); it trains exactly there."
+        )
+
+
 class _NoStepOptimizer(torch.optim.Optimizer):
     """TorchRec's pipeline wants an optimizer; Lightning's loop owns the real one and steps it."""
 

@@ -64,7 +64,7 @@ from lightning_rec.strategy.optim import (
     RecOptimizer,
     combine_optimizers,
 )
-from lightning_rec.strategy.pipeline import SparseDistPipeline
+from lightning_rec.strategy.pipeline import SparseDistPipeline, check_pipelinable
 from lightning_rec.strategy.plan_report import PlanReport, write_for_trainer
 from lightning_rec.strategy.settings import (
     backward_without_step_error,
@@ -327,6 +327,8 @@ class RecShardStrategy(ParallelStrategy):
         if sharded_state(model) is not None:
             return
         self.sharder.check_model(model, self.root_device.type)
+        if self.pipeline:
+            check_pipelinable(model, self.sharder.module_types, type(self).__name__)
 
     @override
     def setup_environment(self) -> None:

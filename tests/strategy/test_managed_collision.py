@@ -494,3 +494,14 @@ def test_pretrained_rows_reach_a_managed_collision_table():
     load_rows(model, {"t_f0": torch.full((ROWS, 8), 0.5)})
     (weight,) = [p for n, p in model.named_parameters() if n.endswith("embedding_bags.t_f0.weight")]
     assert torch.equal(weight.detach(), torch.full((ROWS, 8), 0.5))
+
+
+def test_pipelining_a_managed_collision_module_is_refused_before_anything_is_sharded():
+    model = ZchModel()
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline=True\) does not pipeline ManagedCollisionEmbeddingBagCollection "
+        r"\('mc_ebc'\) yet.*HINT: train this model with `pipeline=False`",
+    ):
+        _trainer(1, 1, pipeline=True).fit(model, DataLoader(_batches(0, 1), batch_size=None))
+    assert not model.losses and not any(p.is_meta for p in model.parameters())
