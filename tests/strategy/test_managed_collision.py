@@ -57,12 +57,13 @@ FEATURES = ("f0", "f1")
 ROW_WISE = {f"t_{f}": {"sharding_types": ["row_wise"]} for f in FEATURES}
 
 
-def _mc_ebc(
-    eviction_interval: int, hash_size: int = HASH_SIZE, buckets: int = 2
-) -> ManagedCollisionEmbeddingBagCollection:
+def _managed_collision(pooled: bool, eviction_interval: int, hash_size: int = HASH_SIZE, buckets: int = 2) -> nn.Module:
+    """A ``ManagedCollisionEmbeddingBagCollection`` (``pooled``) or ``...EmbeddingCollection`` of one table a
+    feature, on CPU, as TorchRec's ZCH test arch builds it."""
+    config = EmbeddingBagConfig if pooled else EmbeddingConfig
     # A row freed by eviction is refilled by its table's init_fn: a constant one keeps runs comparable.
     tables = [
-        EmbeddingBagConfig(
+        config(
             name=f"t_{f}",
             embedding_dim=8,
             num_embeddings=ROWS,
@@ -86,8 +87,12 @@ def _mc_ebc(
         },
         embedding_configs=tables,
     )
-    return ManagedCollisionEmbeddingBagCollection(
-        EmbeddingBagCollection(tables=tables, device=cpu), collisions, return_remapped_features=True
+    if pooled:
+        return ManagedCollisionEmbeddingBagCollection(
+            EmbeddingBagCollection(tables=tables, device=cpu), collisions, return_remapped_features=True
+        )
+    return ManagedCollisionEmbeddingCollection(
+        EmbeddingCollection(tables=tables, device=cpu), collisions, return_remapped_features=True
     )
 
 
@@ -97,7 +102,7 @@ class ZchModel(lightning_rec.RecLightningModule):
     def __init__(self, seed: int = 0, eviction_interval: int = 2, **mc: Any) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.mc_ebc = _mc_ebc(eviction_interval, **mc)
+        self.mc_ebc = _managed_collision(True, eviction_interval, **mc)
         with torch.no_grad():
             for p in self.mc_ebc.parameters():
                 p.copy_(torch.randn(p.shape) * 0.3)
@@ -422,33 +427,7 @@ class SequenceZchModel(lightning_rec.RecLightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        tables = [
-            EmbeddingConfig(
-                name=f"t_{f}",
-                embedding_dim=8,
-                num_embeddings=ROWS,
-                feature_names=[f],
-                init_fn=functools.partial(nn.init.constant_, val=0.05),  # what an evicted row is refilled with
-            )
-            for f in FEATURES
-        ]
-        collisions = ManagedCollisionCollection(
-            {
-                t.name: MCHManagedCollisionModule(
-                    zch_size=ROWS,
-                    device=torch.device("cpu"),
-                    input_hash_size=HASH_SIZE,
-                    eviction_interval=1,
-                    eviction_policy=DistanceLFU_EvictionPolicy(),
-                    buckets=2,
-                )
-                for t in tables
-            },
-            embedding_configs=tables,
-        )
-        self.mc_ec = ManagedCollisionEmbeddingCollection(
-            EmbeddingCollection(tables=tables, device=torch.device("cpu")), collisions, return_remapped_features=True
-        )
+        self.mc_ec = _managed_collision(False, eviction_interval=1)
         self.losses: List[float] = []
         self.remapped: List[Dict[str, List[int]]] = []
 
