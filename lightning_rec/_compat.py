@@ -8,7 +8,7 @@ imported here, once, so that a Lightning upgrade that moves them breaks one file
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 # Lightning: process-group helpers shared by its own DDP/FSDP/ModelParallel strategies. There is no public
 # equivalent; re-implementing them would fork Lightning's handling of cluster environments and timeouts.
@@ -25,6 +25,11 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
 # validation included). The strategy must call it itself because the embedding optimizer has to be known
 # before the tables are sharded.
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers  # noqa: F401
+
+# Lightning: what `configure_optimizers` may return (an optimizer, a list, a dict with a scheduler, ...) to the list of
+# optimizers; `lightning-rec plan` calls `configure_optimizers` without a Trainer, so not through the hook above.
+from lightning.pytorch.core.optimizer import _configure_optimizers
+
 
 # Lightning: `torch.set_num_threads(cpus // processes)` + OMP_NUM_THREADS unless the user set OMP_NUM_THREADS. Its
 # launcher calls it in the launching process only, after starting the other ranks, so they keep one intra-op
@@ -55,11 +60,33 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 IN_BACKWARD_OPTIMIZER_ATTR = "_in_backward_optimizers"
 
 
+def parse_optimizers(optim_conf: Any) -> list:
+    """The optimizers in what ``LightningModule.configure_optimizers`` returned (``None``: none)."""
+    return [] if optim_conf is None else list(_configure_optimizers(optim_conf)[0])
+
+
 def planner_sharding_options(planner: object) -> "Optional[list]":
     """The ``ShardingOption``s the TorchRec planner chose in its last ``plan()``, with per-shard storage and perf
     estimates, or ``None``. TorchRec keeps them only in the private ``_best_plan`` (its stats printer reads
     them there); the returned ``ShardingPlan`` drops the estimates, and the plan report needs them."""
     return getattr(planner, "_best_plan", None)
+
+
+# TorchRec: the planner keeps the topology, constraints and batch size it was built with in private attributes; an
+# enumerator built from the same three proposes the options it chose from (lightning-rec plan's "does not fit").
+def planner_topology(planner: object) -> Any:
+    """The ``Topology`` an ``EmbeddingShardingPlanner`` plans for."""
+    return planner._topology  # type: ignore[attr-defined]
+
+
+def planner_constraints(planner: object) -> Any:
+    """The ``ParameterConstraints`` by table name an ``EmbeddingShardingPlanner`` was given."""
+    return planner._constraints  # type: ignore[attr-defined]
+
+
+def planner_batch_size(planner: object) -> int:
+    """The per-rank batch size an ``EmbeddingShardingPlanner`` costs with."""
+    return planner._batch_size  # type: ignore[attr-defined]
 
 
 # TorchRec: `TrainPipelineSparseDist.progress()` runs forward, backward and the optimizer itself. To keep

@@ -1,13 +1,16 @@
 """``lightning-rec``: LightningCLI for recommendation models, with the ``recshard`` strategy registered.
 
 Subcommands are LightningCLI's (``fit``, ``validate``, ``test``, ``predict``; ``--print_config``, ``--config``)
-plus ``prepare``, which fetches a dataset ahead of time (the DataModules also fetch on first use), and
-``export``, which turns a sharded checkpoint into one unsharded state dict file, or (``--format inference``) into
-a servable TorchScript artifact with quantized tables::
+plus ``prepare``, which fetches a dataset ahead of time (the DataModules also fetch on first use), ``plan``, which
+makes the sharding plan of a config for a cluster of any size on this machine (tables on ``meta``; see README
+"Planning for a cluster"), and ``export``, which turns a sharded checkpoint into one unsharded state dict file, or
+(``--format inference``) into a servable TorchScript artifact with quantized tables::
 
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml --trainer.max_epochs=2 --data.batch_size=1024
     lightning-rec prepare movielens --data_dir data/ml-100k
+    lightning-rec plan --config examples/configs/criteo_dlrm.yaml --hosts 2 --devices-per-host 8 --device h100
+    lightning-rec fit --config examples/configs/criteo_dlrm.yaml --trainer.strategy.init_args.plan=plan/plan.json
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model.safetensors
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt --format inference
 
@@ -19,10 +22,13 @@ log under ``trainer.default_root_dir`` and the progress bar shows samples/s.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import warnings
 from typing import Any, List, Optional
 
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
@@ -130,8 +136,160 @@ def _export(argv: List[str]) -> None:
     )
 
 
+class _PlanCLI(RecCLI):
+    """The config as ``fit`` reads it, without a Trainer: the model is built with its tensors on ``meta``."""
+
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+
+        def on_meta(class_type: Any, *args: Any, **kwargs: Any) -> Any:
+            with torch.device("meta"):
+                return class_type(*args, **kwargs)
+
+        self.parser.add_instantiator(on_meta, LightningModule, subclasses=True, prepend=True)
+
+    def instantiate_classes(self) -> None:
+        self.config_init = self.parser.instantiate_classes(self.config)
+        self.datamodule = self.config_init.get("data")
+        self.model = self.config_init.get("model")
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or a comma-separated list of numbers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _plan(argv: List[str]) -> None:
+    from lightning_rec import planning
+    from lightning_rec.strategy.sharder import TableSharder
+    from lightning_rec.strategy.topology import DEVICE_PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-rec plan",
+        allow_abbrev=False,
+        description="Make the sharding plan `fit` would make for a cluster, here, with the model's tables on the "
+        "meta device (nothing allocated, no GPU or process group needed): every table's sharding type, kernel, "
+        "ranks and shards, and per rank the planner's memory and step-time estimates. Takes `fit`'s --config and "
+        "--model.../--data.../--trainer... overrides. Writes DIR/plan.json (give it to fit as "
+        "--trainer.strategy.init_args.plan=DIR/plan.json) and DIR/plan.png; with several --hosts or "
+        "--devices-per-host, one row per topology (DIR/sweep.json, DIR/sweep.png).",
+        epilog=f"device presets: {planning.presets_text()}",
+    )
+    parser.add_argument(
+        "--hosts", type=_ints, default=None, help="hosts (nodes), or a list: 1,2,4,8 (default: trainer.num_nodes)"
+    )
+    parser.add_argument(
+        "--devices-per-host", type=_ints, default=None, help="ranks per host, or a list (default: trainer.devices)"
+    )
+    parser.add_argument(
+        "--device-type",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="default: the preset's, else the trainer's accelerator",
+    )
+    parser.add_argument(
+        "--device", choices=sorted(DEVICE_PRESETS), default=None, help="a device preset: memory and bandwidths"
+    )
+    parser.add_argument("--hbm-gb", type=float, default=None, help="device memory per rank, GiB (over the preset's)")
+    parser.add_argument("--ddr-gb", type=float, default=None, help="host memory per rank, GiB (over the preset's)")
+    parser.add_argument(
+        "--batch-size-per-rank",
+        type=int,
+        default=None,
+        help="the cost model's batch (default: the strategy's topology.batch_size, else 512)",
+    )
+    parser.add_argument("--output", default=None, help="a directory for plan.json and plan.png (default: print only)")
+    args, rest = parser.parse_known_args(argv)
+    if not any(a == "--config" or a.startswith("--config=") or a.startswith("--model") for a in rest):
+        parser.error("give the model: --config CONFIG.yaml (as for `fit`), or --model.class_path=...")
+
+    with warnings.catch_warnings():  # the rest of our own command line, not a mistake
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        cli = _PlanCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=rest,
+            run=False,
+            auto_configure_optimizers=False,
+        )
+    trainer_config = cli.config_init.get("trainer") or {}
+    strategy = trainer_config.get("strategy")
+    sharder = getattr(strategy, "sharder", None)
+    if not isinstance(sharder, TableSharder):
+        if strategy not in (None, "recshard", "auto"):
+            print(f"note: the config's strategy is {strategy!r}, not recshard; planning with recshard's defaults.")
+        sharder = TableSharder.from_arguments()
+    accelerator = str(trainer_config.get("accelerator") or "")
+    device_type = args.device_type or (
+        DEVICE_PRESETS[args.device].device_type if args.device else ("cpu" if accelerator == "cpu" else "cuda")
+    )
+    devices = trainer_config.get("devices")
+    hosts = args.hosts or [int(trainer_config.get("num_nodes") or 1)]
+    per_host = args.devices_per_host or [devices if isinstance(devices, int) and devices > 0 else 1]
+    try:
+        clusters = planning.sweep_clusters(
+            hosts,
+            per_host,
+            device_type=device_type,
+            preset=args.device,
+            hbm_gb=args.hbm_gb,
+            ddr_gb=args.ddr_gb,
+            batch_size=args.batch_size_per_rank,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    out = args.output
+    if out:
+        os.makedirs(out, exist_ok=True)
+    if len(clusters) == 1:
+        try:
+            report = planning.plan_cluster(cli.model, sharder, clusters[0])
+        except planning.DoesNotFit as err:
+            parser.exit(2, f"{parser.prog}: error: {err}\n")
+        print(
+            f"plan for {clusters[0].describe()}: {report.world_size} rank(s), {report.local_world_size} per host, "
+            f"{report.device_type}, preset {report.preset or 'none (TorchRec defaults)'}, batch {report.batch_size} "
+            "per rank"
+        )
+        print(report.format_table())
+        print(planning.CALIBRATION[report.device_type])
+        if out:
+            report.write_json(os.path.join(out, "plan.json"))
+            report.write_png(os.path.join(out, "plan.png"))
+            print(
+                f"wrote {os.path.join(out, 'plan.json')} and plan.png; train with it: lightning-rec fit ... "
+                f"--trainer.strategy.init_args.plan={os.path.join(out, 'plan.json')}"
+            )
+        return
+    rows = planning.sweep(cli.model, sharder, clusters)
+    print(planning.format_sweep(rows))
+    print(planning.CALIBRATION[device_type])
+    for row in rows:
+        if row.error:
+            print(f"{row.cluster.describe()}: {row.error}")
+    if out:
+        with open(os.path.join(out, "sweep.json"), "w") as f:
+            json.dump([row.to_dict() for row in rows], f, indent=2)
+        planning.write_sweep_png(rows, os.path.join(out, "sweep.png"))
+        for row in rows:
+            if row.report is not None:
+                name = f"plan_{row.cluster.hosts}x{row.cluster.devices_per_host}.json"
+                row.report.write_json(os.path.join(out, name))
+        print(f"wrote {os.path.join(out, 'sweep.json')}, sweep.png and one plan_HxD.json per topology that fits")
+
+
 def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:
-    """Run one ``lightning-rec`` command in this process and return the CLI (``None`` for ``prepare``/``export``).
+    """Run one ``lightning-rec`` command in this process and return the CLI (``None`` for ``prepare``/``export``/
+    ``plan``).
 
     Args:
         args: the command line without the program name; ``None`` reads ``sys.argv``.
@@ -147,6 +305,9 @@ def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:
         return None
     if argv[:1] == ["export"]:
         _export(argv[1:])
+        return None
+    if argv[:1] == ["plan"]:
+        _plan(argv[1:])
         return None
     return RecCLI(
         LightningModule,

@@ -257,16 +257,21 @@ class TopologyConfig:
         ddr_cap: host memory per rank in bytes (the table memory on CPU training).
         local_world_size: ranks per host (affects intra- vs inter-host communication costs).
         batch_size: per-rank batch size the planner assumes for its cost model.
+        preset: a named device (``"h100"``, ``"h200"``, ``"a100-80g"``, ``"a100-40g"``, ``"cpu"``: see
+            :data:`lightning_rec.strategy.topology.DEVICE_PRESETS`) whose memory and bandwidths the planner assumes
+            (``hbm_cap``/``ddr_cap`` still override its memory). Default: TorchRec's own defaults.
 
     Example::
 
         RecShardStrategy(topology=TopologyConfig(ddr_cap=8 * 1024**3, batch_size=4096))
+        RecShardStrategy(topology={"preset": "h100"})
     """
 
     hbm_cap: Optional[int] = None
     ddr_cap: Optional[int] = None
     local_world_size: Optional[int] = None
     batch_size: Optional[int] = None
+    preset: Optional[str] = None
 
     def ranks_per_host(self, launched: int) -> int:
         """The planner's local world size: this override, else ``launched`` (ranks per host as started)."""

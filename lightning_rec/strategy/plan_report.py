@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from enum import Enum
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import ParameterSharding, ShardingPlan
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 __all__ = [
     "PlanReport",
@@ -33,11 +36,13 @@ __all__ = [
     "format_plan",
     "format_rows",
     "plan_rows",
+    "table_shapes",
     "write_for_trainer",
     "write_plan_report",
 ]
 
 JSON_NAME = "sharding_plan.json"
+FORMAT = "lightning_rec.sharding_plan/1"  # the JSON document's name and version
 PNG_NAME = "sharding_plan.png"
 
 
@@ -54,6 +59,10 @@ class PlanRow:
         shard_sizes: ``[rows, cols]`` of each shard (empty for a replicated, ``data_parallel`` table).
         shard_offsets: ``[row, col]`` where each shard starts in the whole table.
         shard_ranks: the rank each shard is placed on (``None`` if the plan does not say).
+        shard_placements: each shard's device, as TorchRec writes it (``"rank:1/cuda:1"``).
+        shape: the whole table's ``[rows, cols]`` (``None``: not known where the report was built).
+        extras: the plan's other per-table settings that are set (``cache_params``, ``enforce_hbm``,
+            ``stochastic_rounding``, ``bounds_check_mode``, ``output_dtype``), as JSON values.
     """
 
     module: str
@@ -64,10 +73,17 @@ class PlanRow:
     shard_sizes: List[List[int]]
     shard_offsets: List[List[int]] = field(default_factory=list)
     shard_ranks: List[Optional[int]] = field(default_factory=list)
+    shard_placements: List[str] = field(default_factory=list)
+    shape: Optional[List[int]] = None
+    extras: Dict[str, Any] = field(default_factory=dict)
 
 
-def plan_rows(plan: ShardingPlan) -> List[PlanRow]:
-    """The plan as one :class:`PlanRow` per table, in module then table order."""
+def plan_rows(plan: ShardingPlan, shapes: Optional[Mapping[str, Sequence[int]]] = None) -> List[PlanRow]:
+    """The plan as one :class:`PlanRow` per table, in module then table order.
+
+    Args:
+        shapes: each table's ``[rows, cols]``, by table name (see :func:`table_shapes`).
+    """
     rows = []
     for module_path, module_plan in plan.plan.items():
         for table, ps in module_plan.items():  # type: ignore[union-attr]
@@ -82,9 +98,36 @@ def plan_rows(plan: ShardingPlan) -> List[PlanRow]:
                     shard_sizes=[list(s.shard_sizes) for s in shards],
                     shard_offsets=[list(s.shard_offsets) for s in shards],
                     shard_ranks=[s.placement.rank() if s.placement is not None else None for s in shards],
+                    shard_placements=[str(s.placement) if s.placement is not None else "" for s in shards],
+                    shape=list(shapes[table]) if shapes and table in shapes else None,
+                    extras=plan_extras(ps),
                 )
             )
     return rows
+
+
+def table_shapes(tables: Mapping[str, BaseEmbeddingConfig]) -> Dict[str, List[int]]:
+    """``{table name: [num_embeddings, embedding_dim]}`` of table configs (e.g. :func:`lightning_rec.tables.embedding_tables`)."""
+    return {name: [c.num_embeddings, c.embedding_dim] for name, c in tables.items()}
+
+
+_EXTRA_FIELDS = ("cache_params", "enforce_hbm", "stochastic_rounding", "bounds_check_mode", "output_dtype")
+
+
+def plan_extras(ps: ParameterSharding) -> Dict[str, Any]:
+    """The settings of ``ps`` beyond type, kernel, ranks and shards that are set, as JSON values (enums by name,
+    ``CacheParams`` as a dict); ``ParameterSharding.key_value_params`` (SSD tables) is not carried."""
+    extras: Dict[str, Any] = {}
+    for name in _EXTRA_FIELDS:
+        value = getattr(ps, name, None)
+        if value is None:
+            continue
+        if isinstance(value, Enum):
+            value = value.name
+        elif dataclasses.is_dataclass(value):
+            value = {k: v.name if isinstance(v, Enum) else v for k, v in dataclasses.asdict(value).items()}
+        extras[name] = value
+    return extras
 
 
 def format_plan(plan: ShardingPlan, world_size: int) -> str:
@@ -105,13 +148,24 @@ def format_rows(rows: Sequence[PlanRow], world_size: int) -> str:
     body = []
     for r in rows:
         ranks = ",".join(map(str, r.ranks)) if r.ranks else f"all {world_size}"
-        shards = " ".join(str(s) for s in r.shard_sizes) if r.shard_sizes else "replicated"
+        shards = _shard_text(r.shard_sizes) if r.shard_sizes else "replicated"
         body.append((r.module or "<root>", r.table, r.sharding_type, ranks, r.compute_kernel, shards))
     if not body:
         return "(no embedding tables: the model is trained as plain data parallel)"
     widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in [header, *body]]
     return "\n".join(lines)
+
+
+def _shard_text(sizes: Sequence[Sequence[int]]) -> str:
+    """Shard sizes, equal neighbours counted: ``[[5, 4], [5, 4], [2, 4]]`` -> ``"2x[5, 4] [2, 4]"``."""
+    groups: List[List[Any]] = []
+    for size in sizes:
+        if groups and groups[-1][1] == list(size):
+            groups[-1][0] += 1
+        else:
+            groups.append([1, list(size)])
+    return " ".join(f"{n}x{size}" if n > 1 else str(size) for n, size in groups)
 
 
 @dataclass
@@ -122,18 +176,33 @@ class RankEstimate:
         rank: the global rank.
         hbm_bytes: device memory of the table shards placed there.
         ddr_bytes: host memory of the table shards placed there.
-        cost: modelled milliseconds per step (``Perf.total``) of those shards.
+        cost: modelled milliseconds per step (``Perf.total``, what the planner balances) of those shards.
+        lookup_ms: of ``cost``, the lookups' forward and backward (``fwd_compute + bwd_compute + prefetch_compute``).
+        input_dist_ms: the ids' input all-to-all (``Perf.input_dist_comms``; not part of ``cost``).
+        output_dist_ms: of ``cost``, the embeddings' output all-to-all and its gradient's
+            (``fwd_comms + bwd_comms``).
 
     Example::
 
         >>> RankEstimate(rank=0, hbm_bytes=0, ddr_bytes=4096, cost=0.2).memory_bytes
         4096
+        >>> RankEstimate(0, lookup_ms=1.0, input_dist_ms=0.5, output_dist_ms=2.0).step_ms
+        3.5
     """
 
     rank: int
     hbm_bytes: Optional[int] = None
     ddr_bytes: Optional[int] = None
     cost: Optional[float] = None
+    lookup_ms: Optional[float] = None
+    input_dist_ms: Optional[float] = None
+    output_dist_ms: Optional[float] = None
+
+    @property
+    def step_ms(self) -> Optional[float]:
+        """The planner's milliseconds per step of this rank's tables: lookups, input and output all-to-alls."""
+        parts = (self.lookup_ms, self.input_dist_ms, self.output_dist_ms)
+        return None if any(p is None for p in parts) else sum(parts)  # type: ignore[arg-type]
 
     @property
     def memory_bytes(self) -> Optional[int]:
@@ -143,14 +212,25 @@ class RankEstimate:
         return self.hbm_bytes + self.ddr_bytes
 
     def to_dict(self) -> Dict[str, Any]:
-        """``{"rank", "hbm_bytes", "ddr_bytes", "memory_bytes", "cost"}``."""
+        """``{"rank", "hbm_bytes", "ddr_bytes", "memory_bytes", "cost", "lookup_ms", "input_dist_ms",
+        "output_dist_ms", "step_ms"}``."""
         return {
             "rank": self.rank,
             "hbm_bytes": self.hbm_bytes,
             "ddr_bytes": self.ddr_bytes,
             "memory_bytes": self.memory_bytes,
             "cost": self.cost,
+            "lookup_ms": self.lookup_ms,
+            "input_dist_ms": self.input_dist_ms,
+            "output_dist_ms": self.output_dist_ms,
+            "step_ms": self.step_ms,
         }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "RankEstimate":
+        """The inverse of :meth:`to_dict` (derived keys are ignored)."""
+        keys = ("hbm_bytes", "ddr_bytes", "cost", "lookup_ms", "input_dist_ms", "output_dist_ms")
+        return cls(int(doc["rank"]), **{k: doc.get(k) for k in keys})
 
 
 def imbalance(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -183,6 +263,8 @@ class PlanReport:
         ranks: one :class:`RankEstimate` per rank (its numbers ``None`` without estimates).
         estimates_available: whether ``ranks`` carries the planner's estimates.
         local_world_size: ranks per host the planner assumed (``None``: not recorded).
+        batch_size: per-rank batch size of the planner's cost model (``None``: not recorded).
+        preset: the device preset whose memory and bandwidths the planner assumed (``None``: TorchRec's defaults).
 
     Example::
 
@@ -200,6 +282,8 @@ class PlanReport:
     ranks: List[RankEstimate]
     estimates_available: bool = False
     local_world_size: Optional[int] = None
+    batch_size: Optional[int] = None
+    preset: Optional[str] = None
 
     @classmethod
     def from_plan(
@@ -209,6 +293,10 @@ class PlanReport:
         device_type: str,
         sharding_options: Optional[Sequence[Any]] = None,
         local_world_size: Optional[int] = None,
+        *,
+        shapes: Optional[Mapping[str, Sequence[int]]] = None,
+        batch_size: Optional[int] = None,
+        preset: Optional[str] = None,
     ) -> "PlanReport":
         """Build the report from ``plan`` and, when the planner ran here, its chosen ``ShardingOption``\\ s.
 
@@ -219,11 +307,15 @@ class PlanReport:
             sharding_options: the planner's chosen options, whose shards carry ``rank``, ``storage`` and
                 ``perf`` (see ``lightning_rec._compat.planner_sharding_options``); ``None``: no estimates.
             local_world_size: ranks per host the planner was told.
+            shapes: each table's ``[rows, cols]`` by name (see :func:`table_shapes`), recorded so that a plan
+                read back can be checked against a model.
+            batch_size: the planner's per-rank batch size; preset: its device preset's name.
         """
+        rows = plan_rows(plan, shapes)
+        meta = dict(local_world_size=local_world_size, batch_size=batch_size, preset=preset)
         if not sharding_options:
-            ranks = [RankEstimate(r) for r in range(world_size)]
-            return cls(world_size, device_type, plan_rows(plan), ranks, False, local_world_size)
-        ranks = [RankEstimate(r, 0, 0, 0.0) for r in range(world_size)]
+            return cls(world_size, device_type, rows, [RankEstimate(r) for r in range(world_size)], False, **meta)
+        ranks = [RankEstimate(r, 0, 0, 0.0, 0.0, 0.0, 0.0) for r in range(world_size)]
         for option in sharding_options:
             for shard in option.shards:
                 if shard.rank is None or not 0 <= shard.rank < world_size:
@@ -233,8 +325,12 @@ class PlanReport:
                     total.hbm_bytes += int(shard.storage.hbm)  # type: ignore[operator]
                     total.ddr_bytes += int(shard.storage.ddr)  # type: ignore[operator]
                 if shard.perf is not None:
-                    total.cost += float(shard.perf.total)  # type: ignore[operator]
-        return cls(world_size, device_type, plan_rows(plan), ranks, True, local_world_size)
+                    perf = shard.perf
+                    total.cost += float(perf.total)  # type: ignore[operator]
+                    total.lookup_ms += float(perf.fwd_compute + perf.bwd_compute + perf.prefetch_compute)  # type: ignore[operator]
+                    total.input_dist_ms += float(getattr(perf, "input_dist_comms", 0.0))  # type: ignore[operator]
+                    total.output_dist_ms += float(perf.fwd_comms + perf.bwd_comms)  # type: ignore[operator]
+        return cls(world_size, device_type, rows, ranks, True, **meta)
 
     @property
     def num_hosts(self) -> Optional[int]:
@@ -248,6 +344,19 @@ class PlanReport:
             "memory": imbalance([r.memory_bytes for r in self.ranks]),
             "cost": imbalance([r.cost for r in self.ranks]),
         }
+
+    @property
+    def max_memory_bytes(self) -> Optional[int]:
+        """The fullest rank's estimated memory (HBM + DDR), or ``None`` without estimates."""
+        values = [r.memory_bytes for r in self.ranks]
+        return None if not values or None in values else max(values)  # type: ignore[type-var]
+
+    @property
+    def step_ms(self) -> Optional[float]:
+        """The planner's step time: the slowest rank's :attr:`RankEstimate.step_ms` (ranks wait for each other in
+        the all-to-alls), or ``None`` without estimates."""
+        values = [r.step_ms for r in self.ranks]
+        return None if not values or None in values else max(values)  # type: ignore[type-var]
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document.
@@ -265,29 +374,98 @@ class PlanReport:
         ``cost`` is in milliseconds per step (the planner's ``Perf.total``); byte counts are integers.
         """
         return {
+            "format": FORMAT,
             "world_size": self.world_size,
             "local_world_size": self.local_world_size,
             "num_hosts": self.num_hosts,
             "device_type": self.device_type,
+            "preset": self.preset,
+            "batch_size": self.batch_size,
             "estimates_available": self.estimates_available,
             "tables": [
                 {
                     "name": t.table,
                     "module": t.module,
+                    "shape": t.shape,
                     "sharding_type": t.sharding_type,
                     "compute_kernel": t.compute_kernel,
                     "ranks": t.ranks,
                     "shards": [
-                        {"rank": r, "sizes": s, "offsets": o}
-                        for r, s, o in zip(t.shard_ranks, t.shard_sizes, t.shard_offsets)
+                        {"rank": r, "sizes": s, "offsets": o, "placement": p}
+                        for r, s, o, p in zip(
+                            t.shard_ranks,
+                            t.shard_sizes,
+                            t.shard_offsets,
+                            t.shard_placements or [""] * len(t.shard_sizes),
+                        )
                     ],
+                    **({"extras": t.extras} if t.extras else {}),
                 }
                 for t in self.tables
             ],
             "ranks": [r.to_dict() for r in self.ranks],
+            "step_ms": self.step_ms,
+            "max_memory_bytes": self.max_memory_bytes,
             "imbalance": self.imbalance,
             "imbalance_definition": "max / mean over ranks",
         }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "PlanReport":
+        """The report :meth:`to_dict` wrote (``sharding_plan.json`` of a ``fit``, ``plan.json`` of
+        ``lightning-rec plan``).
+
+        Raises:
+            ValueError: if ``doc`` is not such a report, naming what is missing.
+        """
+        missing = [k for k in ("world_size", "device_type", "tables") if k not in doc]
+        if missing:
+            raise ValueError(
+                f"not a sharding-plan report: it has no {', '.join(missing)}. HINT: pass the plan.json that "
+                "`lightning-rec plan` wrote, or the sharding_plan.json of a fit."
+            )
+        tables = []
+        for t in doc["tables"]:
+            shards = t.get("shards") or []
+            tables.append(
+                PlanRow(
+                    module=t["module"],
+                    table=t["name"],
+                    sharding_type=t["sharding_type"],
+                    compute_kernel=t["compute_kernel"],
+                    ranks=list(t.get("ranks") or []),
+                    shard_sizes=[list(s["sizes"]) for s in shards],
+                    shard_offsets=[list(s["offsets"]) for s in shards],
+                    shard_ranks=[s.get("rank") for s in shards],
+                    shard_placements=[s.get("placement") or "" for s in shards],
+                    shape=t.get("shape"),
+                    extras=dict(t.get("extras") or {}),
+                )
+            )
+        return cls(
+            world_size=int(doc["world_size"]),
+            device_type=doc["device_type"],
+            tables=tables,
+            ranks=[RankEstimate.from_dict(r) for r in doc.get("ranks") or []],
+            estimates_available=bool(doc.get("estimates_available")),
+            local_world_size=doc.get("local_world_size"),
+            batch_size=doc.get("batch_size"),
+            preset=doc.get("preset"),
+        )
+
+    @classmethod
+    def read_json(cls, path: "os.PathLike[str] | str") -> "PlanReport":
+        """Read a report :meth:`write_json` wrote.
+
+        Raises:
+            ValueError: if the file is not JSON or not such a report, naming the file.
+        """
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            return cls.from_dict(doc)
+        except (json.JSONDecodeError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{os.fspath(path)!r} is not a sharding plan: {type(err).__name__}: {err}") from None
 
     def write_json(self, path: "os.PathLike[str] | str") -> None:
         """Write :meth:`to_dict` to ``path`` (indented JSON)."""
@@ -312,11 +490,15 @@ class PlanReport:
         if not self.estimates_available:
             lines.append("(planner estimates unavailable: the plan was given, or this rank did not plan)")
             return "\n".join(lines)
-        lines.append(f"{'rank':>4}  {'memory (MB)':>11}  {'HBM (MB)':>8}  {'DDR (MB)':>8}  {'cost (ms)':>9}")
+        lines.append(
+            f"{'rank':>4}  {'memory (MB)':>11}  {'HBM (MB)':>10}  {'DDR (MB)':>10}  {'cost (ms)':>9}  "
+            f"{'lookup (ms)':>11}  {'input a2a (ms)':>14}  {'output a2a (ms)':>15}  {'step (ms)':>9}"
+        )
         for r in self.ranks:
             lines.append(
-                f"{r.rank:>4}  {(r.memory_bytes or 0) / 2**20:>11.2f}  {(r.hbm_bytes or 0) / 2**20:>8.2f}  "
-                f"{(r.ddr_bytes or 0) / 2**20:>8.2f}  {r.cost or 0.0:>9.4g}"
+                f"{r.rank:>4}  {(r.memory_bytes or 0) / 2**20:>11.2f}  {(r.hbm_bytes or 0) / 2**20:>10.2f}  "
+                f"{(r.ddr_bytes or 0) / 2**20:>10.2f}  {r.cost or 0.0:>9.4g}  {r.lookup_ms or 0.0:>11.4g}  "
+                f"{r.input_dist_ms or 0.0:>14.4g}  {r.output_dist_ms or 0.0:>15.4g}  {r.step_ms or 0.0:>9.4g}"
             )
         lines.append(f"imbalance (max/mean over ranks): {self._imbalance_text()}")
         return "\n".join(lines)

@@ -89,10 +89,14 @@ class RecShardStrategy(ParallelStrategy):
             Plain dicts work too (from YAML). Tables without constraints may use any sharding type the device
             can run.
         topology: overrides for the planner's view of the machine (memory per rank, local world size, the
-            per-rank batch size it assumes).
+            per-rank batch size it assumes, a device preset such as ``"h100"``).
         sharders: extra TorchRec sharders (e.g. for custom embedding modules); they replace the built-in ones
             for the same module type.
-        plan: a precomputed ``ShardingPlan`` to use instead of running the planner.
+        plan: a precomputed plan to use instead of running the planner: a ``ShardingPlan``, or the path of a
+            ``plan.json`` written by ``lightning-rec plan`` (or a ``sharding_plan.json`` written by an earlier
+            fit). A file's plan is checked against the run before anything is sharded (world size, ranks per
+            host, device type, the model's tables and their shapes, sharding types and kernels this device can
+            train with), and a mismatch is refused naming it (see README "Planning for a cluster").
         embedding_optimizer: the fused embedding optimizer when the module does not declare one with
             ``configure_embedding_optimizer()``. ``None`` (default): derive it from ``configure_optimizers``.
         fused_params: extra FBGEMM table-batched-embedding arguments for every table (e.g.
@@ -147,7 +151,7 @@ class RecShardStrategy(ParallelStrategy):
         constraints: Optional[Mapping[str, Union[TableConstraints, Mapping[str, Any]]]] = None,
         topology: Optional[Union[TopologyConfig, Mapping[str, Any]]] = None,
         sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
-        plan: Optional[ShardingPlan] = None,
+        plan: Optional[Union[str, ShardingPlan]] = None,
         embedding_optimizer: Optional[Union[EmbeddingOptimizer, Mapping[str, Any]]] = None,
         fused_params: Optional[Mapping[str, Any]] = None,
         bounds_check: BoundsCheck = "error",

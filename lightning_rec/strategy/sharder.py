@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
@@ -29,7 +31,8 @@ from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, QuantizedComms
 from lightning_rec.inputs import input_specs
 from lightning_rec.strategy.dmp import ShardedState, shard_module
 from lightning_rec.strategy.optim import TableOptimizers, bounds_check_params, resolve_embedding_optimizer
-from lightning_rec.strategy.plan_report import PlanReport
+from lightning_rec.strategy.plan_file import check_plan, read_plan, to_sharding_plan
+from lightning_rec.strategy.plan_report import PlanReport, table_shapes
 from lightning_rec.strategy.sharding import (
     check_managed_collision,
     check_qcomms,
@@ -37,6 +40,7 @@ from lightning_rec.strategy.sharding import (
     plan_module,
     validate_constraints,
 )
+from lightning_rec.strategy.topology import DevicePreset, default_preset
 from lightning_rec.tables import embedding_tables, sharded_module_types, table_weights
 
 __all__ = ["TableSharder"]
@@ -51,6 +55,7 @@ class TableSharder:
     topology: Optional[TopologyConfig] = None
     sharders: List[ModuleSharder[nn.Module]] = field(default_factory=list)
     plan: Optional[ShardingPlan] = None
+    plan_file: Optional[PlanReport] = None  # the report `plan` was read from (checked against the run)
     embedding_optimizer: Optional[EmbeddingOptimizer] = None
     fused_params: Dict[str, Any] = field(default_factory=dict)
     static_graph: bool = True
@@ -65,7 +70,7 @@ class TableSharder:
         constraints: Optional[Mapping[str, Union[TableConstraints, Mapping[str, Any]]]] = None,
         topology: Optional[Union[TopologyConfig, Mapping[str, Any]]] = None,
         sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
-        plan: Optional[ShardingPlan] = None,
+        plan: Union[ShardingPlan, str, "os.PathLike[str]", None] = None,
         embedding_optimizer: Optional[Union[EmbeddingOptimizer, Mapping[str, Any]]] = None,
         fused_params: Optional[Mapping[str, Any]] = None,
         bounds_check: BoundsCheck = "error",
@@ -75,7 +80,9 @@ class TableSharder:
         owner: str = "RecShardStrategy",
     ) -> "TableSharder":
         """The configuration from the strategy's arguments: dicts become the typed configs, ``bounds_check``
-        becomes FBGEMM's ``bounds_check_mode`` (under any ``fused_params`` the user gave)."""
+        becomes FBGEMM's ``bounds_check_mode`` (under any ``fused_params`` the user gave), a ``plan`` path is read
+        (see :func:`~lightning_rec.strategy.plan_file.read_plan`)."""
+        plan_file = read_plan(plan, owner) if isinstance(plan, (str, os.PathLike)) else None
         return cls(
             constraints={
                 name: c if isinstance(c, TableConstraints) else TableConstraints(**c)
@@ -85,7 +92,8 @@ class TableSharder:
             if topology is None or isinstance(topology, TopologyConfig)
             else TopologyConfig(**topology),
             sharders=list(sharders or []),
-            plan=plan,
+            plan=to_sharding_plan(plan_file) if plan_file is not None else plan,  # type: ignore[arg-type]
+            plan_file=plan_file,
             embedding_optimizer=(
                 embedding_optimizer
                 if embedding_optimizer is None or isinstance(embedding_optimizer, EmbeddingOptimizer)
@@ -147,64 +155,125 @@ class TableSharder:
         device: torch.device,
         per_table: Optional[TableOptimizers] = None,
     ) -> ShardedState:
-        """Plan (rank 0, broadcast; or this configuration's ``plan``), log the plan, and shard ``module`` in place
-        with DMP (see :func:`lightning_rec.strategy.dmp.shard_module`); ``per_table``: tables trained by their own
-        fused optimizer (TorchRec groups tables by their fused parameters)."""
+        """Plan (rank 0, broadcast; or this configuration's ``plan``, checked against this run first), log the plan,
+        and shard ``module`` in place with DMP (see :func:`lightning_rec.strategy.dmp.shard_module`); ``per_table``:
+        tables trained by their own fused optimizer (TorchRec groups tables by their fused parameters)."""
+        pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
+        local_world_size = (self.topology or TopologyConfig()).ranks_per_host(num_processes)
+        with self.per_table_fused_params(module, per_table):
+            plan, report, sharders = self._plan(
+                module, embedding_optimizer, world_size, local_world_size, device.type, pg, None, None
+            )
+            rank_zero_info(
+                f"{self.owner}: sharding plan over {world_size} rank(s), {local_world_size} per host\n"
+                f"{report.format_table()}"
+            )
+            state = shard_module(
+                module,
+                plan,
+                sharders,
+                device,
+                pg,
+                embedding_optimizer=embedding_optimizer,
+                report=report,
+                inputs=input_specs(module, self.module_types),
+                module_types=self.module_types,
+                static_graph=self.static_graph,
+                find_unused_parameters=self.find_unused_parameters,
+            )
+        state.table_optimizers = {t: opt for t, (opt, _) in (per_table or {}).items()}
+        return state
+
+    def plan_for(
+        self,
+        module: nn.Module,
+        embedding_optimizer: EmbeddingOptimizer,
+        *,
+        world_size: int,
+        local_world_size: int,
+        device_type: str,
+        per_table: Optional[TableOptimizers] = None,
+        preset: Optional[DevicePreset] = None,
+        batch_size: Optional[int] = None,
+    ) -> PlanReport:
+        """The plan (with the planner's estimates) :meth:`shard` would make for ``world_size`` ranks,
+        ``local_world_size`` per host, on ``device_type``, made here in this process, without any process group:
+        ``module``'s tables may sit on the ``meta`` device. ``preset``/``batch_size`` replace the topology's.
+
+        Raises:
+            torchrec.distributed.planner.types.PlannerError: if the tables do not fit.
+        """
+        with self.per_table_fused_params(module, per_table):
+            return self._plan(
+                module, embedding_optimizer, world_size, local_world_size, device_type, None, preset, batch_size
+            )[1]
+
+    def per_table_fused_params(self, module: nn.Module, per_table: Optional[TableOptimizers]) -> Any:
+        """A context in which TorchRec's sharders see each of ``per_table``'s tables with its own fused optimizer
+        (see :func:`lightning_rec._compat.table_fused_params`); planning and sharding run inside it."""
         own = {}
         if per_table:
             weights = table_weights(module, self.module_types)
             own = {weights[t]: opt.to_fused_params() for t, (opt, _) in per_table.items() if t in weights}
-        with _compat.table_fused_params(own):
-            state = self._shard(module, embedding_optimizer, world_size, num_processes, device)
-        state.table_optimizers = {t: opt for t, (opt, _) in (per_table or {}).items()}
-        return state
+        return _compat.table_fused_params(own)
 
-    def _shard(
+    def _plan(
         self,
         module: nn.Module,
         embedding_optimizer: EmbeddingOptimizer,
         world_size: int,
-        num_processes: int,
-        device: torch.device,
-    ) -> ShardedState:
+        local_world_size: int,
+        device_type: str,
+        pg: Optional[dist.ProcessGroup],
+        preset: Optional[DevicePreset],
+        batch_size: Optional[int],
+    ) -> Tuple[ShardingPlan, PlanReport, List[ModuleSharder[nn.Module]]]:
         sharders = make_sharders(
             {**embedding_optimizer.to_fused_params(), **self.fused_params},
             self.sharders,
             owner=self.owner,
             qcomms=self.qcomms,
         )
-        check_managed_collision(module, self.module_types, self.constraints, world_size, device.type)
-        pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
-        plan, options = self.plan, None
-        local_world_size = (self.topology or TopologyConfig()).ranks_per_host(num_processes)
-        if plan is None:
-            plan, options = plan_module(
+        check_managed_collision(module, self.module_types, self.constraints, world_size, device_type)
+        if self.plan_file is not None:
+            check_plan(
+                self.plan_file,
                 module,
-                sharders,
-                module_types=self.module_types,
-                constraints=self.constraints,
-                topology=self.topology,
+                self.module_types,
                 world_size=world_size,
                 local_world_size=local_world_size,
-                device_type=device.type,
-                pg=pg,
-                qcomms=self.qcomms,
+                device_type=device_type,
+                owner=self.owner,
             )
-        report = PlanReport.from_plan(plan, world_size, device.type, options, local_world_size)
-        rank_zero_info(
-            f"{self.owner}: sharding plan over {world_size} rank(s), {local_world_size} per host\n"
-            f"{report.format_table()}"
-        )
-        return shard_module(
+        if self.plan is not None:
+            report = self.plan_file or PlanReport.from_plan(
+                self.plan, world_size, device_type, None, local_world_size, shapes=table_shapes(self.tables(module))
+            )
+            return self.plan, report, sharders
+        chosen = preset or default_preset(device_type, self.topology)
+        batch_size = batch_size or (self.topology.batch_size if self.topology else None) or BATCH_SIZE
+        plan, options = plan_module(
             module,
-            plan,
             sharders,
-            device,
-            pg,
-            embedding_optimizer=embedding_optimizer,
-            report=report,
-            inputs=input_specs(module, self.module_types),
             module_types=self.module_types,
-            static_graph=self.static_graph,
-            find_unused_parameters=self.find_unused_parameters,
+            constraints=self.constraints,
+            topology=self.topology,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            device_type=device_type,
+            pg=pg,
+            qcomms=self.qcomms,
+            preset=chosen,
+            batch_size=batch_size,
         )
+        report = PlanReport.from_plan(
+            plan,
+            world_size,
+            device_type,
+            options,
+            local_world_size,
+            shapes=table_shapes(self.tables(module)),
+            batch_size=batch_size,
+            preset=chosen.name if chosen is not None else None,
+        )
+        return plan, report, sharders

@@ -28,7 +28,6 @@ from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCol
 from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
 from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
@@ -40,6 +39,7 @@ from lightning_rec.config import QuantizedComms, TableConstraints, TopologyConfi
 from lightning_rec.strategy.plan_report import PlanRow as PlanRow, format_plan as format_plan
 from lightning_rec.strategy.plan_report import format_rows as format_rows, plan_rows as plan_rows
 from lightning_rec.tables import embedding_modules as embedding_modules  # re-exported: the old path
+from lightning_rec.strategy.topology import DevicePreset, make_topology
 from lightning_rec.tables import embedding_tables
 
 # What TorchRec can train with on each device. TorchRec's EBC sharder lists row_wise, table_row_wise and grid_shard for
@@ -131,6 +131,17 @@ def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[
     return tuple(t for t in _SEQUENCE_SHARDING_TYPES if t != ShardingType.DATA_PARALLEL.value)
 
 
+def supported_kernels(device_type: str) -> Tuple[str, ...]:
+    """Compute kernels that train on ``device_type`` (UVM kernels need CUDA; quantized ones only serve).
+
+    Example::
+
+        >>> supported_kernels("cpu")
+        ('fused', 'dense')
+    """
+    return _CUDA_KERNELS if device_type == "cuda" else _CPU_KERNELS
+
+
 def validate_constraints(
     constraints: Mapping[str, TableConstraints], tables: Mapping[str, BaseEmbeddingConfig], device_type: str
 ) -> None:
@@ -149,7 +160,7 @@ def validate_constraints(
     unknown = sorted(set(constraints) - names)
     if unknown:
         problems.append(f"constraints name unknown tables {unknown}; the model's tables are {sorted(names)}")
-    kernels_ok = _CUDA_KERNELS if device_type == "cuda" else _CPU_KERNELS
+    kernels_ok = supported_kernels(device_type)
     for table, c in sorted(constraints.items()):
         types_ok = supported_sharding_types(device_type, isinstance(tables.get(table), EmbeddingConfig))
         for st in c.sharding_types or []:
@@ -349,33 +360,57 @@ def make_planner(
     topology: Optional[TopologyConfig],
     constraints: Mapping[str, TableConstraints],
     local_world_size: Optional[int] = None,
+    preset: Optional[DevicePreset] = None,
+    batch_size: Optional[int] = None,
 ) -> EmbeddingShardingPlanner:
     """TorchRec's planner for this job: its topology (``world_size`` ranks, ``local_world_size`` of them per host,
-    with ``topology`` overrides) and constraints.
+    the memory and bandwidths of ``preset``, with ``topology`` overrides) and constraints.
 
     Args:
         local_world_size: ranks per host, as the launcher started them (the strategy passes its devices per
             node); ``topology.local_world_size`` overrides it; default: all ranks on one host.
+        preset: the devices' memory and bandwidths (default: see :func:`~lightning_rec.strategy.topology.default_preset`).
+        batch_size: per-rank batch size of the cost model (default: ``topology.batch_size``, else TorchRec's 512).
     """
     topo = topology or TopologyConfig()
-    local_world_size = topo.ranks_per_host(local_world_size or world_size)
-    planner_topology = TopologyFactory.create_topology(
-        TrainerConfig(
-            world_size=world_size,
-            local_world_size=local_world_size,
-            hbm_cap_bytes=topo.hbm_cap,
-            ddr_cap_bytes=topo.ddr_cap,
-        ),
-        kernel_config=KernelConfig(compute_device=device_type),
-    )
     return EmbeddingShardingPlanner(
-        topology=planner_topology,
-        batch_size=topo.batch_size,
+        topology=make_topology(
+            world_size=world_size,
+            local_world_size=topo.ranks_per_host(local_world_size or world_size),
+            device_type=device_type,
+            topology=topo,
+            preset=preset,
+        ),
+        batch_size=batch_size or topo.batch_size,
         # TorchRec's recommended reservation (its heuristic default warns that it over-estimates dense size).
         storage_reservation=FixedPercentageStorageReservation(percentage=0.15),
         constraints={name: c.to_torchrec() for name, c in constraints.items()},
         debug=False,
     )
+
+
+def table_storage_options(
+    module: nn.Module,
+    sharders: List[ModuleSharder[nn.Module]],
+    planner: EmbeddingShardingPlanner,
+) -> Dict[str, List[Any]]:
+    """Every sharding option TorchRec's enumerator proposes for each table of ``module`` under ``planner``'s
+    topology, constraints and batch size, with each shard's storage estimated (what the planner packs onto ranks),
+    by table name. For explaining why a model does not fit."""
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
+
+    topology, constraints = _compat.planner_topology(planner), _compat.planner_constraints(planner)
+    enumerator = EmbeddingEnumerator(
+        topology=topology,
+        batch_size=_compat.planner_batch_size(planner),
+        constraints=constraints,
+        estimator=EmbeddingStorageEstimator(topology=topology, constraints=constraints),
+    )
+    options: Dict[str, List[Any]] = {}
+    for option in enumerator.enumerate(module, sharders):
+        options.setdefault(option.name, []).append(option)
+    return options
 
 
 def plan_sharding(
@@ -477,6 +512,8 @@ def plan_module(
     device_type: str,
     pg: Optional[dist.ProcessGroup],
     qcomms: Optional[QuantizedComms] = None,
+    preset: Optional[DevicePreset] = None,
+    batch_size: Optional[int] = None,
 ) -> Tuple[ShardingPlan, Optional[list]]:
     """Plan every table of ``module`` (user constraints over the device defaults), on rank 0 when distributed.
     ``local_world_size``: ranks per host (the planner's intra- vs inter-host costs depend on it).
@@ -484,13 +521,43 @@ def plan_module(
     Returns:
         the plan, and the planner's chosen sharding options with its estimates (``None`` where it did not plan).
     """
+    planner = planner_for_module(
+        module,
+        module_types=module_types,
+        constraints=constraints,
+        topology=topology,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        device_type=device_type,
+        qcomms=qcomms,
+        preset=preset,
+        batch_size=batch_size,
+    )
+    plan = plan_sharding(module, sharders, planner, pg)
+    return plan, _compat.planner_sharding_options(planner)
+
+
+def planner_for_module(
+    module: nn.Module,
+    *,
+    module_types: Sequence[Type[nn.Module]],
+    constraints: Mapping[str, TableConstraints],
+    topology: Optional[TopologyConfig],
+    world_size: int,
+    local_world_size: int,
+    device_type: str,
+    qcomms: Optional[QuantizedComms] = None,
+    preset: Optional[DevicePreset] = None,
+    batch_size: Optional[int] = None,
+) -> EmbeddingShardingPlanner:
+    """The planner :func:`plan_module` plans ``module`` with (user constraints over the device defaults)."""
     tables = embedding_tables(module, module_types)
-    planner = make_planner(
+    return make_planner(
         world_size=world_size,
         device_type=device_type,
         topology=topology,
         local_world_size=local_world_size,
         constraints={**default_constraints(tables, device_type, qcomms), **constraints},
+        preset=preset,
+        batch_size=batch_size,
     )
-    plan = plan_sharding(module, sharders, planner, pg)
-    return plan, _compat.planner_sharding_options(planner)
