@@ -39,6 +39,7 @@ from lightning_rec.tables import embedding_modules
 __all__ = ["CALIBRATION", "Cluster", "DoesNotFit", "SweepRow", "plan_cluster", "planning_optimizer", "sweep"]
 
 _GB = 1024**3
+_MAX_ATTEMPTS = 4  # bigger topologies planned to find one that holds a model that does not fit
 
 # Measured / estimated on the 2-core development machine for the bench sizes (benchmarks/plan_calibration.py,
 # BENCHMARKS.md "Planner calibration"), by device type: what `plan` prints next to its estimates.
@@ -235,7 +236,7 @@ class DoesNotFit(ValueError):
         if too_big:
             what = (
                 f"{', '.join(f'{t} ({_gb(piece[t])} in its smallest shard)' for t in too_big)} "
-                f"{'does' if len(too_big) == 1 else 'do'} not fit on any rank ({_gb(usable)} usable per rank)"
+                f"{'does' if len(too_big) == 1 else 'do'} not fit on any of these ranks ({_gb(usable)} usable per rank)"
             )
         else:
             largest = list(needs)[: max(1, min(5, len(needs)))]
@@ -256,15 +257,16 @@ class DoesNotFit(ValueError):
             )
             for k in (2, 4, 8, 16, 32, 64)
         ]
-        smallest = None
+        smallest, attempts = None, 0
         for candidate in sorted(tried, key=lambda c: c.world_size):
             if candidate.world_size <= cluster.world_size and candidate.device() == cluster.device():
                 continue
             rank_cap = _rank_capacity(candidate, sharder.topology)
-            if rank_cap is not None and (
-                rank_cap * candidate.world_size < total or any(piece[t] > rank_cap for t in needs)
-            ):
+            if rank_cap is not None and rank_cap * candidate.world_size < total:
                 continue  # cannot hold them by arithmetic alone: no need to ask the planner
+            if attempts == _MAX_ATTEMPTS:
+                break
+            attempts += 1
             try:
                 _plan(module, sharder, candidate, emb_opt, per_table)
             except PlannerError:
@@ -275,7 +277,8 @@ class DoesNotFit(ValueError):
             f"the smallest of the topologies tried that holds them is {smallest.describe()} ({smallest.world_size} "
             "ranks)"
             if smallest is not None
-            else f"none of {', '.join(c.describe() for c in tried)} holds them either"
+            else f"none of the topologies tried ({', '.join(c.describe() for c in tried[: attempts or len(tried)])}) holds "
+            "them either"
         )
         return cls(
             f"The model does not fit {cluster.describe()} ({cluster.world_size} rank(s), "

@@ -119,10 +119,23 @@ def check_plan(
         for config in table_configs(sub)
     }
     planned = {(row.module, row.table): row for row in report.tables}
-    for key in sorted(set(model_tables) - set(planned)):
-        problems.append(f"it has no table {key[1]!r} (of {key[0] or '<root>'!r}), which the model has")
-    for key in sorted(set(planned) - set(model_tables)):
-        problems.append(f"it plans a table {key[1]!r} (of {key[0] or '<root>'!r}), which the model does not have")
+    missing, extra = sorted(set(model_tables) - set(planned)), sorted(set(planned) - set(model_tables))
+    missing_at = {name: path for path, name in missing}
+    moved = {name: (path, missing_at[name]) for path, name in extra if name in missing_at}
+    if moved:  # the same tables under another module path: a plan of the inner model given to the LightningModule
+        problems.append(
+            f"its tables {sorted(moved)} sit under "
+            + ", ".join(sorted({f"{p or '<root>'!r}" for p, _ in moved.values()}))
+            + " in the plan, under "
+            + ", ".join(sorted({f"{m or '<root>'!r}" for _, m in moved.values()}))
+            + " in the model (plan the module you train)"
+        )
+    for path, name in missing:
+        if name not in moved:
+            problems.append(f"it has no table {name!r} (of {path or '<root>'!r}), which the model has")
+    for path, name in extra:
+        if name not in moved:
+            problems.append(f"it plans a table {name!r} (of {path or '<root>'!r}), which the model does not have")
     for key in sorted(set(planned) & set(model_tables)):
         row, config = planned[key], model_tables[key]
         shape = row.shape or _covered_shape(row)

@@ -1,0 +1,69 @@
+"""Ranks of tests/test_planning.py: `fit` from a config, with and without the plan `lightning-rec plan` wrote."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List
+
+import lightning as L
+
+
+def _fit(config: str, out_dir: Path, steps: int, extra: List[str]) -> Any:
+    from lightning_rec.cli import run
+
+    args = [
+        "fit", "--config", config, "--trainer.devices=2", f"--trainer.max_steps={steps}", "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={out_dir}", "--data.init_args.train_rows=4096", "--data.init_args.val_rows=512",
+        "--trainer.strategy=lightning_rec.RecShardStrategy", *extra,
+    ]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run(args + ["--trainer.callbacks+=tests.helpers.planning_scenarios.LossRecorder"])
+
+
+class LossRecorder(L.Callback):
+    """Every training loss, as a float (read after fit)."""
+
+    def __init__(self) -> None:
+        self.losses: List[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _losses(cli: Any) -> List[float]:
+    return next(c.losses for c in cli.trainer.callbacks if isinstance(c, LossRecorder))
+
+
+def fit_config(rank: int, world_size: int, out_dir: Path, config: str, plan: str, steps: int = 3) -> Dict[str, Any]:
+    """Fit ``config`` on 2 ranks three times: the planner's plan, then ``plan`` (the file), then a plan for another
+    world size (refused before anything is sharded)."""
+    from lightning_rec.strategy.plan_file import read_plan, to_sharding_plan
+    from lightning_rec.strategy.plan_report import plan_rows
+
+    planned = _fit(config, out_dir / "planned", steps, [])
+    from_file = to_sharding_plan(read_plan(plan))
+    with_plan = _fit(config, out_dir / "with_plan", steps, [f"--trainer.strategy.init_args.plan={plan}"])
+
+    other = json.loads(Path(plan).read_text())
+    other["world_size"], other["local_world_size"] = 4, 4
+    other_path = out_dir / f"other_{rank}.json"
+    other_path.write_text(json.dumps(other))
+    refused = ""
+    try:
+        _fit(config, out_dir / "refused", steps, [f"--trainer.strategy.init_args.plan={other_path}"])
+    except ValueError as err:
+        refused = str(err)
+    return {
+        "planned_equals_file": planned.trainer.strategy.sharding_plan == from_file,
+        "planned_types": {r.table: r.sharding_type for r in plan_rows(planned.trainer.strategy.sharding_plan)},
+        "planned": {"losses": _losses(planned)},
+        "with_plan": {
+            "losses": _losses(with_plan),
+            "sharded_with_file": with_plan.trainer.strategy.sharding_plan == from_file,
+        },
+        "refused": refused,
+    }

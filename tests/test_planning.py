@@ -1,0 +1,296 @@
+"""`lightning-rec plan`: a cluster's sharding plan made on this machine with the tables on `meta`, device presets,
+the topology sweep, the does-not-fit explanation, and a plan file read back and checked against the run."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+from typing import Any, Dict
+
+import lightning as L
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+
+import lightning_rec
+from lightning_rec.cli import run
+from lightning_rec.config import TopologyConfig
+from lightning_rec.planning import Cluster, DoesNotFit, plan_cluster, sweep
+from lightning_rec.strategy.plan_file import check_plan, read_plan, to_sharding_plan
+from lightning_rec.strategy.plan_report import PlanReport
+from lightning_rec.strategy.sharder import TableSharder
+from lightning_rec.strategy.topology import DEVICE_PRESETS, make_topology
+from tests.helpers import planning_scenarios
+from tests.helpers.dist import run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+CRITEO = str(REPO / "examples/configs/criteo_dlrm.yaml")
+SYNTHETIC = str(REPO / "examples/configs/synthetic_dlrm.yaml")
+CRITEO_40M = [  # 26 tables x 40M rows x 128: 532 GB of fp32 weights
+    "--data.init_args.num_embeddings=40000000",
+    "--model.init_args.embedding_dim=128",
+    "--model.init_args.dense_arch_layer_sizes=[512,256,128]",
+]
+_GB = 1024**3
+
+
+class UserModel(L.LightningModule):
+    """Written as a TorchRec user writes one: an EBC and an EC built with their own devices unset (so `meta` under
+    the planner), pooled output read with `kt.values()`."""
+
+    def __init__(self, rows: int = 1000, dim: int = 16) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name="user", embedding_dim=dim, num_embeddings=rows, feature_names=["u"]),
+                EmbeddingBagConfig(name="item", embedding_dim=dim, num_embeddings=rows * 4, feature_names=["i"]),
+                EmbeddingBagConfig(name="cat", embedding_dim=dim // 2, num_embeddings=50, feature_names=["c"]),
+            ]
+        )
+        self.ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name="hist", embedding_dim=dim, num_embeddings=rows, feature_names=["h"])]
+        )
+        self.head = torch.nn.Linear(dim * 2 + dim // 2, 1)
+
+    def forward(self, kjt: Any) -> torch.Tensor:
+        return self.head(self.ebc(kjt).values())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+
+def _meta(factory: Any) -> Any:
+    with torch.device("meta"):
+        return factory()
+
+
+def test_plan_command_plans_a_criteo_sized_model_without_allocating_it(tmp_path: Path, capsys: Any) -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    run(["plan", "--config", CRITEO, *CRITEO_40M, "--hosts", "2", "--devices-per-host", "8", "--device", "h100",
+         "--output", str(tmp_path)])  # fmt: skip
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert grew < 2 * _GB, f"planning allocated {grew / _GB:.1f} GiB: the tables were not on meta"
+
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert (doc["world_size"], doc["local_world_size"], doc["num_hosts"]) == (16, 8, 2)
+    assert doc["device_type"] == "cuda" and doc["preset"] == "h100" and doc["estimates_available"] is True
+    assert len(doc["tables"]) == 26
+    for t in doc["tables"]:
+        assert t["shape"] == [40_000_000, 128]
+        covered = sum(s["sizes"][0] * s["sizes"][1] for s in t["shards"])
+        assert covered == 40_000_000 * 128, f"{t['name']}: its shards do not cover the table"
+        for s in t["shards"]:
+            assert s["placement"] == f"rank:{s['rank']}/cuda:{s['rank'] % 8}"
+    weights = 26 * 40_000_000 * 128 * 4
+    hbm = sum(r["hbm_bytes"] for r in doc["ranks"])
+    assert weights <= hbm, "every table's weights are in some rank's HBM estimate"
+    assert all(r["hbm_bytes"] <= 80 * _GB for r in doc["ranks"]), "no rank exceeds an H100's 80 GiB"
+    for r in doc["ranks"]:
+        assert r["step_ms"] == pytest.approx(r["lookup_ms"] + r["input_dist_ms"] + r["output_dist_ms"])
+        assert r["lookup_ms"] > 0 and r["input_dist_ms"] > 0 and r["output_dist_ms"] > 0
+    assert doc["step_ms"] == max(r["step_ms"] for r in doc["ranks"])
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "plan for 2 x 8 h100" in out and "input a2a (ms)" in out and "calibration" in out
+
+
+def test_presets_set_memory_and_bandwidth_and_explicit_numbers_override_them() -> None:
+    h100 = make_topology(world_size=16, local_world_size=8, device_type="cuda", preset="h100")
+    a100 = make_topology(world_size=16, local_world_size=8, device_type="cuda", preset="a100-40g")
+    assert h100.devices[0].storage.hbm == 80 * _GB and a100.devices[0].storage.hbm == 40 * _GB
+    assert h100.hbm_mem_bw > a100.hbm_mem_bw and h100.local_world_size == 8
+    mine = make_topology(
+        world_size=2, local_world_size=2, device_type="cuda", preset=DEVICE_PRESETS["h100"].with_memory(hbm_gb=24)
+    )
+    assert mine.devices[0].storage.hbm == 24 * _GB
+    capped = make_topology(
+        world_size=2, local_world_size=2, device_type="cuda", preset="h100", topology=TopologyConfig(hbm_cap=_GB)
+    )
+    assert capped.devices[0].storage.hbm == _GB, "the strategy's own hbm_cap wins over the preset"
+    assert {"h100", "a100-80g", "a100-40g", "cpu"} <= set(DEVICE_PRESETS)
+    with pytest.raises(ValueError, match=r"'h100' is a cuda device.*cpu"):
+        make_topology(world_size=2, local_world_size=2, device_type="cpu", preset="h100")
+    with pytest.raises(ValueError, match=r"unknown device preset 'v100'.*h100"):
+        Cluster(preset="v100")
+    # The planner sees them: the same tables need more ranks' worth of memory on a 40 GB card.
+    model = _meta(lambda: UserModel(rows=20_000_000, dim=128))
+    small = plan_cluster(model, TableSharder.from_arguments(), Cluster(1, 8, preset="a100-40g"))
+    big = plan_cluster(model, TableSharder.from_arguments(), Cluster(1, 8, preset="h100"))
+    assert small.preset == "a100-40g" and big.preset == "h100"
+    assert big.step_ms < small.step_ms, "an H100's HBM and NVLink are faster than an A100's"
+
+
+def test_plan_file_round_trips_to_the_same_sharding_plan(tmp_path: Path) -> None:
+    model = _meta(UserModel)
+    constraints = {
+        "user": {"sharding_types": ["column_wise"], "min_partition": 8},
+        "item": {"sharding_types": ["row_wise"]},
+        "cat": {"sharding_types": ["data_parallel"]},
+        "hist": {"sharding_types": ["table_wise"]},
+    }
+    sharder = TableSharder.from_arguments(constraints=constraints)
+    for cluster in (Cluster(2, 2, "cuda"), Cluster(1, 2, "cpu")):
+        report = plan_cluster(model, sharder, cluster)
+        plan = sharder.plan  # None: planned here
+        assert plan is None
+        report.write_json(tmp_path / "plan.json")
+        again = read_plan(tmp_path / "plan.json")
+        rebuilt = to_sharding_plan(again)
+        assert {t.sharding_type for t in report.tables} == {"column_wise", "row_wise", "data_parallel", "table_wise"}
+        original = _replan(model, sharder, cluster)
+        assert rebuilt == original, "the plan read back is the plan TorchRec made, field for field"
+        assert again.to_dict() == report.to_dict()
+
+
+def _replan(model: Any, sharder: TableSharder, cluster: Cluster) -> Any:
+    from lightning_rec.planning import planning_optimizer
+
+    emb_opt, per_table = planning_optimizer(model, sharder, cluster.device_type)
+    with sharder.per_table_fused_params(model, per_table):
+        plan, _, _ = sharder._plan(
+            model,
+            emb_opt,
+            cluster.world_size,
+            cluster.devices_per_host,
+            cluster.device_type,
+            None,
+            cluster.device(),
+            None,
+        )
+    return plan
+
+
+def test_a_plan_for_another_run_is_refused_naming_the_mismatch(tmp_path: Path) -> None:
+    model = _meta(UserModel)
+    sharder = TableSharder.from_arguments()
+    report = plan_cluster(model, sharder, Cluster(2, 2, "cuda"))
+    kw: Dict[str, Any] = dict(world_size=4, local_world_size=2, device_type="cuda")
+    check_plan(report, model, sharder.module_types, **kw)  # the run it was made for
+
+    def refused(match: str, module: Any = model, **over: Any) -> None:
+        with pytest.raises(ValueError, match=match):
+            check_plan(report, module, sharder.module_types, **{**kw, **over})
+
+    refused(r"it is for 4 rank\(s\), this run has 2", world_size=2)
+    refused(r"it puts 2 rank\(s\) on a host, this run 4", local_world_size=4)
+    refused(r"it is for cuda, this run is on cpu", device_type="cpu")
+    refused(r"table 'item' is \[4000, 16\] in the plan, \[8000, 16\] in the model", module=_meta(lambda: _resized()))
+    wrapper = torch.nn.Module()
+    wrapper.model = model
+    refused(r"sit under 'ebc', 'ec' in the plan, under 'model.ebc', 'model.ec' in the model", module=wrapper)
+
+    on_cpu = PlanReport.from_dict({**report.to_dict(), "device_type": "cpu"})
+    for t in on_cpu.tables:
+        if t.table == "user":
+            t.compute_kernel = "fused_uvm_caching"
+        if t.table == "hist":
+            t.sharding_type = "data_parallel"
+    with pytest.raises(ValueError, match=r"'user' uses the 'fused_uvm_caching' kernel, which cpu cannot train") as e:
+        check_plan(on_cpu, model, sharder.module_types, **{**kw, "device_type": "cpu"})
+    assert "table 'hist' is data_parallel, which cpu cannot train (it can: table_wise, column_wise, row_wise)" in str(
+        e.value
+    )
+
+    bad = report.to_dict()
+    bad["tables"] = [t for t in bad["tables"] if t["name"] != "cat"]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"it has no table 'cat' \(of 'ebc'\), which the model has"):
+        check_plan(read_plan(tmp_path / "bad.json"), model, sharder.module_types, **kw)
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"junk.json.*not a sharding plan.*world_size"):
+        read_plan(tmp_path / "junk.json")
+    with pytest.raises(ValueError, match=r"plan='.*missing.json'\): no such file.*lightning-rec plan"):
+        lightning_rec.RecShardStrategy(plan=str(tmp_path / "missing.json"))
+
+
+def _resized() -> UserModel:
+    m = UserModel()
+    m.ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="user", embedding_dim=16, num_embeddings=1000, feature_names=["u"]),
+            EmbeddingBagConfig(name="item", embedding_dim=16, num_embeddings=8000, feature_names=["i"]),
+            EmbeddingBagConfig(name="cat", embedding_dim=8, num_embeddings=50, feature_names=["c"]),
+        ]
+    )
+    return m
+
+
+def test_a_model_that_does_not_fit_names_its_tables_and_the_smallest_topology_that_holds_them() -> None:
+    model = _meta(lambda: UserModel(rows=40_000_000, dim=128))  # item: 160M x 128 = 76 GiB
+    sharder = TableSharder.from_arguments(
+        constraints={"item": {"sharding_types": ["table_wise"]}}  # one rank must hold it whole
+    )
+    with pytest.raises(DoesNotFit) as caught:
+        plan_cluster(model, sharder, Cluster(1, 2, preset="a100-40g", ddr_gb=1))
+    err = caught.value
+    assert list(err.needs)[0] == "item" and err.needs["item"] >= 160_000_000 * 128 * 4
+    assert "item (76.3 GiB in its smallest shard) does not fit on any of these ranks" in str(err)
+    assert err.smallest_fit is None, "table-wise, no number of 40 GB cards holds it"
+
+    free = TableSharder.from_arguments()
+    with pytest.raises(DoesNotFit) as caught:
+        plan_cluster(model, free, Cluster(1, 2, preset="a100-40g", ddr_gb=1))
+    err = caught.value
+    assert "item (38.1 GiB in its smallest shard)" in str(err), "row-wise over 2 ranks: half of it each"
+    fit = err.smallest_fit
+    assert fit is not None and fit.devices_per_host == 2 and fit.hosts > 1
+    plan_cluster(model, free, fit)  # the suggestion plans
+    smaller = Cluster(fit.hosts // 2, 2, preset="a100-40g", ddr_gb=1)
+    if smaller.hosts > 1:
+        with pytest.raises(DoesNotFit):
+            plan_cluster(model, free, smaller)
+    assert f"{fit.describe()} ({fit.world_size} ranks)" in str(err)
+
+
+def test_sweep_gives_one_row_per_topology_and_memory_per_rank_falls(tmp_path: Path, capsys: Any) -> None:
+    run(["plan", "--config", CRITEO, "--data.init_args.num_embeddings=1000000", "--hosts", "1,2,4",
+         "--devices-per-host", "2", "--device", "cpu", "--output", str(tmp_path)])  # fmt: skip
+    rows = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(r["hosts"], r["world_size"]) for r in rows] == [(1, 2), (2, 4), (4, 8)]
+    fits = [r for r in rows if r["fits"]]
+    mem = [r["max_memory_bytes"] for r in fits]
+    assert mem == sorted(mem, reverse=True) and mem[-1] < mem[0], "more ranks, less memory each"
+    for r in fits:
+        plan = json.loads((tmp_path / f"plan_{r['hosts']}x2.json").read_text())
+        assert plan["world_size"] == r["world_size"] and plan["preset"] == "cpu"
+        assert r["samples_per_s"] == pytest.approx(r["world_size"] * plan["batch_size"] / (plan["step_ms"] / 1000))
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "samples/s" in out and "calibration" in out
+
+
+def test_a_user_model_plans_with_the_optimizer_fit_would_derive() -> None:
+    from lightning_rec.planning import planning_optimizer
+
+    model = _meta(UserModel)
+    sharder = TableSharder.from_arguments()
+    emb_opt, _ = planning_optimizer(model, sharder, "cpu")
+    assert (emb_opt.name, emb_opt.lr) == ("adagrad", 0.1), "from configure_optimizers, called without a Trainer"
+
+    class NeedsTrainer(UserModel):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=self.trainer.max_steps)  # no Trainer here
+
+    notes: list = []
+    emb_opt, _ = planning_optimizer(_meta(NeedsTrainer), sharder, "cpu", warn=notes.append)
+    assert len(notes) == 1 and "did not run without a Trainer" in notes[0]
+    rows = sweep(model, sharder, [Cluster(1, 1, "cpu"), Cluster(1, 2, "cpu")])
+    assert [r.report is not None for r in rows] == [True, True]
+
+
+@pytest.mark.dist
+def test_plan_made_here_is_the_plan_fit_makes_and_fit_trains_with_it(tmp_path: Path) -> None:
+    run(["plan", "--config", SYNTHETIC, "--hosts", "1", "--devices-per-host", "2", "--device-type", "cpu",
+         "--output", str(tmp_path / "plan")])  # fmt: skip
+    plan_file = tmp_path / "plan" / "plan.json"
+    res = run_ranks(planning_scenarios.fit_config, 2, tmp_path / "runs", config=SYNTHETIC, plan=str(plan_file))
+    assert all(r["planned_equals_file"] for r in res), "the plan fit computed is the one `plan` wrote"
+    assert res[0]["planned_types"] == {
+        t["name"]: t["sharding_type"] for t in json.loads(plan_file.read_text())["tables"]
+    }
+    for r in res:
+        assert r["with_plan"]["sharded_with_file"]
+        assert r["with_plan"]["losses"] == r["planned"]["losses"], "same plan, same seed: the same numbers"
+        assert r["with_plan"]["losses"] and r["refused"].startswith("RecShardStrategy: the given plan does not fit")
+        assert "it is for 4 rank(s), this run has 2; it puts 4 rank(s) on a host, this run 2" in r["refused"]
