@@ -8,7 +8,7 @@ imported here, once, so that a Lightning upgrade that moves them breaks one file
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 # Lightning: process-group helpers shared by its own DDP/FSDP/ModelParallel strategies. There is no public
 # equivalent; re-implementing them would fork Lightning's handling of cluster environments and timeouts.
@@ -87,6 +87,24 @@ def planner_constraints(planner: object) -> Any:
 def planner_batch_size(planner: object) -> int:
     """The per-rank batch size an ``EmbeddingShardingPlanner`` costs with."""
     return planner._batch_size  # type: ignore[attr-defined]
+
+
+# TorchRec: the enumerator intersects a table's constrained sharding types with its sharder's as Python sets, so their
+# order (and which of two equally costed types wins a tie, e.g. row_wise and table_row_wise on one host) follows the
+# process's string hash seed: `lightning-rec plan` and the fit's rank 0 chose different plans for the same model.
+# The enumerator below keeps the sharder's order, so the same inputs give the same plan in every process.
+def ordered_enumerator(topology: Any, batch_size: int, constraints: Any) -> Any:
+    """TorchRec's ``EmbeddingEnumerator`` (as the planner builds it by default) with the sharding types of each
+    table in its sharder's order."""
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+
+    class OrderedEnumerator(EmbeddingEnumerator):
+        def _filter_sharding_types(self, name: str, allowed: List[str], *args: Any, **kwargs: Any) -> List[str]:
+            kept = super()._filter_sharding_types(name, allowed, *args, **kwargs)
+            rank = {t: i for i, t in enumerate(allowed)}
+            return sorted(kept, key=lambda t: rank.get(t, len(rank)))
+
+    return OrderedEnumerator(topology=topology, batch_size=batch_size, constraints=constraints)
 
 
 # TorchRec: `TrainPipelineSparseDist.progress()` runs forward, backward and the optimizer itself. To keep

@@ -261,7 +261,7 @@ def _plan(argv: List[str]) -> None:
             "per rank"
         )
         print(report.format_table())
-        print(planning.CALIBRATION[report.device_type])
+        print(planning.calibration_note(report.device_type, report.preset))
         if out:
             report.write_json(os.path.join(out, "plan.json"))
             report.write_png(os.path.join(out, "plan.png"))
@@ -272,7 +272,7 @@ def _plan(argv: List[str]) -> None:
         return
     rows = planning.sweep(cli.model, sharder, clusters)
     print(planning.format_sweep(rows))
-    print(planning.CALIBRATION[device_type])
+    print(planning.calibration_note(device_type, clusters[0].device().name if clusters[0].device() else None))
     for row in rows:
         if row.error:
             print(f"{row.cluster.describe()}: {row.error}")

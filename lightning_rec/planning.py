@@ -36,24 +36,55 @@ from lightning_rec.strategy.sharding import make_sharders, planner_for_module, t
 from lightning_rec.strategy.topology import DEVICE_PRESETS, DevicePreset, default_preset, preset_named
 from lightning_rec.tables import embedding_modules
 
-__all__ = ["CALIBRATION", "Cluster", "DoesNotFit", "SweepRow", "plan_cluster", "planning_optimizer", "sweep"]
+__all__ = [
+    "Cluster",
+    "DoesNotFit",
+    "SweepRow",
+    "build_on_meta",
+    "calibration_note",
+    "format_sweep",
+    "plan_cluster",
+    "planning_optimizer",
+    "sweep",
+    "sweep_clusters",
+    "write_sweep_png",
+]
 
 _GB = 1024**3
 _MAX_ATTEMPTS = 4  # bigger topologies planned to find one that holds a model that does not fit
 
-# Measured / estimated on the 2-core development machine for the bench sizes (benchmarks/plan_calibration.py,
-# BENCHMARKS.md "Planner calibration"), by device type: what `plan` prints next to its estimates.
-CALIBRATION: Dict[str, str] = {
-    "cpu": (
-        "calibration (BENCHMARKS.md 'Planner calibration'): on CPU the planner's memory per rank is within 2x of "
-        "the measured table and optimizer bytes; its step time covers the tables' lookups and all-to-alls only "
-        "(not the dense layers, not Python), measured here with the cpu preset's bandwidths."
-    ),
-    "cuda": (
-        "calibration: not measured on a GPU yet (BENCHMARKS.md 'Planner calibration'); the step time is TorchRec's "
-        "cost model of the tables' lookups and all-to-alls only, with the preset's vendor bandwidths."
-    ),
-}
+# Measured against the estimates on the 2-core development machine for the bench sizes (benchmarks/plan_calibration.py,
+# BENCHMARKS.md "Planner calibration"); `plan` prints the note that applies next to its estimates.
+_MEMORY_NOTE = (
+    "memory: within 1.05x of the bytes a rank held for its tables (SGD); TorchRec's estimate leaves out the fused "
+    "optimizer's state (Adam: 2 more copies of each table; Adagrad: 1; row-wise Adagrad: one float per row)."
+)
+
+
+def calibration_note(device_type: str, preset: Optional[str]) -> str:
+    """What BENCHMARKS.md "Planner calibration" says of these estimates, as ``plan`` prints it.
+
+    Example::
+
+        >>> "--device cpu" in calibration_note("cpu", None)
+        True
+    """
+    if device_type == "cpu" and preset != "cpu":
+        step = (
+            "WARNING: step time uses TorchRec's default (GPU) bandwidths: on CPU over gloo it was 28-71x below the "
+            "measured embedding step; pass --device cpu for bandwidths measured on CPU."
+        )
+    elif device_type == "cpu":
+        step = (
+            "step time (cpu preset): 1.05x of the measured embedding step on 2 gloo processes, 2.7x over on 1 "
+            "(TorchRec costs an all-to-all a one-rank job does not make); it leaves out the dense layers."
+        )
+    else:
+        step = (
+            "step time: TorchRec's cost model of the tables' lookups and all-to-alls only, not yet checked against a "
+            "GPU run here."
+        )
+    return f"calibration (BENCHMARKS.md 'Planner calibration'): {step} {_MEMORY_NOTE}"
 
 
 @dataclass(frozen=True)

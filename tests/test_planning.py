@@ -290,7 +290,6 @@ def test_plan_made_here_is_the_plan_fit_makes_and_fit_trains_with_it(tmp_path: P
         t["name"]: t["sharding_type"] for t in json.loads(plan_file.read_text())["tables"]
     }
     for r in res:
-        assert r["with_plan"]["sharded_with_file"]
         assert r["with_plan"]["losses"] == r["planned"]["losses"], "same plan, same seed: the same numbers"
         assert r["with_plan"]["losses"] and r["refused"].startswith("RecShardStrategy: the given plan does not fit")
         assert "it is for 4 rank(s), this run has 2; it puts 4 rank(s) on a host, this run 2" in r["refused"]

@@ -27,6 +27,7 @@ from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectio
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.mc_modules import ManagedCollisionCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingConfig
@@ -373,18 +374,22 @@ def make_planner(
         batch_size: per-rank batch size of the cost model (default: ``topology.batch_size``, else TorchRec's 512).
     """
     topo = topology or TopologyConfig()
+    planner_topology = make_topology(
+        world_size=world_size,
+        local_world_size=topo.ranks_per_host(local_world_size or world_size),
+        device_type=device_type,
+        topology=topo,
+        preset=preset,
+    )
+    batch = batch_size or topo.batch_size or BATCH_SIZE
+    torchrec_constraints = {name: c.to_torchrec() for name, c in constraints.items()}
     return EmbeddingShardingPlanner(
-        topology=make_topology(
-            world_size=world_size,
-            local_world_size=topo.ranks_per_host(local_world_size or world_size),
-            device_type=device_type,
-            topology=topo,
-            preset=preset,
-        ),
-        batch_size=batch_size or topo.batch_size,
+        topology=planner_topology,
+        batch_size=batch,
+        enumerator=_compat.ordered_enumerator(planner_topology, batch, torchrec_constraints),
         # TorchRec's recommended reservation (its heuristic default warns that it over-estimates dense size).
         storage_reservation=FixedPercentageStorageReservation(percentage=0.15),
-        constraints={name: c.to_torchrec() for name, c in constraints.items()},
+        constraints=torchrec_constraints,
         debug=False,
     )
 
