@@ -16,6 +16,7 @@ estimates match this machine (the lookup rate from 1 process, the all-to-all rat
 
     .venv/bin/python benchmarks/plan_calibration.py                 # ~2 min on 2 cores
     .venv/bin/python benchmarks/plan_calibration.py --steps 10      # quicker, noisier
+    .venv/bin/python benchmarks/plan_calibration.py --optimizer adagrad   # optimizer state in the memory
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def train(rank: int, world_size: int, out_dir: Path, size: str, steps: int, plan: str) -> Dict[str, Any]:
+def train(
+    rank: int, world_size: int, out_dir: Path, size: str, steps: int, plan: str, optimizer: str = "sgd"
+) -> Dict[str, Any]:
     """One rank: train the bench model with ``plan``; its table bytes, peak RSS growth, step and embedding-step times."""
     import lightning as L
     import torch
@@ -49,7 +52,7 @@ def train(rank: int, world_size: int, out_dir: Path, size: str, steps: int, plan
     from lightning_rec.bench.worker import lightning_module
     from lightning_rec.testing import QUIET_TRAINER
 
-    s = replace(SIZES[size], steps=steps, warmup=3)
+    s = replace(SIZES[size], steps=steps, warmup=3, optimizer=optimizer)
     batches = make_batches(s, rank, s.warmup + s.steps)
     module = lightning_module(s, 0.1, plain_tables=False)
     stamps: List[float] = []
@@ -106,28 +109,28 @@ def _tensors(tree: Any) -> List[Any]:
     return [tree]
 
 
-def estimates(size: str, world_size: int, preset: Any) -> Any:
+def estimates(size: str, world_size: int, preset: Any, optimizer: str = "sgd") -> Any:
     """The planner's report for the bench model at ``size`` on ``world_size`` CPU ranks of one host."""
     from lightning_rec.bench.worker import lightning_module
     from lightning_rec.bench.workload import SIZES, table_constraints
     from lightning_rec.planning import Cluster, plan_cluster
     from lightning_rec.strategy.sharder import TableSharder
 
-    s = SIZES[size]
+    s = replace(SIZES[size], optimizer=optimizer)
     sharder = TableSharder.from_arguments(constraints=table_constraints(s))
     cluster = Cluster(1, world_size, "cpu", preset=preset, batch_size=s.batch_size)
     return plan_cluster(lightning_module(s, 0.1, plain_tables=False), sharder, cluster)
 
 
-def measure(steps: int) -> Dict[str, Any]:
+def measure(steps: int, optimizer: str = "sgd") -> Dict[str, Any]:
     from lightning_rec.strategy.topology import DEVICE_PRESETS
     from lightning_rec.testing.launch import run_ranks
 
     out: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size, world in (("realistic", 1), ("realistic_2proc", 2)):
-            default = estimates(size, world, None)
-            calibrated = estimates(size, world, DEVICE_PRESETS["cpu"])
+            default = estimates(size, world, None, optimizer)
+            calibrated = estimates(size, world, DEVICE_PRESETS["cpu"], optimizer)
             path = Path(tmp) / f"{size}.json"
             default.write_json(path)
             ranks = run_ranks(
@@ -139,6 +142,7 @@ def measure(steps: int) -> Dict[str, Any]:
                 size=size,
                 steps=steps,
                 plan=str(path),
+                optimizer=optimizer,
             )
             rows = []
             for r, m in enumerate(ranks):
@@ -179,9 +183,12 @@ def measure(steps: int) -> Dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--optimizer", choices=["sgd", "adagrad"], default="sgd", help="torch's, and FBGEMM's for the tables"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    result = measure(args.steps)
+    result = measure(args.steps, args.optimizer)
     for size in ("realistic", "realistic_2proc"):
         for r in result[size]:
             print(

@@ -288,6 +288,29 @@ def in_backward_optimizer(weight: object) -> "Optional[tuple]":
 
 
 @contextlib.contextmanager
+def optimizer_state_for_planner(weights: "Dict[object, object]") -> "Iterator[None]":
+    """Within this block, each unsharded table weight (key) tells TorchRec's planner the optimizer class (value) whose
+    state its storage estimate adds; a weight that names a class already (``apply_optimizer_in_backward``) keeps it.
+
+    TorchRec's ``EmbeddingStorageEstimator`` reads the optimizer only from the private ``_optimizer_classes`` of each
+    table's weight (what ``apply_optimizer_in_backward`` sets), never from the sharders' ``fused_params``: without this
+    a table trained by a fused Adam was planned with a third of its memory. The sharders read the attribute too, so
+    it is set for planning only and restored before anything is sharded."""
+    saved = {id(w): (w, w.__dict__.get("_optimizer_classes")) for w in weights}
+    try:
+        for weight, cls in weights.items():
+            classes = getattr(weight, "_optimizer_classes", None)
+            if not classes or classes[0] is None:
+                weight._optimizer_classes = [cls]  # type: ignore[attr-defined]
+        yield
+    finally:
+        for weight, before in saved.values():
+            weight.__dict__.pop("_optimizer_classes", None)
+            if before is not None:
+                weight._optimizer_classes = before  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
 def table_fused_params(weights: "Dict[object, dict]") -> "Iterator[None]":
     """Within this block, each unsharded table weight (key) carries its own fused parameters (value) for TorchRec's
     sharders; restored afterwards."""

@@ -56,8 +56,8 @@ _MAX_ATTEMPTS = 4  # bigger topologies planned to find one that holds a model th
 # Measured against the estimates on the 2-core development machine for the bench sizes (benchmarks/plan_calibration.py,
 # BENCHMARKS.md "Planner calibration"); `plan` prints the note that applies next to its estimates.
 _MEMORY_NOTE = (
-    "memory: within 1.05x of the bytes a rank held for its tables (SGD); TorchRec's estimate leaves out the fused "
-    "optimizer's state (Adam: 2 more copies of each table; Adagrad: 1; row-wise Adagrad: one float per row)."
+    "memory: within 1.05x of the bytes a rank held for its tables and their optimizer state (SGD and Adagrad); it "
+    "leaves out the dense layers and the batches."
 )
 
 

@@ -15,7 +15,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollec
 
 import lightning_rec
 from lightning_rec.cli import run
-from lightning_rec.config import TopologyConfig
+from lightning_rec.config import EmbeddingOptimizer, TopologyConfig
 from lightning_rec.planning import Cluster, DoesNotFit, plan_cluster, sweep
 from lightning_rec.strategy.plan_file import check_plan, read_plan, to_sharding_plan
 from lightning_rec.strategy.plan_report import PlanReport
@@ -293,3 +293,23 @@ def test_plan_made_here_is_the_plan_fit_makes_and_fit_trains_with_it(tmp_path: P
         assert r["with_plan"]["losses"] == r["planned"]["losses"], "same plan, same seed: the same numbers"
         assert r["with_plan"]["losses"] and r["refused"].startswith("RecShardStrategy: the given plan does not fit")
         assert "it is for 4 rank(s), this run has 2; it puts 4 rank(s) on a host, this run 2" in r["refused"]
+
+
+def test_the_fused_optimizers_state_is_in_the_memory_estimate_and_planning_leaves_no_mark() -> None:
+    model = _meta(lambda: UserModel(rows=100_000, dim=64))  # tables dominate the io buffers
+    sharder = TableSharder.from_arguments(
+        constraints={t: {"sharding_types": ["table_wise"]} for t in ("user", "item", "cat", "hist")}
+    )
+
+    def memory(name: str) -> int:
+        report = plan_cluster(model, sharder, Cluster(1, 2, "cpu"), optimizer=(EmbeddingOptimizer(name, lr=0.1), None))
+        return sum(r.memory_bytes for r in report.ranks)
+
+    sgd, adam, rowwise = memory("sgd"), memory("adam"), memory("rowwise_adagrad")
+    weights = sum(
+        p.numel() * 4 for n, p in model.named_parameters() if "weight" in n and p.dim() == 2 and p.shape[0] >= 50
+    )
+    assert adam - sgd == pytest.approx(2 * weights, rel=0.01), "Adam: two more copies of every table"
+    rows = 100_000 + 400_000 + 50 + 100_000
+    assert rowwise - sgd == pytest.approx(rows * 4, rel=0.01), "row-wise Adagrad: one float per row"
+    assert all("_optimizer_classes" not in p.__dict__ for p in model.parameters()), "restored after planning"

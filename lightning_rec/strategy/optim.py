@@ -450,3 +450,27 @@ def _per_table_optimizers(
         optimizers.append(opt)
         pairs += [(group, source) for group in opt.param_groups if source is not None]
     return optimizers, pairs
+
+
+def optimizer_state_class(emb_opt_type: Any) -> Optional[type]:
+    """The optimizer class whose state TorchRec's planner would add for FBGEMM's ``emb_opt_type`` (its storage
+    estimator knows SGD: none, Adam: two copies of the table, TorchRec's RowWiseAdagrad: one float per row, any other
+    class: one copy). Partial row-wise Adam/LAMB (a full first moment, a row-wise second) count as one copy.
+
+    Example::
+
+        >>> from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        >>> optimizer_state_class(EmbOptimType.ADAM).__name__, optimizer_state_class(EmbOptimType.EXACT_SGD).__name__
+        ('Adam', 'SGD')
+    """
+    import torchrec.optim as trec_optim
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    if emb_opt_type is None:
+        return None
+    return {
+        EmbOptimType.EXACT_SGD: torch.optim.SGD,
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD: trec_optim.RowWiseAdagrad,
+        EmbOptimType.ADAM: torch.optim.Adam,
+        EmbOptimType.LAMB: torch.optim.Adam,  # two moments, as Adam
+    }.get(emb_opt_type, torch.optim.Adagrad)

@@ -7,8 +7,11 @@ logs (see :func:`write_for_trainer`).
   ``[rows, cols]`` and offsets ``[row, col]``. A ``data_parallel`` table has no shards: every rank holds a copy.
 - Per rank (the planner's estimates, summed over the table shards placed on that rank, as TorchRec's own
   ``EmbeddingStats`` does): memory in bytes, HBM (device) and DDR (host; what CPU training uses), and cost,
-  ``Perf.total``: the modelled milliseconds per step of those shards' lookups and communication. Dense layers
-  and input buffers are not included.
+  ``Perf.total``: the modelled milliseconds per step of those shards' lookups and communication, split into
+  lookups, the input all-to-all (not part of ``Perf.total``) and the output all-to-all; their sum is ``step_ms``.
+  Dense layers are not included.
+- The whole table's shape and each shard's placement, so that the document can be read back as the plan it came
+  from (:mod:`lightning_rec.strategy.plan_file`, ``RecShardStrategy(plan="plan.json")``).
 - Imbalance, for memory and for cost: ``max / mean`` over ranks. 1.0 is perfectly even; on ``N`` ranks it is
   at most ``N`` (one rank carries everything). ``null`` when there are no estimates or they are all zero.
 

@@ -30,7 +30,12 @@ from lightning_rec import _compat
 from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig
 from lightning_rec.inputs import input_specs
 from lightning_rec.strategy.dmp import ShardedState, shard_module
-from lightning_rec.strategy.optim import TableOptimizers, bounds_check_params, resolve_embedding_optimizer
+from lightning_rec.strategy.optim import (
+    TableOptimizers,
+    bounds_check_params,
+    optimizer_state_class,
+    resolve_embedding_optimizer,
+)
 from lightning_rec.strategy.plan_file import check_plan, read_plan, to_sharding_plan
 from lightning_rec.strategy.plan_report import PlanReport, table_shapes
 from lightning_rec.strategy.sharding import (
@@ -208,6 +213,16 @@ class TableSharder:
                 module, embedding_optimizer, world_size, local_world_size, device_type, None, preset, batch_size
             )[1]
 
+    def _state_classes(self, module: nn.Module, embedding_optimizer: EmbeddingOptimizer) -> Dict[Any, Any]:
+        """Each table weight's optimizer class as TorchRec's planner counts its state: the table's own fused
+        optimizer (see :meth:`per_table_fused_params`) or ``embedding_optimizer``."""
+        default = embedding_optimizer.to_fused_params().get("optimizer")
+        classes = {}
+        for weight in table_weights(module, self.module_types).values():
+            own = (getattr(weight, "_optimizer_kwargs", None) or [{}])[0] or {}
+            classes[weight] = optimizer_state_class(own.get("optimizer", default))
+        return classes
+
     def per_table_fused_params(self, module: nn.Module, per_table: Optional[TableOptimizers]) -> Any:
         """A context in which TorchRec's sharders see each of ``per_table``'s tables with its own fused optimizer
         (see :func:`lightning_rec._compat.table_fused_params`); planning and sharding run inside it."""
@@ -252,20 +267,21 @@ class TableSharder:
             return self.plan, report, sharders
         chosen = preset or default_preset(device_type, self.topology)
         batch_size = batch_size or (self.topology.batch_size if self.topology else None) or BATCH_SIZE
-        plan, options = plan_module(
-            module,
-            sharders,
-            module_types=self.module_types,
-            constraints=self.constraints,
-            topology=self.topology,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            device_type=device_type,
-            pg=pg,
-            qcomms=self.qcomms,
-            preset=chosen,
-            batch_size=batch_size,
-        )
+        with _compat.optimizer_state_for_planner(self._state_classes(module, embedding_optimizer)):
+            plan, options = plan_module(
+                module,
+                sharders,
+                module_types=self.module_types,
+                constraints=self.constraints,
+                topology=self.topology,
+                world_size=world_size,
+                local_world_size=local_world_size,
+                device_type=device_type,
+                pg=pg,
+                qcomms=self.qcomms,
+                preset=chosen,
+                batch_size=batch_size,
+            )
         report = PlanReport.from_plan(
             plan,
             world_size,
