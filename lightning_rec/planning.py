@@ -253,7 +253,8 @@ class DoesNotFit(ValueError):
             sharders = make_sharders(
                 {**emb_opt.to_fused_params(), **sharder.fused_params}, sharder.sharders, qcomms=sharder.qcomms
             )
-            options = table_storage_options(module, sharders, planner)
+            with _compat.optimizer_state_for_planner(sharder.optimizer_state_classes(module, emb_opt)):
+                options = table_storage_options(module, sharders, planner)
         rank = _compat.planner_topology(planner).devices[0].storage
         cap = rank.hbm + rank.ddr  # the planner may also spill to host memory (UVM caching) on CUDA
         needs, piece = {}, {}

@@ -213,7 +213,7 @@ class TableSharder:
                 module, embedding_optimizer, world_size, local_world_size, device_type, None, preset, batch_size
             )[1]
 
-    def _state_classes(self, module: nn.Module, embedding_optimizer: EmbeddingOptimizer) -> Dict[Any, Any]:
+    def optimizer_state_classes(self, module: nn.Module, embedding_optimizer: EmbeddingOptimizer) -> Dict[Any, Any]:
         """Each table weight's optimizer class as TorchRec's planner counts its state: the table's own fused
         optimizer (see :meth:`per_table_fused_params`) or ``embedding_optimizer``."""
         default = embedding_optimizer.to_fused_params().get("optimizer")
@@ -267,7 +267,7 @@ class TableSharder:
             return self.plan, report, sharders
         chosen = preset or default_preset(device_type, self.topology)
         batch_size = batch_size or (self.topology.batch_size if self.topology else None) or BATCH_SIZE
-        with _compat.optimizer_state_for_planner(self._state_classes(module, embedding_optimizer)):
+        with _compat.optimizer_state_for_planner(self.optimizer_state_classes(module, embedding_optimizer)):
             plan, options = plan_module(
                 module,
                 sharders,
