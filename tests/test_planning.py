@@ -217,7 +217,9 @@ def _resized() -> UserModel:
 
 
 def test_a_model_that_does_not_fit_names_its_tables_and_the_smallest_topology_that_holds_them() -> None:
-    model = _meta(lambda: UserModel(rows=40_000_000, dim=128))  # item: 160M x 128 = 76 GiB
+    model = _meta(
+        lambda: UserModel(rows=40_000_000, dim=128)
+    )  # item: 160M x 128 = 76 GiB, as much again of Adagrad state
     sharder = TableSharder.from_arguments(
         constraints={"item": {"sharding_types": ["table_wise"]}}  # one rank must hold it whole
     )
@@ -225,14 +227,14 @@ def test_a_model_that_does_not_fit_names_its_tables_and_the_smallest_topology_th
         plan_cluster(model, sharder, Cluster(1, 2, preset="a100-40g", ddr_gb=1))
     err = caught.value
     assert list(err.needs)[0] == "item" and err.needs["item"] >= 160_000_000 * 128 * 4
-    assert "item (76.3 GiB in its smallest shard) does not fit on any of these ranks" in str(err)
+    assert "item (152.6 GiB in its smallest shard) does not fit on any of these ranks" in str(err)  # + Adagrad state
     assert err.smallest_fit is None, "table-wise, no number of 40 GB cards holds it"
 
     free = TableSharder.from_arguments()
     with pytest.raises(DoesNotFit) as caught:
         plan_cluster(model, free, Cluster(1, 2, preset="a100-40g", ddr_gb=1))
     err = caught.value
-    assert "item (38.1 GiB in its smallest shard)" in str(err), "row-wise over 2 ranks: half of it each"
+    assert "item (76.3 GiB in its smallest shard)" in str(err), "row-wise over 2 ranks: half of it (and its state) each"
     fit = err.smallest_fit
     assert fit is not None and fit.devices_per_host == 2 and fit.hosts > 1
     plan_cluster(model, free, fit)  # the suggestion plans
