@@ -190,12 +190,17 @@ def _plan(argv: List[str]) -> None:
     )
     parser.add_argument(
         "--device-type",
-        choices=["cuda", "cpu"],
+        choices=["cuda", "cpu", *[n for n in DEVICE_PRESETS if n != "cpu"]],
         default=None,
-        help="default: the preset's, else the trainer's accelerator",
+        help="cuda or cpu (default: the preset's, else the trainer's accelerator); a preset name works too",
     )
     parser.add_argument(
-        "--device", choices=sorted(DEVICE_PRESETS), default=None, help="a device preset: memory and bandwidths"
+        "--device",
+        "--preset",
+        dest="device",
+        choices=sorted(DEVICE_PRESETS),
+        default=None,
+        help="a device preset: memory and bandwidths",
     )
     parser.add_argument("--hbm-gb", type=float, default=None, help="device memory per rank, GiB (over the preset's)")
     parser.add_argument("--ddr-gb", type=float, default=None, help="host memory per rank, GiB (over the preset's)")
@@ -207,6 +212,10 @@ def _plan(argv: List[str]) -> None:
     )
     parser.add_argument("--output", default=None, help="a directory for plan.json and plan.png (default: print only)")
     args, rest = parser.parse_known_args(argv)
+    if args.device_type in DEVICE_PRESETS and args.device_type != "cpu":  # --device-type h100: the preset
+        if args.device not in (None, args.device_type):
+            parser.error(f"--device-type {args.device_type} and --device {args.device} name two devices")
+        args.device, args.device_type = args.device_type, None
     if not any(a == "--config" or a.startswith("--config=") or a.startswith("--model") for a in rest):
         parser.error("give the model: --config CONFIG.yaml (as for `fit`), or --model.class_path=...")
 

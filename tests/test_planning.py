@@ -315,3 +315,18 @@ def test_the_fused_optimizers_state_is_in_the_memory_estimate_and_planning_leave
     rows = 100_000 + 400_000 + 50 + 100_000
     assert rowwise - sgd == pytest.approx(rows * 4, rel=0.01), "row-wise Adagrad: one float per row"
     assert all("_optimizer_classes" not in p.__dict__ for p in model.parameters()), "restored after planning"
+
+
+def test_device_flags_name_a_type_or_a_preset(tmp_path: Path) -> None:
+    for flags, (device_type, preset) in {
+        ("--device-type", "a100-40g"): ("cuda", "a100-40g"),
+        ("--preset", "h100"): ("cuda", "h100"),
+        ("--device", "cpu"): ("cpu", "cpu"),
+        ("--device-type", "cpu"): ("cpu", None),
+    }.items():
+        out = tmp_path / "_".join(flags)
+        run(["plan", "--config", SYNTHETIC, *flags, "--output", str(out)])
+        doc = json.loads((out / "plan.json").read_text())
+        assert (doc["device_type"], doc["preset"], doc["world_size"]) == (device_type, preset, 2), flags
+    with pytest.raises(SystemExit):
+        run(["plan", "--config", SYNTHETIC, "--device-type", "h100", "--device", "a100-40g"])
