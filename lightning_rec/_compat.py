@@ -89,6 +89,45 @@ def planner_batch_size(planner: object) -> int:
     return planner._batch_size  # type: ignore[attr-defined]
 
 
+def create_topology(
+    *,
+    world_size: int,
+    local_world_size: int,
+    device_type: str,
+    hbm_cap: Optional[int],
+    ddr_cap: Optional[int],
+    hardware: Optional[Dict[str, Any]],
+) -> Any:
+    """TorchRec's planner ``Topology``: through ``TopologyFactory`` where TorchRec has it (1.8 warns about any other
+    way), else (TorchRec 1.6, the GPU machine's) built directly from the same numbers.
+
+    Args:
+        hardware: ``HardwareConfig`` arguments (memory in bytes, bandwidths in bytes/ms); ``None``: TorchRec's
+            defaults. The caps ``hbm_cap``/``ddr_cap`` win over the hardware's.
+    """
+    try:
+        from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
+    except ImportError:  # TorchRec < 1.7
+        from torchrec.distributed.planner.types import Topology
+
+        hw = {k: v for k, v in (hardware or {}).items() if v is not None}
+        return Topology(
+            world_size=world_size,
+            compute_device=device_type,
+            local_world_size=local_world_size,
+            hbm_cap=hbm_cap if hbm_cap is not None else hw.pop("hbm_cap_bytes", None),
+            ddr_cap=ddr_cap if ddr_cap is not None else hw.pop("ddr_cap_bytes", None),
+            **{k: v for k, v in hw.items() if not k.endswith("_cap_bytes")},
+        )
+    return TopologyFactory.create_topology(
+        TrainerConfig(
+            world_size=world_size, local_world_size=local_world_size, hbm_cap_bytes=hbm_cap, ddr_cap_bytes=ddr_cap
+        ),
+        hardware_config=HardwareConfig(**hardware) if hardware is not None else None,
+        kernel_config=KernelConfig(compute_device=device_type, use_hardware_based_bandwidth=hardware is not None),
+    )
+
+
 # TorchRec: the enumerator intersects a table's constrained sharding types with its sharder's as Python sets, so their
 # order (and which of two equally costed types wins a tie, e.g. row_wise and table_row_wise on one host) follows the
 # process's string hash seed: `lightning-rec plan` and the fit's rank 0 chose different plans for the same model.

@@ -330,3 +330,23 @@ def test_device_flags_name_a_type_or_a_preset(tmp_path: Path) -> None:
         assert (doc["device_type"], doc["preset"], doc["world_size"]) == (device_type, preset, 2), flags
     with pytest.raises(SystemExit):
         run(["plan", "--config", SYNTHETIC, "--device-type", "h100", "--device", "a100-40g"])
+
+
+def test_without_torchrecs_topology_factory_the_same_topology_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchrec.distributed.planner.types as planner_types
+
+    def described() -> tuple:
+        t = make_topology(world_size=16, local_world_size=8, device_type="cuda", preset="a100-40g")
+        bw = t.comms_bandwidths
+        return (
+            t.devices[0].storage,
+            t.local_world_size,
+            t.hbm_mem_bw,
+            t.ddr_mem_bw,
+            bw.intra_host_bw,
+            bw.inter_host_bw,
+        )
+
+    factory = described()
+    monkeypatch.delattr(planner_types, "TopologyFactory")  # as in TorchRec 1.6 (the GPU machine's)
+    assert described() == factory

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
-from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, Topology, TopologyFactory, TrainerConfig
+from torchrec.distributed.planner.types import Topology
 
+from lightning_rec import _compat
 from lightning_rec.config import TopologyConfig
 
 __all__ = ["DEVICE_PRESETS", "DevicePreset", "default_preset", "make_topology", "preset_named"]
@@ -66,20 +67,20 @@ class DevicePreset:
             ddr_gb=self.ddr_gb if ddr_gb is None else ddr_gb,
         )
 
-    def hardware_config(self) -> HardwareConfig:
-        """TorchRec's ``HardwareConfig`` (bytes and bytes per millisecond)."""
+    def hardware(self) -> Dict[str, Optional[float]]:
+        """The preset as TorchRec's ``HardwareConfig`` arguments (bytes, and bytes per millisecond)."""
 
         def per_ms(gb_per_s: Optional[float]) -> Optional[float]:
             return None if gb_per_s is None else gb_per_s * 1e9 / 1000
 
-        return HardwareConfig(
-            hbm_cap_bytes=None if self.hbm_gb is None else int(self.hbm_gb * _GB),
-            ddr_cap_bytes=None if self.ddr_gb is None else int(self.ddr_gb * _GB),
-            hbm_mem_bw=per_ms(self.hbm_bw),
-            ddr_mem_bw=per_ms(self.ddr_bw),
-            intra_host_bw=per_ms(self.intra_host_bw),
-            inter_host_bw=per_ms(self.inter_host_bw),
-        )
+        return {
+            "hbm_cap_bytes": None if self.hbm_gb is None else int(self.hbm_gb * _GB),
+            "ddr_cap_bytes": None if self.ddr_gb is None else int(self.ddr_gb * _GB),
+            "hbm_mem_bw": per_ms(self.hbm_bw),
+            "ddr_mem_bw": per_ms(self.ddr_bw),
+            "intra_host_bw": per_ms(self.intra_host_bw),
+            "inter_host_bw": per_ms(self.inter_host_bw),
+        }
 
 
 # Vendor figures for one GPU of the usual 8-GPU host (DGX/HGX): HBM size and bandwidth (SXM), NVLink bandwidth (both
@@ -158,13 +159,11 @@ def make_topology(
             f"HINT: pick a {device_type} preset ({', '.join(n for n, p in DEVICE_PRESETS.items() if p.device_type == device_type)})."
         )
     topo = topology or TopologyConfig()
-    return TopologyFactory.create_topology(
-        TrainerConfig(
-            world_size=world_size,
-            local_world_size=local_world_size,
-            hbm_cap_bytes=topo.hbm_cap,
-            ddr_cap_bytes=topo.ddr_cap,
-        ),
-        hardware_config=chosen.hardware_config() if chosen is not None else None,
-        kernel_config=KernelConfig(compute_device=device_type, use_hardware_based_bandwidth=chosen is not None),
+    return _compat.create_topology(
+        world_size=world_size,
+        local_world_size=local_world_size,
+        device_type=device_type,
+        hbm_cap=topo.hbm_cap,
+        ddr_cap=topo.ddr_cap,
+        hardware=chosen.hardware() if chosen is not None else None,
     )
