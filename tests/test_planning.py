@@ -295,6 +295,10 @@ def test_plan_made_here_is_the_plan_fit_makes_and_fit_trains_with_it(tmp_path: P
         assert r["with_plan"]["losses"] == r["planned"]["losses"], "same plan, same seed: the same numbers"
         assert r["with_plan"]["losses"] and r["refused"].startswith("RecShardStrategy: the given plan does not fit")
         assert "it is for 4 rank(s), this run has 2; it puts 4 rank(s) on a host, this run 2" in r["refused"]
+        assert r["mine"]["types"]["t_country"] == "table_wise", "a plan the planner would not make is used as given"
+        assert len(r["mine"]["losses"]) == 3 and all(0 < x < 10 for x in r["mine"]["losses"]), "and trains"
+    assert res[0]["mine"]["country_weights_here"] == [], "t_country is not on rank 0"
+    assert res[1]["mine"]["country_weights_here"] == [[200, 16]], "t_country lives whole on rank 1"
 
 
 def test_the_fused_optimizers_state_is_in_the_memory_estimate_and_planning_leaves_no_mark() -> None:

@@ -48,6 +48,25 @@ def fit_config(rank: int, world_size: int, out_dir: Path, config: str, plan: str
     from_file = to_sharding_plan(read_plan(plan))
     with_plan = _fit(config, out_dir / "with_plan", steps, plan)
 
+    # A plan the planner would not make: t_country whole on rank 1. The run must shard with it.
+    mine = json.loads(Path(plan).read_text())
+    country = next(t for t in mine["tables"] if t["name"] == "t_country")
+    country.update(
+        sharding_type="table_wise",
+        compute_kernel="fused",
+        ranks=[1],
+        shards=[{"rank": 1, "sizes": country["shape"], "offsets": [0, 0], "placement": "rank:1/cpu"}],
+    )
+    mine_path = out_dir / f"mine_{rank}.json"
+    mine_path.write_text(json.dumps(mine))
+    with_mine = _fit(config, out_dir / "mine", steps, str(mine_path))
+    local = [
+        list(shard.tensor.shape)
+        for key, value in with_mine.trainer.strategy.model.state_dict().items()
+        if "t_country" in key and hasattr(value, "local_shards")
+        for shard in value.local_shards()
+    ]
+
     other = json.loads(Path(plan).read_text())
     other["world_size"], other["local_world_size"] = 4, 4
     other_path = out_dir / f"other_{rank}.json"
@@ -65,5 +84,10 @@ def fit_config(rank: int, world_size: int, out_dir: Path, config: str, plan: str
         "planned_types": {r.table: r.sharding_type for r in plan_rows(planned_plan)},
         "planned": {"losses": _losses(planned)},
         "with_plan": {"losses": _losses(with_plan)},
+        "mine": {
+            "types": {r.table: r.sharding_type for r in plan_rows(with_mine.trainer.strategy.sharding_plan)},
+            "losses": _losses(with_mine),
+            "country_weights_here": local,
+        },
         "refused": refused,
     }
