@@ -383,16 +383,19 @@ class SparseFeature:
         name: the feature's key in the ``KeyedJaggedTensor`` (and the table's name, prefixed ``t_``).
         num_embeddings: ids run from 0 to ``num_embeddings - 1``.
         multi_hot: whether a sample may carry several ids (or none), e.g. a movie's genres.
+        table: the feature whose table this one shares (``None``: its own table). Features sharing a table look
+            up the same rows (e.g. a user's history of items and the candidate item).
 
     Example::
 
         >>> SparseFeature("user_id", 944)
-        SparseFeature(name='user_id', num_embeddings=944, multi_hot=False)
+        SparseFeature(name='user_id', num_embeddings=944, multi_hot=False, table=None)
     """
 
     name: str
     num_embeddings: int
     multi_hot: bool = False
+    table: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.num_embeddings < 1:

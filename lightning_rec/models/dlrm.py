@@ -8,7 +8,7 @@ loss (binary cross entropy on logits), the optimizers and the metrics (:func:`li
 
 from __future__ import annotations
 
-from typing import List, Literal, Optional, Sequence
+from typing import Dict, List, Literal, Optional, Sequence
 
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
@@ -24,18 +24,28 @@ Interaction = Literal["dot", "dcn"]
 
 
 def table_configs(features: Sequence[SparseFeature], embedding_dim: int) -> List[EmbeddingBagConfig]:
-    """One table per feature, named ``t_<feature>``, all of width ``embedding_dim`` (DLRM needs one width).
+    """One table per feature, named ``t_<feature>``, all of width ``embedding_dim`` (DLRM needs one width); a
+    feature with ``table`` set reads that feature's table (which gets the larger of their sizes).
 
     Example::
 
         >>> [t.name for t in table_configs([SparseFeature("user_id", 944)], 16)]
         ['t_user_id']
+        >>> shared = table_configs([SparseFeature("item", 50), SparseFeature("history", 50, True, table="item")], 8)
+        >>> [(t.name, t.feature_names) for t in shared]
+        [('t_item', ['item', 'history'])]
     """
+    owners: Dict[str, List[SparseFeature]] = {}
+    for f in features:
+        owners.setdefault(f.table or f.name, []).append(f)
     return [
         EmbeddingBagConfig(
-            name=f"t_{f.name}", embedding_dim=embedding_dim, num_embeddings=f.num_embeddings, feature_names=[f.name]
+            name=f"t_{table}",
+            embedding_dim=embedding_dim,
+            num_embeddings=max(f.num_embeddings for f in group),
+            feature_names=[f.name for f in group],
         )
-        for f in features
+        for table, group in owners.items()
     ]
 
 

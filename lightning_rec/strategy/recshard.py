@@ -65,6 +65,7 @@ from lightning_rec.strategy.optim import (
     combine_optimizers,
 )
 from lightning_rec.strategy.pipeline import SparseDistPipeline, check_pipelinable
+from lightning_rec.strategy.batch_counts import BatchCounts
 from lightning_rec.strategy.plan_report import PlanReport, write_for_trainer
 from lightning_rec.strategy.settings import (
     backward_without_step_error,
@@ -199,6 +200,7 @@ class RecShardStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._failures: Optional[FailureBoard] = None
+        self._batch_counts: Optional[BatchCounts] = None
         self._transferring = False
         self._batch_hooks: Tuple[bool, bool] = (False, False)  # transfer_batch_to_device, on_after_batch_transfer
         self._redirect_steps = True  # training_step through DMP's DDP (not with one rank: see `training_step`)
@@ -345,7 +347,14 @@ class RecShardStrategy(ParallelStrategy):
         self._setup_distributed()
         close_process_group_at_exit(self._timeout)  # a finished job must exit 0, not abort in gloo's threads
         # A prefix shared by every rank of this run, under which a failing rank leaves its error for the others.
-        self._failures = FailureBoard.for_default_group(self.broadcast(uuid.uuid4().hex), self.global_rank)
+        token = self.broadcast(uuid.uuid4().hex)
+        self._failures = FailureBoard.for_default_group(token, self.global_rank)
+        # Ranks that run out of training batches at different counts are named (batch_counts), not left to pair
+        # their next collectives with the others' remaining batches.
+        wait = min(self._timeout, timedelta(seconds=10)) if self._timeout is not None else timedelta(seconds=10)
+        self._batch_counts = BatchCounts.for_default_group(
+            token, self.global_rank, self.world_size, wait, type(self).__name__
+        )
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -424,8 +433,12 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if self._sparse_dist is not None and self.lightning_module.trainer.training:
-            return self._sparse_dist.wrap(dataloader)  # batches are copied and queued as Lightning fetches them
+        if not self.lightning_module.trainer.training:
+            return dataloader
+        if self._sparse_dist is not None:
+            dataloader = self._sparse_dist.wrap(dataloader)  # batches are copied and queued as Lightning fetches them
+        if self._batch_counts is not None:  # outermost: a pass ends when Lightning has fetched every batch
+            dataloader = self._batch_counts.wrap(dataloader)
         return dataloader
 
     @override
@@ -472,6 +485,8 @@ class RecShardStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._backward_without_step = False
+        if self._batch_counts is not None:
+            self._batch_counts.check()  # after this rank's last step of an epoch: did every rank run as many?
         return out
 
     @override

@@ -1,0 +1,284 @@
+"""A declared feature schema: which columns of a table are labels, dense features and sparse features, and how each
+becomes model input. :class:`~lightning_rec.data.tabular.TabularDataModule` reads Parquet and CSV through it.
+
+In YAML (a ``TabularDataModule``'s ``schema``)::
+
+    schema:
+      labels: [{column: rating, threshold: 4.0}]            # label = rating >= 4
+      dense:
+        - {column: price, transform: log1p}
+        - {column: age, transform: standardize}              # mean/std of the training split, stored
+      sparse:
+        - {column: user_id, ids: hash, num_embeddings: 1000000}
+        - {column: item_id, ids: vocab}                       # first pass over the training split
+        - {column: history, ids: vocab, table: item_id, list: true}   # shares item_id's table
+        - {column: tags, ids: hash, num_embeddings: 10000, list: true, weights: tag_weights}
+        - {column: country, ids: raw, num_embeddings: 250}
+
+Ids become rows per feature:
+
+* ``hash``: a stable 64-bit hash (the same in every process and run; integers by value, text by its bytes) modulo
+  ``num_embeddings``;
+* ``vocab``: row ``i + 1`` for the ``i``-th value of the vocabulary, row 0 for values it lacks (out of vocabulary).
+  The vocabulary is read from ``vocab_file`` (one value per line) or built from the training split (values by
+  descending count, ties in sorted order, at least ``min_count`` occurrences) and saved next to the checkpoints;
+* ``raw``: the value is the row (an integer below ``num_embeddings``; one outside it is for the strategy's
+  ``bounds_check``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Literal, Mapping, Optional, Sequence
+
+import numpy as np
+
+from lightning_rec.config import SparseFeature
+
+__all__ = [
+    "DataError",
+    "DenseColumn",
+    "LabelColumn",
+    "Schema",
+    "SparseColumn",
+    "Vocabulary",
+    "hash_ids",
+]
+
+IdMapping = Literal["hash", "vocab", "raw"]
+DenseTransform = Literal["none", "log1p", "standardize"]
+
+
+class DataError(ValueError):
+    """Bad input data, named: the file, where in it (row group or line), the column and the value."""
+
+
+@dataclass
+class LabelColumn:
+    """A label column: its values as floats, or ``value >= threshold`` as 0/1.
+
+    Example::
+
+        >>> LabelColumn("rating", threshold=4.0).apply(np.array([5.0, 3.0])).tolist()
+        [1.0, 0.0]
+    """
+
+    column: str
+    threshold: Optional[float] = None
+
+    def apply(self, values: np.ndarray) -> np.ndarray:
+        """The labels of ``values`` (float32)."""
+        values = values.astype(np.float64)
+        return (
+            (values >= self.threshold).astype(np.float32) if self.threshold is not None else values.astype(np.float32)
+        )
+
+
+@dataclass
+class DenseColumn:
+    """A dense feature column and its transform.
+
+    Args:
+        column: the column.
+        transform: ``"none"``, ``"log1p"`` (negatives clipped to 0 first) or ``"standardize"`` (``(x - mean) / std``:
+            given here, or computed on the training split and stored with the DataModule's state).
+        mean, std: the standardisation's statistics (``None``: computed).
+
+    Example::
+
+        >>> DenseColumn("year", "standardize", mean=1990.0, std=10.0).apply(np.array([2000.0])).tolist()
+        [1.0]
+    """
+
+    column: str
+    transform: DenseTransform = "none"
+    mean: Optional[float] = None
+    std: Optional[float] = None
+
+    def apply(self, values: np.ndarray) -> np.ndarray:
+        """The transformed feature (float32)."""
+        x = values.astype(np.float64)
+        if self.transform == "log1p":
+            x = np.log1p(np.clip(x, 0, None))
+        elif self.transform == "standardize":
+            if self.mean is None or self.std is None:
+                raise ValueError(f"dense column {self.column!r}: standardize needs its mean and std (fit them first)")
+            x = (x - self.mean) / (self.std if self.std > 0 else 1.0)
+        return x.astype(np.float32)
+
+
+@dataclass
+class SparseColumn:
+    """A sparse (categorical) feature column and how its ids become table rows.
+
+    Args:
+        column: the column; also the feature's name in the ``KeyedJaggedTensor`` unless ``name`` is set.
+        ids: ``"hash"``, ``"vocab"`` or ``"raw"`` (see the module docstring).
+        num_embeddings: rows of its table (``hash``, ``raw``; for ``vocab``: the vocabulary's size + 1).
+        table: the table it shares (another feature's name; default: its own).
+        list: a list-valued column (Parquet list, or ``delimiter``-separated text in CSV).
+        delimiter: what separates a CSV list's values.
+        weights: a column of per-id weights, a list as long as the id list (a weighted feature).
+        vocab_file: for ``vocab``: a file with one value per line (row ``i + 1`` for line ``i``).
+        min_count: for ``vocab`` built from data: values seen fewer times go to the out-of-vocabulary row.
+        name: the feature's name (default: ``column``).
+    """
+
+    column: str
+    ids: IdMapping = "hash"
+    num_embeddings: Optional[int] = None
+    table: Optional[str] = None
+    list: bool = False
+    delimiter: str = "|"
+    weights: Optional[str] = None
+    vocab_file: Optional[str] = None
+    min_count: int = 1
+    name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.ids in ("hash", "raw") and (self.num_embeddings is None or self.num_embeddings < 1):
+            raise ValueError(
+                f"sparse column {self.column!r}: ids: {self.ids} needs num_embeddings >= 1, got {self.num_embeddings}."
+            )
+        if self.ids not in ("hash", "vocab", "raw"):
+            raise ValueError(f"sparse column {self.column!r}: ids must be hash, vocab or raw, got {self.ids!r}.")
+        if self.weights is not None and not self.list:
+            raise ValueError(
+                f"sparse column {self.column!r}: weights ({self.weights!r}) need a list column (list: true)."
+            )
+
+    @property
+    def feature(self) -> str:
+        """The feature's key in the ``KeyedJaggedTensor``."""
+        return self.name or self.column
+
+
+@dataclass
+class Schema:
+    """Labels, dense and sparse columns of a table (see the module docstring).
+
+    Example::
+
+        >>> s = Schema(labels=[LabelColumn("click")], sparse=[SparseColumn("user", num_embeddings=10)])
+        >>> s.columns
+        ['click', 'user']
+    """
+
+    labels: List[LabelColumn] = field(default_factory=list)
+    dense: List[DenseColumn] = field(default_factory=list)
+    sparse: List[SparseColumn] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.labels = [c if isinstance(c, LabelColumn) else LabelColumn(**c) for c in self.labels]
+        self.dense = [c if isinstance(c, DenseColumn) else DenseColumn(**c) for c in self.dense]
+        self.sparse = [c if isinstance(c, SparseColumn) else SparseColumn(**c) for c in self.sparse]
+        if not self.labels:
+            raise ValueError("Schema: at least one label column is needed (labels: [{column: ...}]).")
+        names = [c.feature for c in self.sparse]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"Schema: sparse features {twice} are declared twice; give one a `name`.")
+        for c in self.sparse:
+            if c.table is not None and c.table not in names:
+                raise ValueError(
+                    f"Schema: sparse column {c.column!r} shares table {c.table!r}, which is no feature's name "
+                    f"({names})."
+                )
+
+    @property
+    def columns(self) -> List[str]:
+        """Every column the schema reads, in declaration order, without repeats."""
+        cols = [c.column for c in self.labels] + [c.column for c in self.dense]
+        cols += [x for c in self.sparse for x in ([c.column] + ([c.weights] if c.weights else []))]
+        return list(dict.fromkeys(cols))
+
+    def sparse_features(self, vocab_sizes: Mapping[str, int]) -> List[SparseFeature]:
+        """The features a model builds its tables from: one per sparse column, a shared table's size the largest
+        of its features'."""
+        rows: Dict[str, int] = {}
+        for c in self.sparse:
+            n = vocab_sizes[c.feature] + 1 if c.ids == "vocab" else int(c.num_embeddings or 0)
+            table = c.table or c.feature
+            rows[table] = max(rows.get(table, 0), n)
+        return [
+            SparseFeature(c.feature, rows[c.table or c.feature], multi_hot=c.list, table=c.table) for c in self.sparse
+        ]
+
+
+_FNV_OFFSET, _FNV_PRIME = np.uint64(0xCBF29CE484222325), np.uint64(0x100000001B3)
+
+
+def hash_ids(values: np.ndarray, num_embeddings: int) -> np.ndarray:
+    """Stable ids of ``values`` in ``[0, num_embeddings)``, the same in every process and run (unlike Python's
+    ``hash``), vectorised: integers through SplitMix64 of their value, text through FNV-1a (64 bit) of its UTF-8
+    bytes.
+
+    Example::
+
+        >>> hash_ids(np.array([3, 3, 12]), 1000).tolist() == hash_ids(np.array([3, 3, 12]), 1000).tolist()
+        True
+        >>> int(hash_ids(np.array(["a"], dtype=object), 2**20)[0]) == int(hash_ids(np.array(["a"]), 2**20)[0])
+        True
+    """
+    values = np.asarray(values)
+    if values.dtype.kind in "iub":
+        with np.errstate(over="ignore"):
+            z = values.astype(np.int64).view(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z = z ^ (z >> np.uint64(31))
+    else:
+        raw = np.char.encode(values.astype(str), "utf-8") if values.dtype.kind != "S" else values
+        width = raw.dtype.itemsize
+        octets = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype=np.uint8).reshape(-1, max(width, 1))
+        z = np.full(len(raw), _FNV_OFFSET, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for j in range(width):  # a text's bytes end at its first padding zero
+                byte = octets[:, j].astype(np.uint64)
+                z = np.where(byte != 0, (z ^ byte) * _FNV_PRIME, z)
+    return (z % np.uint64(num_embeddings)).astype(np.int64)
+
+
+class Vocabulary:
+    """Values to rows: ``i + 1`` for the ``i``-th value, 0 for any other (out of vocabulary).
+
+    Example::
+
+        >>> v = Vocabulary(["b", "a"])
+        >>> v.rows(np.array(["a", "c", "b"], dtype=object)).tolist(), len(v)
+        ([2, 0, 1], 2)
+    """
+
+    def __init__(self, values: Sequence[str]) -> None:
+        self.values = [str(v) for v in values]
+        order = np.argsort(np.array(self.values, dtype=str), kind="stable")
+        self._sorted = np.array(self.values, dtype=str)[order]
+        self._rows = (order + 1).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def rows(self, values: np.ndarray) -> np.ndarray:
+        """The rows of ``values`` (any type: compared as text), vectorised (a binary search of the sorted values)."""
+        text = np.asarray(values).astype(str).reshape(-1)
+        if not self.values:
+            return np.zeros(len(text), dtype=np.int64)
+        at = np.searchsorted(self._sorted, text).clip(0, len(self._sorted) - 1)
+        return np.where(self._sorted[at] == text, self._rows[at], 0)
+
+    @classmethod
+    def build(cls, counts: Mapping[str, int], min_count: int = 1) -> "Vocabulary":
+        """From value counts: by descending count, ties in sorted order, dropping values seen under ``min_count``."""
+        kept = [v for v, n in counts.items() if n >= min_count]
+        return cls(sorted(kept, key=lambda v: (-counts[v], v)))
+
+    @classmethod
+    def read(cls, path: str) -> "Vocabulary":
+        """One value per line."""
+        with open(path, encoding="utf-8") as f:
+            return cls([line.rstrip("\n") for line in f if line.rstrip("\n") != ""])
+
+    def write(self, path: str) -> None:
+        """One value per line (what :meth:`read` reads)."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(f"{v}\n" for v in self.values)

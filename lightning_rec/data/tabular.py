@@ -1,0 +1,536 @@
+"""Your own data: Parquet and CSV tables read through a declared :class:`~lightning_rec.data.schema.Schema`.
+
+Example (YAML)::
+
+    data:
+      class_path: lightning_rec.data.TabularDataModule
+      init_args:
+        files: [data/clicks/*.parquet]                 # or train/val/test: one list of files or globs per split
+        split: {random: {val: 0.1, test: 0.1, seed: 42}}
+        schema:
+          labels: [{column: clicked}]
+          dense: [{column: price, transform: log1p}]
+          sparse:
+            - {column: user_id, ids: hash, num_embeddings: 1000000}
+            - {column: item_id, ids: vocab}
+
+Files: Parquet (``.parquet``/``.pq``, read with ``pyarrow``), CSV/TSV (``.csv``/``.tsv``/``.txt``, optionally
+``.gz``; a header line names the columns, or ``csv_columns`` does). Splits: one list of files per split, or one list
+and a rule: ``{random: {val, test, seed}}`` (the seeded two-stage holdout of
+:class:`~lightning_rec.data.MovieLensDataModule`) or ``{timestamp: {column, val_from, test_from}}``.
+
+The rows are read into columns (no Python per row) and batched by
+:class:`~lightning_rec.data.base.DistributedBatchSampler`: every rank runs the same number of batches, every row is
+used once per epoch. What the training split teaches (``vocab`` vocabularies, ``standardize`` statistics) is
+computed once, kept in the DataModule's ``state_dict`` (so Lightning saves it inside every checkpoint and restores it
+with ``ckpt_path``, and predictions map ids the same way) and, with ``state_dir``, written there as files.
+
+Bad data is refused before training, naming the file, the row group (Parquet) or line (CSV), the column and the
+value: a missing column, a column of the wrong type, a null id, NaN or inf in a dense column, a weight list whose
+length differs from its id list. ``bad_rows: drop`` drops such rows instead (not missing or mistyped columns) and
+counts them in ``dropped_rows``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from lightning_rec.config import SparseFeature
+from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset
+from lightning_rec.data.schema import DataError, DenseColumn, Schema, SparseColumn, Vocabulary, hash_ids
+
+__all__ = ["TabularDataModule", "read_table"]
+
+SPLITS = ("train", "val", "test")
+_PARQUET = (".parquet", ".pq")
+
+
+def _pa() -> Any:
+    try:
+        import pyarrow  # noqa: F401
+        import pyarrow.compute  # noqa: F401
+        import pyarrow.csv  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as err:  # pragma: no cover - pyarrow is a dependency
+        raise ImportError("TabularDataModule reads files with pyarrow: `pip install pyarrow`.") from err
+    return pyarrow
+
+
+def expand(patterns: Union[str, Sequence[str]], what: str) -> List[str]:
+    """The files ``patterns`` (paths or globs) name, in sorted order per pattern.
+
+    Raises:
+        FileNotFoundError: naming a pattern that matches nothing.
+    """
+    files: List[str] = []
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        found = sorted(glob.glob(os.path.expanduser(str(pattern))))
+        if not found:
+            raise FileNotFoundError(f"TabularDataModule: {what}: {pattern!r} matches no file.")
+        files.extend(found)
+    return files
+
+
+@dataclass
+class _Part:
+    """Columns of some rows of one file, with where they came from (for messages)."""
+
+    table: Any  # pyarrow.Table
+    file: str
+    where: str  # "row group 3" or "lines 2-1001"
+    first_line: Optional[int]  # CSV: the line of the first row (1-based), for messages
+
+
+def read_table(
+    path: str, columns: Sequence[str], csv_columns: Optional[Sequence[str]] = None, delimiter: Optional[str] = None
+) -> List[_Part]:
+    """The ``columns`` of file ``path``: Parquet one part per row group, CSV one part.
+
+    Raises:
+        DataError: naming the file and the columns it lacks.
+    """
+    pa = _pa()
+    if path.endswith(_PARQUET):
+        pf = pa.parquet.ParquetFile(path)
+        have = set(pf.schema_arrow.names)
+        missing = [c for c in columns if c not in have]
+        if missing:
+            raise DataError(f"{path}: no column {', '.join(map(repr, missing))} (it has {sorted(have)}).")
+        return [
+            _Part(pf.read_row_group(g, columns=list(columns)), path, f"row group {g}", None)
+            for g in range(pf.num_row_groups)
+        ]
+    tsv = any(path.endswith(s) for s in (".tsv", ".tsv.gz"))
+    read = pa.csv.ReadOptions(column_names=list(csv_columns) if csv_columns else None)
+    parse = pa.csv.ParseOptions(delimiter=delimiter or ("\t" if tsv else ","))
+    try:
+        table = pa.csv.read_csv(path, read_options=read, parse_options=parse)
+    except pa.ArrowInvalid as err:
+        raise DataError(f"{path}: not a readable CSV file: {err}") from None
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise DataError(f"{path}: no column {', '.join(map(repr, missing))} (it has {table.column_names}).")
+    return [_Part(table.select(list(columns)), path, "", 1 if csv_columns else 2)]
+
+
+def _at(part: _Part, row: int) -> str:
+    if part.first_line is not None:
+        return f"{part.file}, line {part.first_line + row}"
+    return f"{part.file}, {part.where}, row {row}"
+
+
+class _Bad:
+    """Rows found bad while decoding a part: an error (``bad_rows: error``) or a mask (``drop``)."""
+
+    def __init__(self, part: _Part, drop: bool) -> None:
+        self.part, self.drop = part, drop
+        self.mask = np.zeros(part.table.num_rows, dtype=bool)
+
+    def found(self, rows: np.ndarray, column: str, problem: str, values: Sequence[Any]) -> None:
+        if not len(rows):
+            return
+        if not self.drop:
+            raise DataError(
+                f"{_at(self.part, int(rows[0]))}: column {column!r}: {problem} (value {values[0]!r}"
+                f"{f'; {len(rows)} such rows in this part' if len(rows) > 1 else ''}). HINT: fix the data, or set "
+                "`bad_rows: drop` to drop such rows (they are counted)."
+            )
+        self.mask[rows] = True
+
+
+def _numbers(part: _Part, column: str, bad: _Bad, kind: str) -> np.ndarray:
+    pa = _pa()
+    col = part.table.column(column)
+    if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
+        raise DataError(f"{part.file}: column {column!r} is {col.type}, a number was expected ({kind}).")
+    values = col.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls become NaN
+    nulls = np.flatnonzero(~np.isfinite(values))
+    bad.found(nulls, column, "null, NaN or inf", [col[int(i)].as_py() for i in nulls[:1]])
+    return np.where(np.isfinite(values), values, 0.0)
+
+
+def _ids(values: Any, column: str, kind: str, file: str) -> np.ndarray:
+    """A pyarrow array of ids (integers or text) as numpy, for the mapping."""
+    pa = _pa()
+    if pa.types.is_integer(values.type):
+        return values.to_numpy(zero_copy_only=False).astype(np.int64)
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return values.to_numpy(zero_copy_only=False).astype(str)
+    raise DataError(f"{file}: column {column!r} holds {values.type}, integer or text ids were expected ({kind}).")
+
+
+def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> Tuple[Any, np.ndarray, Optional[np.ndarray]]:
+    """``(ids, lengths, weights)`` of one sparse column: ids still raw (numpy), per-row lengths, flat weights."""
+    pa = _pa()
+    col = part.table.column(spec.column).combine_chunks()
+    n = len(col)
+    if not spec.list:
+        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            raise DataError(f"{part.file}: column {spec.column!r} is {col.type}; declare it `list: true`.")
+        nulls = np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))
+        bad.found(nulls, spec.column, "null id", [None] * len(nulls))
+        ids = _ids(
+            col.fill_null(0) if pa.types.is_integer(col.type) else col.fill_null(""), spec.column, "ids", part.file
+        )
+        return ids, np.ones(n, dtype=np.int64), None
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):  # CSV: delimited text
+        col = pa.compute.split_pattern(col.fill_null(""), spec.delimiter)
+        col = pa.compute.if_else(pa.compute.equal(pa.compute.list_value_length(col), 1), col, col)  # keep type
+    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+        raise DataError(
+            f"{part.file}: column {spec.column!r} is {col.type}, a list was declared (`list: true`): a row holds "
+            "one value where a list was expected."
+        )
+    null_rows = np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))
+    bad.found(null_rows, spec.column, "null list", [None] * len(null_rows))
+    col = col.fill_null(pa.scalar([], type=col.type))
+    lengths = pa.compute.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = col.flatten()
+    if pa.types.is_string(flat.type) and part.first_line is not None:  # CSV: "a||b" or "" give empty values
+        empty = pa.compute.equal(flat, "").to_numpy(zero_copy_only=False)
+        if empty.any():
+            row_of = np.repeat(np.arange(n), lengths)
+            keep = ~empty
+            lengths = np.bincount(row_of[keep], minlength=n).astype(np.int64)
+            flat = flat.filter(pa.array(keep))
+    value_nulls = flat.is_null().to_numpy(zero_copy_only=False)
+    if value_nulls.any():
+        rows = np.unique(np.repeat(np.arange(n), lengths)[value_nulls])
+        bad.found(rows, spec.column, "null id in a list", [None] * len(rows))
+        flat = flat.fill_null(0 if pa.types.is_integer(flat.type) else "")
+    ids = _ids(flat, spec.column, "list ids", part.file)
+    weights = None
+    if spec.weights:
+        wcol = part.table.column(spec.weights).combine_chunks()
+        if pa.types.is_string(wcol.type):
+            wcol = pa.compute.split_pattern(wcol.fill_null(""), spec.delimiter)
+        if not (pa.types.is_list(wcol.type) or pa.types.is_large_list(wcol.type)):
+            raise DataError(f"{part.file}: column {spec.weights!r} is {wcol.type}, a list of weights was expected.")
+        wlen = pa.compute.list_value_length(wcol.fill_null(pa.scalar([], type=wcol.type)))
+        wlen = wlen.to_numpy(zero_copy_only=False).astype(np.int64)
+        rows = np.flatnonzero(wlen != lengths)
+        bad.found(
+            rows,
+            spec.weights,
+            f"weight list length differs from {spec.column!r}'s",
+            [f"{int(wlen[r])} weights for {int(lengths[r])} ids" for r in rows[:1]],
+        )
+        wflat = wcol.flatten()
+        if pa.types.is_string(wflat.type):
+            wflat = pa.compute.cast(wflat, pa.float64())
+        weights = wflat.to_numpy(zero_copy_only=False).astype(np.float32)
+        if len(rows):  # dropped rows: keep weights aligned with the ids
+            weights = _per_row_take(weights, wlen, lengths)
+    return ids, lengths, weights
+
+
+def _per_row_take(values: np.ndarray, have: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """The first ``min(have, want)`` values of each row, padded with 1.0 to ``want`` (rows that will be dropped)."""
+    out = []
+    start = 0
+    for h, w in zip(have.tolist(), want.tolist()):
+        row = values[start : start + min(h, w)]
+        out.append(np.concatenate([row, np.ones(w - len(row), dtype=np.float32)]))
+        start += h
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+
+@dataclass
+class _Decoded:
+    """One part's rows as columns, ids not yet mapped."""
+
+    labels: np.ndarray  # (N, L) float
+    dense: np.ndarray  # (N, D) float, not transformed
+    sparse: Dict[str, Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]  # feature -> (raw ids, lengths, weights)
+    timestamps: Optional[np.ndarray]
+    keep: np.ndarray  # rows that are good
+
+
+def _decode(part: _Part, schema: Schema, drop: bool, timestamp: Optional[str]) -> _Decoded:
+    bad = _Bad(part, drop)
+    labels = np.stack([c.apply(_numbers(part, c.column, bad, "label")) for c in schema.labels], axis=1)
+    dense = (
+        np.stack([_numbers(part, c.column, bad, "dense") for c in schema.dense], axis=1)
+        if schema.dense
+        else np.zeros((part.table.num_rows, 0))
+    )
+    sparse = {c.feature: _decode_sparse(part, c, bad) for c in schema.sparse}
+    stamps = _numbers(part, timestamp, bad, "timestamp") if timestamp else None
+    return _Decoded(labels, dense, sparse, stamps, ~bad.mask)
+
+
+def _concat_jagged(parts: Sequence[Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]) -> Tuple[Any, ...]:
+    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+    lengths = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+    weights = None if not parts or parts[0][2] is None else np.concatenate([p[2] for p in parts])  # type: ignore[misc]
+    return ids, lengths, weights
+
+
+def _rows_of(lengths: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Mask of the values whose row is kept."""
+    return np.repeat(keep, lengths)
+
+
+@dataclass
+class SplitRule:
+    """How one set of files is split: ``random`` (``{val, test, seed}``) or ``timestamp`` (``{column, val_from,
+    test_from}``: rows at or after ``val_from`` validate, at or after ``test_from`` test)."""
+
+    random: Optional[Dict[str, float]] = None
+    timestamp: Optional[Dict[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        if (self.random is None) == (self.timestamp is None):
+            raise ValueError("TabularDataModule: split takes one rule: {random: {...}} or {timestamp: {...}}.")
+
+
+def _random_split(n: int, val: float, test: float, seed: int) -> np.ndarray:
+    """0 train, 1 val, 2 test per row: the two-stage seeded holdout of MovieLensDataModule (same rows)."""
+    from lightning_rec.data.movielens import holdout_split
+
+    split = np.zeros(n, dtype=np.int8)
+    rest, held_test = holdout_split(n, test, seed + 1)
+    train, held_val = holdout_split(len(rest), val / (1.0 - test), seed)
+    split[held_test.numpy()] = 2
+    split[rest[held_val].numpy()] = 1
+    return split
+
+
+class TabularDataModule(RecDataModule):
+    """Parquet/CSV files through a declared schema (see the module docstring).
+
+    Args:
+        schema: the columns (a :class:`~lightning_rec.data.schema.Schema` or its dict from YAML).
+        files: files or globs holding every split, split by ``split``.
+        train, val, test: files or globs per split (instead of ``files`` + ``split``); without ``test`` the
+            validation split is tested.
+        split: the rule that splits ``files`` (a :class:`SplitRule` or its dict).
+        csv_columns: the column names of CSV files without a header line.
+        csv_delimiter: the CSV field separator (default ``,``; ``\\t`` for ``.tsv``).
+        bad_rows: ``"error"`` (default) or ``"drop"`` (counted in :attr:`dropped_rows`).
+        state_dir: a directory to also write the vocabularies and statistics to (``vocab_<feature>.txt``,
+            ``dense_stats.json``); they are always in the DataModule's ``state_dict``.
+        batch_size, num_workers, seed: see :class:`~lightning_rec.data.base.RecDataModule`.
+
+    Example::
+
+        dm = TabularDataModule(schema={"labels": [{"column": "click"}], "sparse": [{"column": "user", "ids": "vocab"}]},
+                               files=["clicks.parquet"], split={"random": {"val": 0.1, "test": 0.0, "seed": 0}})
+        dm.sparse_features    # [SparseFeature(name='user', num_embeddings=..., ...)]
+    """
+
+    def __init__(
+        self,
+        schema: Union[Schema, Mapping[str, Any]],
+        files: Optional[Union[str, List[str]]] = None,
+        train: Optional[Union[str, List[str]]] = None,
+        val: Optional[Union[str, List[str]]] = None,
+        test: Optional[Union[str, List[str]]] = None,
+        split: Optional[Union[SplitRule, Mapping[str, Any]]] = None,
+        csv_columns: Optional[List[str]] = None,
+        csv_delimiter: Optional[str] = None,
+        bad_rows: Literal["error", "drop"] = "error",
+        state_dir: Optional[str] = None,
+        batch_size: int = 512,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        self.schema = schema if isinstance(schema, Schema) else Schema(**dict(schema))
+        if (files is None) == (train is None):
+            raise ValueError("TabularDataModule: give either `files` (with a `split` rule) or `train` (and val/test).")
+        if files is not None and split is None:
+            raise ValueError("TabularDataModule: `files` needs a `split` rule, e.g. {random: {val: 0.1, test: 0.1}}.")
+        self.split_rule = split if split is None or isinstance(split, SplitRule) else SplitRule(**dict(split))
+        self.sources = {"all": files} if files is not None else {"train": train, "val": val, "test": test}
+        self.csv_columns, self.csv_delimiter = csv_columns, csv_delimiter
+        self.bad_rows = bad_rows
+        self.state_dir = state_dir
+        self.dropped_rows = 0
+        self.vocabularies: Dict[str, Vocabulary] = {}
+        self.dense_stats: Dict[str, Tuple[float, float]] = {}
+        self._splits: Dict[str, RecDataset] = {}
+        self._decoded: Optional[Dict[str, _Decoded]] = None
+
+    # ---- what the model needs --------------------------------------------------------------------------------
+    @property
+    def sparse_features(self) -> List[SparseFeature]:
+        self._learn()
+        return self.schema.sparse_features({f: len(v) for f, v in self.vocabularies.items()})
+
+    @property
+    def num_dense_features(self) -> int:
+        return len(self.schema.dense)
+
+    # ---- reading ----------------------------------------------------------------------------------------------
+    def _columns(self) -> List[str]:
+        extra = [self.split_rule.timestamp["column"]] if self.split_rule and self.split_rule.timestamp else []
+        return list(dict.fromkeys(self.schema.columns + extra))
+
+    def _read(self) -> Dict[str, _Decoded]:
+        """Every split's rows, decoded and checked (ids not mapped yet)."""
+        if self._decoded is not None:
+            return self._decoded
+        drop = self.bad_rows == "drop"
+        stamp = self.split_rule.timestamp["column"] if self.split_rule and self.split_rule.timestamp else None
+        out: Dict[str, _Decoded] = {}
+        for name, patterns in self.sources.items():
+            if patterns is None:
+                continue
+            parts = [
+                _decode(p, self.schema, drop, stamp)
+                for f in expand(patterns, name)
+                for p in read_table(f, self._columns(), self.csv_columns, self.csv_delimiter)
+            ]
+            out[name] = self._join(parts)
+        if "all" in out:
+            out = self._apply_rule(out.pop("all"))
+        self._decoded = out
+        return out
+
+    def _join(self, parts: Sequence[_Decoded]) -> _Decoded:
+        keep = np.concatenate([p.keep for p in parts])
+        self.dropped_rows += int((~keep).sum())
+        sparse = {}
+        for c in self.schema.sparse:
+            ids, lengths, weights = _concat_jagged([p.sparse[c.feature] for p in parts])
+            values_kept = _rows_of(lengths, keep)
+            sparse[c.feature] = (ids[values_kept], lengths[keep], None if weights is None else weights[values_kept])
+        stamps = None if parts[0].timestamps is None else np.concatenate([p.timestamps for p in parts])[keep]  # type: ignore[misc]
+        return _Decoded(
+            np.concatenate([p.labels for p in parts])[keep],
+            np.concatenate([p.dense for p in parts])[keep],
+            sparse,
+            stamps,
+            np.ones(int(keep.sum()), dtype=bool),
+        )
+
+    def _apply_rule(self, data: _Decoded) -> Dict[str, _Decoded]:
+        rule = self.split_rule
+        assert rule is not None
+        n = len(data.labels)
+        if rule.random is not None:
+            r = dict(rule.random)
+            which = _random_split(n, float(r.get("val", 0.1)), float(r.get("test", 0.0)), int(r.get("seed", 0)))
+        else:
+            t = dict(rule.timestamp or {})
+            stamps = data.timestamps
+            assert stamps is not None
+            which = np.zeros(n, dtype=np.int8)
+            which[stamps >= float(t["val_from"])] = 1
+            if t.get("test_from") is not None:
+                which[stamps >= float(t["test_from"])] = 2
+        return {name: _take(data, which == i) for i, name in enumerate(SPLITS) if (which == i).any()}
+
+    # ---- learning from the training split ----------------------------------------------------------------------
+    def _learn(self) -> None:
+        """Vocabularies and dense statistics: from files or the training split, unless already known."""
+        needed = [c for c in self.schema.sparse if c.ids == "vocab" and c.feature not in self.vocabularies]
+        stats = [c for c in self.schema.dense if c.transform == "standardize" and c.column not in self.dense_stats]
+        for c in needed:
+            if c.vocab_file:
+                self.vocabularies[c.feature] = Vocabulary.read(c.vocab_file)
+        needed = [c for c in needed if c.feature not in self.vocabularies]
+        stats = [c for c in stats if c.mean is None or c.std is None]
+        if not needed and not stats:
+            return
+        train = self._read()["train"]
+        for c in needed:
+            values, counts = np.unique(train.sparse[c.feature][0].astype(str), return_counts=True)
+            self.vocabularies[c.feature] = Vocabulary.build(dict(zip(values.tolist(), counts.tolist())), c.min_count)
+        for c in stats:
+            column = train.dense[:, self.schema.dense.index(c)]
+            self.dense_stats[c.column] = (float(column.mean()), float(column.std()))
+        self._write_state()
+
+    def _write_state(self) -> None:
+        if not self.state_dir:
+            return
+        import json
+
+        os.makedirs(self.state_dir, exist_ok=True)
+        for feature, vocab in self.vocabularies.items():
+            vocab.write(os.path.join(self.state_dir, f"vocab_{feature}.txt"))
+        with open(os.path.join(self.state_dir, "dense_stats.json"), "w") as f:
+            json.dump({k: {"mean": m, "std": s} for k, (m, s) in self.dense_stats.items()}, f, indent=2)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The vocabularies and dense statistics (Lightning saves them in every checkpoint)."""
+        return {
+            "vocabularies": {f: v.values for f, v in self.vocabularies.items()},
+            "dense_stats": {k: list(v) for k, v in self.dense_stats.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (before the splits are built, so ids map as when training)."""
+        self.vocabularies = {f: Vocabulary(v) for f, v in state.get("vocabularies", {}).items()}
+        self.dense_stats = {k: (float(v[0]), float(v[1])) for k, v in state.get("dense_stats", {}).items()}
+        self._splits = {}
+
+    # ---- splits ---------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self._splits:
+            return
+        self._learn()
+        decoded = self._read()
+        if "train" not in decoded:
+            raise ValueError("TabularDataModule: the training split has no rows.")
+        self._splits = {name: self._dataset(d) for name, d in decoded.items()}
+        if "test" not in self._splits and "val" in self._splits:
+            self._splits["test"] = self._splits["val"]
+
+    def _dataset(self, d: _Decoded) -> RecDataset:
+        sparse: Dict[str, Column] = {}
+        for c in self.schema.sparse:
+            ids, lengths, _ = d.sparse[c.feature]
+            rows = self._map(c, ids)
+            if c.list:
+                offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+                np.cumsum(lengths, out=offsets[1:])
+                sparse[c.feature] = Jagged(torch.from_numpy(rows), torch.from_numpy(offsets))
+            else:
+                sparse[c.feature] = torch.from_numpy(rows)
+        dense = (
+            np.stack([self._dense(c).apply(d.dense[:, i]) for i, c in enumerate(self.schema.dense)], axis=1)
+            if self.schema.dense
+            else np.zeros((len(d.labels), 0), dtype=np.float32)
+        )
+        labels = d.labels[:, 0] if d.labels.shape[1] == 1 else d.labels
+        return RecDataset(
+            torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(labels.astype(np.float32)), sparse
+        )
+
+    def _dense(self, c: DenseColumn) -> DenseColumn:
+        if c.transform != "standardize" or (c.mean is not None and c.std is not None):
+            return c
+        mean, std = self.dense_stats[c.column]
+        return DenseColumn(c.column, c.transform, mean, std)
+
+    def _map(self, c: SparseColumn, ids: np.ndarray) -> np.ndarray:
+        if c.ids == "hash":
+            return hash_ids(ids, int(c.num_embeddings))  # type: ignore[arg-type]
+        if c.ids == "vocab":
+            return self.vocabularies[c.feature].rows(ids)
+        return ids.astype(np.int64)
+
+    def split(self, name: str) -> RecDataset:
+        """The rows of split ``name`` (after :meth:`setup`); ``predict`` runs over the validation rows."""
+        name = "val" if name == "predict" else name
+        if name not in self._splits:
+            raise ValueError(f"TabularDataModule: there is no {name!r} split (splits: {sorted(self._splits)}).")
+        return self._splits[name]
+
+
+def _take(d: _Decoded, mask: np.ndarray) -> _Decoded:
+    sparse = {}
+    for feature, (ids, lengths, weights) in d.sparse.items():
+        values = _rows_of(lengths, mask)
+        sparse[feature] = (ids[values], lengths[mask], None if weights is None else weights[values])
+    stamps = None if d.timestamps is None else d.timestamps[mask]
+    return _Decoded(d.labels[mask], d.dense[mask], sparse, stamps, np.ones(int(mask.sum()), dtype=bool))
