@@ -65,9 +65,20 @@ def _prepare(argv: List[str]) -> None:
     parser = argparse.ArgumentParser(prog="lightning-rec prepare", description="Fetch a dataset ahead of time.")
     parser.add_argument("dataset", choices=["movielens"])
     parser.add_argument("--data_dir", default="data/ml-100k")
+    parser.add_argument(
+        "--format",
+        choices=["native", "parquet"],
+        default="native",
+        help="parquet: also write the ratings as one Parquet table (DATA_DIR/ml-100k.parquet) with vocabulary files, "
+        "for examples/configs/movielens_parquet.yaml",
+    )
+    parser.add_argument("--output", default=None, help="parquet: the table's path (default: DATA_DIR/ml-100k.parquet)")
     args = parser.parse_args(argv)
-    from lightning_rec.data.movielens import prepare_movielens
+    from lightning_rec.data.movielens import export_parquet, prepare_movielens
 
+    if args.format == "parquet":
+        print(f"MovieLens-100K written to {export_parquet(args.data_dir, args.output)} (and vocab_*.txt beside it)")
+        return
     print(f"MovieLens-100K ready in {prepare_movielens(args.data_dir)}")
 
 

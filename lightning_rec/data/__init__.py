@@ -1,4 +1,5 @@
-"""DataModules: MovieLens (real data), Criteo-format click logs, synthetic data; and what they share."""
+"""DataModules: MovieLens (real data), Criteo-format click logs, synthetic data, your own Parquet/CSV tables through a
+schema; and what they share."""
 
 from lightning_rec.data.base import (
     DistributedBatchSampler,
@@ -10,10 +11,18 @@ from lightning_rec.data.base import (
     rank_batches,
 )
 from lightning_rec.data.criteo import CriteoDataModule, write_criteo_tsv
-from lightning_rec.data.movielens import MovieLensDataModule, load_interactions, load_movielens, prepare_movielens
+from lightning_rec.data.movielens import (
+    MovieLensDataModule,
+    export_parquet,
+    load_interactions,
+    load_movielens,
+    prepare_movielens,
+)
 from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule
 from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule
+from lightning_rec.data.schema import DataError, DenseColumn, LabelColumn, Schema, SparseColumn
 from lightning_rec.data.synthetic import SyntheticDataModule, SyntheticTable, make_synthetic_dataset
+from lightning_rec.data.tabular import SplitRule, TabularDataModule
 
 __all__ = [
     "CriteoDataModule",
@@ -27,6 +36,14 @@ __all__ = [
     "load_interactions",
     "load_movielens",
     "prepare_movielens",
+    "export_parquet",
+    "TabularDataModule",
+    "Schema",
+    "LabelColumn",
+    "DenseColumn",
+    "SparseColumn",
+    "SplitRule",
+    "DataError",
     "DistributedBatchSampler",
     "Jagged",
     "RecDataModule",

@@ -80,6 +80,9 @@ class RecDataset(Dataset):
         labels: ``(N,)`` float labels.
         sparse: feature name -> ``(N,)`` long ids (one per sample) or a :class:`Jagged` column (multi-hot).
             The ``KeyedJaggedTensor`` keys keep this order.
+        weights: feature name -> a :class:`Jagged` of float weights parallel to that feature's ids (a weighted
+            feature, e.g. for a position-weighted or weighted table); the batches then carry ``weights`` in their
+            ``KeyedJaggedTensor``, 1.0 for the other features' ids.
 
     Example::
 
@@ -90,7 +93,13 @@ class RecDataset(Dataset):
         (['user', 'genre'], [1, 1, 1, 2], [9, 4, 3, 1, 2])
     """
 
-    def __init__(self, dense: torch.Tensor, labels: torch.Tensor, sparse: Mapping[str, Column]) -> None:
+    def __init__(
+        self,
+        dense: torch.Tensor,
+        labels: torch.Tensor,
+        sparse: Mapping[str, Column],
+        weights: Optional[Mapping[str, Jagged]] = None,
+    ) -> None:
         n = labels.shape[0]
         if dense.dim() != 2 or dense.shape[0] != n:
             raise ValueError(f"RecDataset: dense must be ({n}, D) like the labels, got {tuple(dense.shape)}.")
@@ -100,6 +109,11 @@ class RecDataset(Dataset):
         self.dense = dense.float()
         self.labels = labels.float()
         self.sparse: Dict[str, Column] = dict(sparse)
+        self.weights: Dict[str, Jagged] = dict(weights or {})
+        for name, w in self.weights.items():
+            col = self.sparse.get(name)
+            if not isinstance(col, Jagged) or not torch.equal(col.offsets, w.offsets):
+                raise ValueError(f"RecDataset: the weights of {name!r} must be a Jagged parallel to its ids.")
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -108,30 +122,40 @@ class RecDataset(Dataset):
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         values: List[torch.Tensor] = []
         lengths: List[torch.Tensor] = []
-        for col in self.sparse.values():
+        weights: List[torch.Tensor] = []
+        for name, col in self.sparse.items():
             if isinstance(col, Jagged):
                 v, n = col.take(index)
             else:
                 v, n = col[index], torch.ones(index.numel(), dtype=torch.long)
             values.append(v)
             lengths.append(n)
+            if self.weights:
+                weights.append(
+                    self.weights[name].take(index)[0].float() if name in self.weights else torch.ones(len(v))
+                )
         kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=list(self.sparse), values=torch.cat(values).long(), lengths=torch.cat(lengths).int()
+            keys=list(self.sparse),
+            values=torch.cat(values).long(),
+            lengths=torch.cat(lengths).int(),
+            weights=torch.cat(weights) if weights else None,
         )
         return Batch(dense_features=self.dense[index], sparse_features=kjt, labels=self.labels[index])
 
     def subset(self, index: torch.Tensor) -> "RecDataset":
         """The rows ``index`` as a new dataset (e.g. a train/validation split)."""
-        sparse: Dict[str, Column] = {}
-        for name, col in self.sparse.items():
-            if isinstance(col, Jagged):
-                v, n = col.take(index)
-                offsets = torch.zeros(index.numel() + 1, dtype=torch.long)
-                torch.cumsum(n, 0, out=offsets[1:])
-                sparse[name] = Jagged(v, offsets)
-            else:
-                sparse[name] = col[index]
-        return RecDataset(self.dense[index], self.labels[index], sparse)
+
+        def jagged(col: Jagged) -> Jagged:
+            v, n = col.take(index)
+            offsets = torch.zeros(index.numel() + 1, dtype=torch.long)
+            torch.cumsum(n, 0, out=offsets[1:])
+            return Jagged(v, offsets)
+
+        sparse: Dict[str, Column] = {
+            n: jagged(c) if isinstance(c, Jagged) else c[index] for n, c in self.sparse.items()
+        }
+        weights = {name: jagged(w) for name, w in self.weights.items()}
+        return RecDataset(self.dense[index], self.labels[index], sparse, weights)
 
 
 def rank_batches(

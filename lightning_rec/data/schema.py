@@ -21,7 +21,8 @@ Ids become rows per feature:
   ``num_embeddings``;
 * ``vocab``: row ``i + 1`` for the ``i``-th value of the vocabulary, row 0 for values it lacks (out of vocabulary).
   The vocabulary is read from ``vocab_file`` (one value per line) or built from the training split (values by
-  descending count, ties in sorted order, at least ``min_count`` occurrences) and saved next to the checkpoints;
+  descending count, ties in sorted order, at least ``min_count`` occurrences) and kept in the DataModule's state,
+  which Lightning saves in every checkpoint. Features sharing a table share its vocabulary;
 * ``raw``: the value is the row (an integer below ``num_embeddings``; one outside it is for the strategy's
   ``bounds_check``).
 """
@@ -194,10 +195,10 @@ class Schema:
 
     def sparse_features(self, vocab_sizes: Mapping[str, int]) -> List[SparseFeature]:
         """The features a model builds its tables from: one per sparse column, a shared table's size the largest
-        of its features'."""
+        of its features'. ``vocab_sizes``: by table (a feature's own name, or the one it shares)."""
         rows: Dict[str, int] = {}
         for c in self.sparse:
-            n = vocab_sizes[c.feature] + 1 if c.ids == "vocab" else int(c.num_embeddings or 0)
+            n = vocab_sizes[c.table or c.feature] + 1 if c.ids == "vocab" else int(c.num_embeddings or 0)
             table = c.table or c.feature
             rows[table] = max(rows.get(table, 0), n)
         return [

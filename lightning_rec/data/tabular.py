@@ -179,9 +179,9 @@ def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> Tuple[Any, np.
             col.fill_null(0) if pa.types.is_integer(col.type) else col.fill_null(""), spec.column, "ids", part.file
         )
         return ids, np.ones(n, dtype=np.int64), None
-    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):  # CSV: delimited text
+    csv = part.first_line is not None
+    if csv and (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):  # delimited text
         col = pa.compute.split_pattern(col.fill_null(""), spec.delimiter)
-        col = pa.compute.if_else(pa.compute.equal(pa.compute.list_value_length(col), 1), col, col)  # keep type
     if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
         raise DataError(
             f"{part.file}: column {spec.column!r} is {col.type}, a list was declared (`list: true`): a row holds "
@@ -192,7 +192,7 @@ def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> Tuple[Any, np.
     col = col.fill_null(pa.scalar([], type=col.type))
     lengths = pa.compute.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = col.flatten()
-    if pa.types.is_string(flat.type) and part.first_line is not None:  # CSV: "a||b" or "" give empty values
+    if pa.types.is_string(flat.type) and csv:  # "a||b" or "" give empty values
         empty = pa.compute.equal(flat, "").to_numpy(zero_copy_only=False)
         if empty.any():
             row_of = np.repeat(np.arange(n), lengths)
@@ -208,7 +208,7 @@ def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> Tuple[Any, np.
     weights = None
     if spec.weights:
         wcol = part.table.column(spec.weights).combine_chunks()
-        if pa.types.is_string(wcol.type):
+        if csv and pa.types.is_string(wcol.type):
             wcol = pa.compute.split_pattern(wcol.fill_null(""), spec.delimiter)
         if not (pa.types.is_list(wcol.type) or pa.types.is_large_list(wcol.type)):
             raise DataError(f"{part.file}: column {spec.weights!r} is {wcol.type}, a list of weights was expected.")
@@ -362,7 +362,7 @@ class TabularDataModule(RecDataModule):
     @property
     def sparse_features(self) -> List[SparseFeature]:
         self._learn()
-        return self.schema.sparse_features({f: len(v) for f, v in self.vocabularies.items()})
+        return self.schema.sparse_features({table: len(v) for table, v in self.vocabularies.items()})
 
     @property
     def num_dense_features(self) -> int:
@@ -430,20 +430,28 @@ class TabularDataModule(RecDataModule):
 
     # ---- learning from the training split ----------------------------------------------------------------------
     def _learn(self) -> None:
-        """Vocabularies and dense statistics: from files or the training split, unless already known."""
-        needed = [c for c in self.schema.sparse if c.ids == "vocab" and c.feature not in self.vocabularies]
+        """Vocabularies (one per table: features sharing a table share its ids) and dense statistics, from files or
+        the training split, unless already known."""
+        needed: Dict[str, List[SparseColumn]] = {}
+        for c in self.schema.sparse:
+            key = c.table or c.feature
+            if c.ids == "vocab" and key not in self.vocabularies:
+                needed.setdefault(key, []).append(c)
+        for key, group in list(needed.items()):
+            files = [c.vocab_file for c in group if c.vocab_file]
+            if files:
+                self.vocabularies[key] = Vocabulary.read(files[0])
+                del needed[key]
         stats = [c for c in self.schema.dense if c.transform == "standardize" and c.column not in self.dense_stats]
-        for c in needed:
-            if c.vocab_file:
-                self.vocabularies[c.feature] = Vocabulary.read(c.vocab_file)
-        needed = [c for c in needed if c.feature not in self.vocabularies]
         stats = [c for c in stats if c.mean is None or c.std is None]
         if not needed and not stats:
             return
         train = self._read()["train"]
-        for c in needed:
-            values, counts = np.unique(train.sparse[c.feature][0].astype(str), return_counts=True)
-            self.vocabularies[c.feature] = Vocabulary.build(dict(zip(values.tolist(), counts.tolist())), c.min_count)
+        for key, group in needed.items():
+            raw = np.concatenate([train.sparse[c.feature][0].astype(str) for c in group])
+            values, counts = np.unique(raw, return_counts=True)
+            min_count = max(c.min_count for c in group)
+            self.vocabularies[key] = Vocabulary.build(dict(zip(values.tolist(), counts.tolist())), min_count)
         for c in stats:
             column = train.dense[:, self.schema.dense.index(c)]
             self.dense_stats[c.column] = (float(column.mean()), float(column.std()))
@@ -455,8 +463,8 @@ class TabularDataModule(RecDataModule):
         import json
 
         os.makedirs(self.state_dir, exist_ok=True)
-        for feature, vocab in self.vocabularies.items():
-            vocab.write(os.path.join(self.state_dir, f"vocab_{feature}.txt"))
+        for table, vocab in self.vocabularies.items():
+            vocab.write(os.path.join(self.state_dir, f"vocab_{table}.txt"))
         with open(os.path.join(self.state_dir, "dense_stats.json"), "w") as f:
             json.dump({k: {"mean": m, "std": s} for k, (m, s) in self.dense_stats.items()}, f, indent=2)
 
@@ -487,13 +495,15 @@ class TabularDataModule(RecDataModule):
 
     def _dataset(self, d: _Decoded) -> RecDataset:
         sparse: Dict[str, Column] = {}
+        weights: Dict[str, Jagged] = {}
         for c in self.schema.sparse:
-            ids, lengths, _ = d.sparse[c.feature]
+            ids, lengths, w = d.sparse[c.feature]
             rows = self._map(c, ids)
             if c.list:
-                offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-                np.cumsum(lengths, out=offsets[1:])
-                sparse[c.feature] = Jagged(torch.from_numpy(rows), torch.from_numpy(offsets))
+                offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+                sparse[c.feature] = Jagged(torch.from_numpy(rows), offsets)
+                if w is not None:
+                    weights[c.feature] = Jagged(torch.from_numpy(w), offsets)
             else:
                 sparse[c.feature] = torch.from_numpy(rows)
         dense = (
@@ -503,7 +513,7 @@ class TabularDataModule(RecDataModule):
         )
         labels = d.labels[:, 0] if d.labels.shape[1] == 1 else d.labels
         return RecDataset(
-            torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(labels.astype(np.float32)), sparse
+            torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(labels.astype(np.float32)), sparse, weights
         )
 
     def _dense(self, c: DenseColumn) -> DenseColumn:
@@ -516,7 +526,7 @@ class TabularDataModule(RecDataModule):
         if c.ids == "hash":
             return hash_ids(ids, int(c.num_embeddings))  # type: ignore[arg-type]
         if c.ids == "vocab":
-            return self.vocabularies[c.feature].rows(ids)
+            return self.vocabularies[c.table or c.feature].rows(ids)
         return ids.astype(np.int64)
 
     def split(self, name: str) -> RecDataset:
