@@ -43,7 +43,8 @@ import torch
 
 from lightning_rec.config import SparseFeature
 from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset
-from lightning_rec.data.schema import DataError, DenseColumn, Schema, SparseColumn, Vocabulary, hash_ids
+from lightning_rec.data.schema import DataError, DenseColumn, Schema, SparseColumn, Vocabulary, hash_arrow
+from lightning_rec.data.stream import StreamLoader, TableStream, Unit, list_units, read_unit
 
 __all__ = ["TabularDataModule", "read_table"]
 
@@ -155,9 +156,14 @@ def _numbers(part: _Part, column: str, bad: _Bad, kind: str) -> np.ndarray:
     return np.where(np.isfinite(values), values, 0.0)
 
 
-def _ids(values: Any, column: str, kind: str, file: str) -> np.ndarray:
-    """A pyarrow array of ids (integers or text) as numpy, for the mapping."""
+def _ids(values: Any, column: str, kind: str, file: str, hash_rows: Optional[int] = None) -> np.ndarray:
+    """A pyarrow array of ids (integers or text) as numpy for the mapping; with ``hash_rows``, already hashed into
+    that many rows (from the array's buffers: no Python object per value)."""
     pa = _pa()
+    if hash_rows is not None and (
+        pa.types.is_integer(values.type) or pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+    ):
+        return hash_arrow(values, hash_rows)
     if pa.types.is_integer(values.type):
         return values.to_numpy(zero_copy_only=False).astype(np.int64)
     if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
@@ -175,9 +181,8 @@ def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> Tuple[Any, np.
             raise DataError(f"{part.file}: column {spec.column!r} is {col.type}; declare it `list: true`.")
         nulls = np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))
         bad.found(nulls, spec.column, "null id", [None] * len(nulls))
-        ids = _ids(
-            col.fill_null(0) if pa.types.is_integer(col.type) else col.fill_null(""), spec.column, "ids", part.file
-        )
+        filled = col.fill_null(0) if pa.types.is_integer(col.type) else col.fill_null("")
+        ids = _ids(filled, spec.column, "ids", part.file, _hashed(spec))
         return ids, np.ones(n, dtype=np.int64), None
     csv = part.first_line is not None
     if csv and (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):  # delimited text
@@ -204,7 +209,7 @@ def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> Tuple[Any, np.
         rows = np.unique(np.repeat(np.arange(n), lengths)[value_nulls])
         bad.found(rows, spec.column, "null id in a list", [None] * len(rows))
         flat = flat.fill_null(0 if pa.types.is_integer(flat.type) else "")
-    ids = _ids(flat, spec.column, "list ids", part.file)
+    ids = _ids(flat, spec.column, "list ids", part.file, _hashed(spec))
     weights = None
     if spec.weights:
         wcol = part.table.column(spec.weights).combine_chunks()
@@ -228,6 +233,11 @@ def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> Tuple[Any, np.
         if len(rows):  # dropped rows: keep weights aligned with the ids
             weights = _per_row_take(weights, wlen, lengths)
     return ids, lengths, weights
+
+
+def _hashed(spec: SparseColumn) -> Optional[int]:
+    """The rows ``hash`` ids go to (they are hashed as they are decoded), else ``None``."""
+    return int(spec.num_embeddings) if spec.ids == "hash" else None  # type: ignore[arg-type]
 
 
 def _per_row_take(values: np.ndarray, have: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -337,11 +347,20 @@ class TabularDataModule(RecDataModule):
         csv_delimiter: Optional[str] = None,
         bad_rows: Literal["error", "drop"] = "error",
         state_dir: Optional[str] = None,
+        stream: bool = False,
+        window: int = 8,
+        chunk_bytes: int = 32 << 20,
         batch_size: int = 512,
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        self.stream, self.window, self.chunk_bytes = stream, window, chunk_bytes
+        if stream and files is not None:
+            raise ValueError(
+                "TabularDataModule(stream=True) reads one list of files per split: give train (and val/test) "
+                "instead of files + split."
+            )
         self.schema = schema if isinstance(schema, Schema) else Schema(**dict(schema))
         if (files is None) == (train is None):
             raise ValueError("TabularDataModule: give either `files` (with a `split` rule) or `train` (and val/test).")
@@ -357,6 +376,7 @@ class TabularDataModule(RecDataModule):
         self.dense_stats: Dict[str, Tuple[float, float]] = {}
         self._splits: Dict[str, RecDataset] = {}
         self._decoded: Optional[Dict[str, _Decoded]] = None
+        self._unit_lists: Dict[str, List[Unit]] = {}
 
     # ---- what the model needs --------------------------------------------------------------------------------
     @property
@@ -446,7 +466,7 @@ class TabularDataModule(RecDataModule):
         stats = [c for c in stats if c.mean is None or c.std is None]
         if not needed and not stats:
             return
-        train = self._read()["train"]
+        train = self._train_rows()
         for key, group in needed.items():
             raw = np.concatenate([train.sparse[c.feature][0].astype(str) for c in group])
             values, counts = np.unique(raw, return_counts=True)
@@ -482,18 +502,96 @@ class TabularDataModule(RecDataModule):
         self._splits = {}
 
     # ---- splits ---------------------------------------------------------------------------------------------
+    def _train_rows(self) -> _Decoded:
+        """The training split's rows for learning vocabularies and statistics: read whole, or (streaming) unit by
+        unit, keeping only the columns learning needs (the pass also checks every training row)."""
+        if not self.stream:
+            return self._read()["train"]
+        drop = self.bad_rows == "drop"
+        parts = []
+        for unit in self._units("train"):
+            part = _Part(
+                read_unit(unit, self._columns(), self.csv_columns, self.csv_delimiter),
+                unit.file,
+                _where(unit),
+                unit.first_line,
+            )
+            parts.append(_decode(part, self.schema, drop, None))
+        return self._join(parts)
+
+    def _units(self, split: str) -> List[Unit]:
+        if split not in self._unit_lists:
+            patterns = self.sources.get(split)
+            if patterns is None:
+                raise ValueError(f"TabularDataModule: no files for the {split!r} split.")
+            self._unit_lists[split] = list_units(expand(patterns, split), self.chunk_bytes, header=not self.csv_columns)
+        return self._unit_lists[split]
+
+    def dataloader(self, name: str) -> Any:
+        """In memory: batches of the split's rows (:meth:`loader`); streaming: a :class:`StreamLoader`."""
+        if not self.stream:
+            return super().dataloader(name)
+        split = "val" if name == "predict" else name
+        if split == "test" and self.sources.get("test") is None:
+            split = "val"
+        rank, world_size = self.rank_and_world_size
+        reader = _UnitReader(self._mapper(), self._columns(), self.csv_columns, self.csv_delimiter, self.bad_rows)
+        stream = TableStream(
+            self._units(split),
+            reader,
+            self.batch_size,
+            rank=rank,
+            world_size=world_size,
+            shuffle=split == "train",
+            seed=self.seed,
+            window=self.window,
+        )
+        return StreamLoader(stream, num_workers=self.num_workers, pin_memory=self.pin_memory)
+
     def setup(self, stage: str) -> None:
         if self._splits:
             return
         self._learn()
+        if self.stream:
+            return  # the loaders read the files
         decoded = self._read()
         if "train" not in decoded:
             raise ValueError("TabularDataModule: the training split has no rows.")
-        self._splits = {name: self._dataset(d) for name, d in decoded.items()}
+        mapper = self._mapper()
+        self._splits = {name: mapper.dataset(d) for name, d in decoded.items()}
         if "test" not in self._splits and "val" in self._splits:
             self._splits["test"] = self._splits["val"]
 
-    def _dataset(self, d: _Decoded) -> RecDataset:
+    def _mapper(self) -> "_Mapper":
+        return _Mapper(self.schema, dict(self.vocabularies), dict(self.dense_stats))
+
+    def split(self, name: str) -> RecDataset:
+        """The rows of split ``name`` (after :meth:`setup`); ``predict`` runs over the validation rows."""
+        name = "val" if name == "predict" else name
+        if name not in self._splits:
+            raise ValueError(f"TabularDataModule: there is no {name!r} split (splits: {sorted(self._splits)}).")
+        return self._splits[name]
+
+
+def _take(d: _Decoded, mask: np.ndarray) -> _Decoded:
+    sparse = {}
+    for feature, (ids, lengths, weights) in d.sparse.items():
+        values = _rows_of(lengths, mask)
+        sparse[feature] = (ids[values], lengths[mask], None if weights is None else weights[values])
+    stamps = None if d.timestamps is None else d.timestamps[mask]
+    return _Decoded(d.labels[mask], d.dense[mask], sparse, stamps, np.ones(int(mask.sum()), dtype=bool))
+
+
+class _Mapper:
+    """Decoded columns to a :class:`~lightning_rec.data.base.RecDataset`: ids mapped, dense transformed. Holds only
+    the schema and what the training split taught, so DataLoader workers get a small copy."""
+
+    def __init__(
+        self, schema: Schema, vocabularies: Dict[str, Vocabulary], dense_stats: Dict[str, Tuple[float, float]]
+    ):
+        self.schema, self.vocabularies, self.dense_stats = schema, vocabularies, dense_stats
+
+    def dataset(self, d: _Decoded) -> RecDataset:
         sparse: Dict[str, Column] = {}
         weights: Dict[str, Jagged] = {}
         for c in self.schema.sparse:
@@ -524,23 +622,32 @@ class TabularDataModule(RecDataModule):
 
     def _map(self, c: SparseColumn, ids: np.ndarray) -> np.ndarray:
         if c.ids == "hash":
-            return hash_ids(ids, int(c.num_embeddings))  # type: ignore[arg-type]
+            return ids  # hashed as decoded (_decode_sparse)
         if c.ids == "vocab":
             return self.vocabularies[c.table or c.feature].rows(ids)
         return ids.astype(np.int64)
 
-    def split(self, name: str) -> RecDataset:
-        """The rows of split ``name`` (after :meth:`setup`); ``predict`` runs over the validation rows."""
-        name = "val" if name == "predict" else name
-        if name not in self._splits:
-            raise ValueError(f"TabularDataModule: there is no {name!r} split (splits: {sorted(self._splits)}).")
-        return self._splits[name]
+
+def _where(unit: Unit) -> str:
+    return f"row group {unit.row_group}" if unit.row_group is not None else ""
 
 
-def _take(d: _Decoded, mask: np.ndarray) -> _Decoded:
-    sparse = {}
-    for feature, (ids, lengths, weights) in d.sparse.items():
-        values = _rows_of(lengths, mask)
-        sparse[feature] = (ids[values], lengths[mask], None if weights is None else weights[values])
-    stamps = None if d.timestamps is None else d.timestamps[mask]
-    return _Decoded(d.labels[mask], d.dense[mask], sparse, stamps, np.ones(int(mask.sum()), dtype=bool))
+class _UnitReader:
+    """Rows ``[a, b)`` of a unit as a dataset (what :class:`~lightning_rec.data.stream.TableStream` reads), keeping
+    the last unit read: consecutive windows of a worker usually fall in the same unit."""
+
+    def __init__(self, mapper: _Mapper, columns: List[str], csv_columns: Any, delimiter: Any, bad_rows: str) -> None:
+        self.mapper, self.columns, self.csv_columns, self.delimiter = mapper, columns, csv_columns, delimiter
+        self.drop = bad_rows == "drop"
+        self._last: Optional[Tuple[Unit, Any]] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**self.__dict__, "_last": None}
+
+    def __call__(self, unit: Unit, a: int, b: int) -> RecDataset:
+        if self._last is None or self._last[0] != unit:
+            self._last = (unit, read_unit(unit, self.columns, self.csv_columns, self.delimiter))
+        table = self._last[1].slice(a, b - a)
+        first = None if unit.first_line is None else unit.first_line + a
+        part = _Part(table, unit.file, f"{_where(unit)} from row {a}" if unit.row_group is not None else "", first)
+        return self.mapper.dataset(_decode(part, self.mapper.schema, self.drop, None))

@@ -1,0 +1,336 @@
+"""Streaming a table larger than memory: Parquet row groups and CSV byte ranges ("units") split across ranks and
+DataLoader workers so that every rank runs the same number of batches and every row is read once per epoch.
+
+How an epoch is cut (:class:`TableStream`):
+
+1. The units are listed once with their row counts (Parquet metadata; a CSV file is indexed by one pass that counts
+   its lines and cuts it into byte ranges of about ``chunk_bytes`` at line ends; a gzip file is one unit).
+2. Each epoch orders the units by a seeded shuffle (``seed + epoch``); the rows, in that order, are cut into
+   ``world_size`` contiguous ranges whose sizes differ by at most one, and each range into the same number of batches
+   (sizes differ by at most one): :func:`~lightning_rec.data.base.rank_batches`' rule, so every rank steps together.
+3. A rank's batches are dealt to its DataLoader workers in contiguous runs; a worker reads its rows ``window``
+   batches at a time (a bounded buffer), permutes them (seeded by seed, epoch, rank and window) and yields batches.
+4. :class:`StreamLoader` keeps how many batches it served in its ``state_dict``; Lightning saves it in mid-epoch
+   checkpoints and, on resume, the stream starts at the next batch (each worker skips whole windows unread).
+
+Only the columns the schema names are read; a worker holds one window of rows and one unit at a time.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+__all__ = ["StreamLoader", "TableStream", "Unit", "list_units"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of a file read at once: a Parquet row group, or a CSV byte range (``start``/``end``; ``None`` for a
+    whole gzip file) whose first row is on ``first_line``."""
+
+    file: str
+    rows: int
+    row_group: Optional[int] = None
+    start: Optional[int] = None
+    end: Optional[int] = None
+    first_line: Optional[int] = None
+
+
+def _csv_header(path: str) -> Tuple[bytes, int]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        header = f.readline()
+    return header, len(header)
+
+
+def list_units(files: Sequence[str], chunk_bytes: int = 32 << 20, header: bool = True) -> List[Unit]:
+    """The units of ``files`` with their row counts (one pass over each CSV file, none over Parquet).
+
+    Example::
+
+        units = list_units(["clicks/part-0.parquet", "log.csv"])
+        sum(u.rows for u in units)     # rows in all
+    """
+    import pyarrow.parquet as pq
+
+    units: List[Unit] = []
+    for path in files:
+        if path.endswith((".parquet", ".pq")):
+            meta = pq.ParquetFile(path).metadata
+            units += [Unit(path, meta.row_group(g).num_rows, row_group=g) for g in range(meta.num_row_groups)]
+        elif path.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
+            units.append(Unit(path, lines - int(header), first_line=1 + int(header)))
+        else:
+            units += _csv_units(path, chunk_bytes, header)
+    return units
+
+
+def _csv_units(path: str, chunk_bytes: int, header: bool) -> List[Unit]:
+    size = os.path.getsize(path)
+    start = _csv_header(path)[1] if header else 0
+    line = 1 + int(header)
+    units = []
+    with open(path, "rb") as f:
+        f.seek(start)
+        while start < size:
+            f.seek(min(start + chunk_bytes, size))
+            f.readline()  # to the end of the line the cut falls in
+            end = min(f.tell(), size)
+            f.seek(start)
+            block = f.read(end - start)
+            rows = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+            units.append(Unit(path, rows, start=start, end=end, first_line=line))
+            line += rows
+            start = end
+    return units
+
+
+def read_unit(
+    unit: Unit, columns: Sequence[str], csv_columns: Optional[Sequence[str]], delimiter: Optional[str]
+) -> Any:
+    """The ``columns`` of ``unit`` as a ``pyarrow.Table``."""
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    if unit.row_group is not None:
+        return pq.ParquetFile(unit.file).read_row_group(unit.row_group, columns=list(columns))
+    sep = delimiter or ("\t" if ".tsv" in unit.file else ",")
+    names = list(csv_columns) if csv_columns else next(csv.reader([_csv_header(unit.file)[0].decode()], delimiter=sep))
+    missing = [c for c in columns if c not in names]
+    if missing:
+        from lightning_rec.data.schema import DataError
+
+        raise DataError(f"{unit.file}: no column {', '.join(map(repr, missing))} (it has {names}).")
+    if unit.start is None:
+        with gzip.open(unit.file, "rb") as f:
+            data = f.read()
+        if not csv_columns:
+            data = data.split(b"\n", 1)[1] if b"\n" in data else b""
+    else:
+        with open(unit.file, "rb") as f:
+            f.seek(unit.start)
+            data = f.read(unit.end - unit.start)  # type: ignore[operator]
+    table = pacsv.read_csv(
+        io.BytesIO(data),
+        read_options=pacsv.ReadOptions(column_names=names),
+        parse_options=pacsv.ParseOptions(delimiter=sep),
+        convert_options=pacsv.ConvertOptions(include_columns=list(columns)),
+    )
+    return table.select(list(columns))
+
+
+def _cut(n: int, parts: int) -> List[int]:
+    """Boundaries of ``n`` items cut into ``parts`` contiguous pieces whose sizes differ by at most one."""
+    return [(n * i) // parts for i in range(parts + 1)] if parts else [0]
+
+
+class TableStream(IterableDataset):
+    """One rank's batches of one split, streamed (see the module docstring).
+
+    Args:
+        units: the split's units (:func:`list_units`).
+        read: ``read(unit, first_row, stop_row)`` -> a dataset of those rows indexed by row batches
+            (``dataset[index_tensor] -> Batch``), built columnar by the DataModule.
+        batch_size, rank, world_size: batching (every rank gets the same number of batches).
+        shuffle, seed: seeded unit order and window permutation (reshuffled every epoch).
+        window: batches a worker buffers and permutes at once.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        read: Callable[[Unit, int, int], Any],
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        window: int = 8,
+    ) -> None:
+        self.units, self.read = list(units), read
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.shuffle, self.seed, self.window = shuffle, seed, max(1, window)
+        self.epoch = 0
+        self.start_batch = 0  # batches of this epoch already served (a resumed epoch)
+        total = sum(u.rows for u in self.units)
+        if total < world_size:
+            raise ValueError(f"Cannot give each of {world_size} ranks at least one of {total} rows.")
+        self.total_rows = total
+        self.num_batches = math.ceil(math.ceil(total / world_size) / batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for ``epoch`` (Lightning calls it on samplers; :class:`StreamLoader` calls it here)."""
+        self.epoch = epoch
+
+    def _order(self) -> List[Unit]:
+        if not self.shuffle:
+            return list(self.units)
+        perm = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return [self.units[i] for i in perm.tolist()]
+
+    def batch_bounds(self) -> List[Tuple[int, int]]:
+        """This rank's batches as ``[start, stop)`` row ranges of the epoch's row order."""
+        lo, hi = _cut(self.total_rows, self.world_size)[self.rank : self.rank + 2]
+        edges = _cut(hi - lo, self.num_batches)
+        return [(lo + a, lo + b) for a, b in zip(edges[:-1], edges[1:])]
+
+    def worker_runs(self, workers: int) -> List[Tuple[int, int]]:
+        """Each worker's contiguous run of batch numbers ``[first, stop)``."""
+        edges = _cut(self.num_batches, workers)
+        return list(zip(edges[:-1], edges[1:]))
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        physical, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        done, turn = _served_by(self.start_batch, [b - a for a, b in self.worker_runs(workers)])
+        # The DataLoader asks its workers in turn from worker 0: on a resumed epoch, worker 0 plays the part whose
+        # turn is next, so the batches keep the order of the uninterrupted epoch.
+        worker = (physical + turn) % workers
+        first, stop = self.worker_runs(workers)[worker]
+        skip = done[worker]
+        bounds = self.batch_bounds()
+        order = self._order()
+        offsets = np.cumsum([0] + [u.rows for u in order])
+        for w0 in range(first, stop, self.window):
+            w1 = min(w0 + self.window, stop)
+            if w1 - first <= skip:
+                continue  # a resumed epoch: this window was served before the checkpoint
+            lo, hi = bounds[w0][0], bounds[w1 - 1][1]
+            rows = self._rows(order, offsets, lo, hi)
+            perm = torch.arange(hi - lo)
+            if self.shuffle:
+                key = ((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.rank) * 1_000_003 + w0
+                g = torch.Generator().manual_seed(key & 0x7FFF_FFFF_FFFF)
+                perm = torch.randperm(hi - lo, generator=g)
+            for b in range(w0, w1):
+                if b - first < skip:
+                    continue
+                a, z = bounds[b][0] - lo, bounds[b][1] - lo
+                yield rows[perm[a:z]]
+
+    def _rows(self, order: List[Unit], offsets: np.ndarray, lo: int, hi: int) -> Any:
+        """Rows ``[lo, hi)`` of the epoch's order, one dataset (units read in turn, sliced)."""
+        first = int(np.searchsorted(offsets, lo, side="right")) - 1
+        parts = []
+        i = first
+        while i < len(order) and offsets[i] < hi:
+            a, b = max(lo, offsets[i]) - offsets[i], min(hi, offsets[i + 1]) - offsets[i]
+            parts.append(self.read(order[i], int(a), int(b)))
+            i += 1
+        return parts[0] if len(parts) == 1 else _cat_datasets(parts)
+
+
+def _cat_datasets(parts: Sequence[Any]) -> Any:
+    from lightning_rec.data.base import Jagged, RecDataset
+
+    sparse: Dict[str, Any] = {}
+    weights: Dict[str, Any] = {}
+    for name, col in parts[0].sparse.items():
+        if isinstance(col, Jagged):
+            sparse[name] = _cat_jagged([p.sparse[name] for p in parts])
+            if name in parts[0].weights:
+                weights[name] = _cat_jagged([p.weights[name] for p in parts])
+        else:
+            sparse[name] = torch.cat([p.sparse[name] for p in parts])
+    return RecDataset(
+        torch.cat([p.dense for p in parts]), torch.cat([p.labels for p in parts]), sparse, weights or None
+    )
+
+
+def _cat_jagged(cols: Sequence[Any]) -> Any:
+    from lightning_rec.data.base import Jagged
+
+    values = torch.cat([c.values for c in cols])
+    shifts = np.cumsum([0] + [int(c.offsets[-1]) for c in cols[:-1]])
+    offsets = torch.cat([cols[0].offsets[:1]] + [c.offsets[1:] + int(s) for c, s in zip(cols, shifts)])
+    return Jagged(values, offsets)
+
+
+def _served_by(served: int, counts: Sequence[int]) -> Tuple[List[int], int]:
+    """How many of the first ``served`` batches each worker yielded, and whose turn is next, the DataLoader taking
+    one batch from each worker in turn (skipping workers that are done).
+
+    Example::
+
+        >>> _served_by(5, [3, 3])
+        ([3, 2], 1)
+    """
+    done = [0] * len(counts)
+    turn = 0
+    for _ in range(served):
+        while done[turn % len(counts)] >= counts[turn % len(counts)]:
+            turn += 1
+        done[turn % len(counts)] += 1
+        turn += 1
+    return done, turn % len(counts)
+
+
+class StreamLoader:
+    """A DataLoader over a :class:`TableStream` that Lightning can resume mid-epoch: it counts the batches it served
+    (``state_dict``) and, after ``load_state_dict``, starts the epoch at the next one.
+
+    Attribute access and ``len()`` go to the DataLoader.
+    """
+
+    def __init__(self, stream: TableStream, num_workers: int = 0, pin_memory: bool = False) -> None:
+        from lightning_rec.data.base import identity
+
+        self.stream = stream
+        self.dataloader = DataLoader(
+            stream,
+            batch_size=None,
+            collate_fn=identity,
+            num_workers=num_workers,
+            multiprocessing_context="spawn" if num_workers > 0 else None,
+            pin_memory=pin_memory,
+        )
+        self.epoch, self.served, self._resume = 0, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch to stream next (Lightning calls it through ``sampler.set_epoch`` at each epoch's start)."""
+        self.epoch = epoch
+
+    @property
+    def sampler(self) -> "StreamLoader":
+        """Lightning calls ``sampler.set_epoch(epoch)``: this loader is its own sampler."""
+        return self
+
+    def __iter__(self) -> Iterator[Any]:
+        self.stream.set_epoch(self.epoch)
+        self.stream.start_batch, self._resume = self._resume, 0
+        self.served = self.stream.start_batch
+        for batch in self.dataloader:
+            self.served += 1
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def state_dict(self) -> Dict[str, int]:
+        """``{"epoch", "served"}``: where in which epoch the stream is."""
+        return {"epoch": self.epoch, "served": self.served}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Start the next pass at batch ``served`` of epoch ``epoch`` (a mid-epoch checkpoint)."""
+        self.epoch = int(state["epoch"])
+        self._resume = int(state["served"]) if int(state["served"]) < len(self) else 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("stream", "dataloader"):
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)

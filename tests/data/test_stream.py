@@ -1,0 +1,134 @@
+"""Streaming tables: Parquet row groups and CSV byte ranges split over ranks and workers so that every rank runs the
+same number of batches and every row is read once per epoch; seeded shuffling; exact mid-epoch resumption."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from lightning_rec.data import TabularDataModule
+from lightning_rec.data.stream import StreamLoader, list_units
+
+SCHEMA = {
+    "labels": [{"column": "click"}],
+    "dense": [{"column": "rid"}],  # the row's number, to see which rows came
+    "sparse": [
+        {"column": "user", "ids": "hash", "num_embeddings": 1000},
+        {"column": "tags", "ids": "vocab", "list": True, "delimiter": ";"},
+    ],
+}
+
+
+def _table(first: int, n: int) -> pa.Table:
+    return pa.table(
+        {
+            "click": [float(i % 2) for i in range(first, first + n)],
+            "rid": [float(i) for i in range(first, first + n)],
+            "user": [f"u{i % 13}" for i in range(first, first + n)],
+            "tags": [[f"t{(i + k) % 5}" for k in range(i % 3)] for i in range(first, first + n)],
+        }
+    )
+
+
+def _files(tmp: Path) -> List[str]:
+    """1,003 rows: a Parquet file of row groups of 97, a CSV file cut into ~600-byte ranges, a gzip CSV."""
+    pq.write_table(_table(0, 500), tmp / "a.parquet", row_group_size=97)
+    for name, first, n in (("b.csv", 500, 400), ("c.csv", 900, 103)):
+        t = _table(first, n)
+        t = t.set_column(3, "tags", pa.array([";".join(x) for x in t.column("tags").to_pylist()]))
+        pacsv.write_csv(t, tmp / name)
+    with open(tmp / "c.csv", "rb") as f, gzip.open(tmp / "c.csv.gz", "wb") as g:
+        g.write(f.read())
+    (tmp / "c.csv").unlink()
+    return [str(tmp / "a.parquet"), str(tmp / "b.csv"), str(tmp / "c.csv.gz")]
+
+
+def _module(tmp: Path, **kw: Any) -> TabularDataModule:
+    files = _files(tmp)
+    args: Dict[str, Any] = dict(schema=SCHEMA, train=files, val=files[:1], stream=True, chunk_bytes=600)
+    dm = TabularDataModule(**{**args, **kw})
+    dm.setup("fit")
+    return dm
+
+
+def _loader(dm: TabularDataModule, rank: int, world: int, split: str = "train") -> StreamLoader:
+    dm.__dict__["_rank_world"] = (rank, world)
+    type(dm).rank_and_world_size = property(lambda self: self.__dict__.get("_rank_world", (0, 1)))  # no trainer here
+    return dm.dataloader(split)
+
+
+def _rids(batches: List[Any]) -> List[int]:
+    return [int(x) for b in batches for x in b.dense_features[:, 0].tolist()]
+
+
+def test_units_cover_every_row_with_their_counts(tmp_path: Path) -> None:
+    units = list_units(_files(tmp_path), chunk_bytes=600)
+    assert sum(u.rows for u in units) == 1003
+    assert [u.rows for u in units if u.row_group is not None] == [97] * 5 + [15]
+    csv = [u for u in units if u.file.endswith("b.csv")]
+    assert len(csv) > 5 and csv[0].first_line == 2 and csv[1].first_line == 2 + csv[0].rows
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_every_rank_runs_as_many_batches_and_every_row_comes_once(world: int, tmp_path: Path) -> None:
+    dm = _module(tmp_path, batch_size=64, window=2)
+    per_rank = [list(_loader(dm, r, world)) for r in range(world)]
+    assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) == len(_loader(dm, 0, world))
+    assert all(len(b.labels) <= 64 for batches in per_rank for b in batches)
+    assert sorted(x for batches in per_rank for x in _rids(batches)) == list(range(1003))
+
+
+def test_streamed_rows_are_the_in_memory_rows(tmp_path: Path) -> None:
+    streamed = list(_loader(_module(tmp_path, batch_size=100), 0, 1))
+    files = [str(tmp_path / n) for n in ("a.parquet", "b.csv", "c.csv.gz")]
+    memory = TabularDataModule(schema=SCHEMA, train=files)
+    memory.setup("fit")
+    whole = memory.split("train")[torch.arange(1003)]
+    by_rid = {}
+    for b in streamed:
+        feats = b.sparse_features.to_dict()
+        users, tags = feats["user"].to_dense(), feats["tags"].to_dense()
+        for i, rid in enumerate(_rids([b])):
+            by_rid[rid] = (users[i].tolist(), tags[i].tolist())
+    feats = whole.sparse_features.to_dict()
+    users, tags = feats["user"].to_dense(), feats["tags"].to_dense()
+    assert by_rid == {i: (users[i].tolist(), tags[i].tolist()) for i in range(1003)}
+
+
+def test_shuffling_is_seeded_and_differs_by_epoch(tmp_path: Path) -> None:
+    dm = _module(tmp_path, batch_size=50)
+    loader = _loader(dm, 0, 1)
+    first = _rids(list(loader))
+    assert _rids(list(loader)) == first, "the same epoch again: the same order"
+    loader.set_epoch(1)
+    second = _rids(list(loader))
+    assert second != first and sorted(second) == sorted(first) == list(range(1003))
+    assert _rids(list(_loader(dm, 0, 1, "val"))) == list(range(500)), "validation is not shuffled"
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.dist)])  # 2 spawned worker processes
+def test_a_mid_epoch_checkpoint_resumes_at_the_next_batch(workers: int, tmp_path: Path) -> None:
+    dm = _module(tmp_path, batch_size=40, window=3, num_workers=workers)
+    loader = _loader(dm, 1, 2)
+    loader.set_epoch(2)
+    full = [_rids([b]) for b in loader]
+    other = _loader(dm, 0, 2)
+    other.set_epoch(2)
+    assert sorted(x for b in full for x in b) + [] != [] and sorted(
+        [x for b in full for x in b] + _rids(list(other))
+    ) == list(range(1003)), "the two ranks of epoch 2 share the rows"
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = loader.state_dict()
+    assert state == {"epoch": 2, "served": 5}
+    resumed = _loader(dm, 1, 2)
+    resumed.load_state_dict(state)
+    assert [_rids([b]) for b in resumed] == full[5:]
