@@ -36,7 +36,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ __all__ = ["TabularDataModule", "read_table"]
 
 SPLITS = ("train", "val", "test")
 _PARQUET = (".parquet", ".pq")
+_TABLE_SUFFIXES = _PARQUET + (".csv", ".tsv", ".txt", ".csv.gz", ".tsv.gz", ".txt.gz")
 
 
 def _pa() -> Any:
@@ -64,14 +65,17 @@ def _pa() -> Any:
 
 
 def expand(patterns: Union[str, Sequence[str]], what: str) -> List[str]:
-    """The files ``patterns`` (paths or globs) name, in sorted order per pattern.
+    """The table files ``patterns`` (paths, globs or directories) name, in sorted order per pattern.
 
     Raises:
         FileNotFoundError: naming a pattern that matches nothing.
     """
     files: List[str] = []
     for pattern in [patterns] if isinstance(patterns, str) else patterns:
-        found = sorted(glob.glob(os.path.expanduser(str(pattern))))
+        pattern = os.path.expanduser(str(pattern))
+        if os.path.isdir(pattern):  # a directory: its tables
+            pattern = os.path.join(pattern, "*")
+        found = sorted(f for f in glob.glob(pattern) if os.path.isfile(f) and f.endswith(_TABLE_SUFFIXES))
         if not found:
             raise FileNotFoundError(f"TabularDataModule: {what}: {pattern!r} matches no file.")
         files.extend(found)
@@ -466,15 +470,23 @@ class TabularDataModule(RecDataModule):
         stats = [c for c in stats if c.mean is None or c.std is None]
         if not needed and not stats:
             return
-        train = self._train_rows()
+        counts: Dict[str, Dict[str, int]] = {key: {} for key in needed}
+        moments = np.zeros((len(stats), 3))  # rows, sum, sum of squares per standardized column
+        for train in self._train_parts():
+            for key, group in needed.items():
+                raw = np.concatenate([train.sparse[c.feature][0].astype(str) for c in group])
+                values, n = np.unique(raw, return_counts=True)
+                seen = counts[key]
+                for v, k in zip(values.tolist(), n.tolist()):
+                    seen[v] = seen.get(v, 0) + k
+            for i, c in enumerate(stats):
+                column = train.dense[train.keep, self.schema.dense.index(c)]
+                moments[i] += (len(column), column.sum(), np.square(column).sum())
         for key, group in needed.items():
-            raw = np.concatenate([train.sparse[c.feature][0].astype(str) for c in group])
-            values, counts = np.unique(raw, return_counts=True)
-            min_count = max(c.min_count for c in group)
-            self.vocabularies[key] = Vocabulary.build(dict(zip(values.tolist(), counts.tolist())), min_count)
-        for c in stats:
-            column = train.dense[:, self.schema.dense.index(c)]
-            self.dense_stats[c.column] = (float(column.mean()), float(column.std()))
+            self.vocabularies[key] = Vocabulary.build(counts[key], max(c.min_count for c in group))
+        for (n, total, squares), c in zip(moments, stats):
+            mean = total / max(n, 1)
+            self.dense_stats[c.column] = (float(mean), float(np.sqrt(max(squares / max(n, 1) - mean**2, 0.0))))
         self._write_state()
 
     def _write_state(self) -> None:
@@ -502,22 +514,19 @@ class TabularDataModule(RecDataModule):
         self._splits = {}
 
     # ---- splits ---------------------------------------------------------------------------------------------
-    def _train_rows(self) -> _Decoded:
-        """The training split's rows for learning vocabularies and statistics: read whole, or (streaming) unit by
-        unit, keeping only the columns learning needs (the pass also checks every training row)."""
+    def _train_parts(self) -> Iterator[_Decoded]:
+        """The training split's rows for learning vocabularies and statistics: whole (in memory), or (streaming) one
+        unit at a time, never all at once; the streaming pass also checks every training row before training."""
         if not self.stream:
-            return self._read()["train"]
+            yield self._read()["train"]
+            return
         drop = self.bad_rows == "drop"
-        parts = []
         for unit in self._units("train"):
-            part = _Part(
-                read_unit(unit, self._columns(), self.csv_columns, self.csv_delimiter),
-                unit.file,
-                _where(unit),
-                unit.first_line,
-            )
-            parts.append(_decode(part, self.schema, drop, None))
-        return self._join(parts)
+            table = read_unit(unit, self._columns(), self.csv_columns, self.csv_delimiter)
+            decoded = _decode(_Part(table, unit.file, _where(unit), unit.first_line), self.schema, drop, None)
+            if drop:
+                self.dropped_rows += int((~decoded.keep).sum())
+            yield _take(decoded, decoded.keep)
 
     def _units(self, split: str) -> List[Unit]:
         if split not in self._unit_lists:
