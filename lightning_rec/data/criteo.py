@@ -386,7 +386,7 @@ class CriteoDataModule(RecDataModule):
 
         >>> dm = CriteoDataModule(train=["criteo/day_*.gz"], val=["criteo/day_23.gz"], num_embeddings=1000)
         >>> len(dm.sparse_features), dm.sparse_features[0], dm.num_dense_features
-        (26, SparseFeature(name='cat_0', num_embeddings=1000, multi_hot=False), 13)
+        (26, SparseFeature(name='cat_0', num_embeddings=1000, multi_hot=False, table=None), 13)
     """
 
     def __init__(

@@ -132,3 +132,57 @@ def test_a_mid_epoch_checkpoint_resumes_at_the_next_batch(workers: int, tmp_path
     resumed = _loader(dm, 1, 2)
     resumed.load_state_dict(state)
     assert [_rids([b]) for b in resumed] == full[5:]
+
+
+class _Losses:
+    def __init__(self) -> None:
+        import lightning as L
+
+        losses: List[float] = []
+
+        class Recorder(L.Callback):
+            def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
+                losses.append(float(outputs["loss"]))
+
+        self.callback, self.losses = Recorder(), losses
+
+
+def test_lightning_resumes_a_streamed_epoch_at_the_batch_after_its_checkpoint(tmp_path: Path) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lightning_rec
+    from lightning_rec.models import DLRMModule
+    from lightning_rec.testing import QUIET_TRAINER
+
+    files = _files(tmp_path)
+
+    def fit(ckpt: Any = None) -> List[float]:
+        dm = TabularDataModule(schema=SCHEMA, train=files, val=files[:1], stream=True, chunk_bytes=600, batch_size=100)
+        L.seed_everything(7)
+        model = DLRMModule(
+            sparse_features=dm.sparse_features,
+            num_dense_features=1,
+            embedding_dim=8,
+            dense_arch_layer_sizes=[8],
+            over_arch_layer_sizes=[8, 1],
+        )
+        losses = _Losses()
+        saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}")
+        kw = {**QUIET_TRAINER, "enable_checkpointing": True}
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=lightning_rec.RecShardStrategy(),
+            max_epochs=2,
+            limit_val_batches=0,
+            callbacks=[saver, losses.callback],
+            **kw,
+        )
+        trainer.fit(model, dm, ckpt_path=ckpt)
+        return losses.losses
+
+    full = fit()
+    assert len(full) == 22, "11 batches an epoch"
+    resumed = fit(next((tmp_path / "ckpt").glob("step=8*")))  # step 8: mid first epoch
+    assert resumed == full[8:], "the resumed run trains the batches the checkpoint had not seen, on the same weights"
