@@ -5,6 +5,7 @@ data is refused before training, named."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -139,12 +140,10 @@ def test_hash_ids_are_stable_across_processes_and_vocab_maps_unknown_values_to_r
         "import numpy as np; from lightning_rec.data.schema import hash_ids; "
         "print(hash_ids(np.array(['a', 'bb', 'é']), 1000).tolist(), hash_ids(np.array([1, 2, 3**30]), 1000).tolist())"
     )
-    runs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        for _ in range(2)
-    }
     here = f"{hash_ids(np.array(['a', 'bb', 'é']), 1000).tolist()} {hash_ids(np.array([1, 2, 3**30]), 1000).tolist()}\n"
-    assert runs == {here}, "PYTHONHASHSEED differs per process; the ids must not"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # another process, another string hash seed
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert there == here, "the string hash seed differs per process; the ids must not"
     assert len(set(hash_ids(np.arange(10_000), 2**40).tolist())) == 10_000
     assert Vocabulary(["x", "y"]).rows(np.array(["y", "z", "x"])).tolist() == [2, 0, 1]
 
