@@ -27,6 +27,15 @@ class RankShard(IterableDataset):
 def uneven(rank: int, world_size: int, out_dir: Path, counts: List[int], sized: bool, epochs: int = 2) -> Dict:
     """Fit ``epochs`` epochs with ``counts[rank]`` batches on this rank (a sized DataLoader or a bare iterable);
     report the error each rank stops with, the batches it trained and how long it took."""
+    return _fit(rank, world_size, counts, sized, epochs)
+
+
+def equal_then_sized(rank: int, world_size: int, out_dir: Path) -> Dict:
+    """Two fits in one job: equal bare iterables (4 batches, 3 epochs), then sized loaders of 5 and 4 batches."""
+    return {"equal": _fit(rank, world_size, [4, 4], False, 3), "sized": _fit(rank, world_size, [5, 4], True, 2)}
+
+
+def _fit(rank: int, world_size: int, counts: List[int], sized: bool, epochs: int) -> Dict:
     batches = make_batches(counts[rank], 16, seed=100 + rank)
     data: Any = DataLoader(batches, batch_size=None) if sized else DataLoader(RankShard(batches), batch_size=None)
     model = RecModel()
