@@ -11,7 +11,7 @@ with the model's tables on the ``meta`` device (nothing allocated, no process gr
 
 Example::
 
-    module = build_on_meta(MyModel, ...)                       # or a model whose tables are on "meta"
+    module = build_on_meta(lambda: MyModel(...))                # tables on "meta": nothing allocated
     report = plan_cluster(module, TableSharder.from_arguments(), Cluster(hosts=2, devices_per_host=8, preset="h100"))
     print(report.format_table())
     report.write_json("plan.json")
