@@ -307,6 +307,17 @@ def _plan(argv: List[str]) -> None:
         print(f"wrote {os.path.join(out, 'sweep.json')}, sweep.png and one plan_HxD.json per topology that fits")
 
 
+def _strategy_class_for_init_args(argv: List[str]) -> List[str]:
+    """``--trainer.strategy.init_args.X=...`` on a config that says ``strategy: recshard`` (a name, which takes no
+    arguments): name the class first, ``--trainer.strategy={"class_path": "lightning_rec.RecShardStrategy"}``, so the
+    override applies as it does to a config that names the class (whose other arguments are kept)."""
+    at = next((i for i, a in enumerate(argv) if a.startswith("--trainer.strategy.init_args.")), None)
+    named = any(a == "--trainer.strategy" or a.startswith("--trainer.strategy=") for a in argv)
+    if at is None or named:
+        return list(argv)
+    return [*argv[:at], '--trainer.strategy={"class_path": "lightning_rec.RecShardStrategy"}', *argv[at:]]
+
+
 def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:
     """Run one ``lightning-rec`` command in this process and return the CLI (``None`` for ``prepare``/``export``/
     ``plan``).
@@ -329,15 +340,18 @@ def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:
     if argv[:1] == ["plan"]:
         _plan(argv[1:])
         return None
-    return RecCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        trainer_defaults={"callbacks": [Throughput()]},
-        args=args,
-        auto_configure_optimizers=False,
-    )
+    rewritten = _strategy_class_for_init_args(argv)
+    with warnings.catch_warnings():  # a rewritten command line is still this one
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return RecCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            trainer_defaults={"callbacks": [Throughput()]},
+            args=rewritten if rewritten != argv else args,
+            auto_configure_optimizers=False,
+        )
 
 
 def main() -> None:
