@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Union
 
 import torch.distributed as dist
 
@@ -80,11 +80,19 @@ class BatchCounts:
             return None
         return cls(store, token, rank, world_size, wait, owner or "RecShardStrategy")
 
-    def wrap(self, dataloader: Any) -> "CountedLoader":
+    def wrap(
+        self, dataloader: Any, limit: Optional[Union[int, float]] = None, max_batches: Optional[int] = None
+    ) -> "CountedLoader":
         """The training loader, counted; if it has a length, the ranks' lengths are compared first.
 
+        Args:
+            limit: the Trainer's ``limit_train_batches`` (a count, or a fraction of the loader): the batches an
+                epoch runs. Loaders of different lengths limited to the same count train as TorchRec would.
+            max_batches: the Trainer's ``max_steps`` (``None``: no limit): a run that stops before the shortest
+                loader runs out never meets the difference.
+
         Raises:
-            UnequalBatchesError: if the ranks' loaders have different lengths, naming each.
+            UnequalBatchesError: if the ranks would run different numbers of batches in an epoch, naming each.
         """
         self._loaders += 1
         loader = CountedLoader(dataloader, self, f"loader{self._loaders}")
@@ -93,8 +101,13 @@ class BatchCounts:
         except TypeError:
             length = None
         if length is not None:
+            if isinstance(limit, int):
+                length = min(length, limit)
+            elif limit is not None:
+                length = int(length * limit)  # as Lightning counts a fraction
             lengths = self._exchange(f"loader{self._loaders}/len", length, timedelta(minutes=5))
-            if len(set(lengths.values())) > 1:
+            stops_first = max_batches is not None and max_batches <= min(lengths.values())
+            if len(set(lengths.values())) > 1 and not stops_first:
                 raise UnequalBatchesError(
                     f"{self.owner}: the ranks' training loaders have different lengths: "
                     + ", ".join(f"rank {r}: {n} batches" for r, n in sorted(lengths.items()))

@@ -438,7 +438,9 @@ class RecShardStrategy(ParallelStrategy):
         if self._sparse_dist is not None:
             dataloader = self._sparse_dist.wrap(dataloader)  # batches are copied and queued as Lightning fetches them
         if self._batch_counts is not None:  # outermost: a pass ends when Lightning has fetched every batch
-            dataloader = self._batch_counts.wrap(dataloader)
+            trainer = self.lightning_module.trainer
+            max_steps = trainer.max_steps if trainer.max_steps != -1 else None
+            dataloader = self._batch_counts.wrap(dataloader, trainer.limit_train_batches, max_steps)
         return dataloader
 
     @override

@@ -4,6 +4,7 @@ before the first batch, with a bare iterable after the shorter rank's last step.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +37,32 @@ def test_sized_loaders_of_different_lengths_are_refused_before_the_first_batch_e
             in (r["sized"]["error"])
         )
         assert r["sized"]["batches"] == 0
+
+
+def _counts_of_rank_0(tmp_path: Path) -> Any:
+    """Rank 0 of 2 on a store where rank 1 already said its loader has 4 batches."""
+    import torch.distributed as dist
+
+    from lightning_rec.strategy.batch_counts import BatchCounts
+
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    dist.PrefixStore("lightning_rec/batch_counts/t/", store).set("loader1/len/rank1", "4")
+    return BatchCounts(store, "t", rank=0, world_size=2)
+
+
+@pytest.mark.parametrize(
+    "limit, max_steps, refused",
+    [(None, None, True), (1.0, None, True), (4, None, False), (0.8, None, False), (None, 3, False), (None, 5, True)],
+)
+def test_unequal_lengths_that_training_never_reaches_are_not_refused(
+    limit: Any, max_steps: Any, refused: bool, tmp_path: Path
+) -> None:
+    from lightning_rec.strategy.batch_counts import UnequalBatchesError
+
+    counts = _counts_of_rank_0(tmp_path)
+    loader = list(range(5))  # rank 0: 5 batches
+    if refused:
+        with pytest.raises(UnequalBatchesError, match="rank 0: 5 batches, rank 1: 4 batches"):
+            counts.wrap(loader, limit, max_steps)
+    else:  # limit_train_batches=4 (or 80%), or max_steps=3: both ranks run the same batches, as TorchRec would
+        assert list(counts.wrap(loader, limit, max_steps)) == loader
