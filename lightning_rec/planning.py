@@ -32,7 +32,7 @@ from lightning_rec.config import EmbeddingOptimizer, TopologyConfig
 from lightning_rec.strategy.dmp import dense_parameter_ids
 from lightning_rec.strategy.plan_report import PlanReport
 from lightning_rec.strategy.sharder import TableSharder
-from lightning_rec.strategy.sharding import make_sharders, planner_for_module, table_storage_options
+from lightning_rec.strategy.sharding import planner_for_module, table_storage_options
 from lightning_rec.strategy.topology import DEVICE_PRESETS, DevicePreset, default_preset, preset_named
 from lightning_rec.tables import embedding_modules
 
@@ -250,9 +250,7 @@ class DoesNotFit(ValueError):
             batch_size=cluster.batch_size,
         )
         with sharder.per_table_fused_params(module, per_table):
-            sharders = make_sharders(
-                {**emb_opt.to_fused_params(), **sharder.fused_params}, sharder.sharders, qcomms=sharder.qcomms
-            )
+            sharders = sharder.sharders_for(emb_opt)
             with _compat.optimizer_state_for_planner(sharder.optimizer_state_classes(module, emb_opt)):
                 options = table_storage_options(module, sharders, planner)
         rank = _compat.planner_topology(planner).devices[0].storage

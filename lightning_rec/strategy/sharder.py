@@ -213,6 +213,16 @@ class TableSharder:
                 module, embedding_optimizer, world_size, local_world_size, device_type, None, preset, batch_size
             )[1]
 
+    def sharders_for(self, embedding_optimizer: EmbeddingOptimizer) -> List[ModuleSharder[nn.Module]]:
+        """The sharders of every table module, with ``embedding_optimizer`` and this configuration's FBGEMM
+        arguments and quantized comms (see :func:`~lightning_rec.strategy.sharding.make_sharders`)."""
+        return make_sharders(
+            {**embedding_optimizer.to_fused_params(), **self.fused_params},
+            self.sharders,
+            owner=self.owner,
+            qcomms=self.qcomms,
+        )
+
     def optimizer_state_classes(self, module: nn.Module, embedding_optimizer: EmbeddingOptimizer) -> Dict[Any, Any]:
         """Each table weight's optimizer class as TorchRec's planner counts its state: the table's own fused
         optimizer (see :meth:`per_table_fused_params`) or ``embedding_optimizer``."""
@@ -243,12 +253,7 @@ class TableSharder:
         preset: Optional[DevicePreset],
         batch_size: Optional[int],
     ) -> Tuple[ShardingPlan, PlanReport, List[ModuleSharder[nn.Module]]]:
-        sharders = make_sharders(
-            {**embedding_optimizer.to_fused_params(), **self.fused_params},
-            self.sharders,
-            owner=self.owner,
-            qcomms=self.qcomms,
-        )
+        sharders = self.sharders_for(embedding_optimizer)
         check_managed_collision(module, self.module_types, self.constraints, world_size, device_type)
         if self.plan_file is not None:
             check_plan(
