@@ -354,3 +354,24 @@ def test_without_torchrecs_topology_factory_the_same_topology_is_built(monkeypat
     factory = described()
     monkeypatch.delattr(planner_types, "TopologyFactory")  # as in TorchRec 1.6 (the GPU machine's)
     assert described() == factory
+
+
+def test_torchrecs_own_test_model_plans_and_its_plan_file_checks_against_it(tmp_path: Path) -> None:
+    from torchrec.distributed.test_utils.test_model import TestSparseNN
+
+    tables = [
+        EmbeddingBagConfig(name=f"table_{i}", embedding_dim=16, num_embeddings=100, feature_names=[f"feature_{i}"])
+        for i in range(4)
+    ]
+    weighted = [EmbeddingBagConfig(name="weighted", embedding_dim=8, num_embeddings=50, feature_names=["wf"])]
+    model = TestSparseNN(
+        tables=tables, weighted_tables=weighted, num_float_features=16, sparse_device=torch.device("meta")
+    )
+    sharder = TableSharder.from_arguments()
+    report = plan_cluster(model, sharder, Cluster(1, 2, "cpu"), optimizer=(EmbeddingOptimizer("adagrad", lr=0.1), None))
+    assert sorted((t.module, t.table) for t in report.tables) == sorted(
+        [("sparse.ebc", f"table_{i}") for i in range(4)] + [("sparse.weighted_ebc", "weighted")]
+    )
+    report.write_json(tmp_path / "plan.json")
+    check_plan(read_plan(tmp_path / "plan.json"), model, sharder.module_types, world_size=2, local_world_size=2,
+               device_type="cpu")  # fmt: skip
