@@ -364,3 +364,43 @@ def table_fused_params(weights: "Dict[object, dict]") -> "Iterator[None]":
             for attr in _TABLE_OPTIMIZER_ATTRS:
                 weight.__dict__.pop(attr, None)
             weight.__dict__.update(before)
+
+
+# TorchRec: a sharded embedding module keeps its lookups (one per sharding type) in the plain list `_lookups` (not a
+# ModuleList, so `modules()` does not reach them), each holding its kernels in the ModuleList `_emb_modules`; a fused
+# kernel (`BatchedFusedEmbeddingBag`) exposes its FBGEMM TBE as `emb_module`. The faster CPU lookup
+# (lightning_rec.strategy.cpu_lookup) has to reach every TBE, and TorchRec offers no accessor.
+def fused_tbes(model: object) -> "Iterator[tuple]":
+    """``(where, FBGEMM TBE)`` of every fused pooled-embedding kernel in ``model``'s sharded modules; ``where`` is
+    ``"<module path>/<lookup>.<kernel>"``."""
+    from torch import nn
+    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+    from torchrec.distributed.embedding_types import ShardedEmbeddingModule
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    for path, module in model.named_modules():
+        if not isinstance(module, ShardedEmbeddingModule):
+            continue
+        lookups = _private(module, "_lookups")
+        if not isinstance(lookups, (list, nn.ModuleList)):
+            raise TypeError(f"{type(module).__name__}._lookups is a {type(lookups).__name__}, expected a list")
+        for i, lookup in enumerate(lookups):
+            for j, kernel in enumerate(k for k in lookup.modules() if isinstance(k, BatchedFusedEmbeddingBag)):
+                yield f"{path or '<root>'}/{i}.{j}", kernel.emb_module
+
+
+def replace_forward(module: object, forward: object) -> None:
+    """Make ``module(...)`` call ``forward`` instead of its class's ``forward`` (an instance attribute, as
+    ``nn.Module.__call__`` looks it up); used on FBGEMM TBEs only (see :func:`fused_tbes`)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    if type(module) is not SplitTableBatchedEmbeddingBagsCodegen:
+        raise TypeError(
+            f"replace_forward patches FBGEMM's SplitTableBatchedEmbeddingBagsCodegen, got {type(module).__name__}"
+        )
+    if not callable(getattr(type(module), "forward", None)):
+        raise AttributeError(
+            "SplitTableBatchedEmbeddingBagsCodegen has no forward: lightning_rec._compat must follow it"
+        )
+    module.forward = forward  # type: ignore[attr-defined]

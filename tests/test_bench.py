@@ -215,6 +215,9 @@ def test_final_record_both_plain_lightning_peers_and_the_gpu_sizes():
     assert final["tables_dominate_size"] == "large" and final["recshard_vs_lightning_ddp"] == 12.0
     assert final["sparse_peer_size"] == "realistic" and final["recshard_vs_lightning_sparse"] == 1.5
     assert final["rss_recshard_vs_lightning_sparse"] == 0.918
+    # ... and per CPU size, where measured.
+    assert final["recshard_vs_lightning_sparse_realistic"] == 1.5
+    assert final["recshard_vs_lightning_sparse_large"] is None
     assert final["recshard_vs_raw_criteo_multihot"] == round(40 / 42, 4)
     assert final["recshard_vs_lightning_sparse_criteo_multihot"] == round(80 / 42, 4)
     assert final["recshard_vs_lightning_ddp_criteo_multihot"] == round(400 / 42, 4)

@@ -197,7 +197,8 @@ def final_record(results: Results, repeats: int) -> Dict[str, Any]:
     Against plain Lightning the comparisons use ``large`` (tables dominate memory) when the peer was measured
     there, else ``realistic``: ``tables_dominate_size`` says which for the dense-gradient peer
     (``lightning_ddp``), ``sparse_peer_size`` for the sparse-gradient one (``lightning_sparse``). The GPU sizes
-    have their own keys (``recshard_vs_raw_criteo_onehot``, ``recshard_vs_lightning_sparse_criteo_multihot``, ...).
+    have their own keys (``recshard_vs_raw_criteo_onehot``, ``recshard_vs_lightning_sparse_criteo_multihot``, ...),
+    and so has the sparse peer at each CPU size (``recshard_vs_lightning_sparse_realistic``, ``_large``, ``_realistic_2proc``).
     A ratio that was not measured is ``None``.
     """
     tiny = results.get("tiny", {})
@@ -228,6 +229,9 @@ def final_record(results: Results, repeats: int) -> Dict[str, Any]:
         "strict_vs_default": _ratio(results, "realistic", "recshard_strict", "recshard"),
         "strict_vs_default_tiny": _ratio(results, "tiny", "recshard_strict", "recshard"),
     }
+    # The sparse peer at every CPU size it was measured at (issue 26: recshard >= it at each).
+    for name in ("realistic", "large", "realistic_2proc"):
+        record[f"recshard_vs_lightning_sparse_{name}"] = _ratio(results, name, "recshard", "lightning_sparse")
     for name in GPU_SIZES:
         record[f"recshard_vs_raw_{name}"] = _ratio(results, name, "recshard", "raw")
         record[f"pipelined_vs_raw_pipeline_{name}"] = _ratio(results, name, "recshard_pipelined", "raw_pipeline")

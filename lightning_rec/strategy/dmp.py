@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_rec import _compat
 from lightning_rec.inputs.kjt import ModuleInputs
 from lightning_rec.strategy.optim import EmbeddingOptimizer, is_fused_parameter
+from lightning_rec.strategy.cpu_lookup import install_cpu_lookup
 from lightning_rec.strategy.plan_report import PlanReport
 from lightning_rec.tables import embedding_modules, inner_collection
 from lightning_rec.strategy.unsharded import capture_weights, output_orders, restore_output_order, restore_weights
@@ -251,6 +252,7 @@ def shard_module(
     module_types: Sequence[Type[nn.Module]] = (),
     static_graph: bool,
     find_unused_parameters: bool,
+    fast_cpu_lookup: bool = True,
 ) -> ShardedState:
     """:func:`shard_with_dmp`, make the sharded modules behave like the unsharded ones (the weights they held, their
     output order: see :mod:`lightning_rec.strategy.unsharded`), then remember the result on ``module`` (see
@@ -271,6 +273,8 @@ def shard_module(
     restore_weights(dmp.module, held, pg)
     del held  # the unsharded tables can be freed now
     restore_output_order(dmp.module, orders)
+    if fast_cpu_lookup and device.type == "cpu":
+        install_cpu_lookup(dmp)
     state = ShardedState(
         dmp=dmp,
         plan=plan,

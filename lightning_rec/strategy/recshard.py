@@ -128,6 +128,10 @@ class RecShardStrategy(ParallelStrategy):
         pipeline: overlap the next batch's host-to-device copy and input distribution (all-to-all) with the
             current batch's forward/backward, as TorchRec's ``TrainPipelineSparseDist`` does, inside Lightning's
             loop (see :mod:`lightning_rec.strategy.pipeline`). Training only; same losses as without.
+        fast_cpu_lookup: on CPU, run FBGEMM's fused tables (SGD/Adagrad, sum pooling, fp32) through
+            :mod:`lightning_rec.strategy.cpu_lookup`: torch's multi-threaded ``embedding_bag`` forward and FBGEMM's
+            own backward op split across threads by table; bitwise identical to FBGEMM's path, faster with more than
+            one thread per rank (BENCHMARKS.md). ``False`` keeps FBGEMM's forward. No effect on CUDA.
         report_plan: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
             the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``; without
             a logger nothing is written (see :mod:`lightning_rec.strategy.plan_report`). The plan is logged as a table either
@@ -163,6 +167,7 @@ class RecShardStrategy(ParallelStrategy):
         find_unused_parameters: bool = False,
         report_plan: bool = True,
         pipeline: bool = False,
+        fast_cpu_lookup: bool = True,
         qcomms: Optional[Union[QuantizedComms, str, Mapping[str, Any]]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
@@ -189,6 +194,7 @@ class RecShardStrategy(ParallelStrategy):
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
             qcomms=qcomms,
+            fast_cpu_lookup=fast_cpu_lookup,
             owner=type(self).__name__,
         )
         self._input_checks = InputChecks(

@@ -66,6 +66,7 @@ class TableSharder:
     static_graph: bool = True
     find_unused_parameters: bool = False
     qcomms: Optional[QuantizedComms] = None
+    fast_cpu_lookup: bool = True
     owner: str = "RecShardStrategy"  # who the messages name
 
     @classmethod
@@ -82,6 +83,7 @@ class TableSharder:
         static_graph: bool = True,
         find_unused_parameters: bool = False,
         qcomms: Union[QuantizedComms, str, Mapping[str, Any], Any, None] = None,
+        fast_cpu_lookup: bool = True,
         owner: str = "RecShardStrategy",
     ) -> "TableSharder":
         """The configuration from the strategy's arguments: dicts become the typed configs, ``bounds_check``
@@ -108,6 +110,7 @@ class TableSharder:
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
             qcomms=QuantizedComms.of(dict(qcomms) if isinstance(qcomms, Mapping) else qcomms),
+            fast_cpu_lookup=fast_cpu_lookup,
             owner=owner,
         )
 
@@ -185,6 +188,7 @@ class TableSharder:
                 module_types=self.module_types,
                 static_graph=self.static_graph,
                 find_unused_parameters=self.find_unused_parameters,
+                fast_cpu_lookup=self.fast_cpu_lookup,
             )
         state.table_optimizers = {t: opt for t, (opt, _) in (per_table or {}).items()}
         return state

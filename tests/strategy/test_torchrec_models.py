@@ -28,6 +28,8 @@ from torchrec.optim import RowWiseAdagrad
 
 import lightning_rec
 from lightning_rec import EmbeddingOptimizer, RecShardStrategy
+from lightning_rec._compat import fused_tbes
+from lightning_rec.strategy.cpu_lookup import CpuLookup
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.dist import run_ranks
 
@@ -252,8 +254,13 @@ def fit(
     sharders: Optional[List[Any]] = None,
     vbe: bool = False,
     accelerator: str = "cpu",
+    fast_cpu_lookup: bool = True,
+    threads: int = 0,
 ) -> Dict[str, Any]:
-    """Train on this rank's slice of every global batch; rank 0 also trains the unsharded reference."""
+    """Train on this rank's slice of every global batch; rank 0 also trains the unsharded reference. ``threads``: the
+    intra-op threads of this rank (0: as launched)."""
+    if threads:
+        torch.set_num_threads(threads)
     model = _model(seed=0, vbe=vbe)
     inputs = _inputs(steps, world_size, vbe=vbe)
     result = _reference(model, inputs, optimizer, _eval_input(0, 1, vbe)) if rank == 0 else {}
@@ -262,7 +269,9 @@ def fit(
     module = TorchRecModel(model, optimizer)
     # Lightning counts a global step per `optimizer.step()`: two a batch with two optimizers.
     max_steps = steps * (2 if optimizer == "two_optimizers" else 1)
-    trainer = _trainer(world_size, max_steps, accelerator, constraints=constraints, sharders=sharders)
+    trainer = _trainer(
+        world_size, max_steps, accelerator, constraints=constraints, sharders=sharders, fast_cpu_lookup=fast_cpu_lookup
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, DataLoader([local[rank] for _, local in inputs], batch_size=None))
@@ -270,7 +279,12 @@ def fit(
         trainer.save_checkpoint(out_dir / save)
     plan = {t: s.sharding_type for m in trainer.strategy.sharding_plan.plan.values() for t, s in m.items()}
     preds = [float(x) for x in _predict(trainer, module, rank, world_size, vbe)]
-    return {**result, "losses": module.losses, "preds": preds, "plan": plan}
+    # Each fused kernel: its forward, and the threads its backward splits the tables over (recshard's CPU lookup).
+    lookups = {
+        where: ("CpuLookup", tbe.forward.threads) if isinstance(tbe.forward, CpuLookup) else ("fbgemm", 1)
+        for where, tbe in fused_tbes(module)
+    }
+    return {**result, "losses": module.losses, "preds": preds, "plan": plan, "lookups": lookups}
 
 
 def predict_from(
@@ -322,6 +336,26 @@ def test_row_wise_checkpoints_reshard_to_every_other_type_and_world_size(tmp_pat
     mixed = run_ranks(fit, 2, tmp_path / "mixed", constraints=MIXED_PLAN, optimizer="adagrad", save="mx")
     res = run_ranks(predict_from, 1, tmp_path / "mx1", ckpt=str(tmp_path / "mixed" / "mx"), constraints=ROW_WISE_PLAN)
     assert _preds(res) == pytest.approx(mixed[0]["ref_preds"], abs=TOL)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_the_default_cpu_lookup_trains_like_unsharded_torchrec_and_gives_fbgemm_s_bits(tmp_path, optimizer):
+    fast = fit(0, 1, tmp_path, constraints=TABLE_WISE_PLAN, optimizer=optimizer, threads=2)
+    assert fast["lookups"] and all(v == ("CpuLookup", 2) for v in fast["lookups"].values()), fast["lookups"]
+    assert fast["losses"] == pytest.approx(fast["ref_losses"], abs=TOL)
+    assert fast["preds"] == pytest.approx(fast["ref_preds"], abs=TOL)
+    own = fit(0, 1, tmp_path, constraints=TABLE_WISE_PLAN, optimizer=optimizer, fast_cpu_lookup=False)
+    assert own["lookups"] and set(own["lookups"].values()) == {("fbgemm", 1)}
+    assert (own["losses"], own["preds"]) == (fast["losses"], fast["preds"])  # to the bit
+
+
+@pytest.mark.dist
+def test_the_default_cpu_lookup_on_two_ranks_with_two_threads_each_trains_like_unsharded_torchrec(tmp_path):
+    results = run_ranks(fit, 2, tmp_path, constraints=MIXED_PLAN, optimizer="adagrad", threads=2)
+    for r in results:  # every fused kernel took the fast path, its backward split over two threads
+        assert r["lookups"] and all(tuple(v) == ("CpuLookup", 2) for v in r["lookups"].values()), r["lookups"]
+    assert _mean_losses(results) == pytest.approx(results[0]["ref_losses"], abs=TOL)
+    assert _preds(results) == pytest.approx(results[0]["ref_preds"], abs=TOL)
 
 
 def test_row_wise_on_one_rank_trains_like_unsharded_torchrec(tmp_path):

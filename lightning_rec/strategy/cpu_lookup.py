@@ -1,0 +1,326 @@
+"""A faster CPU path through FBGEMM's fused table-batched embedding (TBE), bitwise identical to FBGEMM's own.
+
+On CPU, FBGEMM's fused TBE runs its forward on one thread and its fused backward + optimizer update as one
+serial pass over all tables (BENCHMARKS.md, "The CPU step against the sparse peer"). Both have a faster
+equivalent that gives the same bits:
+
+- **forward**: ``torch.nn.functional.embedding_bag`` on each feature's table (a view of the TBE's own weights),
+  which runs the same FBGEMM ``EmbeddingSpMDM`` kernel over the bags on every intra-op thread. Sum pooling only
+  (mean pooling divides in another order: 1 ulp apart), fp32 weights and output;
+- **backward + update**: FBGEMM's own CPU backward op, the one its autograd function calls, once per group of
+  tables, the groups on separate threads. Each table's rows are updated by exactly the ids and gradients that
+  FBGEMM's single call would use for them, in the same order: the tables are disjoint memory, so the result is
+  the same to the bit.
+
+Only ``EXACT_SGD`` and ``EXACT_ADAGRAD`` take this path (their FBGEMM forward passes nothing else to the op);
+any other optimizer, pooling, precision, variable batch sizes or a CUDA table keeps FBGEMM's own forward.
+Install with :func:`install_cpu_lookup` (the strategy does, unless ``RecShardStrategy(fast_cpu_lookup=False)``).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_rec import _compat
+
+# FBGEMM's CPU backward op per optimizer (what its own autograd function calls after the forward).
+_BACKWARD_OPS = {
+    "EXACT_SGD": "split_embedding_backward_codegen_sgd_cpu",
+    "EXACT_ADAGRAD": "split_embedding_backward_codegen_adagrad_cpu",
+}
+
+
+def ineligible_reason(tbe: nn.Module) -> Optional[str]:
+    """Why ``tbe`` (a ``SplitTableBatchedEmbeddingBagsCodegen``) must keep FBGEMM's own forward, or ``None``.
+
+    Example::
+
+        >>> from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ...     ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
+        >>> from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        >>> tbe = SplitTableBatchedEmbeddingBagsCodegen([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        ...                                            optimizer=EmbOptimType.EXACT_SGD)
+        >>> ineligible_reason(tbe) is None
+        True
+    """
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    if type(tbe) is not SplitTableBatchedEmbeddingBagsCodegen:
+        return f"{type(tbe).__name__} is not FBGEMM's training TBE"
+    if not getattr(tbe, "use_cpu", False) or getattr(tbe, "use_mtia", False):
+        return "its tables are not on the CPU"
+    if tbe.pooling_mode != PoolingMode.SUM:
+        return f"pooling {tbe.pooling_mode.name} (only SUM gives FBGEMM's bits)"
+    if tbe.weights_precision != SparseType.FP32 or int(tbe.output_dtype) != SparseType.FP32.as_int():
+        return "weights or output not fp32"
+    name = _BACKWARD_OPS.get(tbe.optimizer.name)
+    if name is None:
+        return f"optimizer {tbe.optimizer.name} (only {sorted(_BACKWARD_OPS)})"
+    if not hasattr(torch.ops.fbgemm, name):
+        return f"this FBGEMM has no torch.ops.fbgemm.{name}"
+    missing = [
+        a.name for a in getattr(torch.ops.fbgemm, name).default._schema.arguments if a.name not in _arguments(tbe)
+    ]
+    if missing:
+        return f"torch.ops.fbgemm.{name} takes arguments this module does not know: {missing}"
+    return None
+
+
+def _arguments(tbe: nn.Module) -> Dict[str, Any]:
+    """Every argument FBGEMM's CPU backward ops take but the per-step ones, by name, from the TBE (as its own
+    forward passes them)."""
+    args = tbe.optimizer_args
+    out: Dict[str, Any] = {
+        "grad_output": None,
+        "indices": None,
+        "offsets": None,
+        "indice_weights": None,
+        "host_weights": tbe.weights_host,
+        "weights_placements": tbe.weights_placements,
+        "weights_offsets": tbe.weights_offsets,
+        "D_offsets": tbe.D_offsets,
+        "max_D": tbe.max_D,
+        "hash_size_cumsum": tbe.hash_size_cumsum,
+        "total_hash_size_bits": tbe.total_hash_size_bits,
+        "pooling_mode": int(tbe.pooling_mode),
+        "stochastic_rounding": args.stochastic_rounding,
+        "eps": args.eps,
+        "output_dtype": int(tbe.output_dtype),
+    }
+    if hasattr(tbe, "learning_rate_tensor"):  # FBGEMM >= 1.2 keeps the rate in a tensor the fused optimizer sets
+        out["learning_rate_tensor"] = tbe.learning_rate_tensor
+    if tbe.momentum1_host.numel():
+        out.update(
+            momentum1_host=tbe.momentum1_host,
+            momentum1_placements=tbe.momentum1_placements,
+            momentum1_offsets=tbe.momentum1_offsets,
+        )
+    return out
+
+
+_POOLS: Dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    # One pool per size, shared by every TBE of the process: the backward of one module runs at a time.
+    with _POOLS_LOCK:
+        if workers not in _POOLS:
+            _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="lightning_rec-tbe")
+        return _POOLS[workers]
+
+
+class CpuLookup:
+    """The forward that replaces one CPU TBE's (see the module docstring); ``tbe.forward = CpuLookup(tbe, ...)``.
+
+    Args:
+        tbe: an eligible ``SplitTableBatchedEmbeddingBagsCodegen`` (:func:`ineligible_reason` is ``None``).
+        fbgemm_forward: its original bound ``forward``, for the calls this path does not take (variable batch
+            sizes, extra arguments).
+        threads: threads of the backward (the tables are split into at most this many groups); default
+            ``torch.get_num_threads()``.
+
+    Example::
+
+        tbe.forward = CpuLookup(tbe, tbe.forward)   # what install_cpu_lookup does
+    """
+
+    def __init__(
+        self, tbe: nn.Module, fbgemm_forward: Callable[..., torch.Tensor], threads: Optional[int] = None
+    ) -> None:
+        reason = ineligible_reason(tbe)
+        if reason is not None:
+            raise ValueError(f"CpuLookup: this TBE keeps FBGEMM's forward: {reason}")
+        self.tbe = tbe
+        self.fbgemm_forward = fbgemm_forward
+        self.threads = max(1, threads or torch.get_num_threads())
+        self.tables: List[int] = [int(t) for t in tbe.feature_table_map]
+        self.weights = tbe.split_embedding_weights()  # per table, views of weights_host
+        self.backward_op = getattr(torch.ops.fbgemm, _BACKWARD_OPS[tbe.optimizer.name]).default
+        self.static = _arguments(tbe)
+        self.names = [a.name for a in self.backward_op._schema.arguments]
+
+    def __call__(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor] = None,
+        feature_requires_grad: Optional[torch.Tensor] = None,
+        batch_size_per_feature_per_rank: Optional[List[List[int]]] = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if batch_size_per_feature_per_rank is not None or any(v is not None for v in kwargs.values()):
+            return self.fbgemm_forward(
+                indices, offsets, per_sample_weights, feature_requires_grad, batch_size_per_feature_per_rank, **kwargs
+            )
+        # FBGEMM's input preparation: dtype casts and its bounds check (bounds_check_mode), as its forward does.
+        indices, offsets, per_sample_weights, _ = self.tbe.prepare_inputs(
+            indices, offsets, per_sample_weights, None, force_cast_input_types=True, prefetch_pipeline=False
+        )
+        self.tbe.step += 1
+        return _Lookup.apply(
+            self.tbe.placeholder_autograd_tensor, per_sample_weights, self, indices, offsets, feature_requires_grad
+        )
+
+    def pooled(
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, List[int]]:
+        """The pooled output ``[B, total_D]`` and each feature's first id (``T + 1`` bounds): one ``embedding_bag``
+        per feature, concatenated. (One call over all tables, the bags reordered sample-major so that its output is
+        ``[B, T x D]`` without the concatenation, was slower: moving the ids cost more than the copy it saved.)"""
+        T = len(self.tables)
+        B = (offsets.numel() - 1) // T
+        bounds = offsets[::B].tolist() if B else [0] * (T + 1)  # on the host already: no device sync
+        outs = []
+        for f, t in enumerate(self.tables):
+            s, e = bounds[f], bounds[f + 1]
+            bag_offsets = offsets[f * B : (f + 1) * B + 1]
+            outs.append(
+                F.embedding_bag(
+                    indices[s:e],
+                    self.weights[t],
+                    bag_offsets - s if s else bag_offsets,
+                    mode="sum",
+                    include_last_offset=True,
+                    per_sample_weights=None if weights is None else weights[s:e],
+                )
+            )
+        return torch.cat(outs, dim=1), bounds
+
+    def update(
+        self,
+        grad: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor,
+        bounds: Sequence[int],
+    ) -> None:
+        """FBGEMM's fused backward + update, one call per group of tables, the groups on separate threads."""
+        if not bounds[-1]:
+            return  # no ids, no row to update (what FBGEMM's call would do too)
+        groups = self._groups(bounds)
+        if len(groups) == 1:
+            self._call(grad, indices, offsets, weights)
+            return
+        T = len(self.tables)
+        lengths = (offsets[1:] - offsets[:-1]).view(T, -1)
+        calls = []
+        for features in groups:
+            keep = torch.zeros(T, 1, dtype=lengths.dtype)
+            keep[features] = 1
+            sub_offsets = torch.zeros(offsets.numel(), dtype=offsets.dtype)
+            torch.cumsum((lengths * keep).view(-1), 0, out=sub_offsets[1:])
+            sub_indices = torch.cat([indices[bounds[f] : bounds[f + 1]] for f in features])
+            sub_weights = (
+                torch.cat([weights[bounds[f] : bounds[f + 1]] for f in features]) if weights.numel() else weights
+            )
+            calls.append((sub_indices, sub_offsets, sub_weights))
+        futures = [_pool(self.threads).submit(self._call, grad, *call) for call in calls]
+        for future in futures:
+            future.result()
+
+    def _groups(self, bounds: Sequence[int]) -> List[List[int]]:
+        # Features of one table stay together (their rows are one memory); tables go to the lightest group by ids.
+        by_table: Dict[int, List[int]] = {}
+        for f, t in enumerate(self.tables):
+            by_table.setdefault(t, []).append(f)
+        n = min(self.threads, len(by_table))
+        if n <= 1:
+            return [list(range(len(self.tables)))]
+        load = [0] * n
+        groups: List[List[int]] = [[] for _ in range(n)]
+        sized = sorted(by_table.values(), key=lambda fs: -sum(bounds[f + 1] - bounds[f] for f in fs))
+        for features in sized:
+            g = load.index(min(load))
+            groups[g].extend(features)
+            load[g] += sum(bounds[f + 1] - bounds[f] for f in features)
+        return [sorted(g) for g in groups if g]
+
+    def _call(self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor) -> None:
+        args = dict(self.static, grad_output=grad, indices=indices, offsets=offsets, indice_weights=weights)
+        with torch.no_grad():  # grad mode is per thread; the op updates the weights in place
+            self.backward_op(*[args[n] for n in self.names])
+
+
+class _Lookup(torch.autograd.Function):
+    """Forward: :meth:`CpuLookup.pooled`; backward: :meth:`CpuLookup.update` (the fused update, nothing returned for
+    the tables) and, for learnt per-sample weights, FBGEMM's own gradient of them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        placeholder: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        lookup: CpuLookup,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        feature_requires_grad: Optional[torch.Tensor],
+    ) -> torch.Tensor:  # type: ignore[override]
+        out, bounds = lookup.pooled(indices, offsets, weights)
+        empty = torch.empty(0)
+        ctx.lookup, ctx.bounds = lookup, bounds
+        ctx.save_for_backward(
+            indices,
+            offsets,
+            empty if weights is None else weights,
+            empty if feature_requires_grad is None else feature_requires_grad,
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        indices, offsets, weights, feature_requires_grad = ctx.saved_tensors
+        lookup: CpuLookup = ctx.lookup
+        grad = grad.contiguous()
+        args = lookup.tbe.optimizer_args
+        clipped = grad.clamp(-args.max_gradient, args.max_gradient) if args.gradient_clipping else grad
+        # FBGEMM's (1.8) autograd takes the weights' gradient from the rows before they are updated.
+        grad_weights = None
+        if ctx.needs_input_grad[1]:
+            if not feature_requires_grad.numel():  # FBGEMM's "undefined": every feature's weights learn
+                feature_requires_grad = torch.ones(len(lookup.tables), dtype=torch.int32)
+            grad_weights = torch.ops.fbgemm.split_embedding_codegen_grad_indice_weights_cpu(
+                grad,
+                lookup.tbe.weights_host,
+                lookup.tbe.weights_offsets,
+                lookup.tbe.D_offsets,
+                indices,
+                offsets,
+                feature_requires_grad,
+            )
+        lookup.update(clipped, indices, offsets, weights, ctx.bounds)
+        return None, grad_weights, None, None, None, None
+
+
+def install_cpu_lookup(model: nn.Module) -> Dict[str, str]:
+    """Give every CPU fused TBE in a sharded ``model`` the faster forward (see the module docstring).
+
+    Args:
+        model: a ``DistributedModelParallel`` (or any module holding TorchRec sharded embedding modules).
+
+    Returns:
+        ``{"<sharded module>/<kernel index>": "fast" or the reason it kept FBGEMM's forward}``.
+
+    Example::
+
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), ...)
+        install_cpu_lookup(dmp)    # {'tables/0': 'fast'}
+    """
+    done: Dict[str, str] = {}
+    for where, tbe in _compat.fused_tbes(model):
+        if isinstance(tbe.forward, CpuLookup):
+            done[where] = "fast"
+            continue
+        reason = ineligible_reason(tbe)
+        if reason is None:
+            _compat.replace_forward(tbe, CpuLookup(tbe, tbe.forward))
+        done[where] = reason or "fast"
+    return done

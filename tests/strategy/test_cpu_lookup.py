@@ -1,0 +1,138 @@
+"""recshard's CPU lookup (:mod:`lightning_rec.strategy.cpu_lookup`) against FBGEMM's own TBE: the same bits.
+
+Two TBEs with the same tables and weights, one with FBGEMM's forward and one with :class:`CpuLookup`, take the same
+steps: tables of three widths, two features sharing a table, empty bags, learnt per-sample weights; the outputs,
+tables, optimizer state and the per-sample weights' gradients must be equal to the bit. Training through the strategy
+is compared with unsharded TorchRec in ``test_torchrec_models.py`` (1 and 2 ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    EmbeddingLocation,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+
+from lightning_rec import _compat
+from lightning_rec.strategy.cpu_lookup import CpuLookup, ineligible_reason
+
+ROWS_DIMS = [(50, 8), (30, 4), (70, 16), (20, 8)]
+FEATURE_TABLES = [0, 1, 1, 2, 3]  # features 1 and 2 read one table
+
+
+def _tbe(optimizer=EmbOptimType.EXACT_SGD, pooling=PoolingMode.SUM) -> SplitTableBatchedEmbeddingBagsCodegen:
+    specs = [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows, dim in ROWS_DIMS]
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        specs, feature_table_map=FEATURE_TABLES, optimizer=optimizer, learning_rate=0.1, eps=1e-3, pooling_mode=pooling
+    )
+
+
+def _pair(optimizer, threads):
+    ours, theirs = _tbe(optimizer), _tbe(optimizer)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights()):
+            a.copy_(torch.randn(a.shape, generator=g))
+            b.copy_(a)
+    ours.forward = CpuLookup(ours, ours.forward, threads=threads)
+    return ours, theirs
+
+
+def _batch(g, batch_size=6, empty_feature=None):
+    lengths = torch.randint(0, 5, (len(FEATURE_TABLES), batch_size), generator=g)
+    if empty_feature is not None:
+        lengths[empty_feature] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.reshape(-1).cumsum(0)])
+    ids = [
+        torch.randint(0, ROWS_DIMS[t][0], (int(lengths[f].sum()),), generator=g) for f, t in enumerate(FEATURE_TABLES)
+    ]
+    return torch.cat(ids), offsets
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_cpu_lookup_gives_fbgemm_s_bits(optimizer, threads, weighted):
+    ours, theirs = _pair(optimizer, threads)
+    g = torch.Generator().manual_seed(2)
+    for step in range(4):
+        ids, offsets = _batch(g, empty_feature=step % len(FEATURE_TABLES))
+        w = torch.rand(ids.numel(), generator=g) if weighted else None
+        w_ours = w.clone().requires_grad_() if weighted else None
+        w_theirs = w.clone().requires_grad_() if weighted else None
+        out_ours, out_theirs = ours(ids, offsets, w_ours), theirs(ids, offsets, w_theirs)
+        assert torch.equal(out_ours, out_theirs), step
+        grad = torch.randn(out_ours.shape, generator=g)
+        out_ours.backward(grad)
+        out_theirs.backward(grad)
+        if weighted:
+            assert torch.equal(w_ours.grad, w_theirs.grad), step
+    for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights()):
+        assert torch.equal(a, b)
+    assert torch.equal(ours.momentum1_host, theirs.momentum1_host)
+    assert not torch.equal(ours.split_embedding_weights()[0], _pair(optimizer, threads)[1].split_embedding_weights()[0])
+
+
+def test_the_backward_splits_tables_not_features_and_balances_ids():
+    lookup = CpuLookup(_tbe(), _tbe().forward, threads=2)
+    # ids per feature: 10, 1, 1, 7, 3; per table 10, 2 (features 1 and 2: never apart), 7, 3. Heaviest first, each to
+    # the lighter group: 10 | 7, then 3 joins the 7, then the 2 the first group (a tie goes to the first).
+    bounds = [0, 10, 11, 12, 19, 22]
+    assert lookup._groups(bounds) == [[0, 1, 2], [3, 4]]
+    assert CpuLookup(_tbe(), _tbe().forward, threads=1)._groups(bounds) == [[0, 1, 2, 3, 4]]
+
+
+def test_a_variable_batch_call_keeps_fbgemm_s_forward():
+    tbe = _tbe()
+    calls = []
+
+    def fbgemm_forward(*args, **kwargs):
+        calls.append(args)
+        return torch.zeros(1)
+
+    lookup = CpuLookup(tbe, fbgemm_forward)
+    lookup(torch.zeros(1, dtype=torch.long), torch.zeros(2, dtype=torch.long), None, None, [[1]] * 5)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "tbe, reason",
+    [
+        (lambda: _tbe(pooling=PoolingMode.MEAN), "pooling MEAN"),
+        (lambda: _tbe(EmbOptimType.EXACT_ROWWISE_ADAGRAD), "optimizer EXACT_ROWWISE_ADAGRAD"),
+        (lambda: nn.Linear(2, 2), "Linear is not FBGEMM's training TBE"),
+    ],
+)
+def test_what_keeps_fbgemm_s_forward_is_named(tbe, reason):
+    module = tbe()
+    assert reason in ineligible_reason(module)
+    with pytest.raises(ValueError, match=reason):
+        CpuLookup(module, module.forward)
+
+
+def test_the_seam_refuses_what_it_was_not_written_for():
+    with pytest.raises(TypeError, match="SplitTableBatchedEmbeddingBagsCodegen, got Linear"):
+        _compat.replace_forward(nn.Linear(2, 2), lambda x: x)
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        list(_compat.fused_tbes(object()))
+    assert list(_compat.fused_tbes(nn.Linear(2, 2))) == []
+
+
+def test_every_patched_name_exists_in_the_installed_torchrec_and_fbgemm():
+    """What the CPU lookup reads from TorchRec and FBGEMM (a new version that renames one must fail here)."""
+    from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    assert "emb_module" in dir(BatchedFusedEmbeddingBag)
+    assert "_lookups" in ShardedEmbeddingBagCollection.__init__.__code__.co_names
+    tbe = _tbe(EmbOptimType.EXACT_ADAGRAD)
+    for name in ("prepare_inputs", "placeholder_autograd_tensor", "weights_host", "momentum1_host", "step"):
+        assert hasattr(tbe, name), name
+    assert ineligible_reason(tbe) is None  # every argument of FBGEMM's backward op is known by name
+    assert hasattr(torch.ops.fbgemm, "split_embedding_codegen_grad_indice_weights_cpu")
