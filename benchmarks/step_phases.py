@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Any, Callable, Dict, List
 
@@ -48,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_rec.bench import SIZES, Size, workload
-from lightning_rec.bench.runner import MALLOC_SETTINGS
+from lightning_rec.bench.runner import reexec_with_steady_malloc
 from lightning_rec.bench.worker import copy_bandwidth, raw_torchrec
 from lightning_rec.strategy.cpu_lookup import CpuLookup, install_cpu_lookup
 from lightning_rec.testing.ports import rank_env
@@ -216,11 +215,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=8)
     args = parser.parse_args()
-    if any(k not in os.environ for k in MALLOC_SETTINGS["steady"]):
-        # glibc keeps freed memory (as the bench's workers do): otherwise the variant that follows another pays page
-        # faults for memory the other just handed back, and the phases measure the allocator.
-        env = {**MALLOC_SETTINGS["steady"], **os.environ}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    reexec_with_steady_malloc()
     os.environ.update(rank_env(0, 1, int(os.environ.get("MASTER_PORT", "29574"))))
     dist.init_process_group("gloo")
     try:

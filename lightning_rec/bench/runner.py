@@ -34,6 +34,17 @@ MALLOC_SETTINGS = {
 }
 
 
+def reexec_with_steady_malloc() -> None:
+    """Re-run this script (``sys.argv``) under the ``steady`` malloc settings unless they are set (a variable the user
+    set wins): for the benchmark scripts that time several variants in one process, where otherwise the one that
+    follows another pays page faults for memory the other just handed back."""
+    import sys
+
+    steady = MALLOC_SETTINGS["steady"]
+    if any(k not in os.environ for k in steady):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**steady, **os.environ})
+
+
 def run_variant(
     variant: str, size: Size, lr: float = 0.01, timeout: float = 600, malloc: str = "steady"
 ) -> List[Dict[str, Any]]:

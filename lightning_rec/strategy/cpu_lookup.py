@@ -14,7 +14,8 @@ equivalent that gives the same bits:
 
 Only ``EXACT_SGD`` and ``EXACT_ADAGRAD`` take this path (their FBGEMM forward passes nothing else to the op);
 any other optimizer, pooling, precision, variable batch sizes or a CUDA table keeps FBGEMM's own forward.
-Install with :func:`install_cpu_lookup` (the strategy does, unless ``RecShardStrategy(fast_cpu_lookup=False)``).
+Install with :func:`install_cpu_lookup` (the strategy does, unless ``RecShardStrategy(fast_cpu_lookup=False)``); with
+one intra-op thread per rank it keeps FBGEMM's path, which is as fast there.
 """
 
 from __future__ import annotations
@@ -300,11 +301,16 @@ class _Lookup(torch.autograd.Function):
         return None, grad_weights, None, None, None, None
 
 
-def install_cpu_lookup(model: nn.Module) -> Dict[str, str]:
+def install_cpu_lookup(model: nn.Module, threads: Optional[int] = None) -> Dict[str, str]:
     """Give every CPU fused TBE in a sharded ``model`` the faster forward (see the module docstring).
+
+    With one intra-op thread (``threads``, default ``torch.get_num_threads()``: a rank per core, say) nothing is
+    installed: the backward has nothing to split and torch's forward, plus its concatenation, is no faster than
+    FBGEMM's (BENCHMARKS.md, "The CPU step against the sparse peer").
 
     Args:
         model: a ``DistributedModelParallel`` (or any module holding TorchRec sharded embedding modules).
+        threads: the threads the lookups may use.
 
     Returns:
         ``{"<sharded module>/<kernel index>": "fast" or the reason it kept FBGEMM's forward}``.
@@ -312,15 +318,16 @@ def install_cpu_lookup(model: nn.Module) -> Dict[str, str]:
     Example::
 
         dmp = DistributedModelParallel(model, device=torch.device("cpu"), ...)
-        install_cpu_lookup(dmp)    # {'tables/0': 'fast'}
+        install_cpu_lookup(dmp)    # {'tables/0.0': 'fast'}
     """
+    threads = threads or torch.get_num_threads()
     done: Dict[str, str] = {}
     for where, tbe in _compat.fused_tbes(model):
         if isinstance(tbe.forward, CpuLookup):
             done[where] = "fast"
             continue
-        reason = ineligible_reason(tbe)
+        reason = ineligible_reason(tbe) or (None if threads > 1 else "one intra-op thread")
         if reason is None:
-            _compat.replace_forward(tbe, CpuLookup(tbe, tbe.forward))
+            _compat.replace_forward(tbe, CpuLookup(tbe, tbe.forward, threads=threads))
         done[where] = reason or "fast"
     return done

@@ -131,7 +131,8 @@ class RecShardStrategy(ParallelStrategy):
         fast_cpu_lookup: on CPU, run FBGEMM's fused tables (SGD/Adagrad, sum pooling, fp32) through
             :mod:`lightning_rec.strategy.cpu_lookup`: torch's multi-threaded ``embedding_bag`` forward and FBGEMM's
             own backward op split across threads by table; bitwise identical to FBGEMM's path, faster with more than
-            one thread per rank (BENCHMARKS.md). ``False`` keeps FBGEMM's forward. No effect on CUDA.
+            one thread per rank (BENCHMARKS.md; with one it is left out). ``False`` keeps FBGEMM's forward. No effect
+            on CUDA.
         report_plan: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
             the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``; without
             a logger nothing is written (see :mod:`lightning_rec.strategy.plan_report`). The plan is logged as a table either

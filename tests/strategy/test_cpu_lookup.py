@@ -136,3 +136,15 @@ def test_every_patched_name_exists_in_the_installed_torchrec_and_fbgemm():
         assert hasattr(tbe, name), name
     assert ineligible_reason(tbe) is None  # every argument of FBGEMM's backward op is known by name
     assert hasattr(torch.ops.fbgemm, "split_embedding_codegen_grad_indice_weights_cpu")
+
+
+def test_one_thread_keeps_fbgemm_s_path_where_it_is_as_fast(tmp_path, monkeypatch):
+    from tests.strategy.test_torchrec_models import TABLE_WISE_PLAN, fit
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as a launcher sets it for a rank per core (Lightning then keeps it)
+    threads = torch.get_num_threads()
+    try:
+        one = fit(0, 1, tmp_path, constraints=TABLE_WISE_PLAN, steps=1, threads=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert one["lookups"] and set(one["lookups"].values()) == {("fbgemm", 1)}
