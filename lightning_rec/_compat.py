@@ -404,3 +404,12 @@ def replace_forward(module: object, forward: object) -> None:
             "SplitTableBatchedEmbeddingBagsCodegen has no forward: lightning_rec._compat must follow it"
         )
     module.forward = forward  # type: ignore[attr-defined]
+
+
+# torch: what `Tensor.to(*args, **kwargs)` was asked for (device, dtype, non_blocking, memory_format), parsed as torch
+# parses it; the one parser of every `to` signature (device, dtype, other tensor, keywords) is private.
+def parse_to(*args: Any, **kwargs: Any) -> "tuple":
+    """``(device, dtype, non_blocking, memory_format)`` of a ``Tensor.to`` call's arguments."""
+    import torch
+
+    return torch._C._nn._parse_to(*args, **kwargs)

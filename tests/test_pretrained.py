@@ -93,7 +93,10 @@ def test_errors_name_the_table_and_change_nothing(tmp_path: Path) -> None:
 @pytest.mark.dist
 def test_every_plan_starts_from_the_files_rows(tmp_path: Path) -> None:
     """Tables built on meta, rows from .npy / .pt files through the PretrainedRows callback: on 2 ranks, under
-    table-wise, column-wise, table-column-wise and data-parallel plans, every shard holds exactly the file's rows."""
+    table-wise, column-wise, table-column-wise and data-parallel plans, every shard holds exactly the file's rows.
+
+    The column-wise and table-column-wise tables are really split, in two column blocks of 4 (``min_partition``:
+    without it TorchRec keeps an 8-wide table in one shard at column 0), so a shard at column offset 4 is filled."""
     g = torch.Generator().manual_seed(5)
     rows = {t: torch.randn(n, DIM, generator=g) for t, _, n in [*BAG_TABLES, SEQ_TABLE]}
     files = {}
@@ -104,18 +107,30 @@ def test_every_plan_starts_from_the_files_rows(tmp_path: Path) -> None:
         "a": {
             "t_user": {"sharding_types": ["table_wise"]},
             "t_genre": {"sharding_types": ["data_parallel"]},
-            "t_item": {"sharding_types": ["column_wise"]},
-            "t_item_seq": {"sharding_types": ["column_wise"]},
+            "t_item": {"sharding_types": ["column_wise"], "min_partition": 4},
+            "t_item_seq": {"sharding_types": ["column_wise"], "min_partition": 4},
         },
         "b": {
-            "t_user": {"sharding_types": ["table_column_wise"]},
-            "t_genre": {"sharding_types": ["column_wise"]},
+            "t_user": {"sharding_types": ["table_column_wise"], "min_partition": 4},
+            "t_genre": {"sharding_types": ["column_wise"], "min_partition": 4},
             "t_item": {"sharding_types": ["table_wise"]},
             "t_item_seq": {"sharding_types": ["table_wise"]},
         },
     }
     res = run_ranks(pretrained_scenarios.start_from_files, 2, tmp_path, files=files, plans=plans)
     assert res[0]["types"] == ["column_wise", "data_parallel", "table_column_wise", "table_wise"]
+    # The shards each plan made (the same on every rank): (row, column) offsets of each shard.
+    whole, halves = [[0, 0]], [[0, 0], [0, 4]]
+    expected = {
+        "a": {"t_user": whole, "t_genre": [], "t_item": halves, "t_item_seq": halves},
+        "b": {"t_user": halves, "t_genre": halves, "t_item": whole, "t_item_seq": whole},
+    }
+    for r in res:
+        assert {tag: {t: s["offsets"] for t, s in shards.items()} for tag, shards in r["shards"].items()} == expected
+        # each split table has a shard on each rank
+        assert all(
+            s["ranks"] == [0, 1] for shards in r["shards"].values() for s in shards.values() if len(s["offsets"]) > 1
+        )
     for tag in plans:
         start = assemble([torch.load(tmp_path / f"{tag}.start{r}.pt") for r in range(2)])
         for name, r in rows.items():

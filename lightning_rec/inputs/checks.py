@@ -358,14 +358,13 @@ class InputChecks:
         self.poll(wait=False)
         value = loss.detach().float().sum()
         copied = None
-        if value.device.type != "cpu":
-            host = torch.empty((), dtype=torch.float32, pin_memory=value.device.type == "cuda")
-            host.copy_(value, non_blocking=True)
-            if value.device.type == "cuda":
-                copied = torch.cuda.Event()
-                copied.record()
-            value = host
-        self._pending.append(_PendingLoss(self.where(), value, copied))
+        # The same copy on every device (on CPU a 4-byte copy): the path a GPU takes runs, and is counted, on CPU too.
+        host = torch.empty((), dtype=torch.float32, pin_memory=value.device.type == "cuda")
+        host.copy_(value, non_blocking=True)
+        if value.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        self._pending.append(_PendingLoss(self.where(), host, copied))
 
     def poll(self, wait: bool = True) -> None:
         """Report the losses sent to host memory by :meth:`check_loss` that are non-finite. Without ``wait``, only

@@ -207,6 +207,29 @@ def local_weights(module: nn.Module) -> Dict[str, List]:
     return out
 
 
+def plan_shards(plan: Any) -> Dict[str, Dict[str, Any]]:
+    """What a ``ShardingPlan`` (``trainer.strategy.sharding_plan``) made of every table: ``{table: {"type": sharding
+    type, "offsets": [[row, column] of each shard], "ranks": [rank of each shard]}}`` (no shards: data-parallel)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for module_plan in plan.plan.values():
+        for table, ps in module_plan.items():
+            shards = ps.sharding_spec.shards if ps.sharding_spec is not None else []
+            out[table] = {
+                "type": ps.sharding_type,
+                "offsets": [list(s.shard_offsets) for s in shards],
+                "ranks": [s.placement.rank() for s in shards],
+            }
+    return out
+
+
+def sharded_forwards(module: nn.Module) -> Dict[str, str]:
+    """The type of the ``forward`` every sharded embedding module in ``module`` runs, by path: ``"method"`` (its own)
+    or, once TorchRec's train pipeline rewrote it, ``"PipelinedForward"`` (inputs distributed ahead)."""
+    from torchrec.distributed.types import ShardedModule
+
+    return {path: type(m.forward).__name__ for path, m in module.named_modules() if isinstance(m, ShardedModule)}
+
+
 def save_weights(module: nn.Module, out_dir: Path, tag: str, rank: int) -> None:
     """This rank's :func:`local_weights` into ``out_dir/<tag>.weights<rank>.pt``, for :func:`saved_weights`."""
     torch.save(local_weights(module), Path(out_dir) / f"{tag}.weights{rank}.pt")

@@ -14,7 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_rec
 from lightning_rec.callbacks import PretrainedRows
-from tests.helpers.models import local_weights
+from tests.helpers.models import local_weights, plan_shards
 from tests.helpers.user_models import samples, to_batch
 from lightning_rec.testing import QUIET_TRAINER
 
@@ -65,9 +65,11 @@ def start_from_files(
     rank: int, world_size: int, out_dir: Path, files: Dict[str, str], plans: Dict[str, Dict[str, Any]]
 ) -> Dict[str, Any]:
     """For each plan: fit one step from rows in ``files``; each rank saves what it holds at train start as
-    ``<plan>.start<rank>.pt``."""
+    ``<plan>.start<rank>.pt``; report the sharding types used and the shards of every table (:func:`plan_shards`),
+    by plan."""
     L.seed_everything(0)
     types = set()
+    shards = {}
     for tag, constraints in plans.items():
         trainer = L.Trainer(
             strategy=lightning_rec.RecShardStrategy(constraints=constraints),
@@ -79,5 +81,6 @@ def start_from_files(
         )
         batch = to_batch(samples(8, 3)[rank * 4 : (rank + 1) * 4])
         trainer.fit(MetaModel(), DataLoader([batch], batch_size=None))
-        types.update(s.sharding_type for m in trainer.strategy.sharding_plan.plan.values() for s in m.values())
-    return {"types": sorted(types)}
+        shards[tag] = plan_shards(trainer.strategy.sharding_plan)
+        types.update(t["type"] for t in shards[tag].values())
+    return {"types": sorted(types), "shards": shards}

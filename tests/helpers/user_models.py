@@ -23,12 +23,17 @@ import lightning_rec
 TABLES = [("t_user", "user", 60), ("t_genre", "genre", 20), ("t_item", "item", 90)]
 DIM = 8
 # A sharded EBC groups its output by sharding type, in the order the types first appear: this plan returns
-# user, item, genre (on 1 rank and on 2) where the unsharded module returns user, genre, item.
+# user, item, genre (on 1 rank and on 2) where the unsharded module returns user, genre, item. The column-wise
+# tables are split in two column blocks of 4 (`min_partition`; TorchRec's default block of 128 would keep an 8-wide
+# table in one shard at column 0): one per rank on 2 ranks, both on rank 0 on 1. The model's `torch.optim.Adagrad`
+# becomes FBGEMM's exact (per-value) Adagrad, exact under column splits (row-wise Adagrad would not be).
 REORDERING_PLAN = {
-    "t_user": {"sharding_types": ["column_wise"]},
+    "t_user": {"sharding_types": ["column_wise"], "min_partition": 4},
     "t_genre": {"sharding_types": ["data_parallel"]},
-    "t_item": {"sharding_types": ["column_wise"]},
+    "t_item": {"sharding_types": ["column_wise"], "min_partition": 4},
 }
+# The (row, column) offsets of the shards REORDERING_PLAN makes of each table (on 1 rank and on 2).
+REORDERING_PLAN_SHARDS = {"t_user": [[0, 0], [0, 4]], "t_genre": [], "t_item": [[0, 0], [0, 4]]}
 # Every table whole on one rank: the declared order.
 TABLE_WISE_PLAN = {t: {"sharding_types": ["table_wise"]} for t, _, _ in TABLES}
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
 from lightning_rec.strategy.faults import close_process_group_at_exit
-from tests.helpers.models import local_weights
+from tests.helpers.models import local_weights, plan_shards, sharded_forwards
 from tests.helpers.user_models import (
     TABLE_WISE_PLAN,
     ValuesModel,
@@ -34,11 +34,13 @@ HELDOUT_SEED = 99
 
 
 class _Probe(L.Callback):
-    """Records the sharded weights before the first update and whether the output order needed restoring."""
+    """Records the sharded weights before the first update, whether the output order needed restoring and, at every
+    training step, which forward the sharded EBC ran (``PipelinedForward`` when TorchRec's pipeline rewrote it)."""
 
     def __init__(self, out: Path, rank: int) -> None:
         self.out, self.rank = out, rank
         self.reordered: Optional[bool] = None
+        self.forwards: List[str] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         torch.save(local_weights(pl_module), self.out / f"start.weights{self.rank}.pt")
@@ -46,6 +48,7 @@ class _Probe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.reordered is None:  # after the first forward the wrapper is gone unless it reorders
             self.reordered = "compute_and_output_dist" in vars(pl_module.ebc)
+        self.forwards.append(sharded_forwards(pl_module)["ebc"])
 
 
 def _trainer(
@@ -108,6 +111,8 @@ def fit(
         "losses": model.losses,
         "logits": logits,
         "reordered": probe.reordered,
+        "forwards": probe.forwards,
+        "shards": {t: s["offsets"] for t, s in plan_shards(trainer.strategy.sharding_plan).items()},
         "warnings": [str(w.message) for w in caught if "different weights on different ranks" in str(w.message)],
     }
 
@@ -255,10 +260,21 @@ def syncs(
             {fn for (_, (f, _, fn)) in counter.origins if "/lightning/pytorch/loops/" in f}
         ),
         "by_op": {op: n / measured for op, n in sorted(_by_op(counter).items())},
+        # per step, by op and the file and function that asked (no line numbers: they move with every release)
+        "by_origin": _by_origin(counter, measured),
         "origins": sorted(
             f"{op} {Path(f).name}:{line} {fn} x{n}" for (op, (f, line, fn)), n in counter.origins.items()
         ),
     }
+
+
+def _by_origin(counter: Any, steps: int) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for (op, (file, _, function)), n in counter.origins.items():
+        mine = file.replace("\\", "/").rpartition("/lightning_rec/")
+        key = f"{op} {'lightning_rec/' + mine[2] if mine[1] else Path(file).name}:{function}"
+        out[key] = out.get(key, 0) + n / steps
+    return dict(sorted(out.items()))
 
 
 def _by_op(counter: Any) -> Dict[str, int]:

@@ -16,7 +16,8 @@ What :func:`check_case` runs (3 launches of real gloo ranks, through ``tests.hel
 3. 1 process predicts from the 2-process checkpoint (2 -> 1).
 
 and asserts, to ``tol``: per-step losses (the mean of the ranks' losses with 2) equal a plain-PyTorch reference
-(the unsharded module, ``case.loss`` on whole batches, ``case.optimizers``); pipelined losses equal non-pipelined;
+(the unsharded module, ``case.loss`` on whole batches, ``case.optimizers``); pipelined losses equal non-pipelined,
+and the pipelined fits ran TorchRec's pipelined forward in every sharded module at every step on every rank;
 predictions (the ranks' shares concatenated) equal the reference's, before and after resharding; and the module
 class's ``load_from_checkpoint(<2-process checkpoint>)`` predicts the same in this (non-distributed) process.
 
@@ -215,6 +216,12 @@ def check_case(tmp_path: Path, case_module: ModuleType) -> None:
     for runs in (one, two):
         for r in runs:
             assert r["pipelined_losses"] == pytest.approx(r["losses"], abs=tol), "pipelined vs not"
+            # ... and the pipelined fit really pipelined: at every step on every rank, every sharded embedding
+            # module ran TorchRec's PipelinedForward (inputs distributed ahead), not a silent fallback to its own.
+            for key, forward in (("forwards", "method"), ("pipelined_forwards", "PipelinedForward")):
+                steps = r[key]
+                assert len(steps) == len(r["losses"]) and all(steps), f"{key}: no sharded module recorded"
+                assert all(set(step.values()) == {forward} for step in steps), f"{key}: {steps}"
 
     expected = _flat(ref["predictions"])
     assert _flat(one[0]["predictions"]) == pytest.approx(expected, abs=tol)

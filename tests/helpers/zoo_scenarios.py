@@ -11,18 +11,22 @@ from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
 from lightning_rec.testing import QUIET_TRAINER
+from tests.helpers.models import sharded_forwards
 from tests.helpers.zoo import ZooCase, flatten, load_case, reference, seeded_module
 
 
 class _Losses(L.Callback):
-    """Each step's loss, as ``training_step`` returned it (automatic or manual optimization)."""
+    """Each step's loss, as ``training_step`` returned it (automatic or manual optimization), and the forward every
+    sharded embedding module ran in it (:func:`~tests.helpers.models.sharded_forwards`)."""
 
     def __init__(self) -> None:
         self.losses: List[float] = []
+        self.forwards: List[Dict[str, str]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
+        self.forwards.append(sharded_forwards(pl_module))
 
 
 def _trainer(case: ZooCase, world_size: int, pipeline: bool = False) -> L.Trainer:
@@ -53,23 +57,26 @@ def _fit(case: ZooCase, rank: int, world_size: int, pipeline: bool) -> tuple:
     trainer = _trainer(case, world_size, pipeline)
     trainer.callbacks.append(losses)
     trainer.fit(module, _loader([case.share(b, rank, world_size) for b in case.batches(case.steps)]))
-    return trainer, module, losses.losses
+    return trainer, module, losses
 
 
 def fit(
     rank: int, world_size: int, out_dir: Path, case: str, save: Optional[str] = None, predict_ckpt: Optional[str] = None
 ) -> Dict[str, Any]:
     """Fit from the seeded start (rank 0 also runs the plain-PyTorch reference first), fit again pipelined, save,
-    predict the held-out share; with ``predict_ckpt``, also predict from that checkpoint with a fresh module."""
+    predict the held-out share; with ``predict_ckpt``, also predict from that checkpoint with a fresh module. Both
+    fits report each step's loss and the forward each sharded embedding module ran in it."""
     zoo = load_case(case)
     result: Dict[str, Any] = {}
     if rank == 0:
         result["reference"] = reference(zoo, seeded_module(zoo))
-    trainer, module, result["losses"] = _fit(zoo, rank, world_size, pipeline=False)
+    trainer, module, plain = _fit(zoo, rank, world_size, pipeline=False)
+    result["losses"], result["forwards"] = plain.losses, plain.forwards
     result["predictions"] = _predict(trainer, module, zoo, rank, world_size)
     if save:
         trainer.save_checkpoint(out_dir / save)
-    _, _, result["pipelined_losses"] = _fit(zoo, rank, world_size, pipeline=True)
+    _, _, piped = _fit(zoo, rank, world_size, pipeline=True)
+    result["pipelined_losses"], result["pipelined_forwards"] = piped.losses, piped.forwards
     if predict_ckpt:
         result["from_ckpt"] = _from_ckpt(zoo, rank, world_size, predict_ckpt)
     return result

@@ -20,7 +20,14 @@ from lightning_rec.strategy.dmp import materialize_dense
 from lightning_rec.strategy.unsharded import _Reorder
 from tests.helpers.dist import launch, run_ranks
 from tests.helpers.models import assemble
-from tests.helpers.user_models import REORDERING_PLAN, TABLE_WISE_PLAN, ValuesModel, samples, to_batch
+from tests.helpers.user_models import (
+    REORDERING_PLAN,
+    REORDERING_PLAN_SHARDS,
+    TABLE_WISE_PLAN,
+    ValuesModel,
+    samples,
+    to_batch,
+)
 from tests.helpers import user_scenarios
 
 TOL = 1e-5
@@ -55,6 +62,9 @@ def test_a_values_model_trains_like_plain_pytorch_on_any_plan_reshards_and_loads
     # The two plans put the pooled columns in different orders (the 2-rank one differs from the unsharded order
     # and is restored; the table-wise one already agrees and is left alone, at no cost).
     assert [r["reordered"] for r in two] == [True, True] and one[0]["reordered"] is False
+    # The column-wise tables are really split (a shard at column 4: its rows are copied from the held columns 4:8).
+    assert [r["shards"] for r in two] == [REORDERING_PLAN_SHARDS] * 2
+    assert [r["forwards"] for r in (*two, *one)] == [["method"] * 5] * 3, "not pipelined: the modules' own forwards"
     _check_against_reference(two, tmp_path / "two", 2)
     _check_against_reference(one, tmp_path / "one", 1)
     assert one[0]["ref_logits"] == two[0]["ref_logits"]
@@ -88,6 +98,11 @@ def test_pipelined_training_takes_dict_and_tuple_batches(tmp_path):
     _check_against_reference(dicts, tmp_path / "dict", 2)
     tuples = run_ranks(FIT, 1, tmp_path / "tuple", constraints=REORDERING_PLAN, pipeline=True, fmt="tuple")
     _check_against_reference(tuples, tmp_path / "tuple", 1)
+    for r in (*dicts, *tuples):
+        # Every step on every rank ran TorchRec's pipelined forward (inputs distributed ahead), not a silent
+        # fallback to the plain forward, which would match the reference just as well.
+        assert r["forwards"] == ["PipelinedForward"] * 5
+        assert r["shards"] == REORDERING_PLAN_SHARDS  # 2 column shards per table, on 2 ranks and on 1
 
 
 @pytest.mark.dist

@@ -1,0 +1,143 @@
+"""Re-run the test audit: apply one deliberate regression (a mutation) at a time and check that a test fails.
+
+Each mutation replaces one exact snippet of the code (it must occur exactly once), runs the tests that must catch it,
+and restores the file, whatever happens. A mutation that no test catches is the finding.
+
+    .venv/bin/python scripts/mutations.py --list
+    .venv/bin/python scripts/mutations.py                    # all of them (~15 min on 2 cores)
+    .venv/bin/python scripts/mutations.py loss_item cpu_lookup_group
+
+Exit status 1 when a mutation survives (every test passed with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+SYNCS_1 = "tests/strategy/test_syncs.py::test_a_recshard_step_reads_exactly_what_is_pinned_and_no_more_than_torchrec_by_hand[dict-False-1]"
+SYNCS_PIPE = "tests/strategy/test_syncs.py::test_a_recshard_step_reads_exactly_what_is_pinned_and_no_more_than_torchrec_by_hand[batch-True-1]"
+PRE_BACKWARD = (
+    "        self._input_checks.check_loss(closure_loss)  # the backward pass would write a NaN into the tables\n"
+)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One regression: in ``path``, ``old`` (exactly once) becomes ``new``; one of ``tests`` must then fail."""
+
+    name: str
+    why: str
+    path: str
+    old: str
+    new: str
+    tests: Tuple[str, ...]
+
+
+MUTATIONS: List[Mutation] = [
+    Mutation(
+        "loss_item",
+        "an .item() inside torch (formatting the loss) in the step",
+        "lightning_rec/strategy/recshard.py",
+        PRE_BACKWARD,
+        PRE_BACKWARD + '        _ = f"{closure_loss.detach():.4f}"\n',
+        (SYNCS_1,),
+    ),
+    Mutation(
+        "loss_cpu",
+        "the loss copied to the host with .cpu() in the step",
+        "lightning_rec/strategy/recshard.py",
+        PRE_BACKWARD,
+        PRE_BACKWARD + "        _ = closure_loss.detach().cpu()\n",
+        (SYNCS_1,),
+    ),
+    Mutation(
+        "loss_to_blocking",
+        "the loss copied to the host with a blocking .to() in the step",
+        "lightning_rec/strategy/recshard.py",
+        PRE_BACKWARD,
+        PRE_BACKWARD + '        _ = closure_loss.detach().to("cpu")\n',
+        (SYNCS_PIPE,),
+    ),
+    Mutation(
+        "loss_check_copy",
+        "the loss check's non-blocking copy to host memory replaced by .cpu()",
+        "lightning_rec/inputs/checks.py",
+        "        host.copy_(value, non_blocking=True)\n",
+        "        host = value.cpu()\n",
+        (SYNCS_1,),
+    ),
+    Mutation(
+        "cpu_lookup_group",
+        "the CPU lookup's threaded backward leaves one group of tables without its update",
+        "lightning_rec/strategy/cpu_lookup.py",
+        "        futures = [_pool(self.threads).submit(self._call, grad, *call) for call in calls]\n",
+        "        futures = [_pool(self.threads).submit(self._call, grad, *call) for call in calls[:-1]]\n",
+        ("tests/strategy/test_cpu_lookup.py",),
+    ),
+    Mutation(
+        "cpu_lookup_weights",
+        "the CPU lookup's forward ignores per-sample weights",
+        "lightning_rec/strategy/cpu_lookup.py",
+        "                    per_sample_weights=None if weights is None else weights[s:e],\n",
+        "                    per_sample_weights=None,\n",
+        ("tests/strategy/test_cpu_lookup.py",),
+    ),
+]
+
+
+def run(mutation: Mutation) -> Tuple[bool, float, str]:
+    """Apply ``mutation``, run its tests, restore the file. Returns (caught, seconds, the tests' last line)."""
+    path = REPO / mutation.path
+    original = path.read_text()
+    if original.count(mutation.old) != 1:
+        raise SystemExit(
+            f"{mutation.name}: the snippet occurs {original.count(mutation.old)} times in {mutation.path} "
+            "(the code moved: update the mutation)"
+        )
+    start = time.monotonic()
+    try:
+        path.write_text(original.replace(mutation.old, mutation.new))
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        path.write_text(original)
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    return proc.returncode != 0, time.monotonic() - start, last
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        raise SystemExit(f"unknown mutations {sorted(unknown)}; --list shows them")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:24} {m.path}: {m.why}")
+        return
+    survived = []
+    for m in chosen:
+        caught, seconds, last = run(m)
+        print(f"{'caught  ' if caught else 'SURVIVED'} {m.name:24} {seconds:6.1f}s  {last}", flush=True)
+        if not caught:
+            survived.append(m.name)
+    if survived:
+        raise SystemExit(f"{len(survived)} mutation(s) survived: {survived}")
+
+
+if __name__ == "__main__":
+    main()
