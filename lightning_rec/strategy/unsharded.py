@@ -224,7 +224,7 @@ def _copy_into(target: Any, source: torch.Tensor, name: str) -> None:
         if tuple(target.size()) != tuple(source.shape):
             raise RuntimeError(f"{name}: sharded size {tuple(target.size())} != held {tuple(source.shape)}")
         for shard in target.local_shards():
-            region = tuple(slice(o, o + s) for o, s in zip([shard.metadata.shard_offsets[0], 0], shard.metadata.shard_sizes))
+            region = tuple(slice(o, o + s) for o, s in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
             shard.tensor.copy_(source[region])
     elif isinstance(target, DTensor):
         local = target.to_local()  # TorchRec's LocalShardsWrapper: the rank's shards and their global offsets
