@@ -307,6 +307,16 @@ def _plan(argv: List[str]) -> None:
         print(f"wrote {os.path.join(out, 'sweep.json')}, sweep.png and one plan_HxD.json per topology that fits")
 
 
+_DESCRIPTION = "TorchRec's sharded training under Lightning: LightningCLI's commands, and three of its own."
+# LightningCLI lists only its own subcommands; the three handled before it (see `run`) are listed here.
+_OTHER_COMMANDS = (
+    "other commands (each with --help): "
+    "plan (the sharding plan fit would make, for a cluster, from this machine); "
+    "export (a sharded checkpoint to one unsharded state dict, or a serving artifact); "
+    "prepare (fetch or convert a dataset ahead of time)"
+)
+
+
 def _strategy_class_for_init_args(argv: List[str]) -> List[str]:
     """``--trainer.strategy.init_args.X=...`` on a config that says ``strategy: recshard`` (a name, which takes no
     arguments): name the class first, ``--trainer.strategy={"class_path": "lightning_rec.RecShardStrategy"}``, so the
@@ -351,6 +361,7 @@ def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:
             trainer_defaults={"callbacks": [Throughput()]},
             args=rewritten if rewritten != argv else args,
             auto_configure_optimizers=False,
+            parser_kwargs={"description": _DESCRIPTION, "epilog": _OTHER_COMMANDS},
         )
 
 

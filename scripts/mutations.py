@@ -89,6 +89,14 @@ MUTATIONS: List[Mutation] = [
         "                    per_sample_weights=None,\n",
         ("tests/strategy/test_cpu_lookup.py",),
     ),
+    Mutation(
+        "sasrec_column_split",
+        "the shipped SASRec config splits its item table column-wise under row-wise Adagrad (drifts)",
+        "examples/configs/movielens_sasrec.yaml",
+        "          sharding_types: [row_wise]\n",
+        "          sharding_types: [column_wise]\n          min_partition: 32\n",
+        ("tests/test_cli.py::test_no_shipped_config_splits_the_columns_of_a_table_row_wise_adagrad_trains",),
+    ),
 ]
 
 

@@ -38,6 +38,7 @@ from lightning_rec.strategy.optim import (
 )
 from lightning_rec.strategy.plan_file import check_plan, read_plan, to_sharding_plan
 from lightning_rec.strategy.plan_report import PlanReport, table_shapes
+from lightning_rec.strategy.quiet import torchrec_noise_silenced
 from lightning_rec.strategy.sharding import (
     check_managed_collision,
     check_qcomms,
@@ -168,7 +169,7 @@ class TableSharder:
         tables trained by their own fused optimizer (TorchRec groups tables by their fused parameters)."""
         pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
         local_world_size = (self.topology or TopologyConfig()).ranks_per_host(num_processes)
-        with self.per_table_fused_params(module, per_table):
+        with self.per_table_fused_params(module, per_table), torchrec_noise_silenced():
             plan, report, sharders = self._plan(
                 module, embedding_optimizer, world_size, local_world_size, device.type, pg, None, None
             )
@@ -212,7 +213,7 @@ class TableSharder:
         Raises:
             torchrec.distributed.planner.types.PlannerError: if the tables do not fit.
         """
-        with self.per_table_fused_params(module, per_table):
+        with self.per_table_fused_params(module, per_table), torchrec_noise_silenced():
             return self._plan(
                 module, embedding_optimizer, world_size, local_world_size, device_type, None, preset, batch_size
             )[1]

@@ -1,0 +1,44 @@
+"""TorchRec's messages that do not apply to a recshard run are silenced, and only those."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+
+from lightning_rec.strategy.quiet import torchrec_noise_silenced
+
+
+def test_only_the_named_torchrec_messages_are_dropped(caplog):
+    caplog.set_level(logging.INFO)
+    utils = logging.getLogger("torchrec.distributed.utils")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the user's filters; the block's own go on top, as in a run
+        with torchrec_noise_silenced():
+            logging.warning("Sharding spec not found for ebc.t_user")
+            utils.warning("Sharding Type is data_parallel, caching params will be ignored")
+            warnings.warn(
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead.", FutureWarning, stacklevel=1
+            )
+            logging.warning("Rank is not assigned for shard")  # anything else still reaches the user
+            utils.warning("Compute Kernel is dense, something else")
+            warnings.warn("another deprecation", FutureWarning, stacklevel=1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Rank is not assigned for shard",
+        "Compute Kernel is dense, something else",
+    ]
+    assert [str(w.message) for w in caught] == ["another deprecation"]
+    caplog.clear()
+    logging.warning("Sharding spec not found for ebc.t_user")  # the filters are gone after the block
+    assert len(caplog.records) == 1
+
+
+def test_a_fit_with_a_data_parallel_table_prints_none_of_them(tmp_path, caplog):
+    from tests.strategy.test_torchrec_models import TABLE_WISE_PLAN, fit
+
+    caplog.set_level(logging.WARNING)
+    plan = {**TABLE_WISE_PLAN, "weighted_table_1": {"sharding_types": ["data_parallel"]}}
+    result = fit(0, 1, tmp_path, constraints=plan, steps=1)
+    assert result["plan"]["weighted_table_1"] == "data_parallel"
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "Sharding spec not found" in m or "caching params will be ignored" in m], said
