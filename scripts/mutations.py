@@ -97,6 +97,64 @@ MUTATIONS: List[Mutation] = [
         "          sharding_types: [column_wise]\n          min_partition: 32\n",
         ("tests/test_cli.py::test_no_shipped_config_splits_the_columns_of_a_table_row_wise_adagrad_trains",),
     ),
+    Mutation(
+        "column_offsets",
+        "the rows the unsharded tables held are copied into every shard as if it began at column 0",
+        "lightning_rec/strategy/unsharded.py",
+        "            region = tuple(slice(o, o + s) for o, s in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))\n",
+        "            region = tuple(slice(o, o + s) for o, s in zip([shard.metadata.shard_offsets[0], 0], shard.metadata.shard_sizes))\n",
+        ("tests/test_pretrained.py::test_every_plan_starts_from_the_files_rows",),
+    ),
+    Mutation(
+        "pipeline_rewrite",
+        "TorchRec's pipeline rewrite silently skipped: both sides of 'pipelined == not pipelined' run the plain forward",
+        "lightning_rec/strategy/pipeline.py",
+        "                _compat.pipeline_rewrite(engine)  # rewrites the forwards, starts batch 0's input dist\n",
+        "                pass\n",
+        ("tests/strategy/test_unsharded.py::test_pipelined_training_takes_dict_and_tuple_batches",),
+    ),
+    Mutation(
+        "pipeline_off",
+        "RecShardStrategy(pipeline=True) never builds the pipeline",
+        "lightning_rec/strategy/recshard.py",
+        "                SparseDistPipeline(state.dmp, self.root_device, self._input_checks) if self.pipeline else None\n",
+        "                None\n",
+        ("tests/models/test_dlrm.py::test_dlrm_dcn_trains_like_plain_pytorch_pipelined_and_resharded",),
+    ),
+    Mutation(
+        "int8_tables_zeroed",
+        "the int8 serving artifact's tables are zeros",
+        "lightning_rec/serving/export.py",
+        "    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])\n",
+        "    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])\n"
+        + '    [k.weights_host.zero_() for k in quantized.modules() if type(k).__name__ in KERNELS and table_dtype == "int8"]\n',
+        ("tests/test_serving.py::test_zoo_model_serves_without_lightning_rec_like_the_trained_module[dlrm]",),
+    ),
+    Mutation(
+        "int4_tables_zeroed",
+        "the int4 serving artifact's tables are zeros",
+        "lightning_rec/serving/export.py",
+        "    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])\n",
+        "    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])\n"
+        + '    [k.weights_host.zero_() for k in quantized.modules() if type(k).__name__ in KERNELS and table_dtype == "int4"]\n',
+        ("tests/test_serving.py::test_zoo_model_serves_without_lightning_rec_like_the_trained_module[dlrm]",),
+    ),
+    Mutation(
+        "cpp_ids_zero",
+        "the C++ server reads every id as 0",
+        "examples/serve_cpp/serve.cpp",
+        "    values = torch::tensor(v, torch::kLong);\n",
+        "    values = torch::zeros_like(torch::tensor(v, torch::kLong));\n",
+        ("tests/test_serving.py::test_cpp_example_serves_the_artifact_like_python",),
+    ),
+    Mutation(
+        "cpp_dense_layout",
+        "the C++ server reads the dense values in the wrong layout",
+        "examples/serve_cpp/serve.cpp",
+        "    dense_features = torch::tensor(d).reshape({rows, dense});\n",
+        "    dense_features = torch::tensor(d).reshape({dense, rows}).t();\n",
+        ("tests/test_serving.py::test_cpp_example_serves_the_artifact_like_python",),
+    ),
 ]
 
 

@@ -294,9 +294,12 @@ def test_modules_without_a_serving_network_and_wrong_arguments_are_refused(tmp_p
 @pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("c++")), reason="needs cmake and a C++ compiler")
 def test_cpp_example_serves_the_artifact_like_python(tmp_path):
     """README's C++ snippet (examples/serve_cpp), built against the installed libtorch, loads an int8 artifact with
-    FBGEMM's libraries and predicts what Python's ``torch.jit.load`` predicts."""
-    case = zoo_dlrm.CASE
-    ckpt = _checkpoint(seeded_module(case), case.batches(1), tmp_path / "ckpt")
+    FBGEMM's libraries and predicts what Python's ``torch.jit.load`` predicts, on held-out samples that each bring
+    their own ids (one or several per feature) and dense values, from a checkpoint whose tables matter: feature order,
+    row lookup and the samples' layout all show in the outputs."""
+    case, fast, _ = MODELS["dcnv2"]
+    case = ZooCase(**{**case.__dict__, "build": fast})
+    ckpt = _checkpoint(seeded_module(case), case.batches(4), tmp_path / "ckpt")
     spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
     build = tmp_path / "build"
     prefix = torch.utils.cmake_prefix_path
@@ -306,20 +309,23 @@ def test_cpp_example_serves_the_artifact_like_python(tmp_path):
     ):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows, dense, features = 3, spec.num_dense_features, len(spec.features)
+    heldout = case.heldout()
+    dense, values, lengths = serving_inputs(spec, heldout.sparse_features, heldout.dense_features)
+    rows, features = dense.shape[0], len(spec.features)
+    assert dense.shape[1] == spec.num_dense_features and len(dense.unique(dim=0)) > 1 and len(values) > features * rows
+    assert len(values.unique()) > rows, "different ids across samples"
+    lines = [dense.reshape(-1).tolist(), lengths.tolist(), values.tolist()]
+    (tmp_path / "inputs.txt").write_text("".join(" ".join(repr(v) for v in line) + "\n" for line in lines))
     fbgemm_dir = Path(fbgemm_gpu.__file__).parent
-    cmd = [str(build / "serve"), str(tmp_path / "model.pt"), str(fbgemm_dir), str(rows), str(dense), str(features)]
+    cmd = [str(build / "serve"), str(tmp_path / "model.pt"), str(fbgemm_dir), str(rows), str(dense.shape[1])]
+    cmd += [str(features), str(tmp_path / "inputs.txt")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     cpp = torch.tensor([float(v) for v in out.stdout.split("output:")[1].split()])
-    model = load_inference(tmp_path / "model.pt")
     with torch.inference_mode():
-        want = model(
-            torch.zeros(rows, dense),
-            torch.zeros(features * rows, dtype=torch.long),
-            torch.ones(features * rows, dtype=torch.int),
-        )
-    assert cpp.shape == want.shape and torch.allclose(cpp, want, atol=1e-5), (cpp, want)
+        want = load_inference(tmp_path / "model.pt")(dense, values, lengths)
+    assert want.max() - want.min() > 0.1, "the samples' outputs must differ for their order to show"
+    assert cpp.shape == want.shape and torch.allclose(cpp, want, rtol=0, atol=1e-6), (cpp - want).abs().max()
 
 
 def test_a_checkpoint_that_does_not_name_its_class_needs_model_class(tmp_path):
