@@ -1,0 +1,41 @@
+"""BENCHMARKS.md's commands name scripts that exist, with options those scripts take (no script is run)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = {"-m lightning_rec.bench": REPO / "lightning_rec" / "bench" / "runner.py"}
+
+
+def _commands():
+    text = (REPO / "BENCHMARKS.md").read_text()
+    for block in re.findall(r"```(?:bash)?\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#")[0].strip()
+            if ".venv/bin/python" in line and "/tmp/" not in line:  # (/tmp: an old tree exported on purpose)
+                yield line[line.index(".venv/bin/python") :]
+
+
+def _options(script: Path):
+    return set(re.findall(r"add_argument\(\s*\"(--[a-z0-9-]+)\"", script.read_text()))
+
+
+def test_every_benchmarks_command_names_a_script_and_options_it_takes():
+    checked = 0
+    for command in _commands():
+        words = shlex.split(command)[1:]
+        if words[:2] == ["-m", "pytest"] or words[0] == "-c":
+            continue
+        if words[0] == "-m":
+            script, args = SCRIPTS.get(f"-m {words[1]}"), words[2:]
+            assert script is not None, command
+        else:
+            script, args = REPO / words[0], words[1:]
+        assert script.exists(), command
+        unknown = {a.split("=")[0] for a in args if a.startswith("--")} - _options(script)
+        assert not unknown, (command, unknown)
+        checked += 1
+    assert checked >= 30
