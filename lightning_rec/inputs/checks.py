@@ -219,13 +219,10 @@ class InputChecks:
         self._vbe_refusals = dict(variable_batch_refusals or {})
         for path, spec in specs.items():
             sharded = sharded_root.get_submodule(path)
-            original = getattr(sharded, "_lightning_rec_input_dist", None)
             if not self.check_structure:
-                if original is not None:
-                    object.__delattr__(sharded, "input_dist")
-                    object.__delattr__(sharded, "_lightning_rec_input_dist")
+                _compat.unpatch_method(sharded, "input_dist")
                 continue
-            original = original or sharded.input_dist
+            original = _compat.original_method(sharded, "input_dist")
 
             def input_dist(
                 ctx: Any, features: Any, *args: Any, _original=original, _spec=spec, _checks=self, **kwargs: Any
@@ -233,10 +230,9 @@ class InputChecks:
                 features = _checks.at_door(features, _spec)
                 return _original(ctx, features, *args, **kwargs)
 
-            # An instance attribute shadows the method: TorchRec calls `module.input_dist(...)` both from the
-            # module's own forward and from its train pipeline, so this is the one door for every batch.
-            object.__setattr__(sharded, "_lightning_rec_input_dist", original)
-            object.__setattr__(sharded, "input_dist", input_dist)
+            # TorchRec calls `module.input_dist(...)` both from the module's own forward and from its train pipeline,
+            # so this is the one door for every batch.
+            _compat.patch_method(sharded, "input_dist", input_dist)
 
     # ---------------------------------------------------------------------------------------------------------
     # Batches: contents on the host, the rest at the door

@@ -328,6 +328,6 @@ def install_cpu_lookup(model: nn.Module, threads: Optional[int] = None) -> Dict[
             continue
         reason = ineligible_reason(tbe) or (None if threads > 1 else "one intra-op thread")
         if reason is None:
-            _compat.replace_forward(tbe, CpuLookup(tbe, tbe.forward, threads=threads))
+            _compat.patch_method(tbe, "forward", CpuLookup(tbe, tbe.forward, threads=threads))
         done[where] = reason or "fast"
     return done

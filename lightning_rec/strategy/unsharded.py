@@ -139,19 +139,19 @@ def restore_output_order(sharded_root: nn.Module, orders: Dict[str, List[str]]) 
     """
     for path, order in orders.items():
         sharded = sharded_root.get_submodule(path) if path else sharded_root
-        if hasattr(sharded, "compute_and_output_dist"):  # else: a module the plan left unsharded
+        if _compat.patchable(sharded, "compute_and_output_dist"):  # else: a module the plan left unsharded
             _wrap(sharded, _Reorder(order))
 
 
 def _wrap(sharded: nn.Module, reorder: _Reorder) -> None:
-    original: Callable[..., Any] = sharded.compute_and_output_dist
+    original: Callable[..., Any] = _compat.original_method(sharded, "compute_and_output_dist")
 
     def decide(out: Any) -> Any:
         keys = _output_keys(out)
         if keys is None or not reorder.needed(keys):
-            sharded.__dict__.pop("compute_and_output_dist", None)  # the class's own method again: no cost per step
+            _compat.unpatch_method(sharded, "compute_and_output_dist")  # the class's own method again: no cost per step
             return out
-        sharded.compute_and_output_dist = reordering
+        _compat.patch_method(sharded, "compute_and_output_dist", reordering)
         return reorder(out)
 
     def wrapped(callback: Callable[[Any], Any]) -> Callable[..., Any]:
@@ -165,7 +165,7 @@ def _wrap(sharded: nn.Module, reorder: _Reorder) -> None:
         return compute_and_output_dist
 
     reordering = wrapped(reorder)
-    sharded.compute_and_output_dist = wrapped(decide)
+    _compat.patch_method(sharded, "compute_and_output_dist", wrapped(decide))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -321,10 +321,27 @@ def test_nonfinite_policies():
 def test_bounds_check_none_takes_the_checks_away_and_error_puts_them_back():
     """One sharded module, trainers with different settings: `install` wraps `input_dist` once and unwraps it."""
     from torch import nn
+    from torchrec.distributed.types import ShardedModule
 
-    class Sharded(nn.Module):
+    class Sharded(ShardedModule):  # the least a TorchRec sharded module is
+        def __init__(self) -> None:
+            super().__init__()
+
         def input_dist(self, ctx, features):
             return features
+
+        def create_context(self):
+            return None
+
+        def compute(self, ctx, dist_input):
+            return dist_input
+
+        def output_dist(self, ctx, output):
+            return output
+
+        @property
+        def unsharded_module_type(self):
+            return nn.Module
 
     root = nn.Module()
     root.ebc = Sharded()

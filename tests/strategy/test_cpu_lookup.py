@@ -117,8 +117,8 @@ def test_what_keeps_fbgemm_s_forward_is_named(tbe, reason):
 
 
 def test_the_seam_refuses_what_it_was_not_written_for():
-    with pytest.raises(TypeError, match="SplitTableBatchedEmbeddingBagsCodegen, got Linear"):
-        _compat.replace_forward(nn.Linear(2, 2), lambda x: x)
+    with pytest.raises(TypeError, match="SplitTableBatchedEmbeddingBagsCodegen instances, got Linear"):
+        _compat.patch_method(nn.Linear(2, 2), "forward", lambda x: x)
     with pytest.raises(TypeError, match="expected an nn.Module"):
         list(_compat.fused_tbes(object()))
     assert list(_compat.fused_tbes(nn.Linear(2, 2))) == []
