@@ -18,20 +18,20 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning_rec import _compat
 from torch.utils.data import DataLoader
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_rec
-from lightning_rec import Batch, RecShardStrategy
+from lightning_rec import Batch, RecShardStrategy, _compat
 from lightning_rec.testing import QUIET_TRAINER
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -45,7 +45,7 @@ def rss() -> int:
 class PeakRSS:
     """Peak RSS above the starting level while the ``with`` block runs."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.start = self.peak = rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -91,7 +91,7 @@ class Model(lightning_rec.RecLightningModule):
 class MeasuredStrategy(RecShardStrategy):
     """recshard, recording the peak RSS of each checkpoint save and load."""
 
-    measured: Dict[str, int] = {}
+    measured: dict[str, int] = {}
 
     def _measure(self, name: str, fn: Callable[[], Any]) -> Any:
         with PeakRSS() as peak:
@@ -99,12 +99,12 @@ class MeasuredStrategy(RecShardStrategy):
         self.measured[name] = peak.delta
         return out
 
-    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         self._measure(
             "save", lambda: super(MeasuredStrategy, self).save_checkpoint(checkpoint, filepath, storage_options)
         )
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> Dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> dict[str, Any]:
         return self._measure(
             "load", lambda: super(MeasuredStrategy, self).load_checkpoint(checkpoint_path, weights_only)
         )

@@ -24,8 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_rec.testing.ports import free_port
 from lightning_rec.testing import QUIET_TRAINER
+from lightning_rec.testing.ports import free_port
 
 MODES = ("gloo", "gloo_destroy", "gloo_clean", "recshard")
 _HELD: list = []

@@ -20,7 +20,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable, Dict, List
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ def _tbe(size: Size, lr: float) -> SplitTableBatchedEmbeddingBagsCodegen:
     )
 
 
-def measure(size: Size, threads: int, repeats: int, lr: float = 0.01) -> Dict[str, object]:
+def measure(size: Size, threads: int, repeats: int, lr: float = 0.01) -> dict[str, object]:
     """``{"fwd": {kernel: ms}, "bwd_update": {kernel: ms}}`` at ``threads`` intra-op threads."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -58,21 +58,21 @@ def measure(size: Size, threads: int, repeats: int, lr: float = 0.01) -> Dict[st
     per_table = ids.view(size.tables, -1)
     bag_offsets = torch.arange(0, size.batch_size * size.pooling + 1, size.pooling)
 
-    def torch_pooled() -> List[torch.Tensor]:
+    def torch_pooled() -> list[torch.Tensor]:
         return [
             F.embedding_bag(per_table[t], w, bag_offsets, mode="sum", include_last_offset=True, sparse=True)
             for t, w in enumerate(tables)
         ]
 
     grads = list(grad.split(size.dim, dim=1))
-    kernels: Dict[str, Dict[str, Callable[[], object]]] = {
+    kernels: dict[str, dict[str, Callable[[], object]]] = {
         "fwd": {
             "fbgemm": lambda: fbgemm(ids, offsets).detach(),
             "recshard": lambda: ours(ids, offsets).detach(),
             "torch": lambda: [t.detach() for t in torch_pooled()],
         },
     }
-    outs: Dict[str, object] = {}
+    outs: dict[str, object] = {}
 
     def bwd(name: str) -> Callable[[], None]:
         def run() -> None:
@@ -93,7 +93,7 @@ def measure(size: Size, threads: int, repeats: int, lr: float = 0.01) -> Dict[st
             "torch": torch_pooled,
         }[name]()
 
-    times: Dict[str, Dict[str, List[float]]] = {"fwd": {}, "bwd_update": {}}
+    times: dict[str, dict[str, list[float]]] = {"fwd": {}, "bwd_update": {}}
     for r in range(repeats + 1):  # the first round warms up
         for name in ("fbgemm", "recshard", "torch"):
             start = time.perf_counter()

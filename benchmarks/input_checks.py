@@ -29,7 +29,7 @@ def measure(size_name: str, steps: int) -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    from lightning_rec.bench.workload import SIZES, BenchModel, make_batches, table_constraints, init_weights
+    from lightning_rec.bench.workload import SIZES, BenchModel, init_weights, make_batches, table_constraints
     from lightning_rec.inputs import InputChecks, input_specs
     from lightning_rec.inputs.kjt import FeatureTables
     from lightning_rec.testing.reference import reference_dmp, reference_optimizer

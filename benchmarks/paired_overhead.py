@@ -25,16 +25,17 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, Dict, List
+from typing import Any
 
 import lightning as L
 import torch
 
 from lightning_rec import RecShardStrategy
 from lightning_rec.bench import SIZES, Size
-from lightning_rec.bench.workload import BenchModel, make_batches, table_constraints, init_weights, torch_optimizer
 from lightning_rec.bench.worker import lightning_module, raw_torchrec
+from lightning_rec.bench.workload import BenchModel, init_weights, make_batches, table_constraints, torch_optimizer
 from lightning_rec.testing.ports import rank_env
 
 
@@ -51,10 +52,10 @@ def _step(model: Any, optimizer: Any) -> Callable[[Any], None]:
 class _Paired(L.Callback):
     """After each Lightning step, one baseline step (built by ``make_baseline`` once training starts), timed apart."""
 
-    def __init__(self, make_baseline: Callable[[], Callable[[Any], None]], batches: List[Any]) -> None:
+    def __init__(self, make_baseline: Callable[[], Callable[[Any], None]], batches: list[Any]) -> None:
         self.make_baseline, self.batches = make_baseline, batches
-        self.ends: List[float] = []
-        self.baseline_ms: List[float] = []
+        self.ends: list[float] = []
+        self.baseline_ms: list[float] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.baseline = self.make_baseline()  # after the strategy started the process group
@@ -66,16 +67,16 @@ class _Paired(L.Callback):
         self.baseline_ms.append(1000 * (end - start))
         self.ends.append(end)  # the next Lightning step starts here
 
-    def lightning_ms(self) -> List[float]:
+    def lightning_ms(self) -> list[float]:
         """Each Lightning step: from the end of the previous baseline step to this step's end."""
         return [1000 * (b - a) - base for a, b, base in zip(self.ends, self.ends[1:], self.baseline_ms[1:])]
 
 
-def measure(size: Size, steps: int, warmup: int = 20, lr: float = 0.01) -> Dict[str, float]:
+def measure(size: Size, steps: int, warmup: int = 20, lr: float = 0.01) -> dict[str, float]:
     """Median ms per step of recshard and raw TorchRec, and of plain Lightning and a plain loop, paired."""
     device = torch.device("cpu")
     batches = make_batches(size, 0, 64)
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for name, plain in (("recshard", False), ("lightning", True)):
         module = lightning_module(size, lr, plain_tables=plain, sparse=plain)
         if plain:

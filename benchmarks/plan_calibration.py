@@ -30,7 +30,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,20 +42,20 @@ def _rss_mb() -> float:
 
 def train(
     rank: int, world_size: int, out_dir: Path, size: str, steps: int, plan: str, optimizer: str = "sgd"
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """One rank: train the bench model with ``plan``; its table bytes, peak RSS growth, step and embedding-step times."""
     import lightning as L
     import torch
 
     from lightning_rec import RecShardStrategy
-    from lightning_rec.bench.workload import SIZES, init_weights, make_batches
     from lightning_rec.bench.worker import lightning_module
+    from lightning_rec.bench.workload import SIZES, init_weights, make_batches
     from lightning_rec.testing import QUIET_TRAINER
 
     s = replace(SIZES[size], steps=steps, warmup=3, optimizer=optimizer)
     batches = make_batches(s, rank, s.warmup + s.steps)
     module = lightning_module(s, 0.1, plain_tables=False)
-    stamps: List[float] = []
+    stamps: list[float] = []
 
     class Clock(L.Callback):
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -101,7 +101,7 @@ def train(
     }
 
 
-def _tensors(tree: Any) -> List[Any]:
+def _tensors(tree: Any) -> list[Any]:
     if isinstance(tree, dict):
         return [t for v in tree.values() for t in _tensors(v)]
     if isinstance(tree, (list, tuple)):
@@ -122,11 +122,11 @@ def estimates(size: str, world_size: int, preset: Any, optimizer: str = "sgd") -
     return plan_cluster(lightning_module(s, 0.1, plain_tables=False), sharder, cluster)
 
 
-def measure(steps: int, optimizer: str = "sgd") -> Dict[str, Any]:
+def measure(steps: int, optimizer: str = "sgd") -> dict[str, Any]:
     from lightning_rec.strategy.topology import DEVICE_PRESETS
     from lightning_rec.testing.launch import run_ranks
 
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size, world in (("realistic", 1), ("realistic_2proc", 2)):
             default = estimates(size, world, None, optimizer)

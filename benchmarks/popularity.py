@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Dict
 
 import torch
 from torchmetrics.classification import BinaryAUROC
@@ -27,7 +26,7 @@ from lightning_rec.data import MovieLensDataModule, MovieLensRetrievalDataModule
 from lightning_rec.data.movielens_sequential import popularity_baseline as sequential_baseline
 
 
-def ctr_baseline(data_dir: str, val_fraction: float, test_fraction: float) -> Dict[str, float]:
+def ctr_baseline(data_dir: str, val_fraction: float, test_fraction: float) -> dict[str, float]:
     """AUROC of the items' smoothed training positive rate on the validation (and test) rows."""
     dm = MovieLensDataModule(data_dir, download=False, val_fraction=val_fraction, test_fraction=test_fraction)
     dm.setup("fit")

@@ -26,7 +26,6 @@ import pstats
 import statistics
 import time
 from dataclasses import replace
-from typing import Dict, List, Tuple
 
 import torch
 
@@ -35,7 +34,7 @@ from lightning_rec.bench.worker import run_worker
 from lightning_rec.testing.ports import rank_env
 
 
-def _instrument(events: List[Tuple[str, float]]) -> None:
+def _instrument(events: list[tuple[str, float]]) -> None:
     """Time stamps around the model's forward and every ``Tensor.backward`` (the same in every variant)."""
     build = workload.BenchModel.build
 
@@ -64,7 +63,7 @@ def _instrument(events: List[Tuple[str, float]]) -> None:
     torch.Tensor.backward = timed_backward
 
 
-def _instrument_lightning(events: List[Tuple[str, float]]) -> None:
+def _instrument_lightning(events: list[tuple[str, float]]) -> None:
     """Time stamps at Lightning's per-step hooks, the strategy's ``batch_to_device`` and ``RecOptimizer.step``."""
     import lightning as L
 
@@ -114,22 +113,22 @@ def _instrument_lightning(events: List[Tuple[str, float]]) -> None:
     optim.RecOptimizer.step = timed_step
 
 
-def _timeline(events: List[Tuple[str, float]], skip: int) -> Dict[str, float]:
+def _timeline(events: list[tuple[str, float]], skip: int) -> dict[str, float]:
     """Median ms from each stamp to the next (a step starts at ``batch_to_device``)."""
-    steps: List[List[Tuple[str, float]]] = []
+    steps: list[list[tuple[str, float]]] = []
     for name, t in events:
         if name == "batch_to_device":
             steps.append([])
         if steps:
             steps[-1].append((name, t))
     flat = [stamp for step in steps[skip:] for stamp in step]  # includes the end of a step -> the next one's start
-    gaps: Dict[str, List[float]] = {}
+    gaps: dict[str, list[float]] = {}
     for (a, ta), (b, tb) in zip(flat, flat[1:]):
         gaps.setdefault(f"{a} -> {b}", []).append(1000 * (tb - ta))
     return {k: round(statistics.median(v), 3) for k, v in gaps.items()}
 
 
-def _instrument_broadcast(durations: List[float]) -> None:
+def _instrument_broadcast(durations: list[float]) -> None:
     """Time every ``torch.distributed.broadcast`` (Lightning broadcasts a SIGTERM flag from rank 0 at every
     training step when there are several ranks; nothing else broadcasts per step)."""
     import torch.distributed as dist
@@ -145,8 +144,8 @@ def _instrument_broadcast(durations: List[float]) -> None:
     dist.broadcast = timed_broadcast
 
 
-def _phases(events: List[Tuple[str, float]], skip: int) -> Dict[str, float]:
-    steps: List[Dict[str, float]] = []
+def _phases(events: list[tuple[str, float]], skip: int) -> dict[str, float]:
+    steps: list[dict[str, float]] = []
     for name, t in events:
         if name not in ("fwd0", "fwd1", "bwd0", "bwd1"):
             continue
@@ -186,13 +185,13 @@ def main() -> None:
         os.environ.update(rank_env(0, 1, int(os.environ.get("MASTER_PORT", "29571"))))
     world_size = int(os.environ["WORLD_SIZE"])
     size = replace(SIZES[args.size], world_size=world_size, steps=args.steps, warmup=args.warmup)
-    events: List[Tuple[str, float]] = []
-    broadcasts: List[float] = []
+    events: list[tuple[str, float]] = []
+    broadcasts: list[float] = []
     _instrument_broadcast(broadcasts)
     _instrument(events)
     if args.hooks:
         _instrument_lightning(events)
-    record: Dict[str, object] = {"variant": args.variant, "size": args.size, "steps": args.steps}
+    record: dict[str, object] = {"variant": args.variant, "size": args.size, "steps": args.steps}
     if args.cprofile:
         profiler = cProfile.Profile()
         profiler.runcall(run_worker, args.variant, size, 0.01, False)

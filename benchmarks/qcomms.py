@@ -22,15 +22,16 @@ import json
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 _COLLECTIVES = ("all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
 @contextlib.contextmanager
-def counting_comms(counts: Dict[str, int]) -> Iterator[None]:
+def counting_comms(counts: dict[str, int]) -> Iterator[None]:
     """Sum the bytes each ``torch.distributed`` collective of ``_COLLECTIVES`` sends, by caller: ``"embeddings"`` for
     TorchRec's embedding comms (``comm_ops.py``), ``"inputs"`` for everything else (the KJT input distribution)."""
     import torch.distributed as dist
@@ -57,7 +58,7 @@ def counting_comms(counts: Dict[str, int]) -> Iterator[None]:
             setattr(dist, name, original)
 
 
-def train(rank: int, world_size: int, out_dir: Path, precision: str, plan: str, steps: int, batch: int) -> Dict:
+def train(rank: int, world_size: int, out_dir: Path, precision: str, plan: str, steps: int, batch: int) -> dict:
     """One rank: train TestSparseNN ``steps`` steps with ``qcomms=precision``; count the comms; predict held-out rows."""
     import lightning as L
     import torch
@@ -115,7 +116,7 @@ def train(rank: int, world_size: int, out_dir: Path, precision: str, plan: str, 
         max_steps=steps,
         **QUIET_TRAINER,
     )
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     with warnings.catch_warnings(), counting_comms(counts):
         warnings.simplefilter("ignore")
         trainer.fit(module, DataLoader(inputs[:steps], batch_size=None))
@@ -128,7 +129,7 @@ def train(rank: int, world_size: int, out_dir: Path, precision: str, plan: str, 
     }
 
 
-def measure(precisions: List[str], plan: str, steps: int, batch: int) -> Dict[str, Any]:
+def measure(precisions: list[str], plan: str, steps: int, batch: int) -> dict[str, Any]:
     """Every precision on 2 ranks; rank 0's numbers, differences against the first precision's run."""
     from lightning_rec.testing.launch import run_ranks
 
@@ -146,7 +147,7 @@ def measure(precisions: List[str], plan: str, steps: int, batch: int) -> Dict[st
                 batch=batch,
             )
     base = runs[precisions[0]]
-    out: Dict[str, Any] = {"plan": plan, "steps": steps, "batch_per_rank": batch, "baseline": precisions[0]}
+    out: dict[str, Any] = {"plan": plan, "steps": steps, "batch_per_rank": batch, "baseline": precisions[0]}
     for p, ranks in runs.items():
         losses = [sum(r["losses"][i] for r in ranks) / 2 for i in range(steps)]
         base_losses = [sum(r["losses"][i] for r in base) / 2 for i in range(steps)]

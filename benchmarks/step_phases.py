@@ -40,7 +40,8 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ from lightning_rec.testing.ports import rank_env
 PHASES = ("input_dist", "emb_fwd", "dense_fwd_bwd", "emb_bwd_update", "opt_step", "step")
 
 
-def _timed(fn: Callable[[], Any]) -> "tuple[float, Any]":
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn()
     return 1000 * (time.perf_counter() - start), out
@@ -83,7 +84,7 @@ class _TorchRec:
             else:
                 vars(tbe).pop("forward", None)
 
-    def phases(self, batch, features: List[str]) -> Dict[str, float]:
+    def phases(self, batch, features: list[str]) -> dict[str, float]:
         ebc = self.model.tables
         kjt = batch.sparse_features
         ctx = ebc.create_context()
@@ -114,7 +115,7 @@ class _Sparse:
         self.table_opt = workload.torch_optimizer(size.optimizer, self.model.tables.parameters(), lr)
         self.dense_opt = torch.optim.SGD(self.model.mlp.parameters(), lr=lr)
 
-    def phases(self, batch, features: List[str]) -> Dict[str, float]:
+    def phases(self, batch, features: list[str]) -> dict[str, float]:
         self.opt.zero_grad()  # the last step's gradients would be accumulated into
         t_in, jts = _timed(lambda: batch.sparse_features.to_dict())
         t_fwd, outs = _timed(lambda: [self.model.tables[f](jts[f].values(), jts[f].offsets()) for f in features])
@@ -138,7 +139,7 @@ class _Sparse:
         return _timed(run)[0]
 
 
-def _dense_phases(mlp, dense_opt, x: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
+def _dense_phases(mlp, dense_opt, x: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     x = x.detach().requires_grad_()
     dense_opt.zero_grad()
 
@@ -160,7 +161,7 @@ def gemm_gflops(size: Size, repeats: int = 10) -> float:
     return 2 * a.shape[0] * a.shape[1] * b.shape[1] / (best / 1000) / 1e9
 
 
-def limits(size: Size) -> Dict[str, float]:
+def limits(size: Size) -> dict[str, float]:
     """This machine's copy bandwidth and GEMM rate, the step's embedding traffic and dense FLOPs, its lower bound."""
     weights = (size.tables * size.dim + size.dense) * 256 + 256 * 64 + 64
     emb_bytes = size.ids_per_step() * size.dim * 4 * 3
@@ -177,13 +178,13 @@ def limits(size: Size) -> Dict[str, float]:
     }
 
 
-def measure(size: Size, rounds: int, batches: int, lr: float = 0.01) -> Dict[str, Any]:
+def measure(size: Size, rounds: int, batches: int, lr: float = 0.01) -> dict[str, Any]:
     """The phases of every variant at ``size`` (medians, ms), the limits and each step's multiple of the bound."""
     data = workload.make_batches(size, 0, batches)
     features = [f"f{i}" for i in range(size.tables)]
     trec, sparse = _TorchRec(size, lr), _Sparse(size, lr)
-    variants: Dict[str, Any] = {"raw": (trec, False), "recshard_kernels": (trec, True), "sparse_peer": (sparse, None)}
-    times: Dict[str, Dict[str, List[float]]] = {v: {p: [] for p in PHASES} for v in variants}
+    variants: dict[str, Any] = {"raw": (trec, False), "recshard_kernels": (trec, True), "sparse_peer": (sparse, None)}
+    times: dict[str, dict[str, list[float]]] = {v: {p: [] for p in PHASES} for v in variants}
     for r in range(rounds + 1):  # round 0 warms up
         for batch in data:
             for name, (impl, fast) in variants.items():
@@ -196,7 +197,7 @@ def measure(size: Size, rounds: int, batches: int, lr: float = 0.01) -> Dict[str
                 if r:
                     for phase, ms in got.items():
                         times[name][phase].append(ms)
-    out: Dict[str, Any] = {"size": size.name, "rounds": rounds, "batches": batches, "threads": torch.get_num_threads()}
+    out: dict[str, Any] = {"size": size.name, "rounds": rounds, "batches": batches, "threads": torch.get_num_threads()}
     lim = limits(size)
     for name, phases in times.items():
         med = {p: round(statistics.median(v), 3) for p, v in phases.items()}

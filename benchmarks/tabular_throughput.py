@@ -18,14 +18,14 @@ import resource
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 
 H100_SAMPLES_PER_S = 1.3e6  # what one H100 consumed in this project's GPU bench (BENCHMARKS.md, issue 14)
 
 
-def write_tables(directory: Path, rows: int, seed: int = 0) -> Dict[str, Path]:
+def write_tables(directory: Path, rows: int, seed: int = 0) -> dict[str, Path]:
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
@@ -36,7 +36,7 @@ def write_tables(directory: Path, rows: int, seed: int = 0) -> Dict[str, Path]:
     with open(csv, "wb") as out:
         for start in range(0, rows, 131_072):
             n = min(131_072, rows - start)
-            cols: Dict[str, Any] = {"label": rng.integers(0, 2, n).astype(np.float32)}
+            cols: dict[str, Any] = {"label": rng.integers(0, 2, n).astype(np.float32)}
             for i in range(13):
                 cols[f"int_{i}"] = rng.integers(0, 1000, n).astype(np.float32)
             for i in range(26):
@@ -50,7 +50,7 @@ def write_tables(directory: Path, rows: int, seed: int = 0) -> Dict[str, Path]:
     return {"parquet": parquet, "csv": csv}
 
 
-def measure(path: Path, batch_size: int) -> Dict[str, float]:
+def measure(path: Path, batch_size: int) -> dict[str, float]:
     from lightning_rec.data import TabularDataModule
 
     schema = {

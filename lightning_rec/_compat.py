@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from collections.abc import Iterator
+from typing import Any
 
 # Lightning: process-group helpers shared by its own DDP/FSDP/ModelParallel strategies. There is no public
 # equivalent; re-implementing them would fork Lightning's handling of cluster environments and timeouts.
+# Lightning: `torch.set_num_threads(cpus // processes)` + OMP_NUM_THREADS unless the user set OMP_NUM_THREADS. Its
+# launcher calls it in the launching process only, after starting the other ranks, so they keep one intra-op
+# thread per core each: on 2 cores, rank 1's idle OpenMP threads spun for 44 of its 47 CPU seconds in a 2-process
+# job (BENCHMARKS.md). The strategy calls it on every rank.
 from lightning.fabric.utilities.distributed import (  # noqa: F401
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _set_num_threads_if_needed,  # noqa: F401
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group  # noqa: F401
@@ -25,18 +31,15 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
 # Lightning: turns `configure_optimizers()` output into optimizers + LRSchedulerConfigs (all return forms,
 # validation included). The strategy must call it itself because the embedding optimizer has to be known
 # before the tables are sharded.
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers  # noqa: F401
-
 # Lightning: what `configure_optimizers` may return (an optimizer, a list, a dict with a scheduler, ...) to the list of
 # optimizers; `lightning-rec plan` calls `configure_optimizers` without a Trainer, so not through the hook above.
-from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.core.optimizer import (
+    _configure_optimizers,
+    _init_optimizers_and_lr_schedulers,  # noqa: F401
+)
 
-
-# Lightning: `torch.set_num_threads(cpus // processes)` + OMP_NUM_THREADS unless the user set OMP_NUM_THREADS. Its
-# launcher calls it in the launching process only, after starting the other ranks, so they keep one intra-op
-# thread per core each: on 2 cores, rank 1's idle OpenMP threads spun for 44 of its 47 CPU seconds in a 2-process
-# job (BENCHMARKS.md). The strategy calls it on every rank.
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed  # noqa: F401
+# Lightning's accelerator connector hands string strategies to this registry.
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: F401
 
 # Lightning: the `popen` launcher that re-runs the user's script once per local rank (what `ddp` uses).
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher  # noqa: F401
@@ -44,9 +47,6 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 # Lightning: reroutes `training_step` through the wrapper's forward (so DDP sees it); its hooks let a strategy
 # stop DDP's reducer during a manual-optimization forward, as Lightning's own DDPStrategy does.
 from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: F401
-
-# Lightning's accelerator connector hands string strategies to this registry.
-from lightning.pytorch.strategies import StrategyRegistry  # noqa: F401
 
 # torch: sharded tables' weights and fused-optimizer state are ShardedTensors, a type torch still keeps under a
 # private path (TorchRec imports it from there too); checkpointing has to recognise them.
@@ -66,7 +66,7 @@ def parse_optimizers(optim_conf: Any) -> list:
     return [] if optim_conf is None else list(_configure_optimizers(optim_conf)[0])
 
 
-def planner_sharding_options(planner: object) -> "Optional[list]":
+def planner_sharding_options(planner: object) -> list | None:
     """The ``ShardingOption``s the TorchRec planner chose in its last ``plan()``, with per-shard storage and perf
     estimates, or ``None``. TorchRec keeps them only in the private ``_best_plan`` (its stats printer reads
     them there); the returned ``ShardingPlan`` drops the estimates, and the plan report needs them."""
@@ -95,9 +95,9 @@ def create_topology(
     world_size: int,
     local_world_size: int,
     device_type: str,
-    hbm_cap: Optional[int],
-    ddr_cap: Optional[int],
-    hardware: Optional[Dict[str, Any]],
+    hbm_cap: int | None,
+    ddr_cap: int | None,
+    hardware: dict[str, Any] | None,
 ) -> Any:
     """TorchRec's planner ``Topology``: through ``TopologyFactory`` where TorchRec has it (1.8 warns about any other
     way), else (TorchRec 1.6, the GPU machine's) built directly from the same numbers.
@@ -139,7 +139,7 @@ def ordered_enumerator(topology: Any, batch_size: int, constraints: Any) -> Any:
     from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 
     class OrderedEnumerator(EmbeddingEnumerator):
-        def _filter_sharding_types(self, name: str, allowed: List[str], *args: Any, **kwargs: Any) -> List[str]:
+        def _filter_sharding_types(self, name: str, allowed: list[str], *args: Any, **kwargs: Any) -> list[str]:
             kept = super()._filter_sharding_types(name, allowed, *args, **kwargs)
             rank = {t: i for i, t in enumerate(allowed)}
             return sorted(kept, key=lambda t: rank.get(t, len(rank)))
@@ -173,7 +173,7 @@ def pipeline_wait_for_batch(pipeline: object) -> None:
     pipeline._wait_for_batch()  # type: ignore[attr-defined]
 
 
-def default_store() -> "Optional[object]":
+def default_store() -> object | None:
     """The default process group's key-value store, or ``None`` without a process group. torch keeps it private
     (``_get_default_store``); :mod:`lightning_rec.strategy.faults` uses it so that a failing rank can tell the others why,
     without opening a second rendezvous."""
@@ -227,7 +227,7 @@ def batches_fetched(loop: object) -> int:
 
 
 # Lightning: a LightningModule's trainer, or None when it is not attached (the public `trainer` property raises then).
-def attached_trainer(module: object) -> "Optional[object]":
+def attached_trainer(module: object) -> object | None:
     return getattr(module, "_trainer", None)
 
 
@@ -241,7 +241,7 @@ def unwrap_optimizer(optimizer: object) -> object:
 # TorchRec: a managed-collision module (`ManagedCollisionEmbeddingBagCollection`/`...EmbeddingCollection`) keeps its
 # embedding collection and its `ManagedCollisionCollection` in underscore attributes, with no public accessor (the
 # feature-processed module has `split()`); the table configs, input checks and serving need both.
-def managed_collision_parts(module: object) -> "tuple":
+def managed_collision_parts(module: object) -> tuple:
     """``(embedding collection, ManagedCollisionCollection, {table: its ManagedCollisionModule})`` of a
     managed-collision embedding module."""
     from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
@@ -256,7 +256,7 @@ def managed_collision_parts(module: object) -> "tuple":
 # managed-collision sharder in the EBC/EC sharder it holds as `_ebc_sharder`/`_e_sharder`), read-only through the
 # `fused_params` property. The strategy must pass the fused optimizer derived from `configure_optimizers` into a
 # sharder the user passed in (TorchRec has no setter, and rebuilding the user's sharder would lose its other options).
-def _fused_params_holder(sharder: object) -> "Optional[object]":
+def _fused_params_holder(sharder: object) -> object | None:
     from torchrec.distributed.embedding_types import BaseEmbeddingSharder
     from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
     from torchrec.distributed.mc_embedding_modules import BaseManagedCollisionEmbeddingCollectionSharder
@@ -277,15 +277,13 @@ def _private(obj: object, name: str) -> object:
     return vars(obj)[name]
 
 
-def sharder_fused_params(sharder: object) -> "Optional[dict]":
+def sharder_fused_params(sharder: object) -> dict | None:
     """The ``fused_params`` an embedding sharder sets (``{}`` for none), or ``None`` for another kind of sharder."""
     holder = _fused_params_holder(sharder)
     return None if holder is None else dict(_private(holder, "_fused_params") or {})  # type: ignore[call-overload]
 
 
-def with_sharder_fused_params(
-    sharder: object, fused_params: dict, classes: "Optional[Dict[type, type]]" = None
-) -> object:
+def with_sharder_fused_params(sharder: object, fused_params: dict, classes: dict[type, type] | None = None) -> object:
     """A copy of an embedding sharder whose tables get ``fused_params`` (the sharder itself is left as it was).
 
     ``classes``: a copy (or the copy of a sharder it holds) whose type is a key becomes an instance of the value, a
@@ -318,7 +316,7 @@ def with_sharder_fused_params(
 _TABLE_OPTIMIZER_ATTRS = ("_optimizer_classes", "_optimizer_kwargs")
 
 
-def in_backward_optimizer(weight: object) -> "Optional[tuple]":
+def in_backward_optimizer(weight: object) -> tuple | None:
     """``(optimizer class, kwargs)`` that ``torchrec.optim.apply_optimizer_in_backward`` gave this table weight, or
     ``None``."""
     classes, kwargs = vars(weight).get("_optimizer_classes"), vars(weight).get("_optimizer_kwargs")
@@ -328,7 +326,7 @@ def in_backward_optimizer(weight: object) -> "Optional[tuple]":
 
 
 @contextlib.contextmanager
-def optimizer_state_for_planner(weights: "Dict[object, object]") -> "Iterator[None]":
+def optimizer_state_for_planner(weights: dict[object, object]) -> Iterator[None]:
     """Within this block, each unsharded table weight (key) tells TorchRec's planner the optimizer class (value) whose
     state its storage estimate adds; a weight that names a class already (``apply_optimizer_in_backward``) keeps it.
 
@@ -351,7 +349,7 @@ def optimizer_state_for_planner(weights: "Dict[object, object]") -> "Iterator[No
 
 
 @contextlib.contextmanager
-def table_fused_params(weights: "Dict[object, dict]") -> "Iterator[None]":
+def table_fused_params(weights: dict[object, dict]) -> Iterator[None]:
     """Within this block, each unsharded table weight (key) carries its own fused parameters (value) for TorchRec's
     sharders; restored afterwards."""
     saved = {id(w): (w, {a: w.__dict__[a] for a in _TABLE_OPTIMIZER_ATTRS if a in w.__dict__}) for w in weights}
@@ -371,7 +369,7 @@ def table_fused_params(weights: "Dict[object, dict]") -> "Iterator[None]":
 # ModuleList, so `modules()` does not reach them), each holding its kernels in the ModuleList `_emb_modules`; a fused
 # kernel (`BatchedFusedEmbeddingBag`) exposes its FBGEMM TBE as `emb_module`. The faster CPU lookup
 # (lightning_rec.strategy.cpu_lookup) has to reach every TBE, and TorchRec offers no accessor.
-def fused_tbes(model: object) -> "Iterator[tuple]":
+def fused_tbes(model: object) -> Iterator[tuple]:
     """``(where, FBGEMM TBE)`` of every fused pooled-embedding kernel in ``model``'s sharded modules; ``where`` is
     ``"<module path>/<lookup>.<kernel>"``."""
     from torch import nn
@@ -415,7 +413,7 @@ def _patched_class(name: str) -> type:
 
 
 # What each patched instance had before recshard's first patch of a name (None: its class's method).
-_ORIGINALS: "weakref.WeakKeyDictionary[object, Dict[str, object]]" = weakref.WeakKeyDictionary()
+_ORIGINALS: weakref.WeakKeyDictionary[object, dict[str, object]] = weakref.WeakKeyDictionary()
 
 
 def patchable(obj: object, name: str) -> bool:
@@ -452,7 +450,7 @@ def unpatch_method(obj: object, name: str) -> None:
         object.__setattr__(obj, name, before)
 
 
-def original_method(obj: object, name: str) -> "Any":
+def original_method(obj: object, name: str) -> Any:
     """What ``obj.<name>`` was before recshard patched it: its class's method (bound), or an instance attribute
     something else had set."""
     _patched_class(name)
@@ -468,7 +466,7 @@ def is_patched(obj: object, name: str) -> bool:
 
 # torch: what `Tensor.to(*args, **kwargs)` was asked for (device, dtype, non_blocking, memory_format), parsed as torch
 # parses it; the one parser of every `to` signature (device, dtype, other tensor, keywords) is private.
-def parse_to(*args: Any, **kwargs: Any) -> "tuple":
+def parse_to(*args: Any, **kwargs: Any) -> tuple:
     """``(device, dtype, non_blocking, memory_format)`` of a ``Tensor.to`` call's arguments."""
     import torch
 

@@ -22,8 +22,8 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Optional, Sequence
 
 __all__ = ["MOVED", "install"]
 
@@ -39,8 +39,8 @@ MOVED = {
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(
-        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
-    ) -> Optional[importlib.machinery.ModuleSpec]:
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED:
             return None
         return importlib.util.spec_from_loader(fullname, self)

@@ -7,8 +7,9 @@ transfer the same way. :func:`to_device` moves any of them without blocking the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -21,7 +22,7 @@ from lightning_rec import _compat
 
 __all__ = ["Batch", "RowCollator", "collate_rows", "custom_batch_hooks", "to_device"]
 
-SparseValue = Union[int, Sequence[int], torch.Tensor]
+SparseValue = int | Sequence[int] | torch.Tensor
 
 
 def collate_rows(
@@ -127,7 +128,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return apply_to_collection(batch, _compat._TransferableDataType, move)
 
 
-def custom_batch_hooks(module: Any, datamodule: Optional[Any] = None) -> Tuple[bool, bool]:
+def custom_batch_hooks(module: Any, datamodule: Any | None = None) -> tuple[bool, bool]:
     """Whether ``module`` or ``datamodule`` overrides Lightning's ``transfer_batch_to_device`` and
     ``on_after_batch_transfer`` hooks (read once per run: calling Lightning's default hooks costs Python per step).
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -17,7 +18,7 @@ from lightning_rec.tables import is_sharded
 __all__ = ["PredictionWriter", "PretrainedRows", "Throughput"]
 
 
-def _batch_rows(batch: Any) -> Optional[int]:
+def _batch_rows(batch: Any) -> int | None:
     if isinstance(batch, Batch):
         return int(batch.labels.shape[0])
     labels = batch.get("labels", batch.get("label")) if isinstance(batch, dict) else None
@@ -41,14 +42,14 @@ class Throughput(pl.Callback):
 
     def __init__(self, name: str = "train/samples_per_s") -> None:
         self.name = name
-        self._start: Optional[float] = None
+        self._start: float | None = None
         self._rows = 0
 
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start, self._rows = None, 0
 
     def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         rows = _batch_rows(batch)
         if rows is None:
@@ -80,10 +81,10 @@ class PretrainedRows(pl.Callback):
               init_args: {rows: {t_item_id: item_rows.npy}}
     """
 
-    def __init__(self, rows: Dict[str, str]) -> None:
+    def __init__(self, rows: dict[str, str]) -> None:
         self.rows = dict(rows)
 
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not is_sharded(pl_module):
             load_rows(pl_module, self.rows)
 
@@ -110,16 +111,16 @@ class PredictionWriter(BasePredictionWriter):
 
     def write_on_epoch_end(
         self,
-        trainer: "pl.Trainer",
-        pl_module: "pl.LightningModule",
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
         predictions: Sequence[Any],
-        batch_indices: Optional[Sequence[Any]],
+        batch_indices: Sequence[Any] | None,
     ) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         torch.save(_concatenated(list(predictions)), self.output_dir / f"predictions.rank{trainer.global_rank}.pt")
 
 
-def _concatenated(batches: List[Any]) -> Any:
+def _concatenated(batches: list[Any]) -> Any:
     if batches and isinstance(batches[0], list):  # several predict dataloaders: the first
         batches = batches[0]
     if not batches:

@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import warnings
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -61,7 +61,7 @@ class RecCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
-def _prepare(argv: List[str]) -> None:
+def _prepare(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="lightning-rec prepare", description="Fetch a dataset ahead of time.")
     parser.add_argument("dataset", choices=["movielens"])
     parser.add_argument("--data_dir", default="data/ml-100k")
@@ -82,7 +82,7 @@ def _prepare(argv: List[str]) -> None:
     print(f"MovieLens-100K ready in {prepare_movielens(args.data_dir)}")
 
 
-def _export(argv: List[str]) -> None:
+def _export(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="lightning-rec export",
         description="Turn a sharded checkpoint (any world size, any plan) into one file: the unsharded state dict "
@@ -165,7 +165,7 @@ class _PlanCLI(RecCLI):
         self.model = self.config_init.get("model")
 
 
-def _ints(text: str) -> List[int]:
+def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -177,7 +177,7 @@ def _ints(text: str) -> List[int]:
     return values
 
 
-def _plan(argv: List[str]) -> None:
+def _plan(argv: list[str]) -> None:
     from lightning_rec import planning
     from lightning_rec.strategy.sharder import TableSharder
     from lightning_rec.strategy.topology import DEVICE_PRESETS
@@ -317,7 +317,7 @@ _OTHER_COMMANDS = (
 )
 
 
-def _strategy_class_for_init_args(argv: List[str]) -> List[str]:
+def _strategy_class_for_init_args(argv: list[str]) -> list[str]:
     """``--trainer.strategy.init_args.X=...`` on a config that says ``strategy: recshard`` (a name, which takes no
     arguments): name the class first, ``--trainer.strategy={"class_path": "lightning_rec.RecShardStrategy"}``, so the
     override applies as it does to a config that names the class (whose other arguments are kept)."""
@@ -328,7 +328,7 @@ def _strategy_class_for_init_args(argv: List[str]) -> List[str]:
     return [*argv[:at], '--trainer.strategy={"class_path": "lightning_rec.RecShardStrategy"}', *argv[at:]]
 
 
-def run(args: Optional[List[str]] = None) -> Optional[RecCLI]:
+def run(args: list[str] | None = None) -> RecCLI | None:
     """Run one ``lightning-rec`` command in this process and return the CLI (``None`` for ``prepare``/``export``/
     ``plan``).
 

@@ -15,8 +15,9 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Tuple, TypeVar, Union
+from typing import Any, Literal, TypeVar
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -50,10 +51,10 @@ NonFinitePolicy = Literal["error", "strict", "warn", "ignore"]
 
 _C = TypeVar("_C", bound=type)
 # class -> the module paths older checkpoints name it by
-_CHECKPOINT_SAFE: Dict[type, Tuple[str, ...]] = {}
+_CHECKPOINT_SAFE: dict[type, tuple[str, ...]] = {}
 
 
-def checkpoint_safe(cls: Optional[_C] = None, *, old_paths: Iterable[str] = ()) -> Union[_C, Callable[[_C], _C]]:
+def checkpoint_safe(cls: _C | None = None, *, old_paths: Iterable[str] = ()) -> _C | Callable[[_C], _C]:
     """Allow instances of ``cls`` in a checkpoint's hyperparameters (``meta.pt``), which is otherwise loaded with
     ``torch.load(weights_only=True)`` and refuses every class it does not know. A class decorator.
 
@@ -80,7 +81,7 @@ def checkpoint_safe(cls: Optional[_C] = None, *, old_paths: Iterable[str] = ()) 
     return register if cls is None else register(cls)
 
 
-def checkpoint_safe_classes() -> List[Any]:
+def checkpoint_safe_classes() -> list[Any]:
     """Everything :func:`checkpoint_safe` registered, as ``torch.serialization.safe_globals`` takes it: each class,
     and a ``(class, old path)`` pair per old path."""
     return [entry for cls, paths in _CHECKPOINT_SAFE.items() for entry in (cls, *((cls, p) for p in paths))]
@@ -94,7 +95,7 @@ OptimizerName = Literal[
     "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"
 ]
 
-_EMB_OPT_TYPES: Dict[str, EmbOptimType] = {
+_EMB_OPT_TYPES: dict[str, EmbOptimType] = {
     "sgd": EmbOptimType.EXACT_SGD,
     "adagrad": EmbOptimType.EXACT_ADAGRAD,
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -107,7 +108,7 @@ _EMB_OPT_TYPES: Dict[str, EmbOptimType] = {
 _CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 
-def supported_optimizers(device_type: str) -> Tuple[str, ...]:
+def supported_optimizers(device_type: str) -> tuple[str, ...]:
     """Names of the fused embedding optimizers FBGEMM can run on ``device_type``.
 
     Example::
@@ -142,7 +143,7 @@ class EmbeddingOptimizer:
     lr: float = 0.01
     eps: float = 1e-8
     weight_decay: float = 0.0
-    betas: Tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.999)
 
     def __post_init__(self) -> None:
         if self.name not in _EMB_OPT_TYPES:
@@ -164,9 +165,9 @@ class EmbeddingOptimizer:
                 "`embedding_optimizer=` argument, or train on CUDA."
             )
 
-    def to_fused_params(self) -> Dict[str, Any]:
+    def to_fused_params(self) -> dict[str, Any]:
         """TorchRec ``fused_params`` (FBGEMM TBE keyword arguments) for this optimizer."""
-        params: Dict[str, Any] = {
+        params: dict[str, Any] = {
             "optimizer": _EMB_OPT_TYPES[self.name],
             "learning_rate": self.lr,
             "eps": self.eps,
@@ -197,7 +198,7 @@ class EmbeddingOptimizer:
             "needs sgd, adagrad, rowwise_adagrad or adam. HINT: constrain that table to the 'fused' compute kernel."
         )
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         """Plain-data form, for logs and checkpoints."""
         return asdict(self)
 
@@ -224,10 +225,10 @@ class TableConstraints:
         RecShardStrategy(constraints={"item_id": TableConstraints(sharding_types=["column_wise"])})
     """
 
-    sharding_types: Optional[List[str]] = None
-    compute_kernels: Optional[List[str]] = None
-    min_partition: Optional[int] = None
-    pooling_factors: Optional[List[float]] = None
+    sharding_types: list[str] | None = None
+    compute_kernels: list[str] | None = None
+    min_partition: int | None = None
+    pooling_factors: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.sharding_types is not None:
@@ -267,11 +268,11 @@ class TopologyConfig:
         RecShardStrategy(topology={"preset": "h100"})
     """
 
-    hbm_cap: Optional[int] = None
-    ddr_cap: Optional[int] = None
-    local_world_size: Optional[int] = None
-    batch_size: Optional[int] = None
-    preset: Optional[str] = None
+    hbm_cap: int | None = None
+    ddr_cap: int | None = None
+    local_world_size: int | None = None
+    batch_size: int | None = None
+    preset: str | None = None
 
     def ranks_per_host(self, launched: int) -> int:
         """The planner's local world size: this override, else ``launched`` (ranks per host as started)."""
@@ -311,9 +312,9 @@ class QuantizedComms:
     """
 
     forward: CommPrecision = "fp32"
-    backward: Optional[CommPrecision] = None
-    forward_loss_scale: Optional[float] = None
-    backward_loss_scale: Optional[float] = None
+    backward: CommPrecision | None = None
+    forward_loss_scale: float | None = None
+    backward_loss_scale: float | None = None
 
     def __post_init__(self) -> None:
         self.forward = self.forward.lower()  # type: ignore[assignment]
@@ -325,7 +326,7 @@ class QuantizedComms:
                 )
 
     @classmethod
-    def of(cls, value: Union["QuantizedComms", str, Dict[str, Any], Any, None]) -> Optional["QuantizedComms"]:
+    def of(cls, value: QuantizedComms | str | dict[str, Any] | Any | None) -> QuantizedComms | None:
         """From what ``RecShardStrategy(qcomms=...)`` takes: this class, a precision for both directions, a dict of
         its arguments, or TorchRec's ``QCommsConfig``; ``None`` and full precision give ``None``."""
         if value is None:
@@ -350,7 +351,7 @@ class QuantizedComms:
         return None if value.forward == value.backward == "fp32" else value
 
     @property
-    def precisions(self) -> Tuple[str, str]:
+    def precisions(self) -> tuple[str, str]:
         """``(forward, backward)``."""
         return self.forward, self.backward or self.forward
 
@@ -395,7 +396,7 @@ class SparseFeature:
     name: str
     num_embeddings: int
     multi_hot: bool = False
-    table: Optional[str] = None
+    table: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_embeddings < 1:

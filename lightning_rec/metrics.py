@@ -13,7 +13,8 @@ candidates (:func:`target_rank` computes it from scores) and keep per-``k`` sums
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torchmetrics import Metric, MetricCollection
@@ -126,7 +127,7 @@ def ctr_metrics(prefix: str = "") -> MetricCollection:
     )
 
 
-def target_rank(scores: torch.Tensor, target: torch.Tensor, exclude: Optional[torch.Tensor] = None) -> torch.Tensor:
+def target_rank(scores: torch.Tensor, target: torch.Tensor, exclude: torch.Tensor | None = None) -> torch.Tensor:
     """The 0-based rank of each row's target column when the row is sorted by descending score.
 
     Ties are broken by column index (lower first), exactly as a stable descending sort would, so a constant

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, Optional, Union
+from typing import IO, Any
 
 import lightning.pytorch as pl
 import torch
@@ -44,7 +45,7 @@ class RecLightningModule(pl.LightningModule):
                 return torch.optim.Adagrad(self.parameters(), lr=0.1)   # tables: fused Adagrad, lr=0.1
     """
 
-    def configure_embedding_optimizer(self) -> Optional[EmbeddingOptimizer]:
+    def configure_embedding_optimizer(self) -> EmbeddingOptimizer | None:
         """Declare the fused embedding optimizer explicitly.
 
         Returns:
@@ -58,7 +59,7 @@ class RecLightningModule(pl.LightningModule):
         """
         return None
 
-    def inference_module(self, part: Optional[str] = None) -> torch.nn.Module:
+    def inference_module(self, part: str | None = None) -> torch.nn.Module:
         """The network that serves, for :func:`lightning_rec.serving.export_inference` (``lightning-rec export
         --format inference``): an ``nn.Module`` of this module's own layers whose ``forward`` takes
         ``(dense_features: Tensor, sparse_features: KeyedJaggedTensor)`` or ``(sparse_features: KeyedJaggedTensor)``
@@ -93,11 +94,11 @@ class RecLightningModule(pl.LightningModule):
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]
         cls,
-        checkpoint_path: Union[str, Path, IO],
-        map_location: Optional[Union[str, torch.device, Callable, Dict[Any, Any]]] = None,
-        hparams_file: Optional[Union[str, Path]] = None,
-        strict: Optional[bool] = None,
-        weights_only: Optional[bool] = None,
+        checkpoint_path: str | Path | IO,
+        map_location: str | torch.device | Callable | dict[Any, Any] | None = None,
+        hparams_file: str | Path | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
         **kwargs: Any,
     ) -> Self:
         """Lightning's ``load_from_checkpoint``, which also takes this package's sharded checkpoint directories

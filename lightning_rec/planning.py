@@ -20,8 +20,9 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ _MEMORY_NOTE = (
 )
 
 
-def calibration_note(device_type: str, preset: Optional[str]) -> str:
+def calibration_note(device_type: str, preset: str | None) -> str:
     """What BENCHMARKS.md "Planner calibration" says of these estimates, as ``plan`` prints it.
 
     Example::
@@ -109,11 +110,11 @@ class Cluster:
 
     hosts: int = 1
     devices_per_host: int = 1
-    device_type: Optional[str] = None
-    preset: Optional[str | DevicePreset] = None
-    hbm_gb: Optional[float] = None
-    ddr_gb: Optional[float] = None
-    batch_size: Optional[int] = None
+    device_type: str | None = None
+    preset: str | DevicePreset | None = None
+    hbm_gb: float | None = None
+    ddr_gb: float | None = None
+    batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -132,7 +133,7 @@ class Cluster:
         """All ranks: hosts x devices per host."""
         return self.hosts * self.devices_per_host
 
-    def device(self, topology: Optional[TopologyConfig] = None) -> Optional[DevicePreset]:
+    def device(self, topology: TopologyConfig | None = None) -> DevicePreset | None:
         """The preset the planner is given (with the memory overrides), ``None`` for TorchRec's defaults."""
         preset = self.preset or default_preset(self.device_type, topology)  # type: ignore[arg-type]
         if self.hbm_gb is None and self.ddr_gb is None:
@@ -148,7 +149,7 @@ class Cluster:
 
 def planning_optimizer(
     module: nn.Module, sharder: TableSharder, device_type: str, warn: Callable[[str], None] = print
-) -> Tuple[EmbeddingOptimizer, Any]:
+) -> tuple[EmbeddingOptimizer, Any]:
     """The fused optimizer (and per-table ones) ``fit`` would derive for ``module``: its
     ``configure_embedding_optimizer()``, the strategy's, or from ``configure_optimizers()`` (called here without a
     Trainer; one that needs the Trainer is skipped with a warning, and the tables are planned with the default
@@ -156,7 +157,7 @@ def planning_optimizer(
     modules = list(embedding_modules(module, sharder.module_types).values())
     dense = dense_parameter_ids(modules)
     ids = {id(p) for m in modules for p in m.parameters() if id(p) not in dense}
-    optimizers: List[Any] = []
+    optimizers: list[Any] = []
     if callable(getattr(module, "configure_optimizers", None)):
         try:
             optimizers = _compat.parse_optimizers(module.configure_optimizers())
@@ -174,7 +175,7 @@ def plan_cluster(
     sharder: TableSharder,
     cluster: Cluster,
     *,
-    optimizer: Optional[Tuple[EmbeddingOptimizer, Any]] = None,
+    optimizer: tuple[EmbeddingOptimizer, Any] | None = None,
     candidates: Sequence[Cluster] = (),
 ) -> PlanReport:
     """The plan ``fit`` would make for ``module`` on ``cluster``, with the planner's estimates.
@@ -218,7 +219,7 @@ class DoesNotFit(ValueError):
         smallest_fit: the smallest candidate topology that planned, if any.
     """
 
-    def __init__(self, message: str, needs: Dict[str, int], smallest_fit: Optional[Cluster]) -> None:
+    def __init__(self, message: str, needs: dict[str, int], smallest_fit: Cluster | None) -> None:
         super().__init__(message)
         self.needs = needs
         self.smallest_fit = smallest_fit
@@ -233,7 +234,7 @@ class DoesNotFit(ValueError):
         per_table: Any,
         error: PlannerError,
         candidates: Sequence[Cluster] = (),
-    ) -> "DoesNotFit":
+    ) -> DoesNotFit:
         """Read the planner's failure: the tables' smallest memory, the rank capacity, bigger topologies tried."""
         device = cluster.device(sharder.topology)
         local = (sharder.topology or TopologyConfig()).ranks_per_host(cluster.devices_per_host)
@@ -319,7 +320,7 @@ class DoesNotFit(ValueError):
         )
 
 
-def _rank_capacity(cluster: Cluster, topology: Optional[TopologyConfig]) -> Optional[int]:
+def _rank_capacity(cluster: Cluster, topology: TopologyConfig | None) -> int | None:
     """Usable bytes per rank of ``cluster`` after the planner's 15% reservation, if its device says."""
     device = cluster.device(topology)
     if device is None:
@@ -333,7 +334,7 @@ def _rank_capacity(cluster: Cluster, topology: Optional[TopologyConfig]) -> Opti
     return int((hbm + ddr) * 0.85) or None
 
 
-def _device_text(device: Optional[DevicePreset], cluster: Cluster) -> str:
+def _device_text(device: DevicePreset | None, cluster: Cluster) -> str:
     if device is None:
         return f"{cluster.device_type}, TorchRec's default memory"
     hbm = f"{device.hbm_gb:g} GiB HBM + " if device.hbm_gb else ""
@@ -355,17 +356,17 @@ class SweepRow:
     """
 
     cluster: Cluster
-    report: Optional[PlanReport]
-    error: Optional[str] = None
+    report: PlanReport | None
+    error: str | None = None
 
     @property
-    def samples_per_s(self) -> Optional[float]:
+    def samples_per_s(self) -> float | None:
         """Global samples per second the planner's step time allows (all ranks' batches per step)."""
         if self.report is None or not self.report.step_ms or not self.report.batch_size:
             return None
         return self.cluster.world_size * self.report.batch_size / (self.report.step_ms / 1000)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """One JSON row: the topology, memory of the fullest rank, step time, samples/s, imbalance."""
         r = self.report
         return {
@@ -382,7 +383,7 @@ class SweepRow:
         }
 
 
-def sweep(module: nn.Module, sharder: TableSharder, clusters: Sequence[Cluster]) -> List[SweepRow]:
+def sweep(module: nn.Module, sharder: TableSharder, clusters: Sequence[Cluster]) -> list[SweepRow]:
     """:func:`plan_cluster` for each topology; one that does not fit gets a row with its reason.
 
     Example::
@@ -433,7 +434,7 @@ def format_sweep(rows: Sequence[SweepRow]) -> str:
     return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(r, widths)).rstrip() for r in [header, *body])
 
 
-def write_sweep_png(rows: Sequence[SweepRow], path: "os.PathLike[str] | str") -> None:
+def write_sweep_png(rows: Sequence[SweepRow], path: os.PathLike[str] | str) -> None:
     """Memory per rank and samples/s for each topology that fits, off-screen (Agg)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -480,7 +481,7 @@ def presets_text() -> str:
     )
 
 
-def sweep_clusters(hosts: Sequence[int], devices_per_host: Sequence[int], **device: Any) -> List[Cluster]:
+def sweep_clusters(hosts: Sequence[int], devices_per_host: Sequence[int], **device: Any) -> list[Cluster]:
     """Every hosts x devices-per-host combination, smallest world first."""
     clusters = [Cluster(h, d, **device) for h in hosts for d in devices_per_host]
     return sorted(clusters, key=lambda c: (c.world_size, c.hosts))

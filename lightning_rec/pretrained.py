@@ -20,8 +20,9 @@ memory-mapped). A file holds one tensor, or several keyed by table name or by st
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Dict, List, Mapping, Tuple, Union
+from typing import Union
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ __all__ = ["Rows", "load_rows", "read_rows"]
 Rows = Union[torch.Tensor, np.ndarray, str, "os.PathLike[str]"]
 
 
-def read_rows(source: Union[str, "os.PathLike[str]"], table: str) -> torch.Tensor:
+def read_rows(source: str | os.PathLike[str], table: str) -> torch.Tensor:
     """The rows of ``table`` stored in the file ``source`` (``.npy``, ``.safetensors`` or a ``torch.save`` file).
 
     Args:
@@ -58,7 +59,7 @@ def read_rows(source: Union[str, "os.PathLike[str]"], table: str) -> torch.Tenso
     if path.suffix == ".safetensors":
         import safetensors.torch
 
-        stored: Union[torch.Tensor, Dict[str, torch.Tensor]] = safetensors.torch.load_file(str(path))
+        stored: torch.Tensor | dict[str, torch.Tensor] = safetensors.torch.load_file(str(path))
     else:
         stored = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if isinstance(stored, torch.Tensor):
@@ -82,9 +83,9 @@ def read_rows(source: Union[str, "os.PathLike[str]"], table: str) -> torch.Tenso
     return stored[matches[0]]
 
 
-def table_holders(module: nn.Module) -> Dict[str, List[Tuple[str, nn.Module, int, int]]]:
+def table_holders(module: nn.Module) -> dict[str, list[tuple[str, nn.Module, int, int]]]:
     """Table name -> every (module path, its nn.Embedding(Bag), rows, columns) that declares it."""
-    found: Dict[str, List[Tuple[str, nn.Module, int, int]]] = {}
+    found: dict[str, list[tuple[str, nn.Module, int, int]]] = {}
     for path, sub in embedding_modules(module).items():
         inner = inner_collection(sub)  # a position-weighted or managed-collision module's tables are its collection's
         if isinstance(inner, EmbeddingBagCollection):
@@ -132,7 +133,7 @@ def load_rows(module: nn.Module, rows: Mapping[str, Rows]) -> None:
             f"load_rows: {type(module).__name__} holds no unsharded EmbeddingBagCollection/EmbeddingCollection. "
             "HINT: call it on the model before fit (a sharded module's tables are filled from a checkpoint instead)."
         )
-    staged: List[Tuple[str, nn.Module, torch.Tensor]] = []
+    staged: list[tuple[str, nn.Module, torch.Tensor]] = []
     for name, source in rows.items():
         where = tables.get(name)
         if not where:

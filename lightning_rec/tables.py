@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Type, Union
+from collections.abc import Sequence
 
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 # The module types sharded without any extra sharder (each has a built-in sharder: lightning_rec.strategy.sharding).
-TABLE_MODULE_TYPES: Tuple[Type[nn.Module], ...] = (
+TABLE_MODULE_TYPES: tuple[type[nn.Module], ...] = (
     EmbeddingBagCollection,
     EmbeddingCollection,
     FeatureProcessedEmbeddingBagCollection,
@@ -57,7 +57,7 @@ TABLE_MODULE_TYPES: Tuple[Type[nn.Module], ...] = (
 )
 
 
-def inner_collection(module: nn.Module) -> Optional[Union[EmbeddingBagCollection, EmbeddingCollection]]:
+def inner_collection(module: nn.Module) -> EmbeddingBagCollection | EmbeddingCollection | None:
     """The ``EmbeddingBagCollection``/``EmbeddingCollection`` that holds ``module``'s tables: the module itself, the
     one a feature processor or a managed-collision collection sits in front of, or ``None`` (another module).
 
@@ -79,7 +79,7 @@ def inner_collection(module: nn.Module) -> Optional[Union[EmbeddingBagCollection
     return None
 
 
-def table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
+def table_configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
     """The table configs of an embedding module (see :func:`inner_collection`); a custom sharder's module is asked
     for ``embedding_bag_configs()`` or ``embedding_configs()``, and has none if it answers to neither."""
     inner = inner_collection(module) or module
@@ -92,16 +92,16 @@ def table_configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
     return []
 
 
-def sharded_module_types(sharders: Sequence[object] = ()) -> Tuple[Type[nn.Module], ...]:
+def sharded_module_types(sharders: Sequence[object] = ()) -> tuple[type[nn.Module], ...]:
     """:data:`TABLE_MODULE_TYPES` plus the ``module_type`` of each extra TorchRec sharder, without repeats."""
     return tuple(dict.fromkeys([*TABLE_MODULE_TYPES, *(s.module_type for s in sharders)]))
 
 
 def embedding_modules(
-    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
-) -> Dict[str, nn.Module]:
+    module: nn.Module, module_types: Sequence[type[nn.Module]] = TABLE_MODULE_TYPES
+) -> dict[str, nn.Module]:
     """The outermost submodules of ``module`` that are instances of ``module_types``, by module path."""
-    found: Dict[str, nn.Module] = {}
+    found: dict[str, nn.Module] = {}
     types = tuple(module_types)
 
     def visit(mod: nn.Module, path: str) -> None:
@@ -116,15 +116,15 @@ def embedding_modules(
 
 
 def embedding_tables(
-    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
-) -> Dict[str, BaseEmbeddingConfig]:
+    module: nn.Module, module_types: Sequence[type[nn.Module]] = TABLE_MODULE_TYPES
+) -> dict[str, BaseEmbeddingConfig]:
     """Every table of every module :func:`embedding_modules` finds, by table name.
 
     Raises:
         ValueError: if two modules declare a table of the same name (the plan and checkpoints key by it).
     """
-    tables: Dict[str, BaseEmbeddingConfig] = {}
-    owners: Dict[str, str] = {}
+    tables: dict[str, BaseEmbeddingConfig] = {}
+    owners: dict[str, str] = {}
     for path, sub in embedding_modules(module, module_types).items():
         for config in table_configs(sub):
             if config.name in tables:
@@ -138,10 +138,10 @@ def embedding_tables(
 
 
 def table_weights(
-    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
-) -> Dict[str, nn.Parameter]:
+    module: nn.Module, module_types: Sequence[type[nn.Module]] = TABLE_MODULE_TYPES
+) -> dict[str, nn.Parameter]:
     """Every unsharded table's weight, by table name (what a param group of ``configure_optimizers`` holds)."""
-    weights: Dict[str, nn.Parameter] = {}
+    weights: dict[str, nn.Parameter] = {}
     for sub in embedding_modules(module, module_types).values():
         inner = inner_collection(sub)
         holders = (

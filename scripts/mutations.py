@@ -18,7 +18,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 SYNCS_1 = "tests/strategy/test_syncs.py::test_a_recshard_step_reads_exactly_what_is_pinned_and_no_more_than_torchrec_by_hand[dict-False-1]"
@@ -37,10 +36,10 @@ class Mutation:
     path: str
     old: str
     new: str
-    tests: Tuple[str, ...]
+    tests: tuple[str, ...]
 
 
-MUTATIONS: List[Mutation] = [
+MUTATIONS: list[Mutation] = [
     Mutation(
         "loss_item",
         "an .item() inside torch (formatting the loss) in the step",
@@ -158,7 +157,7 @@ MUTATIONS: List[Mutation] = [
 ]
 
 
-def run(mutation: Mutation) -> Tuple[bool, float, str]:
+def run(mutation: Mutation) -> tuple[bool, float, str]:
     """Apply ``mutation``, run its tests, restore the file. Returns (caught, seconds, the tests' last line)."""
     path = REPO / mutation.path
     original = path.read_text()

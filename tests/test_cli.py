@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import re
 import csv
-from datetime import timedelta
+import re
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List
 
 import pytest
 import yaml
 
 from lightning_rec import RecShardStrategy
 from lightning_rec.cli import run
-
 from tests.helpers.data import REPO, movielens_dir
 
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
@@ -61,7 +59,7 @@ def test_every_shipped_config_loads(config: Path, tmp_path: Path) -> None:
     assert printed["trainer"]["devices"] == shipped["trainer"]["devices"]
 
 
-def _fit(args: List[str], tmp_path: Path) -> Dict[str, float]:
+def _fit(args: list[str], tmp_path: Path) -> dict[str, float]:
     """Run ``fit`` in this process (1 rank) and return the last logged value of each CSV metric."""
     cli = run(
         [
@@ -75,7 +73,7 @@ def _fit(args: List[str], tmp_path: Path) -> Dict[str, float]:
     metrics_csv = Path(cli.trainer.logger.log_dir) / "metrics.csv"
     assert metrics_csv.is_file(), "metrics should land in a CSV log under default_root_dir by default"
     assert metrics_csv.is_relative_to(tmp_path)
-    last: Dict[str, float] = {}
+    last: dict[str, float] = {}
     with open(metrics_csv) as f:
         for row in csv.DictReader(f):
             last.update({k: float(v) for k, v in row.items() if v not in ("", None)})

@@ -10,9 +10,9 @@ import torch
 from torchrec.metrics.ne import compute_ne, get_ne_states
 
 from lightning_rec.metrics import LogLoss, NormalizedEntropy, ctr_metrics
+from tests.helpers import metric_scenarios
 from tests.helpers.dist import run_ranks
 from tests.helpers.metric_scenarios import fixed_data, rank_slices
-from tests.helpers import metric_scenarios
 
 
 def _values(metrics) -> dict:

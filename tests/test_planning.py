@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import resource
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import lightning as L
 import pytest
@@ -165,7 +165,7 @@ def test_a_plan_for_another_run_is_refused_naming_the_mismatch(tmp_path: Path) -
     model = _meta(UserModel)
     sharder = TableSharder.from_arguments()
     report = plan_cluster(model, sharder, Cluster(2, 2, "cuda"))
-    kw: Dict[str, Any] = dict(world_size=4, local_world_size=2, device_type="cuda")
+    kw: dict[str, Any] = dict(world_size=4, local_world_size=2, device_type="cuda")
     check_plan(report, model, sharder.module_types, **kw)  # the run it was made for
 
     def refused(match: str, module: Any = model, **over: Any) -> None:

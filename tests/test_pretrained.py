@@ -11,10 +11,10 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_rec.pretrained import load_rows, read_rows
+from tests.helpers import pretrained_scenarios
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import assemble
 from tests.helpers.pretrained_scenarios import BAG_TABLES, DIM, SEQ_TABLE
-from tests.helpers import pretrained_scenarios
 
 
 def _ebc(device: str = "meta") -> EmbeddingBagCollection:

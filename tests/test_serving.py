@@ -10,8 +10,9 @@ import runpy
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import fbgemm_gpu
 import lightning as L
@@ -39,7 +40,7 @@ from tests.helpers.user_models import REORDERING_PLAN, ValuesModel, samples, to_
 from tests.helpers.zoo import ZooCase, seeded_module
 
 
-def _checkpoint(module: nn.Module, batches: List[Any], path: Path) -> Path:
+def _checkpoint(module: nn.Module, batches: list[Any], path: Path) -> Path:
     """``module`` trained for ``len(batches)`` steps on one process, saved as a sharded checkpoint directory."""
     trainer = L.Trainer(
         strategy=RecShardStrategy(), accelerator="cpu", devices=1, max_steps=len(batches), **QUIET_TRAINER
@@ -74,7 +75,7 @@ def _fast(build: Callable[[], CTRModule]) -> Callable[[], CTRModule]:
 
 
 # name -> (case whose data it uses, the module to build (default: the case's), the parts it serves)
-MODELS: Dict[str, Any] = {
+MODELS: dict[str, Any] = {
     "dlrm": (zoo_dlrm.CASE, _fast(_dlrm_dot), [None]),
     "dcnv2": (zoo_dlrm.CASE, _fast(zoo_dlrm.CASE.build), [None]),
     "deepfm": (zoo_deepfm.CASE, _fast(zoo_deepfm.CASE.build), [None]),
@@ -102,13 +103,13 @@ _BOUND = {"fp16": 0.005, "int8": 0.02, "int4": 0.25}
 _SIGNAL = 0.02  # the tables must move the outputs by at least this much on average for the bound to mean anything
 
 
-def _arguments(spec, batch: Any, part: Optional[str]):
+def _arguments(spec, batch: Any, part: str | None):
     if part is None:  # a CTR Batch
         return serving_inputs(spec, batch.sparse_features, batch.dense_features)
     return serving_inputs(spec, batch[part])
 
 
-def _eager(module: RecLightningModule, batch: Any, part: Optional[str]) -> torch.Tensor:
+def _eager(module: RecLightningModule, batch: Any, part: str | None) -> torch.Tensor:
     net = module.inference_module(part)
     with torch.no_grad():
         if part is None:
@@ -201,7 +202,7 @@ class _TutorialModel(RecLightningModule):
         return torch.optim.Adagrad(self.parameters(), lr=0.1)
 
 
-def _tutorial_batch(seed: int, rows: int = 8) -> Dict[str, Any]:
+def _tutorial_batch(seed: int, rows: int = 8) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 3, (3 * rows,), generator=g)
     limits = torch.tensor([30, 50, 50]).repeat_interleave(rows).repeat_interleave(lengths)
@@ -253,13 +254,13 @@ class _BranchyModule(RecLightningModule):
         super().__init__()
         self.net = _Branchy()
 
-    def training_step(self, batch: Dict[str, Any], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         return self.net(batch["sparse"]).pow(2).mean()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    def inference_module(self, part: Optional[str] = None) -> nn.Module:
+    def inference_module(self, part: str | None = None) -> nn.Module:
         return self.net
 
 
@@ -361,7 +362,7 @@ class _ValuesNet(nn.Module):
 class ServedValuesModel(ValuesModel):
     """The tutorial-style :class:`ValuesModel` (``forward(batch_dict)``) made servable the documented way."""
 
-    def inference_module(self, part: Optional[str] = None) -> nn.Module:
+    def inference_module(self, part: str | None = None) -> nn.Module:
         return _ValuesNet(self.ebc, self.over)
 
 

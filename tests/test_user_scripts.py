@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.dist
 SCRIPT = ["-m", "tests.helpers.user_script"]
 
 
-def _plain(out: Path, strategy: str, omp_threads: Optional[str] = "1") -> subprocess.CompletedProcess:
+def _plain(out: Path, strategy: str, omp_threads: str | None = "1") -> subprocess.CompletedProcess:
     """``python -m tests.helpers.user_script`` as a user starts it: no launcher variables in the environment
     (``omp_threads=None``: no OMP_NUM_THREADS either)."""
     out.mkdir(parents=True, exist_ok=True)

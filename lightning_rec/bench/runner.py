@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import sys
 from dataclasses import asdict, replace
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from lightning_rec.bench.worker import RESULT_PREFIX, run_worker
 from lightning_rec.bench.workload import EXTRA_VARIANTS, GPU_SIZES, OPTIMIZERS, SIZES, VARIANTS, Size
@@ -47,7 +47,7 @@ def reexec_with_steady_malloc() -> None:
 
 def run_variant(
     variant: str, size: Size, lr: float = 0.01, timeout: float = 600, malloc: str = "steady"
-) -> List[Dict[str, Any]]:
+) -> list[dict[str, Any]]:
     """Run ``variant`` at ``size`` on ``size.world_size`` fresh processes; every rank's record.
 
     Args:
@@ -96,7 +96,7 @@ def run_variant(
     return sorted(records, key=lambda r: r["rank"])
 
 
-def _summary(records: List[Dict[str, Any]], size: Size) -> Dict[str, float]:
+def _summary(records: list[dict[str, Any]], size: Size) -> dict[str, float]:
     ms = max(r["ms_per_step"] for r in records)  # ranks step together; the slowest sets the pace
     out = {
         "ms_per_step": ms,
@@ -115,7 +115,7 @@ def _summary(records: List[Dict[str, Any]], size: Size) -> Dict[str, float]:
     return out
 
 
-def check_identical(a: List[Dict[str, Any]], c: List[Dict[str, Any]], atol: float = 1e-5) -> None:
+def check_identical(a: list[dict[str, Any]], c: list[dict[str, Any]], atol: float = 1e-5) -> None:
     """Raise unless ``raw`` and ``recshard`` trained identically: same plan and kernels, same per-step losses."""
     for ra, rc in zip(a, c):
         if ra["plan"] != rc["plan"]:
@@ -127,7 +127,7 @@ def check_identical(a: List[Dict[str, Any]], c: List[Dict[str, Any]], atol: floa
             )
 
 
-def _ratio(results, size: str, num: str, den: str, key: str = "samples_per_s") -> Optional[float]:
+def _ratio(results, size: str, num: str, den: str, key: str = "samples_per_s") -> float | None:
     try:
         return round(statistics.median(results[size][num][key]) / statistics.median(results[size][den][key]), 4)
     except (KeyError, statistics.StatisticsError, ZeroDivisionError):
@@ -138,7 +138,7 @@ def _ratio(results, size: str, num: str, den: str, key: str = "samples_per_s") -
 CPU_ROWS = 100_000
 
 
-def _difference(results, size: str, a: str, b: str) -> Optional[float]:
+def _difference(results, size: str, a: str, b: str) -> float | None:
     """Median ms/step of ``a`` minus ``b`` at ``size`` (``None`` unless both were measured)."""
     try:
         return round(
@@ -148,7 +148,7 @@ def _difference(results, size: str, a: str, b: str) -> Optional[float]:
         return None
 
 
-def _beyond(results) -> Optional[float]:
+def _beyond(results) -> float | None:
     """recshard's overhead over raw TorchRec at ``tiny`` minus Lightning's own over a plain loop (issue 14's GPU
     target: <= 0.3 ms)."""
     ours, lightnings = (
@@ -158,16 +158,16 @@ def _beyond(results) -> Optional[float]:
     return None if ours is None or lightnings is None else round(ours - lightnings, 4)
 
 
-Results = Dict[str, Dict[str, Dict[str, List[float]]]]  # size label -> variant -> metric -> one value per repeat
+Results = dict[str, dict[str, dict[str, list[float]]]]  # size label -> variant -> metric -> one value per repeat
 
 
 def measure(
-    size: Size, variants: List[str], repeats: int, lr: float = 0.01, malloc: str = "steady"
-) -> Dict[str, Dict[str, List[float]]]:
+    size: Size, variants: list[str], repeats: int, lr: float = 0.01, malloc: str = "steady"
+) -> dict[str, dict[str, list[float]]]:
     """Run every variant ``repeats`` times at ``size`` (order rotating), check that ``raw``, ``recshard`` and
     ``recshard_pipelined`` trained identically, and return variant -> metric -> values."""
-    per_variant: Dict[str, Dict[str, List[float]]] = {}
-    first: Dict[str, List[Dict[str, Any]]] = {}
+    per_variant: dict[str, dict[str, list[float]]] = {}
+    first: dict[str, list[dict[str, Any]]] = {}
     for rep in range(repeats):
         order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
         for variant in order:
@@ -193,14 +193,14 @@ def _peer_size(results: Results, peer: str) -> str:
     return "large" if peer in results.get("large", {}) else "realistic"
 
 
-def _medians(per_variant: Dict[str, Dict[str, List[float]]]) -> Dict[str, Dict[str, float]]:
+def _medians(per_variant: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     return {
         variant: {key: round(statistics.median(values), 6) for key, values in metrics.items() if values}
         for variant, metrics in per_variant.items()
     }
 
 
-def final_record(results: Results, repeats: int) -> Dict[str, Any]:
+def final_record(results: Results, repeats: int) -> dict[str, Any]:
     """The ratios the issue asks for (medians over repeats; samples/s unless named ``rss_``), and ``by_size``: every
     measured label's medians per variant (ms/step, samples/s, peak RSS, embedding bandwidth and its fraction of
     the copy bandwidth, peak device memory on CUDA).
@@ -219,7 +219,7 @@ def final_record(results: Results, repeats: int) -> Dict[str, Any]:
             statistics.median(tiny["recshard"]["ms_per_step"]) - statistics.median(tiny["raw"]["ms_per_step"]), 4
         )
     big, sparse_big = _peer_size(results, "lightning_ddp"), _peer_size(results, "lightning_sparse")
-    record: Dict[str, Any] = {
+    record: dict[str, Any] = {
         "recshard_vs_raw": _ratio(results, "realistic", "recshard", "raw"),
         "pipelined_vs_raw_pipeline": _ratio(results, "realistic", "recshard_pipelined", "raw_pipeline"),
         "pipelined_vs_raw_pipeline_2proc": _ratio(results, "realistic_2proc", "recshard_pipelined", "raw_pipeline"),
@@ -264,7 +264,7 @@ def plot_batch_sweep(results: Results, path: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    sweeps: Dict[str, Dict[str, List[Any]]] = {}
+    sweeps: dict[str, dict[str, list[Any]]] = {}
     for label, per_variant in results.items():
         name, _, batch = label.partition("@")
         if not batch:
@@ -295,7 +295,7 @@ def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.1f} GB"
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark (see the module docstring); returns the final JSON record."""
     import torch
 
@@ -378,7 +378,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 "or leave lightning_sparse out of --variants."
             )
     results: Results = {}
-    measured: Dict[str, Dict[str, Any]] = {}
+    measured: dict[str, dict[str, Any]] = {}
     for size_name in size_names:
         size = replace(SIZES[size_name], sharding=args.sharding, optimizer=args.optimizer)
         if args.quick:

@@ -20,26 +20,26 @@ import os
 import resource
 import statistics
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
-from lightning_rec.testing.trainer import QUIET_TRAINER
 from lightning_rec.bench.workload import (
-    Size,
     BenchModel,
-    make_batches,
-    table_constraints,
-    init_weights,
+    Size,
     _plan_rows,
     fused_params,
+    init_weights,
+    make_batches,
+    table_constraints,
     torch_optimizer,
 )
+from lightning_rec.testing.trainer import QUIET_TRAINER
 
 RESULT_PREFIX = "BENCH_RESULT "
 # Passes over every looked-up row per step in the bandwidth model above: forward read, backward read + write.
 EMB_PASSES = 3
 
 
-def _stamp() -> Tuple[float, int]:
+def _stamp() -> tuple[float, int]:
     """(time, minor page faults so far) after a step: faults per step show memory the allocator hands back to the OS
     and touches again every step, a cost that ms/step alone does not explain."""
     return time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -53,7 +53,7 @@ class _Clock:
 
     def __init__(self, size: Size, device) -> None:
         self.size, self.device = size, device
-        self.stamps: List[Tuple[float, int]] = []
+        self.stamps: list[tuple[float, int]] = []
 
     def tick(self) -> None:
         """Stamp the end of a step (synchronising the device first where the timing needs it)."""
@@ -67,7 +67,7 @@ class _Clock:
         self.stamps.append(_stamp())
 
 
-def _step_ms(stamps: List[Tuple[float, int]], warmup: int, device_type: str) -> float:
+def _step_ms(stamps: list[tuple[float, int]], warmup: int, device_type: str) -> float:
     """Milliseconds per timed step: the median of the per-step times on CPU, the mean between the synchronised
     stamps on CUDA."""
     timed = stamps[warmup - 1 :]
@@ -118,7 +118,7 @@ def _loader(size: Size, rank: int, device):
     )
 
 
-def _planner_hbm(device) -> Dict[str, Any]:
+def _planner_hbm(device) -> dict[str, Any]:
     """On CUDA the planner gets the device's real memory (TorchRec assumes 32 GB, which the Criteo-like tables
     with Adagrad state nearly fill); the same in ``raw`` and ``recshard``, so their plans stay comparable."""
     import torch
@@ -140,13 +140,13 @@ def raw_torchrec(size: Size, lr: float, device):
     return dmp, reference_optimizer(dmp, lambda ps: torch_optimizer(size.optimizer, ps, lr))
 
 
-def _run_raw(size: Size, lr: float, device, pipelined: bool) -> Dict[str, Any]:
+def _run_raw(size: Size, lr: float, device, pipelined: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     dmp, optimizer = raw_torchrec(size, lr, device)
     loader = _loader(size, dist.get_rank(), device)
     clock = _Clock(size, device)
-    losses: List[Any] = []  # detached tensors, read once at the end: float(loss) per step would sync the device
+    losses: list[Any] = []  # detached tensors, read once at the end: float(loss) per step would sync the device
     if pipelined:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -161,9 +161,9 @@ def _run_raw(size: Size, lr: float, device, pipelined: bool) -> Dict[str, Any]:
     return {"stamps": clock.stamps, "losses": [float(x) for x in losses], "plan": _plan_rows(dmp.plan)}
 
 
-def _plain_loop(model, optimizer, loader, device, clock: _Clock) -> List[Any]:
+def _plain_loop(model, optimizer, loader, device, clock: _Clock) -> list[Any]:
     """The textbook loop (copy, zero_grad, forward, backward, step) over ``loader``; the detached losses."""
-    losses: List[Any] = []
+    losses: list[Any] = []
     for batch in loader:
         batch = batch.to(device, non_blocking=True)
         optimizer.zero_grad()
@@ -175,7 +175,7 @@ def _plain_loop(model, optimizer, loader, device, clock: _Clock) -> List[Any]:
     return losses
 
 
-def _run_plain(size: Size, lr: float, device) -> Dict[str, Any]:
+def _run_plain(size: Size, lr: float, device) -> dict[str, Any]:
     """``lightning_sparse``'s model and optimizer in a plain PyTorch loop (one process): with it, the same run
     measures Lightning's own per-step overhead (``lightning_overhead_ms``), which no strategy can remove."""
     import torch
@@ -202,7 +202,7 @@ def lightning_module(size: Size, lr: float, plain_tables: bool, sparse: bool = F
         def __init__(self) -> None:
             super().__init__()
             self.model = BenchModel.build(size, plain_tables, sparse)
-            self.losses: List[Any] = []
+            self.losses: list[Any] = []
 
         def forward(self, batch):
             return self.model(batch)
@@ -227,7 +227,7 @@ def _run_lightning(
     pipeline: bool = False,
     checks: str = "default",
     sparse: bool = False,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     import contextlib
 
     import lightning as L

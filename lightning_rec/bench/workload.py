@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict
+from typing import Any
 
 VARIANTS = ("raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp", "lightning_sparse")
 # Measured only when asked for (``--variants``): recshard without any input check (bounds_check="none",
@@ -91,7 +91,7 @@ OPTIMIZERS = ("sgd", "adagrad")
 _ADAGRAD_EPS = 1e-10
 
 
-def fused_params(optimizer: str, lr: float) -> Dict[str, Any]:
+def fused_params(optimizer: str, lr: float) -> dict[str, Any]:
     """The hand-written TorchRec loops' ``fused_params``: FBGEMM's exact counterpart of ``torch.optim.SGD(lr=lr)``
     or ``torch.optim.Adagrad(lr=lr)`` (default eps, no weight decay, no lr decay), the update recshard derives
     from the same torch optimizer, so that ``raw`` and ``recshard`` train identically.
@@ -238,7 +238,7 @@ def init_weights(module) -> None:
     deterministic_init(module, scale=0.05, phase_name=_phase_name, block_rows=8192)
 
 
-def table_constraints(size: Size) -> Dict[str, Dict[str, Any]]:
+def table_constraints(size: Size) -> dict[str, dict[str, Any]]:
     """The planner constraints of every table: ``size.sharding`` on the fused kernel.
 
     Returns:
@@ -247,7 +247,7 @@ def table_constraints(size: Size) -> Dict[str, Dict[str, Any]]:
     return {f"t_f{i}": {"sharding_types": [size.sharding], "compute_kernels": ["fused"]} for i in range(size.tables)}
 
 
-def _plan_rows(plan) -> Dict[str, Any]:
+def _plan_rows(plan) -> dict[str, Any]:
     from lightning_rec.strategy.sharding import plan_rows
 
     return {r.table: [r.sharding_type, r.compute_kernel, r.ranks] for r in plan_rows(plan)}

@@ -17,8 +17,9 @@ turns one into a single-file, unsharded state dict, :func:`load_module` into an 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -69,14 +70,14 @@ class _Collectives:
         if self.on:
             dist.barrier()
 
-    def all_gather(self, obj: Any) -> List[Any]:
+    def all_gather(self, obj: Any) -> list[Any]:
         if not self.on:
             return [obj]
-        out: List[Any] = [None] * self.world_size
+        out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
 
-    def raise_if_any(self, problems: List[str], headline: str) -> None:
+    def raise_if_any(self, problems: list[str], headline: str) -> None:
         """Every rank raises the same error if any rank found a problem (no rank is left waiting)."""
         everything = sorted({p for rank_problems in self.all_gather(problems) for p in rank_problems})
         if everything:
@@ -88,9 +89,9 @@ class _Collectives:
 # -----------------------------------------------------------------------------------------------------------
 
 
-def _split(checkpoint: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+def _split(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Lightning's checkpoint dict -> (flat tensors for DCP, tensor-free rest for ``meta.pt``)."""
-    tensors: Dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     meta["model_extra"] = {}
     for key, value in checkpoint.get("state_dict", {}).items():
@@ -112,7 +113,7 @@ def _split(checkpoint: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any
     return tensors, meta
 
 
-def save(checkpoint: Mapping[str, Any], path: Path, info: Optional[Mapping[str, Any]] = None) -> None:
+def save(checkpoint: Mapping[str, Any], path: Path, info: Mapping[str, Any] | None = None) -> None:
     """Write Lightning's ``checkpoint`` dict as the checkpoint directory ``path`` (every rank calls this).
 
     Args:
@@ -159,9 +160,9 @@ def remove(path: Path) -> None:
 # -----------------------------------------------------------------------------------------------------------
 
 
-def _saved_entries(metadata: Metadata) -> Tuple[Dict[str, TensorStorageMetadata], Dict[int, Dict[str, Dict[str, Any]]]]:
-    model: Dict[str, TensorStorageMetadata] = {}
-    optim: Dict[int, Dict[str, Dict[str, Any]]] = {}
+def _saved_entries(metadata: Metadata) -> tuple[dict[str, TensorStorageMetadata], dict[int, dict[str, dict[str, Any]]]]:
+    model: dict[str, TensorStorageMetadata] = {}
+    optim: dict[int, dict[str, dict[str, Any]]] = {}
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             raise UnsafeCheckpointError(f"{key}: a pickled object in the tensor data; this format never writes one")
@@ -173,14 +174,14 @@ def _saved_entries(metadata: Metadata) -> Tuple[Dict[str, TensorStorageMetadata]
     return model, optim
 
 
-def _column_widths(md: TensorStorageMetadata) -> List[int]:
+def _column_widths(md: TensorStorageMetadata) -> list[int]:
     """Widths of a saved table's column shards, in column order."""
     if len(md.size) != 2:
         return []
     return [w for _, w in sorted({(c.offsets[1], c.sizes[1]) for c in md.chunks})]
 
 
-def _model_problems(live: Mapping[str, Any], saved: Mapping[str, TensorStorageMetadata], strict: bool) -> List[str]:
+def _model_problems(live: Mapping[str, Any], saved: Mapping[str, TensorStorageMetadata], strict: bool) -> list[str]:
     problems = []
     for key, value in live.items():
         if not is_tensor(value):
@@ -203,9 +204,9 @@ def load(
     optimizers: Sequence[Optimizer],
     *,
     strict: bool = True,
-    weights_only: Optional[bool] = None,
+    weights_only: bool | None = None,
     verify_hashes: bool = True,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``module`` and ``optimizers`` in place (every rank calls this).
 
     Nothing is modified until the whole checkpoint checked out: complete, every file's size (and SHA-256,
@@ -227,7 +228,7 @@ def load(
     """
     comm = _Collectives()
     path = layout.recover(Path(path))
-    problems: List[str] = []
+    problems: list[str] = []
     try:
         manifest = layout.read_manifest(path)
         problems = layout.verify_files(path, manifest, comm.rank, comm.world_size, hashes=verify_hashes)
@@ -239,8 +240,8 @@ def load(
     saved_model, saved_optim = _saved_entries(safe_io.read_metadata(path))
     live = module.state_dict()
     problems = _model_problems(live, saved_model, strict)
-    targets: Dict[str, Any] = {MODEL_PREFIX + k: v for k, v in live.items() if is_tensor(v) and k in saved_model}
-    opt_targets: List[OptimizerTarget] = []
+    targets: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in live.items() if is_tensor(v) and k in saved_model}
+    opt_targets: list[OptimizerTarget] = []
     saved_opt_meta = meta.get("optimizer_states", [])
     if optimizers:
         if not saved_opt_meta:

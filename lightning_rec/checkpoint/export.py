@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any, Dict, Optional, Type, TypeVar, Union
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
 import torch.distributed.checkpoint as dcp
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_rec.checkpoint import layout, safe_io
 
 
 def export(
-    checkpoint: "str | Path", output: "str | Path", *, prefix: str = "", verify_hashes: bool = True
-) -> Dict[str, torch.Size]:
+    checkpoint: str | Path, output: str | Path, *, prefix: str = "", verify_hashes: bool = True
+) -> dict[str, torch.Size]:
     """Write the model weights of a sharded checkpoint as one unsharded state dict file (one process, no GPU).
 
     Every table is assembled whole from its shards (so this needs memory for the whole model, once);
@@ -65,13 +65,13 @@ def export(
     return {k: v.shape for k, v in state.items()}
 
 
-def _assemble(path: Path, prefix: str, verify_hashes: bool) -> Dict[str, torch.Tensor]:
+def _assemble(path: Path, prefix: str, verify_hashes: bool) -> dict[str, torch.Tensor]:
     """Every model weight under ``prefix`` (without it) of the checkpoint at ``path``, whole, on CPU."""
     problems = layout.verify_files(path, layout.read_manifest(path), 0, 1, hashes=verify_hashes)
     if problems:
         raise layout.CheckpointError(f"Cannot read {str(path)!r}:\n  - " + "\n  - ".join(problems))
     metadata = safe_io.read_metadata(path)
-    targets: Dict[str, torch.Tensor] = {}
+    targets: dict[str, torch.Tensor] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(layout.MODEL_PREFIX + prefix) and isinstance(md, TensorStorageMetadata):
             targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
@@ -85,12 +85,12 @@ M = TypeVar("M", bound=pl.LightningModule)
 
 
 def load_module(
-    cls: Type[M],
-    checkpoint: Union[str, Path],
+    cls: type[M],
+    checkpoint: str | Path,
     *,
-    map_location: Optional[Union[str, torch.device]] = None,
-    strict: Optional[bool] = None,
-    weights_only: Optional[bool] = None,
+    map_location: str | torch.device | None = None,
+    strict: bool | None = None,
+    weights_only: bool | None = None,
     verify_hashes: bool = True,
     **kwargs: Any,
 ) -> M:
@@ -151,7 +151,7 @@ def load_module(
     return module.to(map_location) if map_location is not None else module
 
 
-def _instantiate(cls: Type[M], meta: Dict[str, Any], kwargs: Dict[str, Any]) -> M:
+def _instantiate(cls: type[M], meta: dict[str, Any], kwargs: dict[str, Any]) -> M:
     """``cls`` built from the saved hyperparameters, updated by ``kwargs`` (as Lightning's loading does)."""
     hparams = dict(meta.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {})
     params = inspect.signature(cls.__init__).parameters
@@ -180,7 +180,7 @@ def _allocate_meta_tensors(module: torch.nn.Module) -> None:
             sub.to_empty(device="cpu", recurse=False)
 
 
-def load_exported(path: "str | Path", device: Optional[str] = "cpu") -> Dict[str, torch.Tensor]:
+def load_exported(path: str | Path, device: str | None = "cpu") -> dict[str, torch.Tensor]:
     """Read a file written by :func:`export` (safetensors or weights-only torch) as a state dict."""
     path = Path(path)
     if path.suffix == ".safetensors":

@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 from lightning_rec.errors import CheckpointError  # re-exported: the old path keeps working
 
@@ -44,7 +44,7 @@ def _aside_path(path: Path, what: str) -> Path:
     return path.parent / f".{path.name}.{what}"
 
 
-def file_digest(path: Path) -> Dict[str, Any]:
+def file_digest(path: Path) -> dict[str, Any]:
     """``{"size": bytes, "sha256": hex}`` of one file."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -53,7 +53,7 @@ def file_digest(path: Path) -> Dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def own_files(directory: Path, rank: int) -> List[Path]:
+def own_files(directory: Path, rank: int) -> list[Path]:
     """The DCP data files rank ``rank`` wrote (``__<rank>_*.distcp``)."""
     return sorted(directory.glob(f"__{rank}_*.distcp"))
 
@@ -74,14 +74,14 @@ def write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def mark_complete(directory: Path, files: Dict[str, Dict[str, Any]], info: Dict[str, Any]) -> None:
+def mark_complete(directory: Path, files: dict[str, dict[str, Any]], info: dict[str, Any]) -> None:
     """Write ``COMPLETE`` (the manifest of ``files`` and ``info``) into ``directory``, last."""
     manifest = {"format": FORMAT, **info, "files": dict(sorted(files.items()))}
     write_file(directory / COMPLETE_FILE, json.dumps(manifest, indent=1).encode())
     _fsync_dir(directory)
 
 
-def read_manifest(path: Path) -> Dict[str, Any]:
+def read_manifest(path: Path) -> dict[str, Any]:
     """The ``COMPLETE`` manifest of the checkpoint at ``path``.
 
     Raises:
@@ -110,7 +110,7 @@ def read_manifest(path: Path) -> Dict[str, Any]:
     return manifest
 
 
-def verify_files(path: Path, manifest: Dict[str, Any], rank: int, world_size: int, hashes: bool = True) -> List[str]:
+def verify_files(path: Path, manifest: dict[str, Any], rank: int, world_size: int, hashes: bool = True) -> list[str]:
     """Problems with the files of the checkpoint at ``path``: missing, truncated, or (if ``hashes``) changed.
 
     Sizes are checked for every file; each rank hashes every ``world_size``-th file, so together the ranks read

@@ -17,7 +17,8 @@ is unchanged, the best available estimate otherwise.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -42,18 +43,18 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, (Tensor, _compat.ShardedTensor))
 
 
-def _torch_state_by_fqn(optimizer: Optimizer, names: Mapping[int, str]) -> Dict[str, Dict[str, Any]]:
+def _torch_state_by_fqn(optimizer: Optimizer, names: Mapping[int, str]) -> dict[str, dict[str, Any]]:
     return {names[id(p)]: dict(s) for p, s in optimizer.state.items() if id(p) in names}
 
 
-def _groups_by_fqn(optimizer: Optimizer, names: Mapping[int, str]) -> List[Dict[str, Any]]:
+def _groups_by_fqn(optimizer: Optimizer, names: Mapping[int, str]) -> list[dict[str, Any]]:
     return [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
         for g in optimizer.param_groups
     ]
 
 
-def _table_state_to_canonical(state: Dict[str, Any]) -> Dict[str, Any]:
+def _table_state_to_canonical(state: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, value in state.items():
         if name == "step":
@@ -65,7 +66,7 @@ def _table_state_to_canonical(state: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def canonical_state(optimizer: Optimizer, named_parameters: Mapping[str, Tensor]) -> Dict[str, Any]:
+def canonical_state(optimizer: Optimizer, named_parameters: Mapping[str, Tensor]) -> dict[str, Any]:
     """``optimizer``'s state keyed by parameter FQN with plan-independent names (see the module docstring)."""
     optimizer = _compat.unwrap_optimizer(optimizer)
     if not isinstance(optimizer, RecOptimizer):
@@ -101,22 +102,22 @@ class OptimizerTarget:
         optimizer: Optimizer,
         named_parameters: Mapping[str, Tensor],
         model_state: Mapping[str, Any],
-        saved: Mapping[str, Mapping[str, Tuple[torch.Size, torch.dtype]]],
+        saved: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
         saved_groups: Sequence[Mapping[str, Any]],
-        table_widths: Mapping[str, List[int]],
-        saved_extra: Optional[Mapping[str, Mapping[str, Any]]] = None,
+        table_widths: Mapping[str, list[int]],
+        saved_extra: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self.optimizer = _compat.unwrap_optimizer(optimizer)
-        self.tensors: Dict[Tuple[str, str], Tensor] = {}  # (fqn, name) -> what DCP loads into
-        self.problems: List[str] = []
+        self.tensors: dict[tuple[str, str], Tensor] = {}  # (fqn, name) -> what DCP loads into
+        self.problems: list[str] = []
         self._saved_groups = saved_groups
         self._extra = saved_extra or {}  # non-tensor state values (kept in meta.pt)
-        self._convert: Dict[Tuple[str, str], _compat.ShardedTensor] = {}  # row-wise accumulators to re-split
+        self._convert: dict[tuple[str, str], _compat.ShardedTensor] = {}  # row-wise accumulators to re-split
         self._table_widths = table_widths
-        self._torch: List[Tuple[Optimizer, Dict[int, str]]] = []  # torch optimizers fed by load_state_dict
-        self._rows: Dict[str, int] = {}
-        live: Dict[str, Dict[str, Any]] = {}  # fused state, in place
-        owners: Dict[str, str] = {}  # fqn -> "dense"/"table"/"fused"
+        self._torch: list[tuple[Optimizer, dict[int, str]]] = []  # torch optimizers fed by load_state_dict
+        self._rows: dict[str, int] = {}
+        live: dict[str, dict[str, Any]] = {}  # fused state, in place
+        owners: dict[str, str] = {}  # fqn -> "dense"/"table"/"fused"
         if isinstance(self.optimizer, RecOptimizer):
             live = canonical_state(self.optimizer, named_parameters)["state"]
             live = {
@@ -191,7 +192,7 @@ class OptimizerTarget:
                 f"parameters, the optimizer {len(live)} of {[len(g) for g in live]} (configure_optimizers changed?)"
             )
 
-    def apply(self, embedding_lrs: Optional[Sequence[float]], global_step: int) -> None:
+    def apply(self, embedding_lrs: Sequence[float] | None, global_step: int) -> None:
         """Install the loaded state (after DCP filled :attr:`tensors`)."""
         for (fqn, name), target in self._convert.items():
             self._split_rowwise(fqn, self.tensors[(fqn, name)], target)
@@ -208,9 +209,9 @@ class OptimizerTarget:
         names: Mapping[int, str],
         is_table: bool,
         global_step: int,
-        saved_groups: Optional[Sequence[Mapping[str, Any]]],
+        saved_groups: Sequence[Mapping[str, Any]] | None,
     ) -> None:
-        by_name: Dict[str, Dict[str, Any]] = {fqn: dict(self._extra.get(fqn, {})) for fqn in names.values()}
+        by_name: dict[str, dict[str, Any]] = {fqn: dict(self._extra.get(fqn, {})) for fqn in names.values()}
         for (fqn, name), value in self.tensors.items():
             if fqn in by_name:
                 by_name[fqn][name] = value
@@ -234,8 +235,8 @@ class OptimizerTarget:
                     }
 
     def _table_state_from_canonical(
-        self, optimizer: Optimizer, fqn: str, entries: Dict[str, Tensor], global_step: int
-    ) -> Dict[str, Tensor]:
+        self, optimizer: Optimizer, fqn: str, entries: dict[str, Tensor], global_step: int
+    ) -> dict[str, Tensor]:
         mapping = _FUSED_TO_TORCH.get(type(optimizer).__name__, {})
         out = {mapping.get(k, k): v for k, v in entries.items()}
         if "sum" in out and type(optimizer).__name__ == "RowWiseAdagrad":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -87,7 +87,7 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def load_meta(path: Path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+def load_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     """Lightning's tensor-free checkpoint part (``meta.pt``), loaded with ``torch.load(weights_only=True)``.
 
     Lightning's ``AttributeDict`` and the plain configuration dataclasses registered with
@@ -124,7 +124,7 @@ def _plain_classes() -> list:
     return [AttributeDict, *checkpoint_safe_classes()]
 
 
-def dumps_meta(meta: Dict[str, Any]) -> bytes:
+def dumps_meta(meta: dict[str, Any]) -> bytes:
     """Serialise ``meta`` (for ``meta.pt``) and return the bytes."""
     buffer = io.BytesIO()
     torch.save(meta, buffer)

@@ -9,8 +9,9 @@ sizes may differ by one row between ranks, which TorchRec's input distribution h
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -46,7 +47,7 @@ class Jagged:
     offsets: torch.Tensor
 
     @staticmethod
-    def from_lists(rows: Sequence[Sequence[int]]) -> "Jagged":
+    def from_lists(rows: Sequence[Sequence[int]]) -> Jagged:
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=offsets[1:])
@@ -56,7 +57,7 @@ class Jagged:
     def __len__(self) -> int:
         return self.offsets.numel() - 1
 
-    def take(self, index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def take(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(values, lengths)`` of the rows ``index``, in that order (vectorised, no Python loop)."""
         starts = self.offsets[index]
         lengths = self.offsets[index + 1] - starts
@@ -66,7 +67,7 @@ class Jagged:
         return self.values[row_starts + torch.arange(total)], lengths
 
 
-Column = Union[torch.Tensor, Jagged]
+Column = torch.Tensor | Jagged
 
 
 class RecDataset(Dataset):
@@ -98,7 +99,7 @@ class RecDataset(Dataset):
         dense: torch.Tensor,
         labels: torch.Tensor,
         sparse: Mapping[str, Column],
-        weights: Optional[Mapping[str, Jagged]] = None,
+        weights: Mapping[str, Jagged] | None = None,
     ) -> None:
         n = labels.shape[0]
         if dense.dim() != 2 or dense.shape[0] != n:
@@ -108,8 +109,8 @@ class RecDataset(Dataset):
                 raise ValueError(f"RecDataset: sparse feature {name!r} has {len(col)} rows, the labels {n}.")
         self.dense = dense.float()
         self.labels = labels.float()
-        self.sparse: Dict[str, Column] = dict(sparse)
-        self.weights: Dict[str, Jagged] = dict(weights or {})
+        self.sparse: dict[str, Column] = dict(sparse)
+        self.weights: dict[str, Jagged] = dict(weights or {})
         for name, w in self.weights.items():
             col = self.sparse.get(name)
             if not isinstance(col, Jagged) or not torch.equal(col.offsets, w.offsets):
@@ -118,11 +119,11 @@ class RecDataset(Dataset):
     def __len__(self) -> int:
         return self.labels.shape[0]
 
-    def __getitem__(self, index: Union[int, Sequence[int], torch.Tensor]) -> Batch:
+    def __getitem__(self, index: int | Sequence[int] | torch.Tensor) -> Batch:
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
-        values: List[torch.Tensor] = []
-        lengths: List[torch.Tensor] = []
-        weights: List[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        lengths: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
         for name, col in self.sparse.items():
             if isinstance(col, Jagged):
                 v, n = col.take(index)
@@ -142,7 +143,7 @@ class RecDataset(Dataset):
         )
         return Batch(dense_features=self.dense[index], sparse_features=kjt, labels=self.labels[index])
 
-    def subset(self, index: torch.Tensor) -> "RecDataset":
+    def subset(self, index: torch.Tensor) -> RecDataset:
         """The rows ``index`` as a new dataset (e.g. a train/validation split)."""
 
         def jagged(col: Jagged) -> Jagged:
@@ -151,7 +152,7 @@ class RecDataset(Dataset):
             torch.cumsum(n, 0, out=offsets[1:])
             return Jagged(v, offsets)
 
-        sparse: Dict[str, Column] = {
+        sparse: dict[str, Column] = {
             n: jagged(c) if isinstance(c, Jagged) else c[index] for n, c in self.sparse.items()
         }
         weights = {name: jagged(w) for name, w in self.weights.items()}
@@ -167,7 +168,7 @@ def rank_batches(
     shuffle: bool = False,
     seed: int = 0,
     epoch: int = 0,
-) -> List[torch.Tensor]:
+) -> list[torch.Tensor]:
     """Split ``num_rows`` rows into this rank's batches; every rank gets the same number of batches.
 
     The (optionally shuffled, by ``seed + epoch``) rows are cut into ``world_size`` contiguous parts whose
@@ -221,7 +222,7 @@ class DistributedBatchSampler(DistributedSampler):
         self.batch_size = batch_size
         self._num_batches = len(self._batches())
 
-    def _batches(self) -> List[torch.Tensor]:
+    def _batches(self) -> list[torch.Tensor]:
         return rank_batches(
             len(self.dataset),
             self.batch_size,
@@ -302,7 +303,7 @@ class RecDataModule(pl.LightningDataModule):
         self.seed = seed
 
     @property
-    def sparse_features(self) -> List[SparseFeature]:
+    def sparse_features(self) -> list[SparseFeature]:
         """The categorical features, in ``KeyedJaggedTensor`` key order."""
         raise NotImplementedError
 
@@ -312,7 +313,7 @@ class RecDataModule(pl.LightningDataModule):
         raise NotImplementedError
 
     @property
-    def rank_and_world_size(self) -> Tuple[int, int]:
+    def rank_and_world_size(self) -> tuple[int, int]:
         """``(global rank, world size)`` of the attached trainer; ``(0, 1)`` without one."""
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
@@ -323,7 +324,7 @@ class RecDataModule(pl.LightningDataModule):
         device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
         return device is not None and device.type == "cuda"
 
-    def loader(self, dataset: Any, shuffle: bool, batch_size: Optional[int] = None) -> DataLoader:
+    def loader(self, dataset: Any, shuffle: bool, batch_size: int | None = None) -> DataLoader:
         """A :func:`batch_loader` for this rank (rank and world size come from the attached trainer; pinned memory
         on CUDA)."""
         rank, world_size = self.rank_and_world_size

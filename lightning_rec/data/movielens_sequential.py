@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -64,7 +64,7 @@ def _jagged(values: torch.Tensor, lengths: torch.Tensor) -> Jagged:
     return Jagged(values.long(), offsets)
 
 
-def _rows(j: Jagged) -> List[torch.Tensor]:
+def _rows(j: Jagged) -> list[torch.Tensor]:
     return [j.values[j.offsets[i] : j.offsets[i + 1]] for i in range(len(j))]
 
 
@@ -129,7 +129,7 @@ def leave_one_out(user: torch.Tensor, item: torch.Tensor, timestamp: torch.Tenso
     return LeaveOneOut(users, _jagged(items[keep], train_len), val, test)
 
 
-def _from_rows(rows: List[torch.Tensor], max_len: Optional[int] = None) -> Jagged:
+def _from_rows(rows: list[torch.Tensor], max_len: int | None = None) -> Jagged:
     """The rows as a :class:`Jagged`, each cut to its last ``max_len`` items (all when ``None``)."""
     rows = [r[-max_len:] for r in rows] if max_len is not None else rows
     values = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
@@ -163,7 +163,7 @@ class SequenceDataset:
         users: torch.Tensor,
         history: Jagged,
         target: Jagged,
-        seen: Optional[Jagged],
+        seen: Jagged | None,
         num_items: int,
         num_negatives: int = 0,
         seed: int = 0,
@@ -181,7 +181,7 @@ class SequenceDataset:
             )
         self.users, self.history, self.target, self.seen = users.long(), history, target, seen
         self.num_items, self.num_negatives, self.seed = num_items, num_negatives, seed
-        self._negatives: Tuple[int, Optional[torch.Tensor]] = (-1, None)
+        self._negatives: tuple[int, torch.Tensor | None] = (-1, None)
 
     def __len__(self) -> int:
         return self.users.numel()
@@ -193,7 +193,7 @@ class SequenceDataset:
             self._negatives = (epoch, torch.randint(1, self.num_items, (len(self), self.num_negatives), generator=g))
         return self._negatives[1]  # type: ignore[return-value]
 
-    def __getitem__(self, key: Union[torch.Tensor, Tuple[int, torch.Tensor], int]) -> Dict[str, Any]:
+    def __getitem__(self, key: torch.Tensor | tuple[int, torch.Tensor] | int) -> dict[str, Any]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         b = index.numel()
@@ -321,9 +321,9 @@ class MovieLensSequenceDataModule(RecDataModule):
         self.download = download
         self.max_len = max_len
         self.num_negatives = num_negatives
-        self._split: Optional[LeaveOneOut] = None
+        self._split: LeaveOneOut | None = None
         self._num_items = 0
-        self._datasets: Dict[str, SequenceDataset] = {}
+        self._datasets: dict[str, SequenceDataset] = {}
 
     def prepare_data(self) -> None:
         if self.download:
@@ -345,18 +345,18 @@ class MovieLensSequenceDataModule(RecDataModule):
         return self._num_items
 
     @property
-    def sparse_features(self) -> List[SparseFeature]:
+    def sparse_features(self) -> list[SparseFeature]:
         return [SparseFeature("item", self.num_items, multi_hot=True)]
 
     @property
     def num_dense_features(self) -> int:
         return 0
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if not self._datasets:
             self._datasets = self.datasets()
 
-    def datasets(self) -> Dict[str, SequenceDataset]:
+    def datasets(self) -> dict[str, SequenceDataset]:
         """The ``train``, ``val`` and ``test`` datasets (``predict`` is ``test``)."""
         s, n = self.leave_one_out, self.num_items
         train = _rows(s.train)
@@ -388,7 +388,7 @@ class MovieLensSequenceDataModule(RecDataModule):
         self.setup()
         return self._datasets["test" if name == "predict" else name]
 
-    def loader(self, dataset: Any, shuffle: bool, batch_size: Optional[int] = None) -> DataLoader:
+    def loader(self, dataset: Any, shuffle: bool, batch_size: int | None = None) -> DataLoader:
         """Like :meth:`RecDataModule.loader` (every rank the same number of batches, every row once), but the
         sampler yields ``(epoch, indices)``: training negatives depend on the epoch, not on the rank."""
         rank, world_size = self.rank_and_world_size
@@ -407,7 +407,7 @@ class MovieLensSequenceDataModule(RecDataModule):
         )
 
 
-def popularity_baseline(data_dir: str = "data/ml-100k", ks: Tuple[int, ...] = (10,)) -> Dict[str, float]:
+def popularity_baseline(data_dir: str = "data/ml-100k", ks: tuple[int, ...] = (10,)) -> dict[str, float]:
     """HR@k and NDCG@k of :func:`popularity_ranks` on the validation and test splits of MovieLens-100K.
 
     Example::
@@ -418,7 +418,7 @@ def popularity_baseline(data_dir: str = "data/ml-100k", ks: Tuple[int, ...] = (1
     from lightning_rec.metrics import RankingMetrics
 
     dm = MovieLensSequenceDataModule(data_dir)
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for stage in ("val", "test"):
         metrics = RankingMetrics(ks, prefix=f"{stage}/", hit_name="hr")
         metrics.update(popularity_ranks(dm.leave_one_out, dm.num_items, stage))

@@ -29,8 +29,9 @@ Ids become rows per feature:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Literal, Mapping, Optional, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class LabelColumn:
     """
 
     column: str
-    threshold: Optional[float] = None
+    threshold: float | None = None
 
     def apply(self, values: np.ndarray) -> np.ndarray:
         """The labels of ``values`` (float32)."""
@@ -94,8 +95,8 @@ class DenseColumn:
 
     column: str
     transform: DenseTransform = "none"
-    mean: Optional[float] = None
-    std: Optional[float] = None
+    mean: float | None = None
+    std: float | None = None
 
     def apply(self, values: np.ndarray) -> np.ndarray:
         """The transformed feature (float32)."""
@@ -128,14 +129,14 @@ class SparseColumn:
 
     column: str
     ids: IdMapping = "hash"
-    num_embeddings: Optional[int] = None
-    table: Optional[str] = None
+    num_embeddings: int | None = None
+    table: str | None = None
     list: bool = False
     delimiter: str = "|"
-    weights: Optional[str] = None
-    vocab_file: Optional[str] = None
+    weights: str | None = None
+    vocab_file: str | None = None
     min_count: int = 1
-    name: Optional[str] = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
         if self.ids in ("hash", "raw") and (self.num_embeddings is None or self.num_embeddings < 1):
@@ -166,9 +167,9 @@ class Schema:
         ['click', 'user']
     """
 
-    labels: List[LabelColumn] = field(default_factory=list)
-    dense: List[DenseColumn] = field(default_factory=list)
-    sparse: List[SparseColumn] = field(default_factory=list)
+    labels: list[LabelColumn] = field(default_factory=list)
+    dense: list[DenseColumn] = field(default_factory=list)
+    sparse: list[SparseColumn] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.labels = [c if isinstance(c, LabelColumn) else LabelColumn(**c) for c in self.labels]
@@ -188,16 +189,16 @@ class Schema:
                 )
 
     @property
-    def columns(self) -> List[str]:
+    def columns(self) -> list[str]:
         """Every column the schema reads, in declaration order, without repeats."""
         cols = [c.column for c in self.labels] + [c.column for c in self.dense]
         cols += [x for c in self.sparse for x in ([c.column] + ([c.weights] if c.weights else []))]
         return list(dict.fromkeys(cols))
 
-    def sparse_features(self, vocab_sizes: Mapping[str, int]) -> List[SparseFeature]:
+    def sparse_features(self, vocab_sizes: Mapping[str, int]) -> list[SparseFeature]:
         """The features a model builds its tables from: one per sparse column, a shared table's size the largest
         of its features'. ``vocab_sizes``: by table (a feature's own name, or the one it shares)."""
-        rows: Dict[str, int] = {}
+        rows: dict[str, int] = {}
         for c in self.sparse:
             n = vocab_sizes[c.table or c.feature] + 1 if c.ids == "vocab" else int(c.num_embeddings or 0)
             table = c.table or c.feature
@@ -299,13 +300,13 @@ class Vocabulary:
         return np.where(self._sorted[at] == text, self._rows[at], 0)
 
     @classmethod
-    def build(cls, counts: Mapping[str, int], min_count: int = 1) -> "Vocabulary":
+    def build(cls, counts: Mapping[str, int], min_count: int = 1) -> Vocabulary:
         """From value counts: by descending count, ties in sorted order, dropping values seen under ``min_count``."""
         kept = [v for v, n in counts.items() if n >= min_count]
         return cls(sorted(kept, key=lambda v: (-counts[v], v)))
 
     @classmethod
-    def read(cls, path: str) -> "Vocabulary":
+    def read(cls, path: str) -> Vocabulary:
         """One value per line."""
         with open(path, encoding="utf-8") as f:
             return cls([line.rstrip("\n") for line in f if line.rstrip("\n") != ""])

@@ -23,8 +23,9 @@ import gzip
 import io
 import math
 import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,20 +41,20 @@ class Unit:
 
     file: str
     rows: int
-    row_group: Optional[int] = None
-    start: Optional[int] = None
-    end: Optional[int] = None
-    first_line: Optional[int] = None
+    row_group: int | None = None
+    start: int | None = None
+    end: int | None = None
+    first_line: int | None = None
 
 
-def _csv_header(path: str) -> Tuple[bytes, int]:
+def _csv_header(path: str) -> tuple[bytes, int]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         header = f.readline()
     return header, len(header)
 
 
-def list_units(files: Sequence[str], chunk_bytes: int = 32 << 20, header: bool = True) -> List[Unit]:
+def list_units(files: Sequence[str], chunk_bytes: int = 32 << 20, header: bool = True) -> list[Unit]:
     """The units of ``files`` with their row counts (one pass over each CSV file, none over Parquet).
 
     Example::
@@ -63,7 +64,7 @@ def list_units(files: Sequence[str], chunk_bytes: int = 32 << 20, header: bool =
     """
     import pyarrow.parquet as pq
 
-    units: List[Unit] = []
+    units: list[Unit] = []
     for path in files:
         if path.endswith((".parquet", ".pq")):
             meta = pq.ParquetFile(path).metadata
@@ -77,7 +78,7 @@ def list_units(files: Sequence[str], chunk_bytes: int = 32 << 20, header: bool =
     return units
 
 
-def _csv_units(path: str, chunk_bytes: int, header: bool) -> List[Unit]:
+def _csv_units(path: str, chunk_bytes: int, header: bool) -> list[Unit]:
     size = os.path.getsize(path)
     start = _csv_header(path)[1] if header else 0
     line = 1 + int(header)
@@ -97,9 +98,7 @@ def _csv_units(path: str, chunk_bytes: int, header: bool) -> List[Unit]:
     return units
 
 
-def read_unit(
-    unit: Unit, columns: Sequence[str], csv_columns: Optional[Sequence[str]], delimiter: Optional[str]
-) -> Any:
+def read_unit(unit: Unit, columns: Sequence[str], csv_columns: Sequence[str] | None, delimiter: str | None) -> Any:
     """The ``columns`` of ``unit`` as a ``pyarrow.Table``."""
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
@@ -131,7 +130,7 @@ def read_unit(
     return table.select(list(columns))
 
 
-def _cut(n: int, parts: int) -> List[int]:
+def _cut(n: int, parts: int) -> list[int]:
     """Boundaries of ``n`` items cut into ``parts`` contiguous pieces whose sizes differ by at most one."""
     return [(n * i) // parts for i in range(parts + 1)] if parts else [0]
 
@@ -177,19 +176,19 @@ class TableStream(IterableDataset):
         """Reshuffle for ``epoch`` (Lightning calls it on samplers; :class:`StreamLoader` calls it here)."""
         self.epoch = epoch
 
-    def _order(self) -> List[Unit]:
+    def _order(self) -> list[Unit]:
         if not self.shuffle:
             return list(self.units)
         perm = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(self.seed + self.epoch))
         return [self.units[i] for i in perm.tolist()]
 
-    def batch_bounds(self) -> List[Tuple[int, int]]:
+    def batch_bounds(self) -> list[tuple[int, int]]:
         """This rank's batches as ``[start, stop)`` row ranges of the epoch's row order."""
         lo, hi = _cut(self.total_rows, self.world_size)[self.rank : self.rank + 2]
         edges = _cut(hi - lo, self.num_batches)
         return [(lo + a, lo + b) for a, b in zip(edges[:-1], edges[1:])]
 
-    def worker_runs(self, workers: int) -> List[Tuple[int, int]]:
+    def worker_runs(self, workers: int) -> list[tuple[int, int]]:
         """Each worker's contiguous run of batch numbers ``[first, stop)``."""
         edges = _cut(self.num_batches, workers)
         return list(zip(edges[:-1], edges[1:]))
@@ -223,7 +222,7 @@ class TableStream(IterableDataset):
                 a, z = bounds[b][0] - lo, bounds[b][1] - lo
                 yield rows[perm[a:z]]
 
-    def _rows(self, order: List[Unit], offsets: np.ndarray, lo: int, hi: int) -> Any:
+    def _rows(self, order: list[Unit], offsets: np.ndarray, lo: int, hi: int) -> Any:
         """Rows ``[lo, hi)`` of the epoch's order, one dataset (units read in turn, sliced)."""
         first = int(np.searchsorted(offsets, lo, side="right")) - 1
         parts = []
@@ -238,8 +237,8 @@ class TableStream(IterableDataset):
 def _cat_datasets(parts: Sequence[Any]) -> Any:
     from lightning_rec.data.base import Jagged, RecDataset
 
-    sparse: Dict[str, Any] = {}
-    weights: Dict[str, Any] = {}
+    sparse: dict[str, Any] = {}
+    weights: dict[str, Any] = {}
     for name, col in parts[0].sparse.items():
         if isinstance(col, Jagged):
             sparse[name] = _cat_jagged([p.sparse[name] for p in parts])
@@ -261,7 +260,7 @@ def _cat_jagged(cols: Sequence[Any]) -> Any:
     return Jagged(values, offsets)
 
 
-def _served_by(served: int, counts: Sequence[int]) -> Tuple[List[int], int]:
+def _served_by(served: int, counts: Sequence[int]) -> tuple[list[int], int]:
     """How many of the first ``served`` batches each worker yielded, and whose turn is next, the DataLoader taking
     one batch from each worker in turn (skipping workers that are done).
 
@@ -306,7 +305,7 @@ class StreamLoader:
         self.epoch = epoch
 
     @property
-    def sampler(self) -> "StreamLoader":
+    def sampler(self) -> StreamLoader:
         """Lightning calls ``sampler.set_epoch(epoch)``: this loader is its own sampler."""
         return self
 
@@ -321,11 +320,11 @@ class StreamLoader:
     def __len__(self) -> int:
         return len(self.stream)
 
-    def state_dict(self) -> Dict[str, int]:
+    def state_dict(self) -> dict[str, int]:
         """``{"epoch", "served"}``: where in which epoch the stream is."""
         return {"epoch": self.epoch, "served": self.served}
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         """Start the next pass at batch ``served`` of epoch ``epoch`` (a mid-epoch checkpoint)."""
         self.epoch = int(state["epoch"])
         self._resume = int(state["served"]) if int(state["served"]) < len(self) else 0

@@ -9,8 +9,9 @@ rows take about a second on one CPU core.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Literal, Optional, Sequence, Tuple
+from typing import Literal
 
 import torch
 
@@ -74,9 +75,9 @@ class SyntheticTable:
 class _Truth:
     """The hidden model behind the labels: it depends on the tables and the seed only."""
 
-    scores: Dict[str, torch.Tensor]  # table -> a score per id
-    hot_order: Dict[str, torch.Tensor]  # power-law table -> ids from hottest to coldest
-    cdf: Dict[str, torch.Tensor]  # power-law table -> cumulative lookup probability by hotness rank
+    scores: dict[str, torch.Tensor]  # table -> a score per id
+    hot_order: dict[str, torch.Tensor]  # power-law table -> ids from hottest to coldest
+    cdf: dict[str, torch.Tensor]  # power-law table -> cumulative lookup probability by hotness rank
     dense_weights: torch.Tensor
     bias: float  # minus the expected logit, so about half the labels are clicks
 
@@ -112,7 +113,7 @@ def _ids(table: SyntheticTable, truth: _Truth, n: int, g: torch.Generator) -> to
 
 def draw(
     tables: Sequence[SyntheticTable], num_dense_features: int, rows: int, seed: int
-) -> Tuple[RecDataset, torch.Tensor]:
+) -> tuple[RecDataset, torch.Tensor]:
     """The dataset of ``rows`` synthetic rows drawn from ``seed``, and the hidden logit of each row (what an ideal
     model would predict)."""
     names = [t.name for t in tables]
@@ -124,7 +125,7 @@ def draw(
     g = torch.Generator().manual_seed(seed * 1_000_003 + rows)
     dense = torch.randn(rows, num_dense_features, generator=g)
     logit = dense @ truth.dense_weights + truth.bias
-    sparse: Dict[str, Column] = {}
+    sparse: dict[str, Column] = {}
     for t in tables:
         scores = truth.scores[t.name]
         if t.multi_hot:
@@ -202,7 +203,7 @@ class SyntheticDataModule(RecDataModule):
 
     def __init__(
         self,
-        tables: List[SyntheticTable],
+        tables: list[SyntheticTable],
         num_dense_features: int = 13,
         train_rows: int = 100_000,
         val_rows: int = 10_000,
@@ -222,10 +223,10 @@ class SyntheticDataModule(RecDataModule):
         self.tables = list(tables)
         self._num_dense = num_dense_features
         self.rows = {"train": train_rows, "val": val_rows, "test": test_rows}
-        self._splits: Optional[Dict[str, RecDataset]] = None
+        self._splits: dict[str, RecDataset] | None = None
 
     @property
-    def sparse_features(self) -> List[SparseFeature]:
+    def sparse_features(self) -> list[SparseFeature]:
         return [SparseFeature(t.name, t.num_embeddings, t.multi_hot) for t in self.tables]
 
     @property

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -64,13 +65,13 @@ def _pa() -> Any:
     return pyarrow
 
 
-def expand(patterns: Union[str, Sequence[str]], what: str) -> List[str]:
+def expand(patterns: str | Sequence[str], what: str) -> list[str]:
     """The table files ``patterns`` (paths, globs or directories) name, in sorted order per pattern.
 
     Raises:
         FileNotFoundError: naming a pattern that matches nothing.
     """
-    files: List[str] = []
+    files: list[str] = []
     for pattern in [patterns] if isinstance(patterns, str) else patterns:
         pattern = os.path.expanduser(str(pattern))
         if os.path.isdir(pattern):  # a directory: its tables
@@ -89,12 +90,12 @@ class _Part:
     table: Any  # pyarrow.Table
     file: str
     where: str  # "row group 3" or "lines 2-1001"
-    first_line: Optional[int]  # CSV: the line of the first row (1-based), for messages
+    first_line: int | None  # CSV: the line of the first row (1-based), for messages
 
 
 def read_table(
-    path: str, columns: Sequence[str], csv_columns: Optional[Sequence[str]] = None, delimiter: Optional[str] = None
-) -> List[_Part]:
+    path: str, columns: Sequence[str], csv_columns: Sequence[str] | None = None, delimiter: str | None = None
+) -> list[_Part]:
     """The ``columns`` of file ``path``: Parquet one part per row group, CSV one part.
 
     Raises:
@@ -160,7 +161,7 @@ def _numbers(part: _Part, column: str, bad: _Bad, kind: str) -> np.ndarray:
     return np.where(np.isfinite(values), values, 0.0)
 
 
-def _ids(values: Any, column: str, kind: str, file: str, hash_rows: Optional[int] = None) -> np.ndarray:
+def _ids(values: Any, column: str, kind: str, file: str, hash_rows: int | None = None) -> np.ndarray:
     """A pyarrow array of ids (integers or text) as numpy for the mapping; with ``hash_rows``, already hashed into
     that many rows (from the array's buffers: no Python object per value)."""
     pa = _pa()
@@ -175,7 +176,7 @@ def _ids(values: Any, column: str, kind: str, file: str, hash_rows: Optional[int
     raise DataError(f"{file}: column {column!r} holds {values.type}, integer or text ids were expected ({kind}).")
 
 
-def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> Tuple[Any, np.ndarray, Optional[np.ndarray]]:
+def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> tuple[Any, np.ndarray, np.ndarray | None]:
     """``(ids, lengths, weights)`` of one sparse column: ids still raw (numpy), per-row lengths, flat weights."""
     pa = _pa()
     col = part.table.column(spec.column).combine_chunks()
@@ -239,7 +240,7 @@ def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> Tuple[Any, np.
     return ids, lengths, weights
 
 
-def _hashed(spec: SparseColumn) -> Optional[int]:
+def _hashed(spec: SparseColumn) -> int | None:
     """The rows ``hash`` ids go to (they are hashed as they are decoded), else ``None``."""
     return int(spec.num_embeddings) if spec.ids == "hash" else None  # type: ignore[arg-type]
 
@@ -261,12 +262,12 @@ class _Decoded:
 
     labels: np.ndarray  # (N, L) float
     dense: np.ndarray  # (N, D) float, not transformed
-    sparse: Dict[str, Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]  # feature -> (raw ids, lengths, weights)
-    timestamps: Optional[np.ndarray]
+    sparse: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]  # feature -> (raw ids, lengths, weights)
+    timestamps: np.ndarray | None
     keep: np.ndarray  # rows that are good
 
 
-def _decode(part: _Part, schema: Schema, drop: bool, timestamp: Optional[str]) -> _Decoded:
+def _decode(part: _Part, schema: Schema, drop: bool, timestamp: str | None) -> _Decoded:
     bad = _Bad(part, drop)
     labels = np.stack([c.apply(_numbers(part, c.column, bad, "label")) for c in schema.labels], axis=1)
     dense = (
@@ -279,7 +280,7 @@ def _decode(part: _Part, schema: Schema, drop: bool, timestamp: Optional[str]) -
     return _Decoded(labels, dense, sparse, stamps, ~bad.mask)
 
 
-def _concat_jagged(parts: Sequence[Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]]) -> Tuple[Any, ...]:
+def _concat_jagged(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> tuple[Any, ...]:
     ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
     lengths = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
     weights = None if not parts or parts[0][2] is None else np.concatenate([p[2] for p in parts])  # type: ignore[misc]
@@ -296,8 +297,8 @@ class SplitRule:
     """How one set of files is split: ``random`` (``{val, test, seed}``) or ``timestamp`` (``{column, val_from,
     test_from}``: rows at or after ``val_from`` validate, at or after ``test_from`` test)."""
 
-    random: Optional[Dict[str, float]] = None
-    timestamp: Optional[Dict[str, Any]] = None
+    random: dict[str, float] | None = None
+    timestamp: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.random is None) == (self.timestamp is None):
@@ -341,16 +342,16 @@ class TabularDataModule(RecDataModule):
 
     def __init__(
         self,
-        schema: Union[Schema, Mapping[str, Any]],
-        files: Optional[Union[str, List[str]]] = None,
-        train: Optional[Union[str, List[str]]] = None,
-        val: Optional[Union[str, List[str]]] = None,
-        test: Optional[Union[str, List[str]]] = None,
-        split: Optional[Union[SplitRule, Mapping[str, Any]]] = None,
-        csv_columns: Optional[List[str]] = None,
-        csv_delimiter: Optional[str] = None,
+        schema: Schema | Mapping[str, Any],
+        files: str | list[str] | None = None,
+        train: str | list[str] | None = None,
+        val: str | list[str] | None = None,
+        test: str | list[str] | None = None,
+        split: SplitRule | Mapping[str, Any] | None = None,
+        csv_columns: list[str] | None = None,
+        csv_delimiter: str | None = None,
         bad_rows: Literal["error", "drop"] = "error",
-        state_dir: Optional[str] = None,
+        state_dir: str | None = None,
         stream: bool = False,
         window: int = 8,
         chunk_bytes: int = 32 << 20,
@@ -376,15 +377,15 @@ class TabularDataModule(RecDataModule):
         self.bad_rows = bad_rows
         self.state_dir = state_dir
         self.dropped_rows = 0
-        self.vocabularies: Dict[str, Vocabulary] = {}
-        self.dense_stats: Dict[str, Tuple[float, float]] = {}
-        self._splits: Dict[str, RecDataset] = {}
-        self._decoded: Optional[Dict[str, _Decoded]] = None
-        self._unit_lists: Dict[str, List[Unit]] = {}
+        self.vocabularies: dict[str, Vocabulary] = {}
+        self.dense_stats: dict[str, tuple[float, float]] = {}
+        self._splits: dict[str, RecDataset] = {}
+        self._decoded: dict[str, _Decoded] | None = None
+        self._unit_lists: dict[str, list[Unit]] = {}
 
     # ---- what the model needs --------------------------------------------------------------------------------
     @property
-    def sparse_features(self) -> List[SparseFeature]:
+    def sparse_features(self) -> list[SparseFeature]:
         self._learn()
         return self.schema.sparse_features({table: len(v) for table, v in self.vocabularies.items()})
 
@@ -393,17 +394,17 @@ class TabularDataModule(RecDataModule):
         return len(self.schema.dense)
 
     # ---- reading ----------------------------------------------------------------------------------------------
-    def _columns(self) -> List[str]:
+    def _columns(self) -> list[str]:
         extra = [self.split_rule.timestamp["column"]] if self.split_rule and self.split_rule.timestamp else []
         return list(dict.fromkeys(self.schema.columns + extra))
 
-    def _read(self) -> Dict[str, _Decoded]:
+    def _read(self) -> dict[str, _Decoded]:
         """Every split's rows, decoded and checked (ids not mapped yet)."""
         if self._decoded is not None:
             return self._decoded
         drop = self.bad_rows == "drop"
         stamp = self.split_rule.timestamp["column"] if self.split_rule and self.split_rule.timestamp else None
-        out: Dict[str, _Decoded] = {}
+        out: dict[str, _Decoded] = {}
         for name, patterns in self.sources.items():
             if patterns is None:
                 continue
@@ -435,7 +436,7 @@ class TabularDataModule(RecDataModule):
             np.ones(int(keep.sum()), dtype=bool),
         )
 
-    def _apply_rule(self, data: _Decoded) -> Dict[str, _Decoded]:
+    def _apply_rule(self, data: _Decoded) -> dict[str, _Decoded]:
         rule = self.split_rule
         assert rule is not None
         n = len(data.labels)
@@ -456,7 +457,7 @@ class TabularDataModule(RecDataModule):
     def _learn(self) -> None:
         """Vocabularies (one per table: features sharing a table share its ids) and dense statistics, from files or
         the training split, unless already known."""
-        needed: Dict[str, List[SparseColumn]] = {}
+        needed: dict[str, list[SparseColumn]] = {}
         for c in self.schema.sparse:
             key = c.table or c.feature
             if c.ids == "vocab" and key not in self.vocabularies:
@@ -470,7 +471,7 @@ class TabularDataModule(RecDataModule):
         stats = [c for c in stats if c.mean is None or c.std is None]
         if not needed and not stats:
             return
-        counts: Dict[str, Dict[str, int]] = {key: {} for key in needed}
+        counts: dict[str, dict[str, int]] = {key: {} for key in needed}
         moments = np.zeros((len(stats), 3))  # rows, sum, sum of squares per standardized column
         for train in self._train_parts():
             for key, group in needed.items():
@@ -500,14 +501,14 @@ class TabularDataModule(RecDataModule):
         with open(os.path.join(self.state_dir, "dense_stats.json"), "w") as f:
             json.dump({k: {"mean": m, "std": s} for k, (m, s) in self.dense_stats.items()}, f, indent=2)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The vocabularies and dense statistics (Lightning saves them in every checkpoint)."""
         return {
             "vocabularies": {f: v.values for f, v in self.vocabularies.items()},
             "dense_stats": {k: list(v) for k, v in self.dense_stats.items()},
         }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (before the splits are built, so ids map as when training)."""
         self.vocabularies = {f: Vocabulary(v) for f, v in state.get("vocabularies", {}).items()}
         self.dense_stats = {k: (float(v[0]), float(v[1])) for k, v in state.get("dense_stats", {}).items()}
@@ -528,7 +529,7 @@ class TabularDataModule(RecDataModule):
                 self.dropped_rows += int((~decoded.keep).sum())
             yield _take(decoded, decoded.keep)
 
-    def _units(self, split: str) -> List[Unit]:
+    def _units(self, split: str) -> list[Unit]:
         if split not in self._unit_lists:
             patterns = self.sources.get(split)
             if patterns is None:
@@ -571,7 +572,7 @@ class TabularDataModule(RecDataModule):
         if "test" not in self._splits and "val" in self._splits:
             self._splits["test"] = self._splits["val"]
 
-    def _mapper(self) -> "_Mapper":
+    def _mapper(self) -> _Mapper:
         return _Mapper(self.schema, dict(self.vocabularies), dict(self.dense_stats))
 
     def split(self, name: str) -> RecDataset:
@@ -596,13 +597,13 @@ class _Mapper:
     the schema and what the training split taught, so DataLoader workers get a small copy."""
 
     def __init__(
-        self, schema: Schema, vocabularies: Dict[str, Vocabulary], dense_stats: Dict[str, Tuple[float, float]]
+        self, schema: Schema, vocabularies: dict[str, Vocabulary], dense_stats: dict[str, tuple[float, float]]
     ):
         self.schema, self.vocabularies, self.dense_stats = schema, vocabularies, dense_stats
 
     def dataset(self, d: _Decoded) -> RecDataset:
-        sparse: Dict[str, Column] = {}
-        weights: Dict[str, Jagged] = {}
+        sparse: dict[str, Column] = {}
+        weights: dict[str, Jagged] = {}
         for c in self.schema.sparse:
             ids, lengths, w = d.sparse[c.feature]
             rows = self._map(c, ids)
@@ -645,12 +646,12 @@ class _UnitReader:
     """Rows ``[a, b)`` of a unit as a dataset (what :class:`~lightning_rec.data.stream.TableStream` reads), keeping
     the last unit read: consecutive windows of a worker usually fall in the same unit."""
 
-    def __init__(self, mapper: _Mapper, columns: List[str], csv_columns: Any, delimiter: Any, bad_rows: str) -> None:
+    def __init__(self, mapper: _Mapper, columns: list[str], csv_columns: Any, delimiter: Any, bad_rows: str) -> None:
         self.mapper, self.columns, self.csv_columns, self.delimiter = mapper, columns, csv_columns, delimiter
         self.drop = bad_rows == "drop"
-        self._last: Optional[Tuple[Unit, Any]] = None
+        self._last: tuple[Unit, Any] | None = None
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_last": None}
 
     def __call__(self, unit: Unit, a: int, b: int) -> RecDataset:

@@ -41,7 +41,8 @@ import typing
 import warnings
 import weakref
 from collections import OrderedDict, deque
-from typing import Any, Callable, Deque, FrozenSet, Iterator, List, Mapping, Optional, Tuple, Union
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,7 +60,7 @@ __all__ = ["InputChecks", "NonFinitePolicy", "batch_leaves", "check_finite"]
 _POLICIES = typing.get_args(NonFinitePolicy)
 
 
-def check_finite(tensor: torch.Tensor, what: str, where: Union[str, Callable[[], str]] = "") -> Optional[str]:
+def check_finite(tensor: torch.Tensor, what: str, where: str | Callable[[], str] = "") -> str | None:
     """``None`` if ``tensor`` is all finite, else a message naming ``what``, the first bad value and ``where`` (or
     what the function ``where`` returns). Reads the tensor: on a device, the host waits for it.
 
@@ -84,7 +85,7 @@ def check_finite(tensor: torch.Tensor, what: str, where: Union[str, Callable[[],
     )
 
 
-def batch_leaves(batch: Any, path: str = "batch") -> Iterator[Tuple[str, Any]]:
+def batch_leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
     """Every tensor and ``KeyedJaggedTensor`` of a batch (``Batch``, dataclass, mapping, sequence), with its path.
 
     Example::
@@ -113,10 +114,10 @@ def batch_leaves(batch: Any, path: str = "batch") -> Iterator[Tuple[str, Any]]:
 class _Trusted:
     """A device KJT whose contents were checked on the host: its features, and its tensors as they were then."""
 
-    features: FrozenSet[str]
-    values: "weakref.ref[torch.Tensor]"
+    features: frozenset[str]
+    values: weakref.ref[torch.Tensor]
     lengths_storage: int
-    versions: Tuple[int, int]  # of the values and the lengths (or offsets): what changing them in place moves
+    versions: tuple[int, int]  # of the values and the lengths (or offsets): what changing them in place moves
 
 
 @dataclasses.dataclass
@@ -125,13 +126,13 @@ class _PendingLoss:
 
     where: str
     value: torch.Tensor  # host memory (pinned on CUDA), written by a non-blocking copy
-    copied: Optional[Any]  # the CUDA event recorded after the copy (None on CPU: already there)
+    copied: Any | None  # the CUDA event recorded after the copy (None on CPU: already there)
 
 
 # How many checked KJTs the doors remember: enough for the batches a pipeline holds (3) with several KJTs each.
 _TRUSTED_KJTS = 16
 
-HostChecked = List[Tuple[str, KeyedJaggedTensor, FrozenSet[str]]]
+HostChecked = list[tuple[str, KeyedJaggedTensor, frozenset[str]]]
 """What :meth:`InputChecks.check_host` checked: (path, host KJT, its checked features), for :meth:`InputChecks.trust`."""
 
 
@@ -171,10 +172,10 @@ class InputChecks:
         self.tables = FeatureTables({})
         self._position = position
         self._ahead = 0
-        self._batch: Optional[int] = None
+        self._batch: int | None = None
         # By the data pointer of a checked device KJT's values; the newest _TRUSTED_KJTS (a few batches in flight).
-        self._trusted: "OrderedDict[int, _Trusted]" = OrderedDict()
-        self._pending: Deque[_PendingLoss] = deque()
+        self._trusted: OrderedDict[int, _Trusted] = OrderedDict()
+        self._pending: deque[_PendingLoss] = deque()
         self.door_reads = 0  # KJTs whose contents were read at a module's door (not checked on the host)
         self._named_unread: set = set()  # (path, features) already warned about
         self._vbe_refusals: dict = {}  # module path -> why it cannot train on a variable-batch KJT
@@ -208,7 +209,7 @@ class InputChecks:
         self,
         sharded_root: nn.Module,
         specs: Mapping[str, ModuleInputs],
-        variable_batch_refusals: Optional[Mapping[str, str]] = None,
+        variable_batch_refusals: Mapping[str, str] | None = None,
     ) -> None:
         """Put :func:`check_features` in front of ``input_dist`` of each sharded module named in ``specs`` (paths
         in ``sharded_root``, the module DMP wraps); without structure checks, take it away. Idempotent.
@@ -256,7 +257,7 @@ class InputChecks:
                     self._name_unread(path, kjt.keys())
         return checked
 
-    def _name_unread(self, path: str, keys: List[str]) -> None:
+    def _name_unread(self, path: str, keys: list[str]) -> None:
         """Warn once about features of a table input that no sharded module reads: allowed (each module reads its
         own features, as in TorchRec), but often a typo or a table left out of the model."""
         unread = tuple(k for k in keys if k not in self.tables.features)
@@ -303,7 +304,7 @@ class InputChecks:
         self.door_reads += data
         return check_features(features, spec, check_ids=self.check_ids, where=self.where, data=data)
 
-    def _trusted_features(self, kjt: Any) -> Optional[FrozenSet[str]]:
+    def _trusted_features(self, kjt: Any) -> frozenset[str] | None:
         if not isinstance(kjt, KeyedJaggedTensor) or not self._trusted:
             return None
         values = kjt.values()
@@ -319,7 +320,7 @@ class InputChecks:
             return None
         return entry.features
 
-    def _check_dense(self, tensors: List[Tuple[str, torch.Tensor]]) -> None:
+    def _check_dense(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         found = [(path, t) for path, t in tensors if t.is_floating_point() and t.numel()]
         if not found:
             return
@@ -404,7 +405,7 @@ _HINT_LOSS = (
 )
 
 
-def _lengths_of(kjt: KeyedJaggedTensor) -> Optional[torch.Tensor]:
+def _lengths_of(kjt: KeyedJaggedTensor) -> torch.Tensor | None:
     lengths = kjt.lengths_or_none()
     return lengths if lengths is not None else kjt.offsets_or_none()
 
@@ -414,7 +415,7 @@ def _lengths_storage(kjt: KeyedJaggedTensor) -> int:
     return lengths.untyped_storage().data_ptr() if isinstance(lengths, torch.Tensor) else 0
 
 
-def _versions(kjt: KeyedJaggedTensor) -> Tuple[int, int]:
+def _versions(kjt: KeyedJaggedTensor) -> tuple[int, int]:
     lengths = _lengths_of(kjt)
     return _compat.tensor_version(kjt.values()), _compat.tensor_version(lengths) if lengths is not None else -1
 

@@ -21,8 +21,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, FrozenSet, List, Mapping, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,7 +55,7 @@ def check_features(
     spec: ModuleInputs,
     *,
     check_ids: bool = True,
-    where: Union[str, Callable[[], str]] = "",
+    where: str | Callable[[], str] = "",
     data: bool = True,
 ) -> KeyedJaggedTensor:
     """Check a ``KeyedJaggedTensor`` against what ``spec``'s module expects; return it in the module's feature order.
@@ -114,11 +115,11 @@ def check_features(
 
 def check_on_host(
     kjt: KeyedJaggedTensor,
-    tables: "FeatureTables",
+    tables: FeatureTables,
     *,
     check_ids: bool = True,
-    where: Union[str, Callable[[], str]] = "",
-) -> FrozenSet[str]:
+    where: str | Callable[[], str] = "",
+) -> frozenset[str]:
     """Check the contents of a KJT on the host, before it is copied to the device: what :func:`check_features`
     checks that does not depend on which module it feeds (lengths, offsets, dtypes, weights, and every id against
     the table of its feature). Returns the features whose ids were checked, for the door check of
@@ -144,7 +145,7 @@ def check_on_host(
     return frozenset(key for key in known if key not in tables.ambiguous)
 
 
-def _check_keys(keys: List[str], spec: ModuleInputs, fail: Callable[[str], InputError]) -> None:
+def _check_keys(keys: list[str], spec: ModuleInputs, fail: Callable[[str], InputError]) -> None:
     if len(keys) == len(spec.features) and spec.tables.keys() == set(keys):
         return  # exactly the module's features, each once (the check of most steps)
     duplicated = sorted({k for k in keys if keys.count(k) > 1})
@@ -164,7 +165,7 @@ def _check_keys(keys: List[str], spec: ModuleInputs, fail: Callable[[str], Input
         )
 
 
-def _failure(label: Union[str, Callable[[], str]], where: Union[str, Callable[[], str]]) -> Callable[[str], InputError]:
+def _failure(label: str | Callable[[], str], where: str | Callable[[], str]) -> Callable[[str], InputError]:
     """The error factory of one check: the message prefixed with where training is and who reads the KJT (both
     computed only on failure)."""
 
@@ -186,16 +187,16 @@ def _tensor(value: Any, name: str, fail: Callable[[str], InputError]) -> torch.T
 class _Form:
     """A KJT's tensors once their shapes and dtypes are checked (nothing read from their contents yet)."""
 
-    keys: List[str]
+    keys: list[str]
     values: torch.Tensor
     lengths: torch.Tensor  # as given, or from the offsets
-    given_lengths: Optional[torch.Tensor]
-    offsets: Optional[torch.Tensor]
-    weights: Optional[torch.Tensor]
-    per_key: List[int]  # samples (lengths entries) of each feature
+    given_lengths: torch.Tensor | None
+    offsets: torch.Tensor | None
+    weights: torch.Tensor | None
+    per_key: list[int]  # samples (lengths entries) of each feature
 
 
-def _check_form(kjt: KeyedJaggedTensor, keys: List[str], fail: Callable[[str], InputError]) -> _Form:
+def _check_form(kjt: KeyedJaggedTensor, keys: list[str], fail: Callable[[str], InputError]) -> _Form:
     """Dtypes, dimensions and counts: metadata only, never a read of the contents."""
     values = _tensor(kjt.values(), "values", fail)
     if values.dim() != 1 or values.dtype not in _ID_DTYPES:
@@ -235,8 +236,8 @@ def _check_form(kjt: KeyedJaggedTensor, keys: List[str], fail: Callable[[str], I
 
 
 def _samples_per_key(
-    kjt: KeyedJaggedTensor, keys: List[str], lengths: torch.Tensor, fail: Callable[[str], InputError]
-) -> List[int]:
+    kjt: KeyedJaggedTensor, keys: list[str], lengths: torch.Tensor, fail: Callable[[str], InputError]
+) -> list[int]:
     """Samples (lengths entries) of each feature: the batch size, or per feature for variable batch sizes."""
     if kjt.variable_stride_per_key():
         per_key = [int(s) for s in kjt.stride_per_key()]
@@ -259,7 +260,7 @@ def _samples_per_key(
 
 
 def _check_weights_presence(
-    weights: Optional[torch.Tensor], weighted: Optional[bool], fail: Callable[[str], InputError]
+    weights: torch.Tensor | None, weighted: bool | None, fail: Callable[[str], InputError]
 ) -> None:
     """A weighted module needs per-id weights. An unweighted one must get none: sharded TorchRec would apply them
     (the unsharded module ignores them), silently training something else than the model says."""
@@ -282,9 +283,9 @@ class _Summary:
     the weights are finite."""
 
     smallest: int
-    ids_per_key: List[int]
-    id_range: Optional[Tuple[int, int]]
-    offsets_ends: Optional[Tuple[int, int]]
+    ids_per_key: list[int]
+    id_range: tuple[int, int] | None
+    offsets_ends: tuple[int, int] | None
     lengths_agree: bool
     weights_finite: bool
 
@@ -343,7 +344,7 @@ def _device_summary(form: _Form) -> _Summary:
     return _Summary(out[0], out[1 : 1 + n], id_range, ends, agree, finite)
 
 
-def _host_minmax(t: torch.Tensor) -> Tuple[int, int]:
+def _host_minmax(t: torch.Tensor) -> tuple[int, int]:
     """The smallest and largest id of a non-empty CPU tensor. Large ones through torch's one-pass, multi-threaded
     ``aminmax`` (2.3x numpy's min + max on one core at 8.5M ids, BENCHMARKS.md), read through numpy."""
     if t.numel() >= 1 << 16:
@@ -394,7 +395,7 @@ def _check_contents(
         _check_id_ranges(form, summary.ids_per_key, summary.id_range, rows, describe, fail, on_host)
 
 
-def _sample(keys: List[str], per_key: List[int], position: int) -> str:
+def _sample(keys: list[str], per_key: list[int], position: int) -> str:
     """``"feature 'x', sample 3"`` for a position in the lengths."""
     for key, n in zip(keys, per_key):
         if position < n:
@@ -405,8 +406,8 @@ def _sample(keys: List[str], per_key: List[int], position: int) -> str:
 
 def _check_id_ranges(
     form: _Form,
-    ids_per_key: List[int],
-    id_range: Tuple[int, int],
+    ids_per_key: list[int],
+    id_range: tuple[int, int],
     rows: Mapping[str, int],
     describe: Callable[[str], str],
     fail: Callable[[str], InputError],
@@ -440,7 +441,7 @@ def _check_id_ranges(
         )
 
 
-def _sample_of_id(lengths: torch.Tensor, per_key: List[int], key_index: int, id_index: int) -> int:
+def _sample_of_id(lengths: torch.Tensor, per_key: list[int], key_index: int, id_index: int) -> int:
     start = sum(per_key[:key_index])
     ends = torch.cumsum(lengths[start : start + per_key[key_index]], 0)
     return int(torch.searchsorted(ends, torch.tensor(id_index, dtype=ends.dtype), right=True))

@@ -10,8 +10,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 from torchrec import EmbeddingBagCollection
@@ -48,26 +48,26 @@ class ModuleInputs:
     """
 
     path: str
-    features: Tuple[str, ...]
-    tables: Mapping[str, Tuple[str, int]]
-    weighted: Optional[bool] = False
+    features: tuple[str, ...]
+    tables: Mapping[str, tuple[str, int]]
+    weighted: bool | None = False
     raw_ids: bool = False
 
     @classmethod
-    def of(cls, path: str, module: nn.Module) -> Optional["ModuleInputs"]:
+    def of(cls, path: str, module: nn.Module) -> ModuleInputs | None:
         """The inputs of a TorchRec embedding module (see :data:`lightning_rec.tables.TABLE_MODULE_TYPES`; ``None``
         for other modules, e.g. a custom sharder's, whose inputs this package does not know)."""
         inner = inner_collection(module)
         if inner is None:
             return None
         sizes = {config.name: int(config.num_embeddings) for config in table_configs(module)}
-        weighted: Optional[bool] = isinstance(inner, EmbeddingBagCollection) and bool(inner.is_weighted())
+        weighted: bool | None = isinstance(inner, EmbeddingBagCollection) and bool(inner.is_weighted())
         raw_ids = isinstance(module, BaseManagedCollisionEmbeddingCollection)
         if isinstance(module, FeatureProcessedEmbeddingBagCollection):
             weighted = None  # its feature processors compute the weights its tables pool with
         elif raw_ids:  # ids are remapped into the table by the module: bounded by the space it remaps from
             sizes = {table: int(mc.input_size()) for table, mc in _compat.managed_collision_parts(module)[2].items()}
-        tables: Dict[str, Tuple[str, int]] = {}
+        tables: dict[str, tuple[str, int]] = {}
         for config in table_configs(module):
             for feature in config.feature_names:
                 tables.setdefault(feature, (config.name, sizes[config.name]))
@@ -105,12 +105,12 @@ class FeatureTables:
     """
 
     features: Mapping[str, FeatureTable]
-    ambiguous: FrozenSet[str] = frozenset()
+    ambiguous: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, specs: Mapping[str, ModuleInputs]) -> "FeatureTables":
+    def of(cls, specs: Mapping[str, ModuleInputs]) -> FeatureTables:
         """The features of the modules ``specs`` describes (see :func:`input_specs`)."""
-        features: Dict[str, FeatureTable] = {}
+        features: dict[str, FeatureTable] = {}
         ambiguous = set()
         for spec in specs.values():
             for feature, (table, rows) in spec.tables.items():
@@ -136,7 +136,7 @@ def _describe(feature: str, table: str, rows: int, raw: bool) -> str:
     return f"feature {feature!r} (table {table!r}, {rows} rows)"
 
 
-def input_specs(module: nn.Module, module_types: Sequence[type] = TABLE_MODULE_TYPES) -> Dict[str, ModuleInputs]:
+def input_specs(module: nn.Module, module_types: Sequence[type] = TABLE_MODULE_TYPES) -> dict[str, ModuleInputs]:
     """:class:`ModuleInputs` of every embedding module of ``module`` that will be sharded, by module path (read
     before sharding: the sharded modules keep their table configs private)."""
     specs = {path: ModuleInputs.of(path, m) for path, m in embedding_modules(module, module_types).items()}

@@ -3,17 +3,17 @@ click-prediction models (:class:`CTRModule`) the loss, the metrics and the predi
 
 from __future__ import annotations
 
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_rec.batch import Batch
-from lightning_rec.metrics import ctr_metrics
-from lightning_rec.module import RecLightningModule
 from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.errors import ExportError
+from lightning_rec.metrics import ctr_metrics
+from lightning_rec.module import RecLightningModule
 
 __all__ = ["CTRModule", "DENSE_OPTIMIZERS", "DenseOptimizerName", "TwoOptimizerModule"]
 
@@ -35,7 +35,7 @@ class TwoOptimizerModule(RecLightningModule):
                 self.use_optimizers(embedding_optimizer, dense_optimizer)
     """
 
-    def use_optimizers(self, embedding_optimizer: Optional[EmbeddingOptimizer], dense_optimizer: str) -> None:
+    def use_optimizers(self, embedding_optimizer: EmbeddingOptimizer | None, dense_optimizer: str) -> None:
         """Check the dense optimizer's name and keep the fused one (default: row-wise Adagrad, lr 0.05)."""
         if dense_optimizer not in DENSE_OPTIMIZERS:
             raise ValueError(
@@ -104,7 +104,7 @@ class CTRModule(TwoOptimizerModule):
         """
         return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
 
-    def inference_module(self, part: Optional[str] = None) -> nn.Module:
+    def inference_module(self, part: str | None = None) -> nn.Module:
         """:class:`Probability` over ``self.model``: serves ``predict_step``'s probabilities (see
         :func:`lightning_rec.serving.export_inference`)."""
         if part is not None:
@@ -126,7 +126,7 @@ class CTRModule(TwoOptimizerModule):
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch, self.test_metrics)
 
-    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> Dict[str, Any]:
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         """``{"probability": (B,), "label": (B,)}`` tensors.
 
         Example::

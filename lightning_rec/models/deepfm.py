@@ -20,7 +20,8 @@ component next to a factorization machine). Three things differ from ``SimpleDee
 
 from __future__ import annotations
 
-from typing import List, Literal, Optional, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -30,10 +31,9 @@ from torchrec.modules.deepfm import DeepFM
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.config import SparseFeature
+from lightning_rec.config import EmbeddingOptimizer, SparseFeature
 from lightning_rec.models.base import CTRModule, DenseOptimizerName
 from lightning_rec.models.dlrm import table_configs
-from lightning_rec.config import EmbeddingOptimizer
 
 __all__ = ["DeepFMModule", "DeepFMNN", "PairwiseFM", "build_deepfm"]
 
@@ -55,7 +55,7 @@ class PairwiseFM(nn.Module):
         tensor([[13.]])
     """
 
-    def forward(self, embeddings: List[torch.Tensor]) -> torch.Tensor:
+    def forward(self, embeddings: list[torch.Tensor]) -> torch.Tensor:
         """``(B, 1)`` from a list of ``(B, D)`` embeddings (the call ``FMInteractionArch`` makes)."""
         stacked = torch.stack(embeddings, dim=1)  # (B, F, D)
         square_of_sum = stacked.sum(dim=1).pow(2)
@@ -198,14 +198,14 @@ class DeepFMModule(CTRModule):
 
     def __init__(
         self,
-        sparse_features: List[SparseFeature],
+        sparse_features: list[SparseFeature],
         num_dense_features: int,
         embedding_dim: int = 16,
         dense_arch_hidden_size: int = 32,
-        deep_layer_sizes: List[int] = [64, 32],  # noqa: B006 (jsonargparse shows list defaults)
-        over_arch_layer_sizes: List[int] = [1],  # noqa: B006
+        deep_layer_sizes: list[int] = [64, 32],  # noqa: B006 (jsonargparse shows list defaults)
+        over_arch_layer_sizes: list[int] = [1],  # noqa: B006
         fm: FMKind = "paper",
-        embedding_optimizer: Optional[EmbeddingOptimizer] = None,
+        embedding_optimizer: EmbeddingOptimizer | None = None,
         dense_optimizer: DenseOptimizerName = "adam",
         dense_lr: float = 1e-3,
         dense_weight_decay: float = 0.0,

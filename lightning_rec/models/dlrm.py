@@ -8,22 +8,22 @@ loss (binary cross entropy on logits), the optimizers and the metrics (:func:`li
 
 from __future__ import annotations
 
-from typing import Dict, List, Literal, Optional, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM, DLRM_DCN
 
-from lightning_rec.config import SparseFeature
+from lightning_rec.config import EmbeddingOptimizer, SparseFeature
 from lightning_rec.models.base import CTRModule, DenseOptimizerName
-from lightning_rec.config import EmbeddingOptimizer
 
 __all__ = ["DLRMModule", "build_dlrm", "table_configs"]
 
 Interaction = Literal["dot", "dcn"]
 
 
-def table_configs(features: Sequence[SparseFeature], embedding_dim: int) -> List[EmbeddingBagConfig]:
+def table_configs(features: Sequence[SparseFeature], embedding_dim: int) -> list[EmbeddingBagConfig]:
     """One table per feature, named ``t_<feature>``, all of width ``embedding_dim`` (DLRM needs one width); a
     feature with ``table`` set reads that feature's table (which gets the larger of their sizes).
 
@@ -35,7 +35,7 @@ def table_configs(features: Sequence[SparseFeature], embedding_dim: int) -> List
         >>> [(t.name, t.feature_names) for t in shared]
         [('t_item', ['item', 'history'])]
     """
-    owners: Dict[str, List[SparseFeature]] = {}
+    owners: dict[str, list[SparseFeature]] = {}
     for f in features:
         owners.setdefault(f.table or f.name, []).append(f)
     return [
@@ -121,15 +121,15 @@ class DLRMModule(CTRModule):
 
     def __init__(
         self,
-        sparse_features: List[SparseFeature],
+        sparse_features: list[SparseFeature],
         num_dense_features: int,
         embedding_dim: int = 16,
-        dense_arch_layer_sizes: List[int] = [64, 16],  # noqa: B006 (jsonargparse shows list defaults)
-        over_arch_layer_sizes: List[int] = [64, 1],  # noqa: B006
+        dense_arch_layer_sizes: list[int] = [64, 16],  # noqa: B006 (jsonargparse shows list defaults)
+        over_arch_layer_sizes: list[int] = [64, 1],  # noqa: B006
         interaction: Interaction = "dot",
         dcn_num_layers: int = 2,
         dcn_low_rank_dim: int = 16,
-        embedding_optimizer: Optional[EmbeddingOptimizer] = None,
+        embedding_optimizer: EmbeddingOptimizer | None = None,
         dense_optimizer: DenseOptimizerName = "adam",
         dense_lr: float = 1e-3,
         dense_weight_decay: float = 0.0,

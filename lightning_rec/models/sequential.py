@@ -14,18 +14,18 @@ The table lives on ``meta`` until the strategy shards it; the rest is ordinary d
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from lightning_rec.config import SparseFeature
+from lightning_rec.config import EmbeddingOptimizer, SparseFeature
 from lightning_rec.data.movielens_sequential import FEATURES, exclusion_mask
 from lightning_rec.metrics import RankingMetrics, target_rank
 from lightning_rec.models.base import DenseOptimizerName, TwoOptimizerModule
-from lightning_rec.config import EmbeddingOptimizer
 
 __all__ = ["CausalEncoder", "SASRec", "SequentialRecModule", "catalog_scores", "sampled_softmax_loss"]
 
@@ -86,7 +86,7 @@ class CausalEncoder(nn.Module):
     def reset_parameters(self) -> None:  # the buffer, if built on meta
         self.causal = nn.Transformer.generate_square_subsequent_mask(self.max_len, device=self.causal.device)
 
-    def forward(self, embeddings: Dict[str, JaggedTensor]) -> Dict[str, torch.Tensor]:
+    def forward(self, embeddings: dict[str, JaggedTensor]) -> dict[str, torch.Tensor]:
         """Encode the history and shape the rest.
 
         Returns:
@@ -155,13 +155,13 @@ class SASRec(nn.Module):
         )
         self.encoder = CausalEncoder(embedding_dim, max_len, num_blocks, num_heads, dropout)
 
-    def forward(self, features: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         """Look every feature up in the one item table and encode (see :meth:`CausalEncoder.forward`)."""
         return self.encoder(self.item_ec(features))
 
 
 def sampled_softmax_loss(
-    out: Dict[str, torch.Tensor], target_ids: torch.Tensor, negative_ids: torch.Tensor
+    out: dict[str, torch.Tensor], target_ids: torch.Tensor, negative_ids: torch.Tensor
 ) -> torch.Tensor:
     """Mean over rows of each row's mean cross entropy over its positions: at every position the true next item
     competes with the row's sampled negatives (a negative equal to the target is left out).
@@ -189,7 +189,7 @@ def sampled_softmax_loss(
     return per_row.mean()
 
 
-def catalog_scores(out: Dict[str, torch.Tensor]) -> torch.Tensor:
+def catalog_scores(out: dict[str, torch.Tensor]) -> torch.Tensor:
     """``(B, C)``: each row's last hidden state dotted with every catalog item's embedding.
 
     Example::
@@ -229,15 +229,15 @@ class SequentialRecModule(TwoOptimizerModule):
 
     def __init__(
         self,
-        sparse_features: List[SparseFeature],
+        sparse_features: list[SparseFeature],
         num_dense_features: int = 0,
         embedding_dim: int = 64,
         max_len: int = 50,
         num_blocks: int = 2,
         num_heads: int = 2,
         dropout: float = 0.1,
-        ks: List[int] = [10],  # noqa: B006 (jsonargparse shows list defaults)
-        embedding_optimizer: Optional[EmbeddingOptimizer] = None,
+        ks: list[int] = [10],  # noqa: B006 (jsonargparse shows list defaults)
+        embedding_optimizer: EmbeddingOptimizer | None = None,
         dense_optimizer: DenseOptimizerName = "adam",
         dense_lr: float = 1e-3,
         dense_weight_decay: float = 0.0,
@@ -263,23 +263,23 @@ class SequentialRecModule(TwoOptimizerModule):
                 f"{self.hparams.max_len}. HINT: set model.init_args.max_len >= data.init_args.max_len."
             )
 
-    def forward(self, batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """:meth:`SASRec.forward` on ``batch["features"]``."""
         return self.model(batch["features"])
 
-    def loss(self, batch: Dict[str, Any], out: Dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(self, batch: dict[str, Any], out: dict[str, torch.Tensor]) -> torch.Tensor:
         """:func:`sampled_softmax_loss` of a training batch."""
         features = batch["features"]
         b = batch["users"].numel()
         targets = _padded_ids(features["target"], self.hparams.max_len)
         return sampled_softmax_loss(out, targets, features["negatives"].values().reshape(b, -1))
 
-    def training_step(self, batch: Dict[str, Any], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch, self(batch))
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["users"].numel())
         return loss
 
-    def ranks(self, batch: Dict[str, Any], out: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    def ranks(self, batch: dict[str, Any], out: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """``(B,)`` the 0-based rank of each row's held-out item among the catalog items it has not seen."""
         out = self(batch) if out is None else out
         target = batch["features"]["target"].values().long()
@@ -287,10 +287,10 @@ class SequentialRecModule(TwoOptimizerModule):
         mask = exclusion_mask(batch["seen_values"], batch["seen_lengths"], target, scores.shape[1])
         return target_rank(scores, target, mask)
 
-    def validation_step(self, batch: Dict[str, Any], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self.val_metrics.update(self.ranks(batch))
 
-    def test_step(self, batch: Dict[str, Any], batch_idx: int) -> None:
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self.test_metrics.update(self.ranks(batch))
 
     def _log_ranking(self, metrics: RankingMetrics) -> None:
@@ -305,5 +305,5 @@ class SequentialRecModule(TwoOptimizerModule):
     def on_test_epoch_end(self) -> None:
         self._log_ranking(self.test_metrics)
 
-    def predict_step(self, batch: Dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Dict[str, Any]:
+    def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         return {"users": batch["users"], "rank": self.ranks(batch)}

@@ -21,7 +21,8 @@ division apply) is then the whole batch's mean loss, even when ranks hold batche
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,16 +32,15 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.config import SparseFeature
+from lightning_rec.config import EmbeddingOptimizer, SparseFeature
 from lightning_rec.errors import ExportError
 from lightning_rec.metrics import RankingMetrics, target_rank
 from lightning_rec.module import RecLightningModule
-from lightning_rec.config import EmbeddingOptimizer
 
 __all__ = ["Tower", "TwoTower", "TwoTowerModule", "build_two_tower", "gather_candidates", "in_batch_softmax_loss"]
 
 DEFAULT_CANDIDATE_FEATURES = ["item_id", "genres"]
-DEFAULT_SHARED_TABLES: Dict[str, List[str]] = {"t_history": ["history", "last_item"]}
+DEFAULT_SHARED_TABLES: dict[str, list[str]] = {"t_history": ["history", "last_item"]}
 
 
 class Tower(nn.Module):
@@ -62,7 +62,7 @@ class Tower(nn.Module):
 
     def __init__(
         self,
-        tables: List[EmbeddingBagConfig],
+        tables: list[EmbeddingBagConfig],
         layer_sizes: Sequence[int],
         is_weighted: bool = False,
         device: torch.device = torch.device("meta"),  # noqa: B008 (a constant: tables start on meta)
@@ -75,7 +75,7 @@ class Tower(nn.Module):
             )
         self.ebc = EmbeddingBagCollection(tables=tables, is_weighted=is_weighted, device=device)
         width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
-        layers: List[nn.Module] = []
+        layers: list[nn.Module] = []
         for i, size in enumerate(layer_sizes):
             layers.append(nn.Linear(width, size))
             if i < len(layer_sizes) - 1:
@@ -84,7 +84,7 @@ class Tower(nn.Module):
         self.mlp = nn.Sequential(*layers)
 
     @property
-    def feature_names(self) -> List[str]:
+    def feature_names(self) -> list[str]:
         """The features the collection reads, in the order its pooled output concatenates them."""
         return [f for t in self.ebc.embedding_bag_configs() for f in t.feature_names]
 
@@ -112,7 +112,7 @@ class TwoTower(nn.Module):
         self.query_tower = query_tower
         self.candidate_tower = candidate_tower
 
-    def forward(self, query: KeyedJaggedTensor, candidate: KeyedJaggedTensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, query: KeyedJaggedTensor, candidate: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(query embeddings, candidate embeddings)``, each ``(B, D)`` and L2-normalised."""
         return self.query_tower(query), self.candidate_tower(candidate)
 
@@ -123,7 +123,7 @@ def build_two_tower(
     query_layer_sizes: Sequence[int] = (64, 32),
     candidate_layer_sizes: Sequence[int] = (64, 32),
     candidate_features: Sequence[str] = tuple(DEFAULT_CANDIDATE_FEATURES),
-    shared_tables: Optional[Mapping[str, Sequence[str]]] = None,
+    shared_tables: Mapping[str, Sequence[str]] | None = None,
 ) -> TwoTower:
     """A :class:`TwoTower` over ``sparse_features``: ``candidate_features`` go to the candidate tower, the rest to the
     (weighted) query tower. Tables are named ``t_<feature>`` except ``shared_tables`` (table name -> its features,
@@ -152,8 +152,8 @@ def build_two_tower(
         )
     table_of = {f: table for table, fs in shared.items() for f in fs}
 
-    def tables(names: List[str]) -> List[EmbeddingBagConfig]:
-        out: Dict[str, EmbeddingBagConfig] = {}
+    def tables(names: list[str]) -> list[EmbeddingBagConfig]:
+        out: dict[str, EmbeddingBagConfig] = {}
         for name in names:
             table = table_of.get(name, f"t_{name}")
             if table in out:
@@ -196,8 +196,8 @@ class _GatherRows(torch.autograd.Function):
 
 
 def gather_candidates(
-    candidates: torch.Tensor, item_ids: torch.Tensor, log_q: Optional[torch.Tensor] = None
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
+    candidates: torch.Tensor, item_ids: torch.Tensor, log_q: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """Every rank's candidate embeddings (with gradients), item ids and log sampling probabilities, in rank order.
 
     One collective carries all three (ids and ``log_q`` ride along as extra float64 columns: ids are exact below
@@ -241,7 +241,7 @@ def in_batch_softmax_loss(
     item_ids: torch.Tensor,
     temperature: float = 0.05,
     mask_duplicates: bool = True,
-    log_q: Optional[torch.Tensor] = None,
+    log_q: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sampled-softmax loss with in-batch negatives, over the global batch on several ranks.
 
@@ -316,20 +316,20 @@ class TwoTowerModule(RecLightningModule):
 
     def __init__(
         self,
-        sparse_features: List[SparseFeature],
+        sparse_features: list[SparseFeature],
         num_dense_features: int = 0,
         embedding_dim: int = 32,
-        query_layer_sizes: List[int] = [64, 32],  # noqa: B006 (jsonargparse shows list defaults)
-        candidate_layer_sizes: List[int] = [64, 32],  # noqa: B006
-        candidate_features: List[str] = DEFAULT_CANDIDATE_FEATURES,  # noqa: B006
-        shared_tables: Dict[str, List[str]] = DEFAULT_SHARED_TABLES,  # noqa: B006
+        query_layer_sizes: list[int] = [64, 32],  # noqa: B006 (jsonargparse shows list defaults)
+        candidate_layer_sizes: list[int] = [64, 32],  # noqa: B006
+        candidate_features: list[str] = DEFAULT_CANDIDATE_FEATURES,  # noqa: B006
+        shared_tables: dict[str, list[str]] = DEFAULT_SHARED_TABLES,  # noqa: B006
         temperature: float = 0.05,
         mask_duplicates: bool = True,
         logq_correction: float = 1.0,
         dense_lr: float = 1e-3,
         table_lr: float = 0.05,
         table_eps: float = 1e-8,
-        ks: List[int] = [10, 50],  # noqa: B006
+        ks: list[int] = [10, 50],  # noqa: B006
     ) -> None:
         super().__init__()
         if num_dense_features:
@@ -348,7 +348,7 @@ class TwoTowerModule(RecLightningModule):
         self.test_metrics = RankingMetrics(ks, prefix="test/")
 
     # -- what the towers compute -------------------------------------------------------------------------
-    def forward(self, batch: Mapping[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(query, candidate)`` embeddings of a training-format batch (``{"query": KJT, "candidate": KJT}``)."""
         return self.model(batch["query"], batch["candidate"])
 
@@ -370,7 +370,7 @@ class TwoTowerModule(RecLightningModule):
             q, c, item_ids, self.hparams.temperature, self.hparams.mask_duplicates, log_q=log_q
         )
 
-    def rank_targets(self, batch: Mapping[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def rank_targets(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(query embeddings, 0-based rank of each target)`` of an evaluation batch: every item of
         ``batch["candidate"]`` (the catalogue, item id = column) is scored, ``exclude_ids`` are left out."""
         q = self.model.query_tower(batch["query"])
@@ -417,7 +417,7 @@ class TwoTowerModule(RecLightningModule):
 
     def predict_step(
         self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0
-    ) -> Dict[str, torch.Tensor]:
+    ) -> dict[str, torch.Tensor]:
         """Training-format batch: ``{"query", "candidate", "score"}`` (embeddings and their dot products);
         evaluation-format batch: ``{"query", "target", "rank"}``."""
         if "target" in batch:
@@ -426,7 +426,7 @@ class TwoTowerModule(RecLightningModule):
         q, c = self(batch)
         return {"query": q, "candidate": c, "score": (q * c).sum(1)}
 
-    def inference_module(self, part: Optional[str] = None) -> nn.Module:
+    def inference_module(self, part: str | None = None) -> nn.Module:
         """One tower, for serving (see :func:`lightning_rec.serving.export_inference`): ``part="query"`` embeds
         queries (users), ``"candidate"`` embeds items; each takes a ``KeyedJaggedTensor`` of its features and
         returns ``(B, D)`` L2-normalised embeddings."""
@@ -438,11 +438,11 @@ class TwoTowerModule(RecLightningModule):
             )
         return towers[part]
 
-    def table_parameters(self) -> List[nn.Parameter]:
+    def table_parameters(self) -> list[nn.Parameter]:
         """The parameters of both towers' table collections."""
         return [*self.model.query_tower.ebc.parameters(), *self.model.candidate_tower.ebc.parameters()]
 
-    def configure_optimizers(self) -> List[torch.optim.Optimizer]:
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         tables = {id(p) for p in self.table_parameters()}
         dense = [p for p in self.parameters() if id(p) not in tables]
         return [
@@ -450,5 +450,5 @@ class TwoTowerModule(RecLightningModule):
             RowWiseAdagrad(self.table_parameters(), lr=self.hparams.table_lr, eps=self.hparams.table_eps),
         ]
 
-    def configure_embedding_optimizer(self) -> Optional[EmbeddingOptimizer]:
+    def configure_embedding_optimizer(self) -> EmbeddingOptimizer | None:
         return None  # derived from the RowWiseAdagrad above (fused row-wise Adagrad, same lr and eps)

@@ -6,7 +6,6 @@ archive), the input check compiled into it (:func:`check_inputs`), the wrapper t
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -42,18 +41,18 @@ class InferenceSpec:
         bounds_check: what the artifact does with an id outside its table (see :func:`export_inference`).
     """
 
-    features: List[str]
+    features: list[str]
     num_dense_features: int
     weighted: bool
     table_dtype: str
-    tables: Dict[str, List[int]]
+    tables: dict[str, list[int]]
     model: str
-    part: Optional[str] = None
+    part: str | None = None
     bounds_check: str = "warn"  # artifacts written before the policy was recorded: FBGEMM's default
 
 
 @torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact
-def check_inputs(values: Tensor, lengths: Tensor, features: List[str], rows: Tensor) -> Tensor:
+def check_inputs(values: Tensor, lengths: Tensor, features: list[str], rows: Tensor) -> Tensor:
     """Raise a ``ValueError`` naming the problem when ``values``/``lengths`` do not fit the artifact: a ``lengths``
     that is not one entry per (feature, sample), a negative length, lengths that do not add up to ``values``, or an
     id outside its feature's table (``rows``: the table's rows per feature). Returns ``values``.
@@ -68,24 +67,22 @@ def check_inputs(values: Tensor, lengths: Tensor, features: List[str], rows: Ten
     num = len(features)
     if lengths.numel() % num != 0:
         raise ValueError(
-            "lengths has {} entries; the artifact reads {} features and takes one length per (feature, sample), "
-            "feature-major".format(lengths.numel(), num)
+            f"lengths has {lengths.numel()} entries; the artifact reads {num} features and takes one length per (feature, sample), "
+            "feature-major"
         )
     if bool((lengths < 0).any()):
         raise ValueError("lengths holds a negative length")
     counts = lengths.view(num, -1).sum(1)
     total = int(counts.sum())
     if total != values.numel():
-        raise ValueError("lengths add up to {} ids, but values holds {}".format(total, values.numel()))
+        raise ValueError(f"lengths add up to {total} ids, but values holds {values.numel()}")
     bad = (values < 0) | (values >= torch.repeat_interleave(rows, counts))
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
         f = int((torch.cumsum(counts, 0) <= i).sum())
         n = int(rows[f])
         raise ValueError(
-            "feature '{}': id {} is outside its table of {} rows (ids run from 0 to {})".format(
-                features[f], int(values[i]), n, n - 1
-            )
+            f"feature '{features[f]}': id {int(values[i])} is outside its table of {n} rows (ids run from 0 to {n - 1})"
         )
     return values
 
@@ -94,7 +91,7 @@ class ServingWrapper(nn.Module):
     """Plain tensors in, the network's output out: builds the ``KeyedJaggedTensor`` the network takes, after
     :func:`check_inputs` when ``rows`` (the table rows of each feature) is given."""
 
-    def __init__(self, net: nn.Module, features: List[str], dense: bool, rows: Optional[List[int]] = None) -> None:
+    def __init__(self, net: nn.Module, features: list[str], dense: bool, rows: list[int] | None = None) -> None:
         super().__init__()
         self.net = net
         self.features = features
@@ -102,9 +99,7 @@ class ServingWrapper(nn.Module):
         self.check = rows is not None
         self.register_buffer("rows", torch.tensor(rows or [], dtype=torch.long))
 
-    def forward(
-        self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None
-    ) -> Tensor:
+    def forward(self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> Tensor:
         if self.check:
             values = check_inputs(values, lengths, self.features, self.rows)
         sparse = KeyedJaggedTensor(keys=self.features, values=values, lengths=lengths, weights=weights)
@@ -120,11 +115,11 @@ class SparseOnly(nn.Module):
         super().__init__()
         self.serving = serving
 
-    def forward(self, values: Tensor, lengths: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+    def forward(self, values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> Tensor:
         return self.serving(torch.empty(0), values, lengths, weights)
 
 
-def inference_spec(path: Union[str, Path]) -> InferenceSpec:
+def inference_spec(path: str | Path) -> InferenceSpec:
     """The :class:`InferenceSpec` stored in the artifact at ``path`` (no model is loaded)."""
     extra = {SPEC_FILE: ""}
     torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
@@ -132,8 +127,8 @@ def inference_spec(path: Union[str, Path]) -> InferenceSpec:
 
 
 def serving_inputs(
-    spec: InferenceSpec, sparse_features: KeyedJaggedTensor, dense_features: Optional[Tensor] = None
-) -> Tuple[Tensor, ...]:
+    spec: InferenceSpec, sparse_features: KeyedJaggedTensor, dense_features: Tensor | None = None
+) -> tuple[Tensor, ...]:
     """The artifact's arguments for a batch held as a ``KeyedJaggedTensor`` (and dense tensor): its features put in
     ``spec.features`` order, ``values``/``lengths`` (and ``weights`` if the artifact reads them) as plain tensors.
 
@@ -146,7 +141,7 @@ def serving_inputs(
     if missing:
         raise ValueError(f"the batch lacks feature(s) {missing}; the artifact reads {spec.features}.")
     kjt = KeyedJaggedTensor.from_jt_dict({f: sparse_features[f] for f in spec.features})
-    sparse: Tuple[Tensor, ...] = (kjt.values(), kjt.lengths())
+    sparse: tuple[Tensor, ...] = (kjt.values(), kjt.lengths())
     if spec.weighted:
         sparse += (kjt.weights(),)
     if not spec.num_dense_features:
@@ -156,14 +151,14 @@ def serving_inputs(
     return (dense_features, *sparse)
 
 
-def load_inference(path: Union[str, Path], map_location: str = "cpu") -> torch.jit.ScriptModule:
+def load_inference(path: str | Path, map_location: str = "cpu") -> torch.jit.ScriptModule:
     """Load an artifact in Python (what any program does: ``import fbgemm_gpu`` then ``torch.jit.load``)."""
     import fbgemm_gpu  # noqa: F401  (registers the operators and classes the kernels use)
 
     return torch.jit.load(str(path), map_location=map_location)
 
 
-def example_inputs(spec: InferenceSpec) -> Tuple[Tensor, ...]:
+def example_inputs(spec: InferenceSpec) -> tuple[Tensor, ...]:
     """Two samples, one id (row 0) per feature: the warm-up call's input."""
     rows = 2
     n = rows * len(spec.features)

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
@@ -29,7 +29,7 @@ __all__ = ["TableDtype", "export_inference"]
 
 TableDtype = Literal["fp32", "fp16", "int8", "int4"]
 
-_DTYPES: Dict[str, torch.dtype] = {
+_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float,
     "fp16": torch.half,
     "int8": torch.qint8,
@@ -46,15 +46,15 @@ _BOUNDS_CHECK = {
 
 
 def export_inference(
-    checkpoint: Union[str, Path],
-    output: Union[str, Path],
+    checkpoint: str | Path,
+    output: str | Path,
     *,
     table_dtype: TableDtype = "int8",
-    part: Optional[str] = None,
-    model_class: Optional[Union[str, type]] = None,
-    num_dense_features: Optional[int] = None,
-    weights_only: Optional[bool] = None,
-    init_args: Optional[Dict[str, Any]] = None,
+    part: str | None = None,
+    model_class: str | type | None = None,
+    num_dense_features: int | None = None,
+    weights_only: bool | None = None,
+    init_args: dict[str, Any] | None = None,
     bounds_check: BoundsCheck = "error",
 ) -> InferenceSpec:
     """Write the serving network of a sharded checkpoint as a quantized TorchScript artifact (one process, CPU).
@@ -141,7 +141,7 @@ def export_inference(
     return spec
 
 
-def _model_class(model_class: Optional[Union[str, type]], meta: Dict[str, Any], path: Path) -> type:
+def _model_class(model_class: str | type | None, meta: dict[str, Any], path: Path) -> type:
     name = model_class or meta.get("lightning_rec", {}).get("module_class")
     if name is None:
         raise ExportError(

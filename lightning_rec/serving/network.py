@@ -3,7 +3,7 @@ it takes dense features and how wide they are, and the refusals that name the pa
 
 import copy
 import inspect
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ __all__ = [
 KERNELS = ["IntNBitTableBatchedEmbeddingBagsCodegen"]  # FBGEMM's inference kernels: leaves of the fx trace
 
 
-def serving_network(module: nn.Module, part: Optional[str]) -> nn.Module:
+def serving_network(module: nn.Module, part: str | None) -> nn.Module:
     """What ``module.inference_module(part)`` returns, refused (``ExportError``) unless it is an ``nn.Module`` that
     holds embedding tables."""
     hook = getattr(module, "inference_module", None)
@@ -58,11 +58,11 @@ def serving_network(module: nn.Module, part: Optional[str]) -> nn.Module:
     return net
 
 
-def network_features(net: nn.Module) -> Tuple[Dict[str, int], bool, Dict[str, List[int]]]:
+def network_features(net: nn.Module) -> tuple[dict[str, int], bool, dict[str, list[int]]]:
     """Every feature the network's table collections read (first-seen order) with its table's rows, whether any
     pools with weights, and the tables' shapes."""
-    features: Dict[str, int] = {}
-    tables: Dict[str, List[int]] = {}
+    features: dict[str, int] = {}
+    tables: dict[str, list[int]] = {}
     weighted = False
     for sub in embedding_modules(net).values():  # EmbeddingBagCollection or EmbeddingCollection
         if isinstance(sub, EmbeddingBagCollection):
@@ -79,7 +79,7 @@ def network_features(net: nn.Module) -> Tuple[Dict[str, int], bool, Dict[str, Li
 _ROW_MULTIPLE = {"int8": 2, "int4": 4}
 
 
-def check_row_width(tables: Dict[str, List[int]], table_dtype: str, name: str) -> None:
+def check_row_width(tables: dict[str, list[int]], table_dtype: str, name: str) -> None:
     """Refuse (``ExportError``) tables whose width FBGEMM cannot store as ``table_dtype``, naming them and the dtypes
     that would fit.
 
@@ -135,7 +135,7 @@ def takes_dense(net: nn.Module) -> bool:
     return len(params) == 2
 
 
-def num_dense(module: nn.Module, given: Optional[int], net: nn.Module, features: List[str], weighted: bool) -> int:
+def num_dense(module: nn.Module, given: int | None, net: nn.Module, features: list[str], weighted: bool) -> int:
     """The dense input's width: given, the module's ``num_dense_features`` hyperparameter, or read from the first
     layer the dense input reaches (see :func:`_dense_width`)."""
     width = given if given is not None else getattr(module, "hparams", {}).get("num_dense_features")
@@ -151,7 +151,7 @@ def num_dense(module: nn.Module, given: Optional[int], net: nn.Module, features:
     return width
 
 
-def _input_width(module: nn.Module) -> Optional[int]:
+def _input_width(module: nn.Module) -> int | None:
     """The last-dimension width a layer takes, for the layers a dense input meets first."""
     if isinstance(module, nn.Linear):
         return module.in_features
@@ -167,7 +167,7 @@ class _WidthFound(Exception):
         self.width = width
 
 
-def _dense_width(net: nn.Module, features: List[str], weighted: bool) -> Optional[int]:
+def _dense_width(net: nn.Module, features: list[str], weighted: bool) -> int | None:
     """The dense width the first ``nn.Linear`` (or ``BatchNorm1d``, ``LayerNorm``) on the dense input's path implies:
     the network is run (``torch.fx`` interpreter, on a copy) with a dense input of width 0, and the width that layer
     takes minus the width it then receives is the dense width, whether the dense input reaches it alone

@@ -24,8 +24,9 @@ Example::
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Dict, Iterator, Optional, Union
+from typing import Any
 
 import torch.distributed as dist
 
@@ -58,7 +59,7 @@ class BatchCounts:
 
     def __init__(
         self,
-        store: "dist.Store",
+        store: dist.Store,
         token: str,
         rank: int,
         world_size: int,
@@ -68,21 +69,19 @@ class BatchCounts:
         self._store = dist.PrefixStore(f"lightning_rec/batch_counts/{token}/", store)
         self.rank, self.world_size, self.wait, self.owner = rank, world_size, wait, owner
         self._loaders = 0  # training loaders wrapped (Lightning reloads them on request)
-        self._ended: Optional[str] = None  # the key of a pass that ended and is not checked yet
+        self._ended: str | None = None  # the key of a pass that ended and is not checked yet
 
     @classmethod
     def for_default_group(
         cls, token: str, rank: int, world_size: int, wait: timedelta = timedelta(seconds=10), owner: str = ""
-    ) -> Optional["BatchCounts"]:
+    ) -> BatchCounts | None:
         """Counts on the default process group's store; ``None`` for one rank or without a process group."""
         store = _compat.default_store()
         if store is None or world_size < 2:
             return None
         return cls(store, token, rank, world_size, wait, owner or "RecShardStrategy")
 
-    def wrap(
-        self, dataloader: Any, limit: Optional[Union[int, float]] = None, max_batches: Optional[int] = None
-    ) -> "CountedLoader":
+    def wrap(self, dataloader: Any, limit: int | float | None = None, max_batches: int | None = None) -> CountedLoader:
         """The training loader, counted; if it has a length, the ranks' lengths are compared first.
 
         Args:
@@ -97,7 +96,7 @@ class BatchCounts:
         self._loaders += 1
         loader = CountedLoader(dataloader, self, f"loader{self._loaders}")
         try:
-            length: Optional[int] = len(dataloader)
+            length: int | None = len(dataloader)
         except TypeError:
             length = None
         if length is not None:
@@ -148,12 +147,12 @@ class BatchCounts:
             f"with the others' remaining batches. {_HINT}"
         )
 
-    def _exchange(self, key: str, value: int, timeout: timedelta) -> Dict[int, int]:
+    def _exchange(self, key: str, value: int, timeout: timedelta) -> dict[int, int]:
         self._store.set(f"{key}/rank{self.rank}", str(value))
         self._store.wait([f"{key}/rank{r}" for r in range(self.world_size)], timeout)
         return {r: int(self._store.get(f"{key}/rank{r}")) for r in range(self.world_size)}
 
-    def _collect(self, key: str, wait: timedelta) -> Dict[int, int]:
+    def _collect(self, key: str, wait: timedelta) -> dict[int, int]:
         """The counts of ``key`` posted within ``wait`` (polled: a missing one must not block forever)."""
         names = [f"{key}/rank{r}" for r in range(self.world_size)]
         deadline = time.monotonic() + wait.total_seconds()

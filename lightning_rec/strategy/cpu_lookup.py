@@ -21,8 +21,9 @@ one intra-op thread per rank it keeps FBGEMM's path, which is as fast there.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ _BACKWARD_OPS = {
 }
 
 
-def ineligible_reason(tbe: nn.Module) -> Optional[str]:
+def ineligible_reason(tbe: nn.Module) -> str | None:
     """Why ``tbe`` (a ``SplitTableBatchedEmbeddingBagsCodegen``) must keep FBGEMM's own forward, or ``None``.
 
     Example::
@@ -50,9 +51,9 @@ def ineligible_reason(tbe: nn.Module) -> Optional[str]:
         >>> ineligible_reason(tbe) is None
         True
     """
+    from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-    from fbgemm_gpu.split_embedding_configs import SparseType
 
     if type(tbe) is not SplitTableBatchedEmbeddingBagsCodegen:
         return f"{type(tbe).__name__} is not FBGEMM's training TBE"
@@ -75,11 +76,11 @@ def ineligible_reason(tbe: nn.Module) -> Optional[str]:
     return None
 
 
-def _arguments(tbe: nn.Module) -> Dict[str, Any]:
+def _arguments(tbe: nn.Module) -> dict[str, Any]:
     """Every argument FBGEMM's CPU backward ops take but the per-step ones, by name, from the TBE (as its own
     forward passes them)."""
     args = tbe.optimizer_args
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "grad_output": None,
         "indices": None,
         "offsets": None,
@@ -107,7 +108,7 @@ def _arguments(tbe: nn.Module) -> Dict[str, Any]:
     return out
 
 
-_POOLS: Dict[int, ThreadPoolExecutor] = {}
+_POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
@@ -134,16 +135,14 @@ class CpuLookup:
         tbe.forward = CpuLookup(tbe, tbe.forward)   # what install_cpu_lookup does
     """
 
-    def __init__(
-        self, tbe: nn.Module, fbgemm_forward: Callable[..., torch.Tensor], threads: Optional[int] = None
-    ) -> None:
+    def __init__(self, tbe: nn.Module, fbgemm_forward: Callable[..., torch.Tensor], threads: int | None = None) -> None:
         reason = ineligible_reason(tbe)
         if reason is not None:
             raise ValueError(f"CpuLookup: this TBE keeps FBGEMM's forward: {reason}")
         self.tbe = tbe
         self.fbgemm_forward = fbgemm_forward
         self.threads = max(1, threads or torch.get_num_threads())
-        self.tables: List[int] = [int(t) for t in tbe.feature_table_map]
+        self.tables: list[int] = [int(t) for t in tbe.feature_table_map]
         self.weights = tbe.split_embedding_weights()  # per table, views of weights_host
         self.backward_op = getattr(torch.ops.fbgemm, _BACKWARD_OPS[tbe.optimizer.name]).default
         self.static = _arguments(tbe)
@@ -153,9 +152,9 @@ class CpuLookup:
         self,
         indices: torch.Tensor,
         offsets: torch.Tensor,
-        per_sample_weights: Optional[torch.Tensor] = None,
-        feature_requires_grad: Optional[torch.Tensor] = None,
-        batch_size_per_feature_per_rank: Optional[List[List[int]]] = None,
+        per_sample_weights: torch.Tensor | None = None,
+        feature_requires_grad: torch.Tensor | None = None,
+        batch_size_per_feature_per_rank: list[list[int]] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         if batch_size_per_feature_per_rank is not None or any(v is not None for v in kwargs.values()):
@@ -172,8 +171,8 @@ class CpuLookup:
         )
 
     def pooled(
-        self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]
-    ) -> Tuple[torch.Tensor, List[int]]:
+        self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[int]]:
         """The pooled output ``[B, total_D]`` and each feature's first id (``T + 1`` bounds): one ``embedding_bag``
         per feature, concatenated. (One call over all tables, the bags reordered sample-major so that its output is
         ``[B, T x D]`` without the concatenation, was slower: moving the ids cost more than the copy it saved.)"""
@@ -228,16 +227,16 @@ class CpuLookup:
         for future in futures:
             future.result()
 
-    def _groups(self, bounds: Sequence[int]) -> List[List[int]]:
+    def _groups(self, bounds: Sequence[int]) -> list[list[int]]:
         # Features of one table stay together (their rows are one memory); tables go to the lightest group by ids.
-        by_table: Dict[int, List[int]] = {}
+        by_table: dict[int, list[int]] = {}
         for f, t in enumerate(self.tables):
             by_table.setdefault(t, []).append(f)
         n = min(self.threads, len(by_table))
         if n <= 1:
             return [list(range(len(self.tables)))]
         load = [0] * n
-        groups: List[List[int]] = [[] for _ in range(n)]
+        groups: list[list[int]] = [[] for _ in range(n)]
         sized = sorted(by_table.values(), key=lambda fs: -sum(bounds[f + 1] - bounds[f] for f in fs))
         for features in sized:
             g = load.index(min(load))
@@ -259,11 +258,11 @@ class _Lookup(torch.autograd.Function):
     def forward(
         ctx: Any,
         placeholder: torch.Tensor,
-        weights: Optional[torch.Tensor],
+        weights: torch.Tensor | None,
         lookup: CpuLookup,
         indices: torch.Tensor,
         offsets: torch.Tensor,
-        feature_requires_grad: Optional[torch.Tensor],
+        feature_requires_grad: torch.Tensor | None,
     ) -> torch.Tensor:  # type: ignore[override]
         out, bounds = lookup.pooled(indices, offsets, weights)
         empty = torch.empty(0)
@@ -277,7 +276,7 @@ class _Lookup(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         indices, offsets, weights, feature_requires_grad = ctx.saved_tensors
         lookup: CpuLookup = ctx.lookup
         grad = grad.contiguous()
@@ -301,7 +300,7 @@ class _Lookup(torch.autograd.Function):
         return None, grad_weights, None, None, None, None
 
 
-def install_cpu_lookup(model: nn.Module, threads: Optional[int] = None) -> Dict[str, str]:
+def install_cpu_lookup(model: nn.Module, threads: int | None = None) -> dict[str, str]:
     """Give every CPU fused TBE in a sharded ``model`` the faster forward (see the module docstring).
 
     With one intra-op thread (``threads``, default ``torch.get_num_threads()``: a rank per core, say) nothing is
@@ -321,7 +320,7 @@ def install_cpu_lookup(model: nn.Module, threads: Optional[int] = None) -> Dict[
         install_cpu_lookup(dmp)    # {'tables/0.0': 'fast'}
     """
     threads = threads or torch.get_num_threads()
-    done: Dict[str, str] = {}
+    done: dict[str, str] = {}
     for where, tbe in _compat.fused_tbes(model):
         if isinstance(tbe.forward, CpuLookup):
             done[where] = "fast"

@@ -4,8 +4,8 @@ parameters and DMP's inner DDP, and the forward redirection that manual optimiza
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, Type
 
 import lightning.pytorch as pl
 import torch
@@ -17,11 +17,11 @@ from typing_extensions import override
 
 from lightning_rec import _compat
 from lightning_rec.inputs.kjt import ModuleInputs
-from lightning_rec.strategy.optim import EmbeddingOptimizer, is_fused_parameter
 from lightning_rec.strategy.cpu_lookup import install_cpu_lookup
+from lightning_rec.strategy.optim import EmbeddingOptimizer, is_fused_parameter
 from lightning_rec.strategy.plan_report import PlanReport
-from lightning_rec.tables import embedding_modules, inner_collection
 from lightning_rec.strategy.unsharded import capture_weights, output_orders, restore_output_order, restore_weights
+from lightning_rec.tables import embedding_modules, inner_collection
 
 _SHARDED_STATE_ATTR = "_lightning_rec_sharded"
 
@@ -46,19 +46,19 @@ class ShardedState:
     dmp: DistributedModelParallel
     plan: ShardingPlan
     embedding_optimizer: EmbeddingOptimizer
-    report: Optional[PlanReport] = None
-    inputs: Dict[str, ModuleInputs] = field(default_factory=dict)
-    dense_ids: FrozenSet[int] = frozenset()
-    table_optimizers: Dict[str, EmbeddingOptimizer] = field(default_factory=dict)
+    report: PlanReport | None = None
+    inputs: dict[str, ModuleInputs] = field(default_factory=dict)
+    dense_ids: frozenset[int] = frozenset()
+    table_optimizers: dict[str, EmbeddingOptimizer] = field(default_factory=dict)
 
 
-def dense_parameter_ids(modules: Sequence[nn.Module]) -> FrozenSet[int]:
+def dense_parameter_ids(modules: Sequence[nn.Module]) -> frozenset[int]:
     """The parameters of embedding ``modules`` that are no table's (a feature processor's position weights)."""
     tables = {id(p) for m in modules for p in (inner_collection(m) or m).parameters()}
     return frozenset(id(p) for m in modules for p in m.parameters() if id(p) not in tables)
 
 
-def sharded_state(module: Optional[nn.Module]) -> Optional[ShardedState]:
+def sharded_state(module: nn.Module | None) -> ShardedState | None:
     """The :class:`ShardedState` of a module sharded by :func:`shard_module`, else ``None``."""
     return getattr(module, _SHARDED_STATE_ATTR, None) if module is not None else None
 
@@ -68,27 +68,27 @@ class ManualOptimizationRedirection(_compat._ForwardRedirection):
     of a manual-optimization ``training_step`` (whose backward runs inside the forward)."""
 
     @override
-    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: "pl.LightningModule") -> None:
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: pl.LightningModule) -> None:
         ddp = dense_ddp(wrapper_module)
         if ddp is not None and not original_module.automatic_optimization:
             ddp.require_backward_grad_sync = False
 
     @override
-    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: "pl.LightningModule") -> None:
+    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: pl.LightningModule) -> None:
         ddp = dense_ddp(wrapper_module)
         if ddp is not None and not original_module.automatic_optimization:
             ddp.require_backward_grad_sync = True
 
 
-def dense_ddp(model: Optional[nn.Module]) -> Optional[DistributedDataParallel]:
+def dense_ddp(model: nn.Module | None) -> DistributedDataParallel | None:
     """The DDP wrapper DMP puts around the dense part, if any."""
     inner = _compat.dmp_inner_module(model) if isinstance(model, DistributedModelParallel) else None
     return inner if isinstance(inner, DistributedDataParallel) else None
 
 
 def table_parameters(
-    module: nn.Module, plan: ShardingPlan, dense_ids: FrozenSet[int] = frozenset()
-) -> List[Tuple[str, nn.Parameter]]:
+    module: nn.Module, plan: ShardingPlan, dense_ids: frozenset[int] = frozenset()
+) -> list[tuple[str, nn.Parameter]]:
     """Parameters (by FQN) of the tables of the modules ``plan`` sharded (``dense_ids``: their other parameters)."""
     paths = tuple(plan.plan)
     return [
@@ -117,8 +117,8 @@ def materialize_dense(module: nn.Module, device: torch.device, skip: Sequence[nn
         ValueError: naming every tensor nothing initialised, with its module's class, before anything is sharded.
     """
     skip_ids = {id(m) for m in skip}
-    replaced: Dict[int, torch.Tensor] = {}  # meta tensor -> its allocation (tied weights stay tied)
-    fresh: Dict[str, Tuple[nn.Module, str]] = {}  # path -> (module, attribute) of every tensor allocated here
+    replaced: dict[int, torch.Tensor] = {}  # meta tensor -> its allocation (tied weights stay tied)
+    fresh: dict[str, tuple[nn.Module, str]] = {}  # path -> (module, attribute) of every tensor allocated here
 
     def visit(mod: nn.Module, path: str) -> None:
         if id(mod) in skip_ids:
@@ -154,9 +154,9 @@ def materialize_dense(module: nn.Module, device: torch.device, skip: Sequence[nn
         )
 
 
-def _allocate_meta(mod: nn.Module, device: torch.device, replaced: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _allocate_meta(mod: nn.Module, device: torch.device, replaced: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Replace ``mod``'s own meta parameters and buffers by sentinel-filled tensors on ``device``; returns them."""
-    fresh: Dict[str, torch.Tensor] = {}
+    fresh: dict[str, torch.Tensor] = {}
     for name, p in list(mod.named_parameters(recurse=False)):
         if p.is_meta:
             if id(p) not in replaced:
@@ -195,9 +195,9 @@ def _still_sentinel(t: torch.Tensor) -> bool:
 def shard_with_dmp(
     module: nn.Module,
     plan: ShardingPlan,
-    sharders: List[ModuleSharder[nn.Module]],
+    sharders: list[ModuleSharder[nn.Module]],
     device: torch.device,
-    pg: Optional["torch.distributed.ProcessGroup"],
+    pg: torch.distributed.ProcessGroup | None,
     static_graph: bool,
     find_unused_parameters: bool,
 ) -> DistributedModelParallel:
@@ -240,16 +240,16 @@ class DenseDataParallel(DefaultDataParallelWrapper):
 
 
 def shard_module(
-    module: "pl.LightningModule",
+    module: pl.LightningModule,
     plan: ShardingPlan,
-    sharders: List[ModuleSharder[nn.Module]],
+    sharders: list[ModuleSharder[nn.Module]],
     device: torch.device,
-    pg: Optional["torch.distributed.ProcessGroup"],
+    pg: torch.distributed.ProcessGroup | None,
     *,
     embedding_optimizer: EmbeddingOptimizer,
-    report: Optional[PlanReport],
-    inputs: Optional[Dict[str, ModuleInputs]] = None,
-    module_types: Sequence[Type[nn.Module]] = (),
+    report: PlanReport | None,
+    inputs: dict[str, ModuleInputs] | None = None,
+    module_types: Sequence[type[nn.Module]] = (),
     static_graph: bool,
     find_unused_parameters: bool,
     fast_cpu_lookup: bool = True,
@@ -289,7 +289,7 @@ def shard_module(
 
 
 def prepare_for_optimizers(
-    module: nn.Module, module_types: Sequence[Type[nn.Module]], device: torch.device, state: Optional[ShardedState]
+    module: nn.Module, module_types: Sequence[type[nn.Module]], device: torch.device, state: ShardedState | None
 ) -> Callable[[torch.Tensor], bool]:
     """Get ``module`` ready for ``configure_optimizers`` and tell table parameters from dense ones.
 
@@ -309,7 +309,7 @@ def prepare_for_optimizers(
     return lambda p: id(p) in ids or is_fused_parameter(p)
 
 
-def unfused_table_parameters(module: nn.Module, state: ShardedState) -> Dict[str, nn.Parameter]:
+def unfused_table_parameters(module: nn.Module, state: ShardedState) -> dict[str, nn.Parameter]:
     """Table parameters that no fused optimizer owns (TorchRec keeps ``data_parallel`` tables on a dense
     kernel on CPU); they got new parameters when sharded and need an optimizer of their own."""
     return {n: p for n, p in table_parameters(module, state.plan, state.dense_ids) if not is_fused_parameter(p)}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 from datetime import timedelta
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch.distributed as dist
 
@@ -57,7 +57,7 @@ _TRANSPORT_MARKERS = (
 _MAX_MESSAGE = 4000
 
 
-def close_process_group_at_exit(timeout: Optional[timedelta] = None) -> None:
+def close_process_group_at_exit(timeout: timedelta | None = None) -> None:
     """Make the process end cleanly after a finished job: at interpreter exit, wait for the other ranks, hold the
     last collective's work object, and destroy the default process group (idempotent; the latest ``timeout`` wins).
 
@@ -119,7 +119,7 @@ def is_communication_error(exception: BaseException) -> bool:
         False
     """
     seen = set()
-    current: Optional[BaseException] = exception
+    current: BaseException | None = exception
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, dist.DistError):
@@ -149,12 +149,12 @@ class FailureBoard:
         board.first()                                          # on the others: (3, "ValueError ...")
     """
 
-    def __init__(self, store: "dist.Store", token: str, rank: int) -> None:
+    def __init__(self, store: dist.Store, token: str, rank: int) -> None:
         self._store = dist.PrefixStore(f"lightning_rec/failures/{token}/", store)
         self.rank = rank
 
     @classmethod
-    def for_default_group(cls, token: str, rank: int) -> Optional["FailureBoard"]:
+    def for_default_group(cls, token: str, rank: int) -> FailureBoard | None:
         """The board on the default process group's store (``None`` without a process group)."""
         store = _compat.default_store()
         return None if store is None else cls(store, token, rank)
@@ -172,7 +172,7 @@ class FailureBoard:
         exception: BaseException,
         position: str,
         world_size: int,
-        timeout: Optional[timedelta],
+        timeout: timedelta | None,
         owner: str = "RecShardStrategy",
     ) -> None:
         """What a rank does with the exception that stops it: publish it if it is its own, or, if a collective failed
@@ -188,7 +188,7 @@ class FailureBoard:
         if hasattr(exception, "add_note"):  # Python >= 3.11: shown under the transport error's own message
             exception.add_note(message)
 
-    def first(self) -> Optional[Tuple[int, str]]:
+    def first(self) -> tuple[int, str] | None:
         """``(rank, message)`` of the first rank that published an error, or ``None``. Never blocks, never raises."""
         try:
             if not self._store.check(["first"]):  # `get` of a missing key would wait for it
@@ -203,8 +203,8 @@ def explain(
     rank: int,
     world_size: int,
     position: str,
-    first: Optional[Tuple[int, str]],
-    timeout: Optional[timedelta],
+    first: tuple[int, str] | None,
+    timeout: timedelta | None,
     owner: str = "RecShardStrategy",
 ) -> str:
     """The message of a rank whose collective failed because another rank failed or stopped answering.
@@ -238,7 +238,7 @@ def explain(
     )
 
 
-def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False, batch: Optional[int] = None) -> str:
+def describe_position(trainer: Any, ahead: int = 0, transferring: bool = False, batch: int | None = None) -> str:
     """Where ``trainer`` is, for error messages: ``"training step 12 (epoch 0, batch 12)"``,
     ``"validation batch 3"``, ...
 

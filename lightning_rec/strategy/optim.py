@@ -12,7 +12,8 @@ turns itself into TorchRec ``fused_params``; importable from here too). This mod
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
@@ -22,10 +23,11 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from lightning_rec import _compat
 
 # re-exported: the old paths keep working
-from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, OptimizerName as OptimizerName
+from lightning_rec.config import BoundsCheck, EmbeddingOptimizer
+from lightning_rec.config import OptimizerName as OptimizerName
 from lightning_rec.config import supported_optimizers as supported_optimizers
 
-_BOUNDS_CHECK_MODES: Dict[str, BoundsCheckMode] = {
+_BOUNDS_CHECK_MODES: dict[str, BoundsCheckMode] = {
     "error": BoundsCheckMode.FATAL,
     "warn": BoundsCheckMode.WARNING,
     "ignore": BoundsCheckMode.IGNORE,
@@ -33,7 +35,7 @@ _BOUNDS_CHECK_MODES: Dict[str, BoundsCheckMode] = {
 }
 
 
-def bounds_check_params(mode: BoundsCheck) -> Dict[str, Any]:
+def bounds_check_params(mode: BoundsCheck) -> dict[str, Any]:
     """``fused_params`` selecting FBGEMM's behaviour for ids outside a table.
 
     Args:
@@ -50,7 +52,7 @@ def bounds_check_params(mode: BoundsCheck) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _torchrec_rowwise_adagrad() -> Optional[type]:
+def _torchrec_rowwise_adagrad() -> type | None:
     try:
         from torchrec.optim import RowWiseAdagrad
 
@@ -114,7 +116,7 @@ def embedding_optimizer_from_torch(optimizer: Optimizer, group: Mapping[str, Any
 
 def embedding_groups(
     optimizers: Iterable[Optimizer], is_embedding: Callable[[torch.Tensor], bool]
-) -> List[Tuple[int, Dict[str, Any]]]:
+) -> list[tuple[int, dict[str, Any]]]:
     """Every (optimizer index, param group) that holds embedding parameters, in order."""
     return [
         (idx, group)
@@ -126,7 +128,7 @@ def embedding_groups(
 
 def find_embedding_group(
     optimizers: Iterable[Optimizer], is_embedding: Callable[[torch.Tensor], bool]
-) -> Optional[Tuple[int, Dict[str, Any]]]:
+) -> tuple[int, dict[str, Any]] | None:
     """Locate the single (optimizer index, param group) that holds the embedding parameters.
 
     Returns ``None`` when no optimizer holds any. Raises when they are spread over several groups (see
@@ -142,7 +144,7 @@ def find_embedding_group(
     return found[0] if found else None
 
 
-TableOptimizers = Dict[str, Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]]]]
+TableOptimizers = dict[str, tuple[EmbeddingOptimizer, dict[str, Any] | None]]
 """Per table name: the fused optimizer derived from the param group holding its weight, and that group (whose
 learning rate it follows; ``None`` for a table given its own with ``apply_optimizer_in_backward``)."""
 
@@ -214,20 +216,20 @@ class RecOptimizer(CombinedOptimizer):
         fused: KeyedOptimizer,
         dense: Optimizer,
         dense_params: Mapping[str, torch.Tensor],
-        lr_source: Optional[Dict[str, Any]] = None,
-        table_optimizer: Optional[Union[Optimizer, Sequence[Optimizer]]] = None,
-        table_params: Optional[Mapping[str, torch.Tensor]] = None,
-        lr_sources: Optional[Sequence[Tuple[Dict[str, Any], Dict[str, Any]]]] = None,
+        lr_source: dict[str, Any] | None = None,
+        table_optimizer: Optimizer | Sequence[Optimizer] | None = None,
+        table_params: Mapping[str, torch.Tensor] | None = None,
+        lr_sources: Sequence[tuple[dict[str, Any], dict[str, Any]]] | None = None,
     ) -> None:
         self.dense = dense
         tables = [table_optimizer] if isinstance(table_optimizer, Optimizer) else list(table_optimizer or [])
-        self.table_optimizers: List[Optimizer] = tables
+        self.table_optimizers: list[Optimizer] = tables
         self.table_optimizer = tables[0] if len(tables) == 1 else None  # the usual single one
-        self.dense_params: Dict[str, torch.Tensor] = dict(dense_params)
-        self.table_params: Dict[str, torch.Tensor] = dict(table_params or {})
+        self.dense_params: dict[str, torch.Tensor] = dict(dense_params)
+        self.table_params: dict[str, torch.Tensor] = dict(table_params or {})
         # `KeyedOptimizerWrapper` builds its optimizer from a factory; ours already exists (schedulers are
         # bound to it), so the factory hands it back. State and param groups are shared, not copied.
-        keyed: List[KeyedOptimizer] = [fused, KeyedOptimizerWrapper(dict(dense_params), lambda _params: dense)]
+        keyed: list[KeyedOptimizer] = [fused, KeyedOptimizerWrapper(dict(dense_params), lambda _params: dense)]
         by_id = {id(p): n for n, p in self.table_params.items()}
         for opt in tables:
             named = {by_id[id(p)]: p for g in opt.param_groups for p in g["params"]}
@@ -235,24 +237,24 @@ class RecOptimizer(CombinedOptimizer):
         # No key prefixes: optimizer state stays keyed by parameter FQN, like the model state_dict.
         super().__init__(keyed)
         self.fused = fused
-        self._lr_sources: List[Tuple[Dict[str, Any], Dict[str, Any]]] = (
+        self._lr_sources: list[tuple[dict[str, Any], dict[str, Any]]] = (
             list(lr_sources)
             if lr_sources is not None
             else [(group, lr_source) for group in self._follower_groups()]
             if lr_source is not None
             else []
         )
-        self._pushed_lrs: Optional[List[float]] = None  # the rates last pushed into the kernels by `sync_lr`
+        self._pushed_lrs: list[float] | None = None  # the rates last pushed into the kernels by `sync_lr`
         self.sync_lr()
 
-    def _follower_groups(self) -> List[Dict[str, Any]]:
+    def _follower_groups(self) -> list[dict[str, Any]]:
         groups = list(self.fused.param_groups)
         for opt in self.table_optimizers:
             groups += opt.param_groups
         return groups
 
     @property
-    def embedding_lrs(self) -> List[float]:
+    def embedding_lrs(self) -> list[float]:
         """The learning rates the embedding tables are trained with right now (one per kernel group)."""
         return [float(g["lr"]) for g in self._follower_groups()]
 
@@ -303,15 +305,15 @@ class RecOptimizer(CombinedOptimizer):
 
 
 def resolve_embedding_optimizer(
-    optimizers: List[Optimizer],
+    optimizers: list[Optimizer],
     is_embedding: Callable[[torch.Tensor], bool],
     *,
-    declared: Optional[EmbeddingOptimizer],
+    declared: EmbeddingOptimizer | None,
     has_tables: bool,
     device_type: str,
     owner: str = "RecShardStrategy",
-    table_weights: Optional[Mapping[str, torch.Tensor]] = None,
-) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]], Optional[TableOptimizers]]:
+    table_weights: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[EmbeddingOptimizer, dict[str, Any] | None, TableOptimizers | None]:
     """The fused optimizer, the param group whose learning rate it follows (``None``: its own), and per-table
     optimizers when the tables sit in several param groups (``None`` otherwise).
 
@@ -339,7 +341,7 @@ def resolve_embedding_optimizer(
     }
     own_ids = {id(table_weights[t]) for t in own} if table_weights else set()
     found = embedding_groups(optimizers, lambda p: is_embedding(p) and id(p) not in own_ids)
-    per_table: Optional[TableOptimizers] = None
+    per_table: TableOptimizers | None = None
     if declared is not None:
         emb_opt, lr_source = declared, None
     elif (len(found) > 1 or own) and table_weights is not None:
@@ -378,15 +380,15 @@ def resolve_embedding_optimizer(
 
 def combine_optimizers(
     fused: KeyedOptimizer,
-    optimizers: List[Optimizer],
+    optimizers: list[Optimizer],
     *,
     named_parameters: Mapping[str, torch.nn.Parameter],
     is_embedding: Callable[[torch.Tensor], bool],
-    lr_source: Optional[Dict[str, Any]],
+    lr_source: dict[str, Any] | None,
     table_params: Mapping[str, torch.nn.Parameter],
     embedding_optimizer: EmbeddingOptimizer,
-    per_table: Optional[TableOptimizers] = None,
-) -> Tuple["RecOptimizer", List[Optimizer]]:
+    per_table: TableOptimizers | None = None,
+) -> tuple[RecOptimizer, list[Optimizer]]:
     """Strip the tables from the user's optimizers and put the fused one beside the right dense optimizer.
 
     With ``per_table`` (tables in several param groups), each fused param group follows the learning rate of the
@@ -431,16 +433,16 @@ def _table_of(fqn: str) -> str:
 
 def _per_table_optimizers(
     fused: KeyedOptimizer, table_params: Mapping[str, torch.nn.Parameter], per_table: TableOptimizers
-) -> Tuple[List[Optimizer], List[Tuple[Dict[str, Any], Dict[str, Any]]]]:
+) -> tuple[list[Optimizer], list[tuple[dict[str, Any], dict[str, Any]]]]:
     """An optimizer per rule for the non-fused tables, and which user group each fused or table group follows."""
-    pairs: List[Tuple[Dict[str, Any], Dict[str, Any]]] = []
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     names = {id(p): n for n, p in fused.params.items()}
     for group in fused.param_groups:
         tables = [_table_of(names[id(p)]) for p in group["params"] if id(p) in names]
         sources = [per_table[t][1] for t in tables if t in per_table]
         if sources and sources[0] is not None:  # TorchRec groups tables by their fused parameters: one source a group
             pairs.append((group, sources[0]))
-    by_rule: Dict[Any, Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]], List[torch.nn.Parameter]]] = {}
+    by_rule: dict[Any, tuple[EmbeddingOptimizer, dict[str, Any] | None, list[torch.nn.Parameter]]] = {}
     for name, param in table_params.items():
         rule, source = per_table[_table_of(name)]
         by_rule.setdefault(id(source) if source is not None else repr(rule), (rule, source, []))[2].append(param)
@@ -452,7 +454,7 @@ def _per_table_optimizers(
     return optimizers, pairs
 
 
-def optimizer_state_class(emb_opt_type: Any) -> Optional[type]:
+def optimizer_state_class(emb_opt_type: Any) -> type | None:
     """The optimizer class whose state TorchRec's planner would add for FBGEMM's ``emb_opt_type`` (its storage
     estimator knows SGD: none, Adam: two copies of the table, TorchRec's RowWiseAdagrad: one float per row, any other
     class: one copy). Partial row-wise Adam/LAMB (a full first moment, a row-wise second) count as one copy.

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, Deque, Iterator, List, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
@@ -100,14 +101,14 @@ class PipelineableCollection(Pipelineable):
     def __init__(self, data: Any) -> None:
         self.data = data
 
-    def to(self, device: torch.device, non_blocking: bool, data_copy_stream: Any = None) -> "PipelineableCollection":
+    def to(self, device: torch.device, non_blocking: bool, data_copy_stream: Any = None) -> PipelineableCollection:
         # Lightning's collection walk: tensors and anything with `.to` (KJTs) move, non_blocking for CUDA tensors.
         return PipelineableCollection(move_data_to_device(self.data, device))
 
     def record_stream(self, stream: Any) -> None:
         apply_to_collection(self.data, self._STREAMED, lambda t: t.record_stream(stream))
 
-    def pin_memory(self) -> "PipelineableCollection":
+    def pin_memory(self) -> PipelineableCollection:
         return PipelineableCollection(apply_to_collection(self.data, self._STREAMED, lambda t: t.pin_memory()))
 
     def __getitem__(self, key: Any) -> Any:
@@ -142,7 +143,7 @@ class SparseDistPipeline:
         # per step: pipeline.begin_step() before training_step; pipeline.before_backward() before backward
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, input_checks: Optional[InputChecks] = None) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, input_checks: InputChecks | None = None) -> None:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
         self._input_checks = input_checks
@@ -150,7 +151,7 @@ class SparseDistPipeline:
         self._running = False  # a step whose batch is still at the head of the queue
         self._rewritten = False  # sharded modules run the pipelined forward
 
-    def wrap(self, dataloader: Any) -> "PipelinedLoader":
+    def wrap(self, dataloader: Any) -> PipelinedLoader:
         """The DataLoader Lightning should iterate for training."""
         return PipelinedLoader(dataloader, self)
 
@@ -160,10 +161,10 @@ class SparseDistPipeline:
         self.engine.reset()
         self._running = False
 
-    def enqueue(self, iterator: Iterator[Any], index: Optional[int] = None) -> Any:
+    def enqueue(self, iterator: Iterator[Any], index: int | None = None) -> Any:
         """Fetch the next batch (``index`` in its epoch, for messages), check it on the host, copy it to the device
         on the copy stream, queue it; ``StopIteration`` at the end."""
-        checked: List[Any] = []
+        checked: list[Any] = []
 
         def check(batch: Any) -> Any:
             if self._input_checks is not None:
@@ -238,7 +239,7 @@ class PipelinedLoader:
     def __iter__(self) -> Iterator[Any]:
         self.pipeline.reset()
         iterator = iter(self.dataloader)
-        ahead: Deque[Any] = deque()  # queued in the pipeline, not yet handed to Lightning
+        ahead: deque[Any] = deque()  # queued in the pipeline, not yet handed to Lightning
         exhausted = False
         fetched = 0
         while True:

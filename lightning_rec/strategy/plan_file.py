@@ -12,7 +12,8 @@ Example::
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Sequence, Type
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
 from torchrec.distributed.planner.utils import placement
@@ -36,7 +37,7 @@ from lightning_rec.tables import embedding_modules, table_configs
 __all__ = ["check_plan", "read_plan", "to_sharding_plan"]
 
 
-def read_plan(path: "os.PathLike[str] | str", owner: str = "RecShardStrategy") -> PlanReport:
+def read_plan(path: os.PathLike[str] | str, owner: str = "RecShardStrategy") -> PlanReport:
     """The plan report at ``path``.
 
     Raises:
@@ -62,7 +63,7 @@ def to_sharding_plan(report: PlanReport) -> ShardingPlan:
         DistributedModelParallel(model, plan=plan, ...)
     """
     local = report.local_world_size or report.world_size
-    plan: Dict[str, EmbeddingModuleShardingPlan] = {}
+    plan: dict[str, EmbeddingModuleShardingPlan] = {}
     for row in report.tables:
         spec = None
         if row.shard_sizes:
@@ -92,7 +93,7 @@ def to_sharding_plan(report: PlanReport) -> ShardingPlan:
 def check_plan(
     report: PlanReport,
     module: nn.Module,
-    module_types: Sequence[Type[nn.Module]],
+    module_types: Sequence[type[nn.Module]],
     *,
     world_size: int,
     local_world_size: int,
@@ -105,7 +106,7 @@ def check_plan(
     Raises:
         ValueError: naming every mismatch, what the plan says and what the run has.
     """
-    problems: List[str] = []
+    problems: list[str] = []
     if report.world_size != world_size:
         problems.append(f"it is for {report.world_size} rank(s), this run has {world_size}")
     if report.local_world_size is not None and report.local_world_size != local_world_size:
@@ -164,24 +165,24 @@ def check_plan(
         )
 
 
-def _shard_ranks(row: PlanRow) -> List[Any]:
+def _shard_ranks(row: PlanRow) -> list[Any]:
     return list(row.shard_ranks) if row.shard_ranks else [None] * len(row.shard_sizes)
 
 
-def _placements(row: PlanRow) -> List[str]:
+def _placements(row: PlanRow) -> list[str]:
     return list(row.shard_placements) if row.shard_placements else [""] * len(row.shard_sizes)
 
 
-def _covered_shape(row: PlanRow) -> "List[int] | None":
+def _covered_shape(row: PlanRow) -> list[int] | None:
     """The table's shape as its shards cover it (``None`` without shards)."""
     if not row.shard_sizes:
         return None
     return [max(o[i] + s[i] for s, o in zip(row.shard_sizes, row.shard_offsets)) for i in (0, 1)]
 
 
-def _decode_extras(extras: Mapping[str, Any]) -> Dict[str, Any]:
+def _decode_extras(extras: Mapping[str, Any]) -> dict[str, Any]:
     """``ParameterSharding`` keyword arguments from the report's JSON ``extras`` (see ``plan_report.plan_extras``)."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for name, value in extras.items():
         if name == "bounds_check_mode":
             value = BoundsCheckMode[value]

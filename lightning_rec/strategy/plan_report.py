@@ -22,12 +22,13 @@ numbers and the imbalance are ``null`` and ``estimates_available`` is ``false``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
 
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -72,16 +73,16 @@ class PlanRow:
     table: str
     sharding_type: str
     compute_kernel: str
-    ranks: List[int]
-    shard_sizes: List[List[int]]
-    shard_offsets: List[List[int]] = field(default_factory=list)
-    shard_ranks: List[Optional[int]] = field(default_factory=list)
-    shard_placements: List[str] = field(default_factory=list)
-    shape: Optional[List[int]] = None
-    extras: Dict[str, Any] = field(default_factory=dict)
+    ranks: list[int]
+    shard_sizes: list[list[int]]
+    shard_offsets: list[list[int]] = field(default_factory=list)
+    shard_ranks: list[int | None] = field(default_factory=list)
+    shard_placements: list[str] = field(default_factory=list)
+    shape: list[int] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
-def plan_rows(plan: ShardingPlan, shapes: Optional[Mapping[str, Sequence[int]]] = None) -> List[PlanRow]:
+def plan_rows(plan: ShardingPlan, shapes: Mapping[str, Sequence[int]] | None = None) -> list[PlanRow]:
     """The plan as one :class:`PlanRow` per table, in module then table order.
 
     Args:
@@ -109,7 +110,7 @@ def plan_rows(plan: ShardingPlan, shapes: Optional[Mapping[str, Sequence[int]]] 
     return rows
 
 
-def table_shapes(tables: Mapping[str, BaseEmbeddingConfig]) -> Dict[str, List[int]]:
+def table_shapes(tables: Mapping[str, BaseEmbeddingConfig]) -> dict[str, list[int]]:
     """``{table name: [num_embeddings, embedding_dim]}`` of table configs (e.g. :func:`lightning_rec.tables.embedding_tables`)."""
     return {name: [c.num_embeddings, c.embedding_dim] for name, c in tables.items()}
 
@@ -117,10 +118,10 @@ def table_shapes(tables: Mapping[str, BaseEmbeddingConfig]) -> Dict[str, List[in
 _EXTRA_FIELDS = ("cache_params", "enforce_hbm", "stochastic_rounding", "bounds_check_mode", "output_dtype")
 
 
-def plan_extras(ps: ParameterSharding) -> Dict[str, Any]:
+def plan_extras(ps: ParameterSharding) -> dict[str, Any]:
     """The settings of ``ps`` beyond type, kernel, ranks and shards that are set, as JSON values (enums by name,
     ``CacheParams`` as a dict); ``ParameterSharding.key_value_params`` (SSD tables) is not carried."""
-    extras: Dict[str, Any] = {}
+    extras: dict[str, Any] = {}
     for name in _EXTRA_FIELDS:
         value = getattr(ps, name, None)
         if value is None:
@@ -162,7 +163,7 @@ def format_rows(rows: Sequence[PlanRow], world_size: int) -> str:
 
 def _shard_text(sizes: Sequence[Sequence[int]]) -> str:
     """Shard sizes, equal neighbours counted: ``[[5, 4], [5, 4], [2, 4]]`` -> ``"2x[5, 4] [2, 4]"``."""
-    groups: List[List[Any]] = []
+    groups: list[list[Any]] = []
     for size in sizes:
         if groups and groups[-1][1] == list(size):
             groups[-1][0] += 1
@@ -194,27 +195,27 @@ class RankEstimate:
     """
 
     rank: int
-    hbm_bytes: Optional[int] = None
-    ddr_bytes: Optional[int] = None
-    cost: Optional[float] = None
-    lookup_ms: Optional[float] = None
-    input_dist_ms: Optional[float] = None
-    output_dist_ms: Optional[float] = None
+    hbm_bytes: int | None = None
+    ddr_bytes: int | None = None
+    cost: float | None = None
+    lookup_ms: float | None = None
+    input_dist_ms: float | None = None
+    output_dist_ms: float | None = None
 
     @property
-    def step_ms(self) -> Optional[float]:
+    def step_ms(self) -> float | None:
         """The planner's milliseconds per step of this rank's tables: lookups, input and output all-to-alls."""
         parts = (self.lookup_ms, self.input_dist_ms, self.output_dist_ms)
         return None if any(p is None for p in parts) else sum(parts)  # type: ignore[arg-type]
 
     @property
-    def memory_bytes(self) -> Optional[int]:
+    def memory_bytes(self) -> int | None:
         """HBM plus DDR bytes, or ``None`` without an estimate."""
         if self.hbm_bytes is None or self.ddr_bytes is None:
             return None
         return self.hbm_bytes + self.ddr_bytes
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """``{"rank", "hbm_bytes", "ddr_bytes", "memory_bytes", "cost", "lookup_ms", "input_dist_ms",
         "output_dist_ms", "step_ms"}``."""
         return {
@@ -230,13 +231,13 @@ class RankEstimate:
         }
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> "RankEstimate":
+    def from_dict(cls, doc: Mapping[str, Any]) -> RankEstimate:
         """The inverse of :meth:`to_dict` (derived keys are ignored)."""
         keys = ("hbm_bytes", "ddr_bytes", "cost", "lookup_ms", "input_dist_ms", "output_dist_ms")
         return cls(int(doc["rank"]), **{k: doc.get(k) for k in keys})
 
 
-def imbalance(values: Sequence[Optional[float]]) -> Optional[float]:
+def imbalance(values: Sequence[float | None]) -> float | None:
     """``max / mean`` of per-rank ``values``: 1.0 is even, ``len(values)`` is one rank carrying everything.
 
     Returns:
@@ -281,12 +282,12 @@ class PlanReport:
 
     world_size: int
     device_type: str
-    tables: List[PlanRow]
-    ranks: List[RankEstimate]
+    tables: list[PlanRow]
+    ranks: list[RankEstimate]
     estimates_available: bool = False
-    local_world_size: Optional[int] = None
-    batch_size: Optional[int] = None
-    preset: Optional[str] = None
+    local_world_size: int | None = None
+    batch_size: int | None = None
+    preset: str | None = None
 
     @classmethod
     def from_plan(
@@ -294,13 +295,13 @@ class PlanReport:
         plan: ShardingPlan,
         world_size: int,
         device_type: str,
-        sharding_options: Optional[Sequence[Any]] = None,
-        local_world_size: Optional[int] = None,
+        sharding_options: Sequence[Any] | None = None,
+        local_world_size: int | None = None,
         *,
-        shapes: Optional[Mapping[str, Sequence[int]]] = None,
-        batch_size: Optional[int] = None,
-        preset: Optional[str] = None,
-    ) -> "PlanReport":
+        shapes: Mapping[str, Sequence[int]] | None = None,
+        batch_size: int | None = None,
+        preset: str | None = None,
+    ) -> PlanReport:
         """Build the report from ``plan`` and, when the planner ran here, its chosen ``ShardingOption``\\ s.
 
         Args:
@@ -336,12 +337,12 @@ class PlanReport:
         return cls(world_size, device_type, rows, ranks, True, **meta)
 
     @property
-    def num_hosts(self) -> Optional[int]:
+    def num_hosts(self) -> int | None:
         """Hosts (nodes) the ranks are spread over, as the planner saw them."""
         return -(-self.world_size // self.local_world_size) if self.local_world_size else None
 
     @property
-    def imbalance(self) -> Dict[str, Optional[float]]:
+    def imbalance(self) -> dict[str, float | None]:
         """``{"memory": max/mean, "cost": max/mean}`` over ranks (see :func:`imbalance`)."""
         return {
             "memory": imbalance([r.memory_bytes for r in self.ranks]),
@@ -349,19 +350,19 @@ class PlanReport:
         }
 
     @property
-    def max_memory_bytes(self) -> Optional[int]:
+    def max_memory_bytes(self) -> int | None:
         """The fullest rank's estimated memory (HBM + DDR), or ``None`` without estimates."""
         values = [r.memory_bytes for r in self.ranks]
         return None if not values or None in values else max(values)  # type: ignore[type-var]
 
     @property
-    def step_ms(self) -> Optional[float]:
+    def step_ms(self) -> float | None:
         """The planner's step time: the slowest rank's :attr:`RankEstimate.step_ms` (ranks wait for each other in
         the all-to-alls), or ``None`` without estimates."""
         values = [r.step_ms for r in self.ranks]
         return None if not values or None in values else max(values)  # type: ignore[type-var]
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The JSON document.
 
         Example::
@@ -414,7 +415,7 @@ class PlanReport:
         }
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> "PlanReport":
+    def from_dict(cls, doc: Mapping[str, Any]) -> PlanReport:
         """The report :meth:`to_dict` wrote (``sharding_plan.json`` of a ``fit``, ``plan.json`` of
         ``lightning-rec plan``).
 
@@ -457,7 +458,7 @@ class PlanReport:
         )
 
     @classmethod
-    def read_json(cls, path: "os.PathLike[str] | str") -> "PlanReport":
+    def read_json(cls, path: os.PathLike[str] | str) -> PlanReport:
         """Read a report :meth:`write_json` wrote.
 
         Raises:
@@ -470,7 +471,7 @@ class PlanReport:
         except (json.JSONDecodeError, ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{os.fspath(path)!r} is not a sharding plan: {type(err).__name__}: {err}") from None
 
-    def write_json(self, path: "os.PathLike[str] | str") -> None:
+    def write_json(self, path: os.PathLike[str] | str) -> None:
         """Write :meth:`to_dict` to ``path`` (indented JSON)."""
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
@@ -506,7 +507,7 @@ class PlanReport:
         lines.append(f"imbalance (max/mean over ranks): {self._imbalance_text()}")
         return "\n".join(lines)
 
-    def write_png(self, path: "os.PathLike[str] | str") -> None:
+    def write_png(self, path: os.PathLike[str] | str) -> None:
         """Draw memory and cost per rank as grouped bars on twin axes, titled with the imbalance.
 
         Needs matplotlib (imported here, drawn off-screen with the Agg canvas, so no display is touched).
@@ -550,7 +551,7 @@ class PlanReport:
         return ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in imb.items())
 
 
-def write_plan_report(report: PlanReport, directory: "os.PathLike[str] | str") -> Optional[str]:
+def write_plan_report(report: PlanReport, directory: os.PathLike[str] | str) -> str | None:
     """Write ``sharding_plan.json`` and ``sharding_plan.png`` into ``directory`` (created if missing).
 
     A failure (read-only directory, matplotlib missing) warns and never stops training.
@@ -579,7 +580,7 @@ def write_plan_report(report: PlanReport, directory: "os.PathLike[str] | str") -
     return out
 
 
-def write_for_trainer(report: PlanReport, trainer: Any, global_rank: int) -> Optional[str]:
+def write_for_trainer(report: PlanReport, trainer: Any, global_rank: int) -> str | None:
     """Write the report where ``trainer``'s logs go: the first logger's ``log_dir`` (e.g.
     ``lightning_logs/version_0``, via ``trainer.log_dir``). Without a logger (``logger=False``), or with one that
     has no directory, nothing is written: the plan is only logged as a table. Call it on every rank:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Dict, Iterator, Tuple
+from collections.abc import Iterator
 
 # logger name -> messages (their start or a part) dropped while recshard plans and shards.
-_LOGGED: Dict[str, Tuple[str, ...]] = {
+_LOGGED: dict[str, tuple[str, ...]] = {
     # TorchRec's planner (planners.py) validates the plan and logs this for every data-parallel table: such a table has
     # no sharding spec by design (it is replicated), so every plan with one prints it.
     "root": ("Sharding spec not found for ",),
@@ -21,11 +21,11 @@ _LOGGED: Dict[str, Tuple[str, ...]] = {
 }
 # TorchRec's own DDP wrappers (DMP's dense part, data-parallel lookups) pass `broadcast_buffers`, which torch now
 # deprecates; nothing the user can change.
-_WARNED: Tuple[Tuple[type, str], ...] = ((FutureWarning, r"`broadcast_buffers` is deprecated"),)
+_WARNED: tuple[tuple[type, str], ...] = ((FutureWarning, r"`broadcast_buffers` is deprecated"),)
 
 
 class _Drop(logging.Filter):
-    def __init__(self, parts: Tuple[str, ...]) -> None:
+    def __init__(self, parts: tuple[str, ...]) -> None:
         super().__init__()
         self.parts = parts
 

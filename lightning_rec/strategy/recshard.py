@@ -24,9 +24,10 @@ The mechanics live in :mod:`lightning_rec.strategy.sharding`, :mod:`lightning_re
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -48,6 +49,17 @@ from typing_extensions import override
 
 from lightning_rec import _compat
 from lightning_rec import checkpoint as _ckpt
+from lightning_rec.batch import custom_batch_hooks, to_device
+from lightning_rec.config import (
+    BoundsCheck,
+    EmbeddingOptimizer,
+    NonFinitePolicy,
+    QuantizedComms,
+    TableConstraints,
+    TopologyConfig,
+)
+from lightning_rec.inputs import InputChecks
+from lightning_rec.strategy.batch_counts import BatchCounts
 from lightning_rec.strategy.dmp import (
     ManualOptimizationRedirection,
     dense_ddp,
@@ -56,16 +68,11 @@ from lightning_rec.strategy.dmp import (
     unfused_table_parameters,
 )
 from lightning_rec.strategy.faults import FailureBoard, close_process_group_at_exit, describe_position, note_failure
-from lightning_rec.batch import custom_batch_hooks, to_device
-from lightning_rec.config import NonFinitePolicy
-from lightning_rec.inputs import InputChecks
-from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig
 from lightning_rec.strategy.optim import (
     RecOptimizer,
     combine_optimizers,
 )
 from lightning_rec.strategy.pipeline import SparseDistPipeline, check_pipelinable
-from lightning_rec.strategy.batch_counts import BatchCounts
 from lightning_rec.strategy.plan_report import PlanReport, write_for_trainer
 from lightning_rec.strategy.settings import (
     backward_without_step_error,
@@ -76,7 +83,6 @@ from lightning_rec.strategy.settings import (
 )
 from lightning_rec.strategy.sharder import TableSharder
 from lightning_rec.strategy.sharding import vbe_refusals
-
 
 # How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -154,28 +160,28 @@ class RecShardStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        constraints: Optional[Mapping[str, Union[TableConstraints, Mapping[str, Any]]]] = None,
-        topology: Optional[Union[TopologyConfig, Mapping[str, Any]]] = None,
-        sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
-        plan: Optional[Union[str, ShardingPlan]] = None,
-        embedding_optimizer: Optional[Union[EmbeddingOptimizer, Mapping[str, Any]]] = None,
-        fused_params: Optional[Mapping[str, Any]] = None,
+        constraints: Mapping[str, TableConstraints | Mapping[str, Any]] | None = None,
+        topology: TopologyConfig | Mapping[str, Any] | None = None,
+        sharders: Sequence[ModuleSharder[nn.Module]] | None = None,
+        plan: str | ShardingPlan | None = None,
+        embedding_optimizer: EmbeddingOptimizer | Mapping[str, Any] | None = None,
+        fused_params: Mapping[str, Any] | None = None,
         bounds_check: BoundsCheck = "error",
         nonfinite: NonFinitePolicy = "error",
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[Union[timedelta, float]] = DEFAULT_TIMEOUT,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         static_graph: bool = True,
         find_unused_parameters: bool = False,
         report_plan: bool = True,
         pipeline: bool = False,
         fast_cpu_lookup: bool = True,
-        qcomms: Optional[Union[QuantizedComms, str, Mapping[str, Any]]] = None,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[List[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        plan_report: Optional[bool] = None,
+        qcomms: QuantizedComms | str | Mapping[str, Any] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        plan_report: bool | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -206,10 +212,10 @@ class RecShardStrategy(ParallelStrategy):
         )
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
-        self._failures: Optional[FailureBoard] = None
-        self._batch_counts: Optional[BatchCounts] = None
+        self._failures: FailureBoard | None = None
+        self._batch_counts: BatchCounts | None = None
         self._transferring = False
-        self._batch_hooks: Tuple[bool, bool] = (False, False)  # transfer_batch_to_device, on_after_batch_transfer
+        self._batch_hooks: tuple[bool, bool] = (False, False)  # transfer_batch_to_device, on_after_batch_transfer
         self._redirect_steps = True  # training_step through DMP's DDP (not with one rank: see `training_step`)
         self.num_nodes = 1
         if plan_report is not None:
@@ -220,8 +226,8 @@ class RecShardStrategy(ParallelStrategy):
             report_plan = plan_report
         self._report_plan = report_plan
         self.pipeline = pipeline
-        self._sparse_dist: Optional[SparseDistPipeline] = None
-        self._rec_optimizer: Optional[RecOptimizer] = None
+        self._sparse_dist: SparseDistPipeline | None = None
+        self._rec_optimizer: RecOptimizer | None = None
         self._forward_redirection = ManualOptimizationRedirection()
         self._backward_without_step = False  # a training backward ran (tables updated) and no optimizer stepped yet
         self._check_steps = False  # fitting a model with tables: every backward must be followed by a step
@@ -260,15 +266,15 @@ class RecShardStrategy(ParallelStrategy):
 
     @property
     @override
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     @property
-    def timeout(self) -> Optional[timedelta]:
+    def timeout(self) -> timedelta | None:
         """How long a collective waits for the other ranks (see the ``timeout`` argument)."""
         return self._timeout
 
@@ -284,22 +290,22 @@ class RecShardStrategy(ParallelStrategy):
         return False  # `load_checkpoint` restores the optimizer in place, shard by shard
 
     @property
-    def constraints(self) -> Dict[str, TableConstraints]:
+    def constraints(self) -> dict[str, TableConstraints]:
         """The per-table planner constraints, by table name."""
         return self.sharder.constraints
 
     @property
-    def topology(self) -> Optional[TopologyConfig]:
+    def topology(self) -> TopologyConfig | None:
         """The overrides of the planner's view of the machine."""
         return self.sharder.topology
 
     @property
-    def embedding_optimizer(self) -> Optional[EmbeddingOptimizer]:
+    def embedding_optimizer(self) -> EmbeddingOptimizer | None:
         """The fused embedding optimizer given to the strategy (``None``: the module's or a derived one)."""
         return self.sharder.embedding_optimizer
 
     @property
-    def fused_params(self) -> Dict[str, Any]:
+    def fused_params(self) -> dict[str, Any]:
         """FBGEMM's table-batched-embedding arguments for every table (``bounds_check_mode`` included)."""
         return self.sharder.fused_params
 
@@ -317,7 +323,7 @@ class RecShardStrategy(ParallelStrategy):
         return self.sharded_model.plan
 
     @property
-    def plan_report(self) -> Optional[PlanReport]:
+    def plan_report(self) -> PlanReport | None:
         """The sharding-plan report (tables, shards, topology, planner estimates; available after setup)."""
         state = sharded_state(self.lightning_module)
         return state.report if state is not None else None
@@ -335,7 +341,7 @@ class RecShardStrategy(ParallelStrategy):
             )
 
     @override
-    def connect(self, model: "pl.LightningModule") -> None:
+    def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         if sharded_state(model) is not None:
             return
@@ -364,7 +370,7 @@ class RecShardStrategy(ParallelStrategy):
         )
 
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -379,8 +385,8 @@ class RecShardStrategy(ParallelStrategy):
             # Trainer(sync_batchnorm=True), as Lightning's ddp applies it: before the optimizers see the parameters.
             self._layer_sync.apply(module)  # converts the BatchNorm layers in place (the root is no BatchNorm)
         is_embedding = prepare_for_optimizers(module, self.sharder.module_types, self.root_device, state)
-        optimizers: List[Optimizer] = []
-        lr_scheduler_configs: List[Any] = []
+        optimizers: list[Optimizer] = []
+        lr_scheduler_configs: list[Any] = []
         # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
         if fitting or (state is None and is_overridden("configure_optimizers", module)):
             optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
@@ -451,7 +457,7 @@ class RecShardStrategy(ParallelStrategy):
         return dataloader
 
     @override
-    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Check the batch on the host, copy it to the device without blocking, run the module's transfer hooks.
 
         Lightning's own transfer copies a TorchRec ``Batch`` or KJT blocking (it passes ``non_blocking`` to plain
@@ -564,7 +570,7 @@ class RecShardStrategy(ParallelStrategy):
     # ---------------------------------------------------------------------------------------------------
 
     @override
-    def barrier(self, name: Optional[str] = None) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if not _compat._distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
@@ -583,10 +589,10 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def reduce(
         self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
-    ) -> Union[Tensor, Any]:
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
         """Reduce ``tensor`` over all ranks with ``reduce_op`` (``"mean"``/``"avg"``, ``"sum"``, ``"max"``,
         ``"min"`` or a ``ReduceOp``); non-tensors are returned unchanged."""
         if isinstance(tensor, Tensor):
@@ -598,12 +604,12 @@ class RecShardStrategy(ParallelStrategy):
     # ---------------------------------------------------------------------------------------------------
 
     @override
-    def lightning_module_state_dict(self) -> Dict[str, Any]:
+    def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         return self.lightning_module.state_dict()
 
     @override
-    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
         return _ckpt.canonical_state(optimizer, dict(self.lightning_module.named_parameters()))
 
@@ -616,7 +622,7 @@ class RecShardStrategy(ParallelStrategy):
         pass  # loaded in place by `load_checkpoint`
 
     @override
-    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` as a sharded checkpoint directory at ``filepath`` (every rank writes its own shards;
         see :mod:`lightning_rec.checkpoint`)."""
         if storage_options is not None:
@@ -625,7 +631,7 @@ class RecShardStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         module = self.lightning_module
         state = sharded_state(module)
-        info: Dict[str, Any] = {"module_class": f"{type(module).__module__}.{type(module).__qualname__}"}
+        info: dict[str, Any] = {"module_class": f"{type(module).__module__}.{type(module).__qualname__}"}
         if state is not None:
             info["embedding_optimizer"] = state.embedding_optimizer.as_dict()
             if state.report is not None:
@@ -633,7 +639,7 @@ class RecShardStrategy(ParallelStrategy):
         _ckpt.save(checkpoint, path, info=info)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint directory (from any world size or plan) into the sharded model and its optimizers, in
         place; checks everything first (see :func:`lightning_rec.checkpoint.load`)."""
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -682,12 +688,12 @@ class RecShardStrategy(ParallelStrategy):
         if self._process_group_backend is None:
             self._process_group_backend = _compat._get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        kwargs: Dict[str, Any] = {"timeout": self._timeout}
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
-    def _describe_position(self, ahead: int, batch: Optional[int] = None) -> str:
+    def _describe_position(self, ahead: int, batch: int | None = None) -> str:
         module = self.lightning_module
         trainer = _compat.attached_trainer(module) if module is not None else None
         if trainer is None:
@@ -695,6 +701,6 @@ class RecShardStrategy(ParallelStrategy):
         return describe_position(trainer, ahead, transferring=self._transferring, batch=batch)
 
 
-def _rules(per_table: Optional[Dict[str, Any]]) -> Dict[str, EmbeddingOptimizer]:
+def _rules(per_table: dict[str, Any] | None) -> dict[str, EmbeddingOptimizer]:
     """Each table's own fused optimizer (``per_table``: as :meth:`TableSharder.embedding_optimizer_for` gives it)."""
     return {table: opt for table, (opt, _) in (per_table or {}).items()}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_warn
@@ -104,7 +105,7 @@ def check_fit(trainer: Any, module: nn.Module, module_types: Sequence[type], own
     return has_tables
 
 
-def check_frozen_tables(named_tables: Iterable["tuple[str, nn.Parameter]"], owner: str = "RecShardStrategy") -> None:
+def check_frozen_tables(named_tables: Iterable[tuple[str, nn.Parameter]], owner: str = "RecShardStrategy") -> None:
     """Refuse table parameters with ``requires_grad=False`` (frozen by hand or by a finetuning callback such as
     ``BackboneFinetuning``): a fused kernel updates every row its backward pass reaches, frozen or not."""
     frozen = [name for name, p in named_tables if not p.requires_grad]

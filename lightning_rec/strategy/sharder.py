@@ -14,8 +14,9 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,16 +58,16 @@ class TableSharder:
     """The strategy's sharding configuration (see :class:`~lightning_rec.RecShardStrategy`'s arguments of the same
     names) and the steps it drives. Build it with :meth:`from_arguments`, which accepts YAML-shaped dicts."""
 
-    constraints: Dict[str, TableConstraints] = field(default_factory=dict)
-    topology: Optional[TopologyConfig] = None
-    sharders: List[ModuleSharder[nn.Module]] = field(default_factory=list)
-    plan: Optional[ShardingPlan] = None
-    plan_file: Optional[PlanReport] = None  # the report `plan` was read from (checked against the run)
-    embedding_optimizer: Optional[EmbeddingOptimizer] = None
-    fused_params: Dict[str, Any] = field(default_factory=dict)
+    constraints: dict[str, TableConstraints] = field(default_factory=dict)
+    topology: TopologyConfig | None = None
+    sharders: list[ModuleSharder[nn.Module]] = field(default_factory=list)
+    plan: ShardingPlan | None = None
+    plan_file: PlanReport | None = None  # the report `plan` was read from (checked against the run)
+    embedding_optimizer: EmbeddingOptimizer | None = None
+    fused_params: dict[str, Any] = field(default_factory=dict)
     static_graph: bool = True
     find_unused_parameters: bool = False
-    qcomms: Optional[QuantizedComms] = None
+    qcomms: QuantizedComms | None = None
     fast_cpu_lookup: bool = True
     owner: str = "RecShardStrategy"  # who the messages name
 
@@ -74,19 +75,19 @@ class TableSharder:
     def from_arguments(
         cls,
         *,
-        constraints: Optional[Mapping[str, Union[TableConstraints, Mapping[str, Any]]]] = None,
-        topology: Optional[Union[TopologyConfig, Mapping[str, Any]]] = None,
-        sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
-        plan: Union[ShardingPlan, str, "os.PathLike[str]", None] = None,
-        embedding_optimizer: Optional[Union[EmbeddingOptimizer, Mapping[str, Any]]] = None,
-        fused_params: Optional[Mapping[str, Any]] = None,
+        constraints: Mapping[str, TableConstraints | Mapping[str, Any]] | None = None,
+        topology: TopologyConfig | Mapping[str, Any] | None = None,
+        sharders: Sequence[ModuleSharder[nn.Module]] | None = None,
+        plan: ShardingPlan | str | os.PathLike[str] | None = None,
+        embedding_optimizer: EmbeddingOptimizer | Mapping[str, Any] | None = None,
+        fused_params: Mapping[str, Any] | None = None,
         bounds_check: BoundsCheck = "error",
         static_graph: bool = True,
         find_unused_parameters: bool = False,
-        qcomms: Union[QuantizedComms, str, Mapping[str, Any], Any, None] = None,
+        qcomms: QuantizedComms | str | Mapping[str, Any] | Any | None = None,
         fast_cpu_lookup: bool = True,
         owner: str = "RecShardStrategy",
-    ) -> "TableSharder":
+    ) -> TableSharder:
         """The configuration from the strategy's arguments: dicts become the typed configs, ``bounds_check``
         becomes FBGEMM's ``bounds_check_mode`` (under any ``fused_params`` the user gave), a ``plan`` path is read
         (see :func:`~lightning_rec.strategy.plan_file.read_plan`)."""
@@ -116,11 +117,11 @@ class TableSharder:
         )
 
     @property
-    def module_types(self) -> Tuple[Type[nn.Module], ...]:
+    def module_types(self) -> tuple[type[nn.Module], ...]:
         """The module types that get sharded (see :func:`lightning_rec.tables.sharded_module_types`)."""
         return sharded_module_types(self.sharders)
 
-    def tables(self, module: nn.Module) -> Dict[str, BaseEmbeddingConfig]:
+    def tables(self, module: nn.Module) -> dict[str, BaseEmbeddingConfig]:
         """Every table of ``module`` that gets sharded, by name."""
         return embedding_tables(module, self.module_types)
 
@@ -138,8 +139,8 @@ class TableSharder:
         check_qcomms(self.qcomms, tables, self.constraints, device_type)
 
     def embedding_optimizer_for(
-        self, module: nn.Module, optimizers: List[Optimizer], is_embedding: Callable[[Tensor], bool], device_type: str
-    ) -> Tuple[EmbeddingOptimizer, Optional[Dict[str, Any]], Optional[TableOptimizers]]:
+        self, module: nn.Module, optimizers: list[Optimizer], is_embedding: Callable[[Tensor], bool], device_type: str
+    ) -> tuple[EmbeddingOptimizer, dict[str, Any] | None, TableOptimizers | None]:
         """The fused optimizer (the module's ``configure_embedding_optimizer()``, this configuration's, or derived
         from ``optimizers``), the param group whose learning rate it follows (``None``: its own), and each table's own
         when the tables sit in several param groups (see :func:`~lightning_rec.strategy.optim.resolve_embedding_optimizer`)."""
@@ -162,7 +163,7 @@ class TableSharder:
         world_size: int,
         num_processes: int,
         device: torch.device,
-        per_table: Optional[TableOptimizers] = None,
+        per_table: TableOptimizers | None = None,
     ) -> ShardedState:
         """Plan (rank 0, broadcast; or this configuration's ``plan``, checked against this run first), log the plan,
         and shard ``module`` in place with DMP (see :func:`lightning_rec.strategy.dmp.shard_module`); ``per_table``:
@@ -202,9 +203,9 @@ class TableSharder:
         world_size: int,
         local_world_size: int,
         device_type: str,
-        per_table: Optional[TableOptimizers] = None,
-        preset: Optional[DevicePreset] = None,
-        batch_size: Optional[int] = None,
+        per_table: TableOptimizers | None = None,
+        preset: DevicePreset | None = None,
+        batch_size: int | None = None,
     ) -> PlanReport:
         """The plan (with the planner's estimates) :meth:`shard` would make for ``world_size`` ranks,
         ``local_world_size`` per host, on ``device_type``, made here in this process, without any process group:
@@ -218,7 +219,7 @@ class TableSharder:
                 module, embedding_optimizer, world_size, local_world_size, device_type, None, preset, batch_size
             )[1]
 
-    def sharders_for(self, embedding_optimizer: EmbeddingOptimizer) -> List[ModuleSharder[nn.Module]]:
+    def sharders_for(self, embedding_optimizer: EmbeddingOptimizer) -> list[ModuleSharder[nn.Module]]:
         """The sharders of every table module, with ``embedding_optimizer`` and this configuration's FBGEMM
         arguments and quantized comms (see :func:`~lightning_rec.strategy.sharding.make_sharders`)."""
         return make_sharders(
@@ -228,7 +229,7 @@ class TableSharder:
             qcomms=self.qcomms,
         )
 
-    def optimizer_state_classes(self, module: nn.Module, embedding_optimizer: EmbeddingOptimizer) -> Dict[Any, Any]:
+    def optimizer_state_classes(self, module: nn.Module, embedding_optimizer: EmbeddingOptimizer) -> dict[Any, Any]:
         """Each table weight's optimizer class as TorchRec's planner counts its state: the table's own fused
         optimizer (see :meth:`per_table_fused_params`) or ``embedding_optimizer``."""
         default = embedding_optimizer.to_fused_params().get("optimizer")
@@ -238,7 +239,7 @@ class TableSharder:
             classes[weight] = optimizer_state_class(own.get("optimizer", default))
         return classes
 
-    def per_table_fused_params(self, module: nn.Module, per_table: Optional[TableOptimizers]) -> Any:
+    def per_table_fused_params(self, module: nn.Module, per_table: TableOptimizers | None) -> Any:
         """A context in which TorchRec's sharders see each of ``per_table``'s tables with its own fused optimizer
         (see :func:`lightning_rec._compat.table_fused_params`); planning and sharding run inside it."""
         own = {}
@@ -254,10 +255,10 @@ class TableSharder:
         world_size: int,
         local_world_size: int,
         device_type: str,
-        pg: Optional[dist.ProcessGroup],
-        preset: Optional[DevicePreset],
-        batch_size: Optional[int],
-    ) -> Tuple[ShardingPlan, PlanReport, List[ModuleSharder[nn.Module]]]:
+        pg: dist.ProcessGroup | None,
+        preset: DevicePreset | None,
+        batch_size: int | None,
+    ) -> tuple[ShardingPlan, PlanReport, list[ModuleSharder[nn.Module]]]:
         sharders = self.sharders_for(embedding_optimizer)
         check_managed_collision(module, self.module_types, self.constraints, world_size, device_type)
         if self.plan_file is not None:

@@ -12,7 +12,8 @@ resulting plan as a table people can read is :mod:`lightning_rec.strategy.plan_r
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -37,10 +38,12 @@ from lightning_rec import _compat
 
 # Re-exported from where they live now: the old paths keep working (the plan's rows belong to the report).
 from lightning_rec.config import QuantizedComms, TableConstraints, TopologyConfig
-from lightning_rec.strategy.plan_report import PlanRow as PlanRow, format_plan as format_plan
-from lightning_rec.strategy.plan_report import format_rows as format_rows, plan_rows as plan_rows
-from lightning_rec.tables import embedding_modules as embedding_modules  # re-exported: the old path
+from lightning_rec.strategy.plan_report import PlanRow as PlanRow
+from lightning_rec.strategy.plan_report import format_plan as format_plan
+from lightning_rec.strategy.plan_report import format_rows as format_rows
+from lightning_rec.strategy.plan_report import plan_rows as plan_rows
 from lightning_rec.strategy.topology import DevicePreset, make_topology
+from lightning_rec.tables import embedding_modules as embedding_modules  # re-exported: the old path
 from lightning_rec.tables import embedding_tables
 
 # What TorchRec can train with on each device. TorchRec's EBC sharder lists row_wise, table_row_wise and grid_shard for
@@ -83,11 +86,11 @@ class EBCSharder(EmbeddingBagCollectionSharder):
         "row_wise" in sharder.sharding_types("cpu")   # True
     """
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:  # noqa: D102
+    def sharding_types(self, compute_device_type: str) -> list[str]:  # noqa: D102
         return super().sharding_types("cuda" if compute_device_type == "cpu" else compute_device_type)
 
 
-def _kernels_on(kernels: List[str], compute_device_type: str) -> List[str]:
+def _kernels_on(kernels: list[str], compute_device_type: str) -> list[str]:
     """A managed-collision sharder lists FBGEMM's UVM and key-value kernels on every device; on CPU only ``fused``
     runs (TorchRec's CPU planner otherwise picks ``fused_uvm``)."""
     return kernels if compute_device_type == "cuda" else [k for k in kernels if k in _CPU_KERNELS]
@@ -98,18 +101,18 @@ class MCEBCSharder(ManagedCollisionEmbeddingBagCollectionSharder):
     ranks with them), with the fused kernel on CPU; its tables go through ``ebc_sharder`` (default
     :class:`EBCSharder`, which admits row-wise on CPU)."""
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:  # noqa: D102
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:  # noqa: D102
         return _kernels_on(super().compute_kernels(sharding_type, compute_device_type), compute_device_type)
 
 
 class MCECSharder(ManagedCollisionEmbeddingCollectionSharder):
     """TorchRec's ``ManagedCollisionEmbeddingCollectionSharder``, as :class:`MCEBCSharder` for unpooled tables."""
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:  # noqa: D102
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:  # noqa: D102
         return _kernels_on(super().compute_kernels(sharding_type, compute_device_type), compute_device_type)
 
 
-def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[str, ...]:
+def supported_sharding_types(device_type: str, sequence: bool = False) -> tuple[str, ...]:
     """Sharding types TorchRec can train with on ``device_type``.
 
     Args:
@@ -132,7 +135,7 @@ def supported_sharding_types(device_type: str, sequence: bool = False) -> Tuple[
     return tuple(t for t in _SEQUENCE_SHARDING_TYPES if t != ShardingType.DATA_PARALLEL.value)
 
 
-def supported_kernels(device_type: str) -> Tuple[str, ...]:
+def supported_kernels(device_type: str) -> tuple[str, ...]:
     """Compute kernels that train on ``device_type`` (UVM kernels need CUDA; quantized ones only serve).
 
     Example::
@@ -157,7 +160,7 @@ def validate_constraints(
         ValueError: naming every unknown table, sharding type or kernel, and what is allowed instead.
     """
     names = set(tables)
-    problems: List[str] = []
+    problems: list[str] = []
     unknown = sorted(set(constraints) - names)
     if unknown:
         problems.append(f"constraints name unknown tables {unknown}; the model's tables are {sorted(names)}")
@@ -191,7 +194,7 @@ _INT8_CPU_UNSUPPORTED = (
 
 
 def check_qcomms(
-    qcomms: Optional[QuantizedComms],
+    qcomms: QuantizedComms | None,
     tables: Mapping[str, BaseEmbeddingConfig],
     constraints: Mapping[str, TableConstraints],
     device_type: str,
@@ -232,7 +235,7 @@ def check_qcomms(
 
 def check_managed_collision(
     module: nn.Module,
-    module_types: Sequence[Type[nn.Module]],
+    module_types: Sequence[type[nn.Module]],
     constraints: Mapping[str, TableConstraints],
     world_size: int,
     device_type: str,
@@ -296,7 +299,7 @@ _VBE_GLOO_UNSUPPORTED = (
 
 def vbe_refusals(
     plan: ShardingPlan, optimizer_names: Sequence[str], device_type: str, world_size: int = 1
-) -> Dict[str, str]:
+) -> dict[str, str]:
     """Why each sharded module of ``plan`` cannot train on a variable-batch-per-feature KJT, by module path (modules
     that can are left out): the input checks refuse such a batch at the module's door, naming the reason.
 
@@ -305,7 +308,7 @@ def vbe_refusals(
         >>> vbe_refusals(ShardingPlan(plan={}), ["adagrad"], "cpu", world_size=2)
         {}
     """
-    refusals: Dict[str, str] = {}
+    refusals: dict[str, str] = {}
     for path, tables in plan.plan.items():
         reasons = []
         others = [name for name in optimizer_names if name not in _VBE_OPTIMIZERS]
@@ -327,7 +330,7 @@ def vbe_refusals(
     return refusals
 
 
-def qcomms_registry(qcomms: Optional[QuantizedComms]) -> Optional[Dict[str, Any]]:
+def qcomms_registry(qcomms: QuantizedComms | None) -> dict[str, Any] | None:
     """TorchRec's codec registry for ``qcomms`` (``None``: full precision)."""
     if qcomms is None:
         return None
@@ -337,8 +340,8 @@ def qcomms_registry(qcomms: Optional[QuantizedComms]) -> Optional[Dict[str, Any]
 
 
 def default_constraints(
-    tables: Mapping[str, BaseEmbeddingConfig], device_type: str, qcomms: Optional[QuantizedComms] = None
-) -> Dict[str, TableConstraints]:
+    tables: Mapping[str, BaseEmbeddingConfig], device_type: str, qcomms: QuantizedComms | None = None
+) -> dict[str, TableConstraints]:
     """Constraints that keep the planner to what ``device_type`` can run (TorchRec's planner would otherwise
     propose CUDA-only shardings on a CPU job, and row-wise ones that int8 ``qcomms`` cannot carry there). A table whose width is not a multiple of 4 is kept data-parallel where
     it can be: TorchRec's fused kernels refuse it (``local_cols`` not divisible by 4), the dense one takes it."""
@@ -358,11 +361,11 @@ def make_planner(
     *,
     world_size: int,
     device_type: str,
-    topology: Optional[TopologyConfig],
+    topology: TopologyConfig | None,
     constraints: Mapping[str, TableConstraints],
-    local_world_size: Optional[int] = None,
-    preset: Optional[DevicePreset] = None,
-    batch_size: Optional[int] = None,
+    local_world_size: int | None = None,
+    preset: DevicePreset | None = None,
+    batch_size: int | None = None,
 ) -> EmbeddingShardingPlanner:
     """TorchRec's planner for this job: its topology (``world_size`` ranks, ``local_world_size`` of them per host,
     the memory and bandwidths of ``preset``, with ``topology`` overrides) and constraints.
@@ -396,9 +399,9 @@ def make_planner(
 
 def table_storage_options(
     module: nn.Module,
-    sharders: List[ModuleSharder[nn.Module]],
+    sharders: list[ModuleSharder[nn.Module]],
     planner: EmbeddingShardingPlanner,
-) -> Dict[str, List[Any]]:
+) -> dict[str, list[Any]]:
     """Every sharding option TorchRec's enumerator proposes for each table of ``module`` under ``planner``'s
     topology, constraints and batch size, with each shard's storage estimated (what the planner packs onto ranks),
     by table name. For explaining why a model does not fit."""
@@ -412,7 +415,7 @@ def table_storage_options(
         constraints=constraints,
         estimator=EmbeddingStorageEstimator(topology=topology, constraints=constraints),
     )
-    options: Dict[str, List[Any]] = {}
+    options: dict[str, list[Any]] = {}
     for option in enumerator.enumerate(module, sharders):
         options.setdefault(option.name, []).append(option)
     return options
@@ -420,9 +423,9 @@ def table_storage_options(
 
 def plan_sharding(
     module: nn.Module,
-    sharders: List[ModuleSharder[nn.Module]],
+    sharders: list[ModuleSharder[nn.Module]],
     planner: EmbeddingShardingPlanner,
-    pg: Optional[dist.ProcessGroup],
+    pg: dist.ProcessGroup | None,
 ) -> ShardingPlan:
     """Plan on rank 0 and broadcast the result, so every rank shards identically."""
     if pg is not None and dist.is_initialized():
@@ -434,8 +437,8 @@ def make_sharders(
     fused_params: Mapping[str, Any],
     extra: Sequence[ModuleSharder[nn.Module]] = (),
     owner: str = "RecShardStrategy",
-    qcomms: Optional[QuantizedComms] = None,
-) -> List[ModuleSharder[nn.Module]]:
+    qcomms: QuantizedComms | None = None,
+) -> list[ModuleSharder[nn.Module]]:
     """A sharder for every TorchRec embedding module that trains, each with ``fused_params`` (the fused optimizer
     and FBGEMM's arguments).
 
@@ -458,7 +461,7 @@ def make_sharders(
     ec = given.get(EmbeddingCollection) or EmbeddingCollectionSharder(
         fused_params=dict(fused), qcomm_codecs_registry=codecs
     )
-    built_in: List[ModuleSharder[nn.Module]] = [
+    built_in: list[ModuleSharder[nn.Module]] = [
         ebc,
         ec,
         FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc, qcomm_codecs_registry=codecs),  # type: ignore[arg-type]
@@ -473,7 +476,7 @@ def make_sharders(
             qcomm_codecs_registry=codecs,
         ),
     ]
-    by_type: Dict[type, ModuleSharder[nn.Module]] = {s.module_type: s for s in built_in}
+    by_type: dict[type, ModuleSharder[nn.Module]] = {s.module_type: s for s in built_in}
     by_type.update(given)
     return list(by_type.values())
 
@@ -497,7 +500,7 @@ def _with_fused_params(
         )
     # TorchRec's own sharders become the ones that run row-wise on CPU too (a subclass, no other change): a user who
     # passes TorchRec's managed-collision sharder gets what TorchRec gives on CUDA, not "no available sharding type".
-    upgrades: Dict[type, type] = {
+    upgrades: dict[type, type] = {
         EmbeddingBagCollectionSharder: EBCSharder,
         ManagedCollisionEmbeddingBagCollectionSharder: MCEBCSharder,
         ManagedCollisionEmbeddingCollectionSharder: MCECSharder,
@@ -507,19 +510,19 @@ def _with_fused_params(
 
 def plan_module(
     module: nn.Module,
-    sharders: List[ModuleSharder[nn.Module]],
+    sharders: list[ModuleSharder[nn.Module]],
     *,
-    module_types: Sequence[Type[nn.Module]],
+    module_types: Sequence[type[nn.Module]],
     constraints: Mapping[str, TableConstraints],
-    topology: Optional[TopologyConfig],
+    topology: TopologyConfig | None,
     world_size: int,
     local_world_size: int,
     device_type: str,
-    pg: Optional[dist.ProcessGroup],
-    qcomms: Optional[QuantizedComms] = None,
-    preset: Optional[DevicePreset] = None,
-    batch_size: Optional[int] = None,
-) -> Tuple[ShardingPlan, Optional[list]]:
+    pg: dist.ProcessGroup | None,
+    qcomms: QuantizedComms | None = None,
+    preset: DevicePreset | None = None,
+    batch_size: int | None = None,
+) -> tuple[ShardingPlan, list | None]:
     """Plan every table of ``module`` (user constraints over the device defaults), on rank 0 when distributed.
     ``local_world_size``: ranks per host (the planner's intra- vs inter-host costs depend on it).
 
@@ -545,15 +548,15 @@ def plan_module(
 def planner_for_module(
     module: nn.Module,
     *,
-    module_types: Sequence[Type[nn.Module]],
+    module_types: Sequence[type[nn.Module]],
     constraints: Mapping[str, TableConstraints],
-    topology: Optional[TopologyConfig],
+    topology: TopologyConfig | None,
     world_size: int,
     local_world_size: int,
     device_type: str,
-    qcomms: Optional[QuantizedComms] = None,
-    preset: Optional[DevicePreset] = None,
-    batch_size: Optional[int] = None,
+    qcomms: QuantizedComms | None = None,
+    preset: DevicePreset | None = None,
+    batch_size: int | None = None,
 ) -> EmbeddingShardingPlanner:
     """The planner :func:`plan_module` plans ``module`` with (user constraints over the device defaults)."""
     tables = embedding_tables(module, module_types)

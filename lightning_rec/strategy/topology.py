@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, Optional
 
 from torchrec.distributed.planner.types import Topology
 
@@ -51,15 +50,15 @@ class DevicePreset:
 
     name: str
     device_type: str
-    hbm_gb: Optional[float] = None
-    ddr_gb: Optional[float] = None
-    hbm_bw: Optional[float] = None
-    ddr_bw: Optional[float] = None
-    intra_host_bw: Optional[float] = None
-    inter_host_bw: Optional[float] = None
+    hbm_gb: float | None = None
+    ddr_gb: float | None = None
+    hbm_bw: float | None = None
+    ddr_bw: float | None = None
+    intra_host_bw: float | None = None
+    inter_host_bw: float | None = None
     source: str = ""
 
-    def with_memory(self, hbm_gb: Optional[float] = None, ddr_gb: Optional[float] = None) -> "DevicePreset":
+    def with_memory(self, hbm_gb: float | None = None, ddr_gb: float | None = None) -> DevicePreset:
         """This preset with the given memory (``None`` keeps the preset's)."""
         return replace(
             self,
@@ -67,10 +66,10 @@ class DevicePreset:
             ddr_gb=self.ddr_gb if ddr_gb is None else ddr_gb,
         )
 
-    def hardware(self) -> Dict[str, Optional[float]]:
+    def hardware(self) -> dict[str, float | None]:
         """The preset as TorchRec's ``HardwareConfig`` arguments (bytes, and bytes per millisecond)."""
 
-        def per_ms(gb_per_s: Optional[float]) -> Optional[float]:
+        def per_ms(gb_per_s: float | None) -> float | None:
             return None if gb_per_s is None else gb_per_s * 1e9 / 1000
 
         return {
@@ -90,7 +89,7 @@ class DevicePreset:
 # The CPU preset's bandwidths are measured on the 2-core development machine (benchmarks/plan_calibration.py,
 # BENCHMARKS.md "Planner calibration"): TorchRec's defaults model a GPU's lookups and NVLink, which made its
 # step-time estimates of gloo jobs too small by orders of magnitude.
-DEVICE_PRESETS: Dict[str, DevicePreset] = {
+DEVICE_PRESETS: dict[str, DevicePreset] = {
     p.name: p
     for p in (
         DevicePreset("h100", "cuda", 80.0, 256.0, 3350.0, 100.0, 900.0, 50.0, "H100 SXM5 80GB, DGX H100"),
@@ -121,7 +120,7 @@ def preset_named(name: str) -> DevicePreset:
         ) from None
 
 
-def default_preset(device_type: str, topology: Optional[TopologyConfig] = None) -> Optional[DevicePreset]:
+def default_preset(device_type: str, topology: TopologyConfig | None = None) -> DevicePreset | None:
     """The preset a job plans with: ``topology.preset`` if set, else none: TorchRec's own defaults, on CPU too (the
     ``cpu`` preset's measured bandwidths make the planner favour data-parallel tables on gloo; a fit keeps the plans
     it always made unless asked, see BENCHMARKS.md "Planner calibration").
@@ -141,8 +140,8 @@ def make_topology(
     world_size: int,
     local_world_size: int,
     device_type: str,
-    topology: Optional[TopologyConfig] = None,
-    preset: Optional[str | DevicePreset] = None,
+    topology: TopologyConfig | None = None,
+    preset: str | DevicePreset | None = None,
 ) -> Topology:
     """TorchRec's ``Topology`` for ``world_size`` ranks, ``local_world_size`` per host: the memory and bandwidths of
     ``preset`` (default: :func:`default_preset`), under ``topology``'s ``hbm_cap``/``ddr_cap``.

@@ -30,12 +30,13 @@ Example::
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from fbgemm_gpu.permute_pooled_embedding_modules import PermutePooledEmbeddings
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
@@ -54,11 +55,11 @@ __all__ = ["capture_weights", "output_orders", "restore_output_order", "restore_
 
 
 def output_orders(
-    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
-) -> Dict[str, List[str]]:
+    module: nn.Module, module_types: Sequence[type[nn.Module]] = TABLE_MODULE_TYPES
+) -> dict[str, list[str]]:
     """The output keys of every unsharded ``EmbeddingBagCollection``/``EmbeddingCollection`` in ``module``, in the
     order the unsharded module returns them, by module path (call it before sharding)."""
-    orders: Dict[str, List[str]] = {}
+    orders: dict[str, list[str]] = {}
     for path, sub in embedding_modules(module, module_types).items():
         if inner_collection(sub) is None:  # a custom sharder's module: its own output contract
             continue
@@ -74,12 +75,12 @@ class _Reorder:
     slices.
     """
 
-    def __init__(self, order: List[str]) -> None:
+    def __init__(self, order: list[str]) -> None:
         self.order = order
-        self._perms: Dict[tuple, Optional[List[int]]] = {}  # sharded key order -> source position of each key
-        self._kernels: Dict[tuple, PermutePooledEmbeddings] = {}  # (sharded keys, device) -> the permute kernel
+        self._perms: dict[tuple, list[int] | None] = {}  # sharded key order -> source position of each key
+        self._kernels: dict[tuple, PermutePooledEmbeddings] = {}  # (sharded keys, device) -> the permute kernel
 
-    def needed(self, keys: List[str]) -> bool:
+    def needed(self, keys: list[str]) -> bool:
         return list(keys) != self.order
 
     def __call__(self, out: Any) -> Any:
@@ -89,7 +90,7 @@ class _Reorder:
             return {k: out[k] for k in self.order if k in out} if len(out) == len(self.order) else out
         return out
 
-    def _perm(self, keys: List[str]) -> Optional[List[int]]:
+    def _perm(self, keys: list[str]) -> list[int] | None:
         key = tuple(keys)
         if key not in self._perms:
             where = {k: i for i, k in enumerate(keys)}
@@ -117,7 +118,7 @@ class _Reorder:
         )
 
 
-def _output_keys(out: Any) -> Optional[List[str]]:
+def _output_keys(out: Any) -> list[str] | None:
     if isinstance(out, KeyedTensor):
         return out.keys()
     if isinstance(out, dict):
@@ -125,7 +126,7 @@ def _output_keys(out: Any) -> Optional[List[str]]:
     return None
 
 
-def restore_output_order(sharded_root: nn.Module, orders: Dict[str, List[str]]) -> None:
+def restore_output_order(sharded_root: nn.Module, orders: dict[str, list[str]]) -> None:
     """Make every sharded module named in ``orders`` return its keys in the unsharded order.
 
     The sharded module's ``compute_and_output_dist`` (what both its own ``forward`` and TorchRec's pipelined
@@ -174,11 +175,11 @@ def _wrap(sharded: nn.Module, reorder: _Reorder) -> None:
 
 
 def capture_weights(
-    module: nn.Module, module_types: Sequence[Type[nn.Module]] = TABLE_MODULE_TYPES
-) -> Dict[str, Dict[str, torch.Tensor]]:
+    module: nn.Module, module_types: Sequence[type[nn.Module]] = TABLE_MODULE_TYPES
+) -> dict[str, dict[str, torch.Tensor]]:
     """References (no copies) to the table weights every unsharded embedding module holds, by module path, then by
     state-dict key; tables on ``meta`` hold nothing and are left out. Call it before sharding."""
-    held: Dict[str, Dict[str, torch.Tensor]] = {}
+    held: dict[str, dict[str, torch.Tensor]] = {}
     for path, sub in embedding_modules(module, module_types).items():
         tensors = {
             k: t
@@ -199,7 +200,7 @@ def _is_held(module: nn.Module, key: str) -> bool:
 
 @torch.no_grad()
 def restore_weights(
-    sharded_root: nn.Module, held: Dict[str, Dict[str, torch.Tensor]], pg: Optional[dist.ProcessGroup] = None
+    sharded_root: nn.Module, held: dict[str, dict[str, torch.Tensor]], pg: dist.ProcessGroup | None = None
 ) -> None:
     """Copy the weights captured by :func:`capture_weights` into the sharded modules: each rank fills its own shards
     (row and column slices of the full table), replicated tables are filled whole.
@@ -250,7 +251,7 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _agree_with_rank_zero(held: Dict[str, Dict[str, torch.Tensor]], pg: dist.ProcessGroup) -> None:
+def _agree_with_rank_zero(held: dict[str, dict[str, torch.Tensor]], pg: dist.ProcessGroup) -> None:
     names = [(path, key) for path in sorted(held) for key in sorted(held[path])]
     device = (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")

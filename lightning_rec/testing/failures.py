@@ -6,7 +6,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import lightning as L
 
@@ -29,7 +29,7 @@ class FailAt(L.Callback):
         trainer = L.Trainer(strategy="recshard", callbacks=[FailAt(rank=1, step=6, how="kill", out_dir=out)])
     """
 
-    def __init__(self, rank: int, step: int, how: str, out_dir: Union[str, Path]) -> None:
+    def __init__(self, rank: int, step: int, how: str, out_dir: str | Path) -> None:
         self.rank, self.step, self.how, self.out_dir = rank, step, how, Path(out_dir)
 
     def on_train_batch_start(
@@ -48,7 +48,7 @@ class FailAt(L.Callback):
             batch.sparse_features.values()[0] = 10**6  # in place: the strategy checks it at the table's door
 
 
-def failure_time(out_dir: Union[str, Path], rank: int) -> float:
+def failure_time(out_dir: str | Path, rank: int) -> float:
     """When :class:`FailAt` made ``rank`` fail.
 
     Args:

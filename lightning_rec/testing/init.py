@@ -6,7 +6,7 @@ final weights can be compared exactly.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -18,7 +18,7 @@ def pattern(
     offsets: Sequence[int],
     *,
     scale: float = 0.1,
-    device: Optional[torch.device] = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """The deterministic values of one block of a tensor: they depend on the name and the global index only.
 
@@ -53,8 +53,8 @@ def deterministic_init(
     module: nn.Module,
     *,
     scale: float = 0.1,
-    phase_name: Optional[Callable[[str], str]] = None,
-    block_rows: Optional[int] = None,
+    phase_name: Callable[[str], str] | None = None,
+    block_rows: int | None = None,
 ) -> None:
     """Overwrite every floating-point entry of ``module.state_dict()`` (sharded or not) with :func:`pattern`.
 

@@ -19,9 +19,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any
 
 from lightning_rec.testing.ports import free_port, shell_env
 
@@ -40,8 +41,8 @@ class Process:
     """
 
     name: str
-    returncode: Optional[int]
-    ended: Optional[float]
+    returncode: int | None
+    ended: float | None
     log: str
 
 
@@ -49,15 +50,15 @@ class Process:
 class Launch:
     """What :func:`launch` saw: each process, and each rank's result (``None`` for a rank that wrote none)."""
 
-    processes: List[Process]
-    results: List[Optional[Dict[str, Any]]]
+    processes: list[Process]
+    results: list[dict[str, Any] | None]
 
     def log(self, name: str) -> str:
         """The combined stdout/stderr of the process ``name`` (``"rank0"``, ``"node1"``, ...)."""
         return next(p.log for p in self.processes if p.name == name)
 
 
-def _worker_command(scenario: str, out_dir: Path, config: Dict[str, Any], scenarios: Optional[str]) -> List[str]:
+def _worker_command(scenario: str, out_dir: Path, config: dict[str, Any], scenarios: str | None) -> list[str]:
     return [
         "-m",
         "lightning_rec.testing.worker",
@@ -68,7 +69,7 @@ def _worker_command(scenario: str, out_dir: Path, config: Dict[str, Any], scenar
     ]
 
 
-def _commands(launcher: str, worker: List[str], world_size: int, nodes: int) -> Dict[str, tuple]:
+def _commands(launcher: str, worker: list[str], world_size: int, nodes: int) -> dict[str, tuple]:
     """``{process name: (argv, extra env)}`` for each process to start; ``worker``: what a rank runs, after
     ``python``."""
     port = free_port()
@@ -130,7 +131,7 @@ def _commands(launcher: str, worker: List[str], world_size: int, nodes: int) -> 
     return commands
 
 
-def scenario_name(scenario: Union[str, Callable[..., Any]]) -> str:
+def scenario_name(scenario: str | Callable[..., Any]) -> str:
     """``"module:function"`` of a scenario given as a function (importable on the ranks), or the string as is.
 
     Example::
@@ -146,16 +147,16 @@ def scenario_name(scenario: Union[str, Callable[..., Any]]) -> str:
 
 
 def launch(
-    scenario: Union[str, Callable[..., Any]],
+    scenario: str | Callable[..., Any],
     world_size: int,
     out_dir: Path,
     *,
     launcher: str = "env",
     nodes: int = 1,
     timeout: float = 300,
-    wait_for: Optional[Sequence[str]] = None,
-    command: Optional[List[str]] = None,
-    scenarios: Optional[str] = None,
+    wait_for: Sequence[str] | None = None,
+    command: list[str] | None = None,
+    scenarios: str | None = None,
     pythonpath: Sequence[str] = (),
     **config: Any,
 ) -> Launch:
@@ -244,17 +245,17 @@ def launch(
 
 
 def run_ranks(
-    scenario: Union[str, Callable[..., Any]],
+    scenario: str | Callable[..., Any],
     world_size: int,
     out_dir: Path,
     timeout: float = 300,
     *,
     launcher: str = "env",
     nodes: int = 1,
-    scenarios: Optional[str] = None,
+    scenarios: str | None = None,
     pythonpath: Sequence[str] = (),
     **config: Any,
-) -> List[Dict[str, Any]]:
+) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world_size`` ranks (see :func:`launch`) and expect every process to succeed.
 
     Returns:

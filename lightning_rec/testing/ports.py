@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Dict, Tuple
 
 # What torchrun (or an earlier in-process run) leaves in the environment: a fresh shell has none of them.
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -31,7 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world_size: int, port: int, local_world_size: int = 0) -> Dict[str, str]:
+def rank_env(rank: int, world_size: int, port: int, local_world_size: int = 0) -> dict[str, str]:
     """The variables torchrun would set for ``rank`` of ``world_size`` on one host (``MASTER_ADDR`` 127.0.0.1), for
     a process that runs itself as a rank (a benchmark script, say).
 
@@ -53,7 +52,7 @@ def rank_env(rank: int, world_size: int, port: int, local_world_size: int = 0) -
     return {k: str(v) for k, v in values.items()}
 
 
-def shell_env(drop: Tuple[str, ...] = ()) -> Dict[str, str]:
+def shell_env(drop: tuple[str, ...] = ()) -> dict[str, str]:
     """This process's environment as a user's fresh shell has it: without the rendezvous variables
     (:data:`RENDEZVOUS_VARS`) and without ``drop``, for starting a script or ``lightning-rec`` as a user would.
 

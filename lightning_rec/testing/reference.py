@@ -4,7 +4,8 @@ dense ``CombinedOptimizer`` (:func:`reference_optimizer`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,8 +15,8 @@ def reference_dmp(
     model: nn.Module,
     sharders: Sequence[Any],
     device: torch.device,
-    constraints: Optional[Mapping[str, Mapping[str, Any]]] = None,
-    plan: Optional[Any] = None,
+    constraints: Mapping[str, Mapping[str, Any]] | None = None,
+    plan: Any | None = None,
     **topology: Any,
 ) -> nn.Module:
     """``model`` sharded as a TorchRec user shards it by hand: TorchRec's planner over the default process group

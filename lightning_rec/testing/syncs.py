@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, Tuple
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ _THIS_FILE = str(Path(__file__).resolve())
 _PLUMBING = ("torch/_dynamo/", "torch/_compile.py", "torch/utils/_python_dispatch.py")
 
 
-def _origin() -> Tuple[str, int, str]:
+def _origin() -> tuple[str, int, str]:
     """The innermost Python frame that is neither this module nor torch's dispatch plumbing: (file, line, function)."""
     for frame in reversed(traceback.extract_stack()):
         if (
@@ -91,7 +92,7 @@ class SyncCounter(_compat.TorchDispatchMode):
         self.count = 0
         self.active = True
         self.origins: Counter = Counter()  # (op, (file, line, function)) -> count
-        self._saved: Dict[str, Callable[..., Any]] = {}
+        self._saved: dict[str, Callable[..., Any]] = {}
         self._inside = False
 
     def record(self, op: str) -> None:
@@ -109,7 +110,7 @@ class SyncCounter(_compat.TorchDispatchMode):
             self.record(func.overloadpacket.__name__)
         return func(*args, **kwargs)
 
-    def __enter__(self) -> "SyncCounter":
+    def __enter__(self) -> SyncCounter:
         self._saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
         for name, counts in _HOST_READS.items():
             setattr(torch.Tensor, name, self._counting(name, self._saved[name], counts))
@@ -158,7 +159,7 @@ def _always(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
 
 
 # The reads into host memory that dispatch no op on a CPU tensor, and when each call counts.
-_HOST_READS: Dict[str, Callable[..., bool]] = {
+_HOST_READS: dict[str, Callable[..., bool]] = {
     "tolist": _always,
     "cpu": _always,
     "numpy": _always,

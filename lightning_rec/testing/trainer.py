@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 __all__ = ["QUIET_TRAINER"]
 
@@ -12,7 +12,7 @@ __all__ = ["QUIET_TRAINER"]
 #: Example::
 #:
 #:     trainer = L.Trainer(strategy=RecShardStrategy(), devices=2, max_steps=5, **QUIET_TRAINER)
-QUIET_TRAINER: Dict[str, Any] = dict(
+QUIET_TRAINER: dict[str, Any] = dict(
     logger=False,
     enable_checkpointing=False,
     enable_progress_bar=False,

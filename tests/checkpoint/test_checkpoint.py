@@ -21,11 +21,11 @@ from lightning_rec.checkpoint import (
     layout,
     load_exported,
 )
+from tests.helpers import checkpoint_scenarios
 from tests.helpers.checkpoint_scenarios import fixed_batch
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import RecModel, local_weights, saved_weights
 from tests.helpers.scenarios import make_loader, make_trainer
-from tests.helpers import checkpoint_scenarios
 
 THREE_PLANS = ["table_wise", "column_wise", "data_parallel"]
 

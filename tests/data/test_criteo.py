@@ -8,8 +8,8 @@ import math
 import pickle
 import sys
 import types
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, List
 
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ from lightning_rec.data.criteo import CriteoNpyDataset, CriteoTSVStream, parse_l
 BIG = 1 << 40  # larger than any 32-bit id: ids stay raw, so every generated row is identified by its 26 ids
 
 
-def _rows(batches: Iterable) -> List[tuple]:
+def _rows(batches: Iterable) -> list[tuple]:
     """Each sample as (label, 13 dense, 26 ids), in batch order."""
     out = []
     for b in batches:
@@ -136,9 +136,9 @@ def test_tsv_and_npy_give_identical_batches(tmp_path: Path, monkeypatch: pytest.
     assert m < 0 and torch.allclose(theirs.dense_features.double()[positive], (x[positive] + 2 - m).log(), atol=1e-5)
 
 
-def _positions(world_size: int, rows: int, batch: int) -> List[List[List[int]]]:
+def _positions(world_size: int, rows: int, batch: int) -> list[list[list[int]]]:
     """The spec, written independently: per rank, the row positions of each of its batches."""
-    out: List[List[List[int]]] = [[] for _ in range(world_size)]
+    out: list[list[list[int]]] = [[] for _ in range(world_size)]
     round_size = world_size * batch
     for start in range(0, rows, round_size):
         n = min(round_size, rows - start)
@@ -197,7 +197,7 @@ def test_datamodule_with_two_spawned_workers(tmp_path: Path) -> None:
 
 
 class _CountingRaw(io.RawIOBase):
-    def __init__(self, path: str, counter: List[int]) -> None:
+    def __init__(self, path: str, counter: list[int]) -> None:
         self.f, self.counter = open(path, "rb", buffering=0), counter
 
     def readable(self) -> bool:

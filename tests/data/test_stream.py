@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -37,7 +37,7 @@ def _table(first: int, n: int) -> pa.Table:
     )
 
 
-def _files(tmp: Path) -> List[str]:
+def _files(tmp: Path) -> list[str]:
     """1,003 rows: a Parquet file of row groups of 97, a CSV file cut into ~600-byte ranges, a gzip CSV."""
     pq.write_table(_table(0, 500), tmp / "a.parquet", row_group_size=97)
     for name, first, n in (("b.csv", 500, 400), ("c.csv", 900, 103)):
@@ -52,7 +52,7 @@ def _files(tmp: Path) -> List[str]:
 
 def _module(tmp: Path, **kw: Any) -> TabularDataModule:
     files = _files(tmp)
-    args: Dict[str, Any] = dict(schema=SCHEMA, train=files, val=files[:1], stream=True, chunk_bytes=600)
+    args: dict[str, Any] = dict(schema=SCHEMA, train=files, val=files[:1], stream=True, chunk_bytes=600)
     dm = TabularDataModule(**{**args, **kw})
     dm.setup("fit")
     return dm
@@ -64,7 +64,7 @@ def _loader(dm: TabularDataModule, rank: int, world: int, split: str = "train") 
     return dm.dataloader(split)
 
 
-def _rids(batches: List[Any]) -> List[int]:
+def _rids(batches: list[Any]) -> list[int]:
     return [int(x) for b in batches for x in b.dense_features[:, 0].tolist()]
 
 
@@ -138,7 +138,7 @@ class _Losses:
     def __init__(self) -> None:
         import lightning as L
 
-        losses: List[float] = []
+        losses: list[float] = []
 
         class Recorder(L.Callback):
             def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
@@ -157,7 +157,7 @@ def test_lightning_resumes_a_streamed_epoch_at_the_batch_after_its_checkpoint(tm
 
     files = _files(tmp_path)
 
-    def fit(ckpt: Any = None) -> List[float]:
+    def fit(ckpt: Any = None) -> list[float]:
         dm = TabularDataModule(schema=SCHEMA, train=files, val=files[:1], stream=True, chunk_bytes=600, batch_size=100)
         L.seed_everything(7)
         model = DLRMModule(

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +28,7 @@ from tests.helpers.data import movielens_dir
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _parquet_config(tmp: Path) -> Dict[str, Any]:
+def _parquet_config(tmp: Path) -> dict[str, Any]:
     """examples/configs/movielens_parquet.yaml's data arguments, pointed at a fresh export in ``tmp``."""
     export_parquet(movielens_dir(), tmp / "ml-100k.parquet")
     args = yaml.safe_load((REPO / "examples/configs/movielens_parquet.yaml").read_text())["data"]["init_args"]
@@ -70,7 +70,7 @@ def test_the_same_table_as_csv_reads_the_same(tmp_path: Path) -> None:
         _same_batches(from_csv.split(split), parquet.split(split))
 
 
-def _clicks(tmp: Path, rows: Dict[str, Any], name: str = "clicks.parquet", **kw: Any) -> Path:
+def _clicks(tmp: Path, rows: dict[str, Any], name: str = "clicks.parquet", **kw: Any) -> Path:
     path = tmp / name
     pq.write_table(pa.table(rows), path, **kw)
     return path
@@ -87,7 +87,7 @@ SCHEMA = {
 }
 
 
-def _rows(n: int = 40) -> Dict[str, Any]:
+def _rows(n: int = 40) -> dict[str, Any]:
     return {
         "click": [float(i % 2) for i in range(n)],
         "price": [float(i) for i in range(n)],
@@ -178,7 +178,7 @@ def test_bad_csv_rows_name_their_line_and_drop_counts_them(tmp_path: Path) -> No
     lines = ["click,price,tags,w"] + [f"{i % 2},{i},a|b,0.5|2.0" for i in range(8)]
     lines[5] = "1,3,a|b|c,1.0|2.0"  # file line 6: three ids, two weights
     (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
-    kw: Dict[str, Any] = dict(
+    kw: dict[str, Any] = dict(
         schema=schema, files=[str(tmp_path / "t.csv")], split={"random": {"val": 0.25, "seed": 0}}
     )
     with pytest.raises(DataError, match=r"t.csv, line 6: column 'w': weight list length differs from 'tags''s"):

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_rec._compat import ShardedTensor
 from torch.utils.data import DataLoader
 
+from lightning_rec._compat import ShardedTensor
 from lightning_rec.checkpoint import canonical_state
-from tests.helpers.models import RecModel, save_weights, make_batches
+from tests.helpers.models import RecModel, make_batches, save_weights
 from tests.helpers.scenarios import make_loader, make_trainer
 
 PLANS = {
@@ -36,19 +36,19 @@ PLANS = {
 SCHEDULER = {"gamma": 0.9}
 
 
-def optimizer_sums(trainer: L.Trainer, module: L.LightningModule) -> Dict[str, float]:
+def optimizer_sums(trainer: L.Trainer, module: L.LightningModule) -> dict[str, float]:
     """Per parameter and state, the global sum of the optimizer state (shards summed over ranks, replicas once)."""
     state = canonical_state(trainer.strategy._rec_optimizer, dict(module.named_parameters()))["state"]
-    local: Dict[str, float] = {}
+    local: dict[str, float] = {}
     for fqn, entries in state.items():
         for name, value in entries.items():
             if isinstance(value, ShardedTensor):
                 local[f"{fqn}/{name}"] = sum(float(s.tensor.double().sum()) for s in value.local_shards())
             elif isinstance(value, torch.Tensor) and name != "step" and dist.get_rank() == 0:
                 local[f"{fqn}/{name}"] = float(value.double().sum())
-    gathered: List[Dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+    gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
-    sums: Dict[str, float] = {}
+    sums: dict[str, float] = {}
     for part in gathered:
         for key, value in part.items():
             sums[key] = sums.get(key, 0.0) + value
@@ -59,8 +59,8 @@ class RecordRestoredState(L.Callback):
     """Records the optimizer state and learning rates right after a checkpoint was restored."""
 
     def __init__(self) -> None:
-        self.sums: Dict[str, float] = {}
-        self.lrs: List[float] = []
+        self.sums: dict[str, float] = {}
+        self.lrs: list[float] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.sums = optimizer_sums(trainer, pl_module)
@@ -77,14 +77,14 @@ def fit_epochs(
     epochs: int,
     plan: str = "mixed",
     steps: int = 4,
-    ckpt_path: Optional[str] = None,
+    ckpt_path: str | None = None,
     optimizer: str = "adagrad",
-    emb_optimizer: Optional[Dict[str, Any]] = None,
+    emb_optimizer: dict[str, Any] | None = None,
     save_every_n_epochs: int = 1,
     accelerator: str = "cpu",
-    fail: Optional[Dict[str, Any]] = None,
-    strategy: Optional[Dict[str, Any]] = None,
-) -> Dict[str, Any]:
+    fail: dict[str, Any] | None = None,
+    strategy: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Fit ``epochs`` epochs (resuming from ``ckpt_path`` if given) with ModelCheckpoint(save_last, every epoch).
     ``fail``: arguments of a :class:`~tests.helpers.fault_scenarios.FailAt` callback (a rank fails mid-fit)."""
     from tests.helpers.fault_scenarios import FailAt
@@ -120,7 +120,7 @@ def fixed_batch():
     return make_batches(1, 64, seed=999)[0]
 
 
-def predict_with(world_size: int, plan: str, ckpt: str, accelerator: str = "cpu") -> List[float]:
+def predict_with(world_size: int, plan: str, ckpt: str, accelerator: str = "cpu") -> list[float]:
     """Predictions on :func:`fixed_batch` of a fresh model loaded from ``ckpt`` under ``plan``."""
     trainer = make_trainer(world_size, 1, {"constraints": PLANS[plan]}, det_init=False, accelerator=accelerator)
     out = trainer.predict(RecModel(), DataLoader([fixed_batch()], batch_size=None), ckpt_path=ckpt)
@@ -131,14 +131,14 @@ def reshard(
     rank: int,
     world_size: int,
     out_dir: Path,
-    save_plan: Optional[str],
-    load_plans: List[str],
+    save_plan: str | None,
+    load_plans: list[str],
     steps: int = 3,
     accelerator: str = "cpu",
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Optionally train + save a checkpoint under ``save_plan`` (predictions recorded), then predict from the
     checkpoint at ``out_dir/saved_<world>.ckpt`` under each of ``load_plans``."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     if save_plan is not None:
         L.seed_everything(0)
         model = RecModel()
@@ -158,10 +158,10 @@ def reshard(
 
 
 def resume_on_plans(
-    rank: int, world_size: int, out_dir: Path, ckpt: str, plans: List[str], max_steps: int = 6
-) -> Dict[str, Any]:
+    rank: int, world_size: int, out_dir: Path, ckpt: str, plans: list[str], max_steps: int = 6
+) -> dict[str, Any]:
     """For each plan: resume fitting from ``ckpt`` (saved on another plan/world size) up to ``max_steps``."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for plan in plans:
         L.seed_everything(0)
         model = RecModel()
@@ -173,7 +173,7 @@ def resume_on_plans(
     return out
 
 
-def load_mismatching(rank: int, world_size: int, out_dir: Path, ckpt: str) -> Dict[str, Any]:
+def load_mismatching(rank: int, world_size: int, out_dir: Path, ckpt: str) -> dict[str, Any]:
     """Validate a model whose t_genre table has 13 rows (the checkpoint's has 12) from ``ckpt``: every rank must
     raise the same error, none may hang waiting for the others."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig

@@ -7,8 +7,9 @@ import them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Union
+from typing import Any
 
 from lightning_rec.testing.launch import LAUNCHERS, Launch, Process
 from lightning_rec.testing.launch import launch as _launch
@@ -21,13 +22,13 @@ SCENARIOS = "tests.helpers.scenarios"
 __all__ = ["LAUNCHERS", "REPO", "Launch", "Process", "free_port", "launch", "run_ranks"]
 
 
-def launch(scenario: Union[str, Callable[..., Any]], world_size: int, out_dir: Path, **kwargs: Any) -> Launch:
+def launch(scenario: str | Callable[..., Any], world_size: int, out_dir: Path, **kwargs: Any) -> Launch:
     """:func:`lightning_rec.testing.launch.launch` with the tests' scenarios and the repository on the path."""
     return _launch(scenario, world_size, out_dir, scenarios=SCENARIOS, pythonpath=[str(REPO)], **kwargs)
 
 
 def run_ranks(
-    scenario: Union[str, Callable[..., Any]], world_size: int, out_dir: Path, timeout: float = 300, **kwargs: Any
-) -> List[Dict[str, Any]]:
+    scenario: str | Callable[..., Any], world_size: int, out_dir: Path, timeout: float = 300, **kwargs: Any
+) -> list[dict[str, Any]]:
     """:func:`lightning_rec.testing.launch.run_ranks` with the tests' scenarios and the repository on the path."""
     return _run_ranks(scenario, world_size, out_dir, timeout, scenarios=SCENARIOS, pythonpath=[str(REPO)], **kwargs)

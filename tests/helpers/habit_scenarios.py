@@ -12,8 +12,9 @@ import copy
 import gc
 import json
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 import lightning as L
 import torch
@@ -33,7 +34,7 @@ from tests.helpers.user_models import TABLE_WISE_PLAN, ValuesModel, global_batch
 VAL_SEED, PREDICT_SEED = 99, 123
 
 
-def table_kernels(module: torch.nn.Module) -> List[SplitTableBatchedEmbeddingBagsCodegen]:
+def table_kernels(module: torch.nn.Module) -> list[SplitTableBatchedEmbeddingBagsCodegen]:
     """The FBGEMM table-batched kernels that hold ``module``'s table shards on this rank.
 
     A sharded EBC keeps its lookups (and their kernels) out of ``modules()``, and reaching them takes private
@@ -53,14 +54,14 @@ def table_kernels(module: torch.nn.Module) -> List[SplitTableBatchedEmbeddingBag
     ]
 
 
-def _local_tables(model: torch.nn.Module) -> Dict[str, List[Any]]:
+def _local_tables(model: torch.nn.Module) -> dict[str, list[Any]]:
     """This rank's table shards: ``{name: [[offsets, rows], ...]}`` (JSON)."""
     return {
         n: [[o, t.tolist()] for o, t in shards] for n, shards in local_weights(model).items() if n.startswith("ebc.")
     }
 
 
-def _dense_params(model: torch.nn.Module) -> List[torch.nn.Parameter]:
+def _dense_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if not n.startswith("ebc.")]
 
 
@@ -74,7 +75,7 @@ class HabitModel(ValuesModel):
         seed: int = 7,
         lr: float = 0.05,
         optimizer: str = "adagrad",
-        step_lr: Optional[Dict[str, float]] = None,
+        step_lr: dict[str, float] | None = None,
         manual: bool = False,
         dense_lr: float = 0.01,
         fmt: str = "dict",
@@ -83,9 +84,9 @@ class HabitModel(ValuesModel):
         super().__init__(seed=seed, lr=lr, fmt=fmt, batchnorm=batchnorm)
         self.save_hyperparameters()
         self.automatic_optimization = not manual
-        self.kernels: Optional[List[Any]] = None
-        self.tbe_lrs: List[List[float]] = []  # per step: what the kernels use in this step's backward
-        self.dense_grad_norms: List[float] = []  # per step, after the step (what the optimizer used)
+        self.kernels: list[Any] | None = None
+        self.tbe_lrs: list[list[float]] = []  # per step: what the kernels use in this step's backward
+        self.dense_grad_norms: list[float] = []  # per step, after the step (what the optimizer used)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.kernels is None:
@@ -125,7 +126,7 @@ class HabitModel(ValuesModel):
 
 
 def _trainer(world_size: int, **kwargs: Any) -> L.Trainer:
-    defaults: Dict[str, Any] = dict(
+    defaults: dict[str, Any] = dict(
         accelerator="cpu",
         devices=world_size,
         **QUIET_TRAINER,
@@ -136,16 +137,16 @@ def _trainer(world_size: int, **kwargs: Any) -> L.Trainer:
     return L.Trainer(strategy=RecShardStrategy(constraints=TABLE_WISE_PLAN), **defaults)
 
 
-def _loader(batches: Sequence[Sequence[Dict[str, Any]]], rank: int, world_size: int) -> DataLoader:
+def _loader(batches: Sequence[Sequence[dict[str, Any]]], rank: int, world_size: int) -> DataLoader:
     return DataLoader([to_batch(rank_share(b, rank, world_size)) for b in batches], batch_size=None)
 
 
 def _reference(
     model: HabitModel,
-    batches: Sequence[Sequence[Dict[str, Any]]],
+    batches: Sequence[Sequence[dict[str, Any]]],
     make_optimizers: Any,
-    step_lr: Optional[Dict[str, float]] = None,
-) -> Dict[str, Any]:
+    step_lr: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """Plain PyTorch on whole batches: per-step losses and the final tables."""
     model = copy.deepcopy(model)
     optimizers = make_optimizers(model)
@@ -178,8 +179,8 @@ class _Recorder(L.Callback):
     """Per validation: the synced ``val_loss`` and the step; per step: the dense gradient norm before clipping."""
 
     def __init__(self) -> None:
-        self.val_history: List[Dict[str, float]] = []
-        self.unclipped: List[float] = []
+        self.val_history: list[dict[str, float]] = []
+        self.unclipped: list[float] = []
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
@@ -229,7 +230,7 @@ def callbacks_and_loggers(
     top_k: int = 2,
     predict_rows: int = 24,
     batch_size: int = 128,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Fit with EarlyStopping(val_loss), ModelCheckpoint(val_loss, top-k), TensorBoard + CSV loggers and
     ``gradient_clip_val``; then ``validate(ckpt_path="best")`` and ``predict`` with a prediction writer
     (Lightning's distributed sampler). Rank 0 also predicts the same rows from the best checkpoint, unsharded, in
@@ -323,10 +324,10 @@ class ResumableBatches:
             self.served += 1
             yield batch
 
-    def state_dict(self) -> Dict[str, int]:
+    def state_dict(self) -> dict[str, int]:
         return {"served": self.served}
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         self._resume_at = state["served"]
 
 
@@ -338,14 +339,14 @@ def mid_epoch_resume(
     epochs: int = 2,
     every: int = 3,
     resume_step: int = 3,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """An uninterrupted fit validating every ``every`` steps (a checkpoint at each validation, kept), then a fresh
     model (other rows) resumed from the mid-epoch checkpoint of step ``resume_step``: both runs' per-step losses."""
     batches = [to_batch(rank_share(b, rank, world_size)) for b in global_batches(steps_per_epoch, 16)]
     val = _loader(global_batches(1, 16, seed=VAL_SEED), rank, world_size)
     ckpt_dir = out_dir / "mid"
 
-    def run(model: HabitModel, ckpt_path: Optional[Path]) -> L.Trainer:
+    def run(model: HabitModel, ckpt_path: Path | None) -> L.Trainer:
         checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, filename="{epoch}-{step}")
         trainer = _trainer(world_size, max_epochs=epochs, val_check_interval=every, callbacks=[checkpoint])
         with warnings.catch_warnings(record=True) as caught:
@@ -382,10 +383,10 @@ def _fit_and_reference(
     model: HabitModel,
     steps: int,
     make_optimizers: Any,
-    step_lr: Optional[Dict[str, float]] = None,
-) -> Dict[str, Any]:
+    step_lr: dict[str, float] | None = None,
+) -> dict[str, Any]:
     batches = global_batches(steps, 16)
-    result: Dict[str, Any] = {}
+    result: dict[str, Any] = {}
     if rank == 0:
         result["reference"] = _reference(model, batches, make_optimizers, step_lr)
     trainer = _trainer(world_size, max_epochs=1)  # manual optimization counts a global step per optimizer step
@@ -399,7 +400,7 @@ def _fit_and_reference(
     }
 
 
-def optimizers_and_schedulers(rank: int, world_size: int, out_dir: Path, steps: int = 6) -> Dict[str, Any]:
+def optimizers_and_schedulers(rank: int, world_size: int, out_dir: Path, steps: int = 6) -> dict[str, Any]:
     """(a) manual optimization, ``[Adam(dense), RowWiseAdagrad(tables)]``; (b) fused SGD under ``StepLR`` (per step),
     each with its plain-PyTorch reference on whole batches (rank 0)."""
     L.seed_everything(0)
@@ -436,7 +437,7 @@ def optimizers_and_schedulers(rank: int, world_size: int, out_dir: Path, steps: 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _table_values(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def _table_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every table tensor this rank holds (unsharded: the module's own; sharded: the local shards), cloned."""
     out = {}
     for name, t in model.state_dict().items():
@@ -446,7 +447,7 @@ def _table_values(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -524,8 +525,8 @@ class _Snapshots(L.Callback):
     """The tables when fitting starts (before any callback's ``on_fit_start``) and when training starts."""
 
     def __init__(self) -> None:
-        self.at_fit_start: Optional[Dict[str, torch.Tensor]] = None
-        self.at_train_start: Optional[Dict[str, torch.Tensor]] = None
+        self.at_fit_start: dict[str, torch.Tensor] | None = None
+        self.at_train_start: dict[str, torch.Tensor] | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.at_fit_start = _table_values(pl_module)
@@ -535,11 +536,17 @@ class _Snapshots(L.Callback):
         self.dense_at_train_start = [p.detach().clone() for p in _dense_params(pl_module)]
 
 
-def features(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
+def features(rank: int, world_size: int, out_dir: Path) -> dict[str, Any]:
     """Each case: a fresh model fitted 4 steps (or 3 epochs) with one Lightning feature; reports its error (``None``
     if none), whether the model was sharded and its tables changed when it failed, and what the case measures."""
-    from lightning.pytorch.callbacks import BaseFinetuning, LearningRateFinder, StochasticWeightAveraging
-    from lightning.pytorch.callbacks import EMAWeightAveraging, GradientAccumulationScheduler, ModelPruning
+    from lightning.pytorch.callbacks import (
+        BaseFinetuning,
+        EMAWeightAveraging,
+        GradientAccumulationScheduler,
+        LearningRateFinder,
+        ModelPruning,
+        StochasticWeightAveraging,
+    )
 
     from lightning_rec.strategy.dmp import sharded_state
 
@@ -553,7 +560,7 @@ def features(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
     train = _loader(global_batches(4, 16), rank, world_size)
     val = _loader(global_batches(1, 16, seed=VAL_SEED), rank, world_size)
 
-    def case(model: HabitModel, epochs: Optional[int] = None, **trainer_kwargs: Any) -> Dict[str, Any]:
+    def case(model: HabitModel, epochs: int | None = None, **trainer_kwargs: Any) -> dict[str, Any]:
         L.seed_everything(0)
         snapshots = _Snapshots()
         trainer_kwargs["callbacks"] = [snapshots, *trainer_kwargs.get("callbacks", [])]
@@ -583,7 +590,7 @@ def features(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
             "warnings": [str(w.message) for w in caught if "RecShardStrategy" in str(w.message)],
         }
 
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     out["swa"] = case(HabitModel(lr=0.1), epochs=3, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)])
     out["ema"] = case(HabitModel(lr=0.1), callbacks=[EMAWeightAveraging()])
     out["accumulation_scheduler"] = case(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -20,7 +20,7 @@ from tests.helpers.scenarios import make_trainer
 ONE_TABLE_PLAN = {t: {"sharding_types": ["table_wise"]} for t in ("t_user", "t_item", "t_genre")}
 
 
-def _kjt(keys: List[str], values: torch.Tensor, lengths: torch.Tensor) -> KeyedJaggedTensor:
+def _kjt(keys: list[str], values: torch.Tensor, lengths: torch.Tensor) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths)
 
 
@@ -66,8 +66,8 @@ class Snapshots(L.Callback):
 
     def __init__(self) -> None:
         self.steps = 0
-        self.weights: Dict[str, Any] = {}
-        self.optimizer: Dict[str, float] = {}
+        self.weights: dict[str, Any] = {}
+        self.optimizer: dict[str, float] = {}
 
     def take(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.weights = local_weights(pl_module)
@@ -81,7 +81,7 @@ class Snapshots(L.Callback):
         self.take(trainer, pl_module)
 
 
-def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(x[1], y[1]) for k in a for x, y in zip(a[k], b[k]))
 
 
@@ -89,19 +89,17 @@ def bad_batches(
     rank: int,
     world_size: int,
     out_dir: Path,
-    cases: List[str],
+    cases: list[str],
     at_step: int = 3,
     steps: int = 6,
-    strategy: Optional[Dict[str, Any]] = None,
-) -> Dict[str, Any]:
+    strategy: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """For each case: fit ``steps`` batches, batch ``at_step`` made malformed by the case; report the error (or the
     losses) and whether the failed step changed any weight or optimizer state."""
     return {case: _bad_batch(world_size, case, at_step, steps, strategy) for case in cases}
 
 
-def _bad_batch(
-    world_size: int, case: str, at_step: int, steps: int, strategy: Optional[Dict[str, Any]]
-) -> Dict[str, Any]:
+def _bad_batch(world_size: int, case: str, at_step: int, steps: int, strategy: dict[str, Any] | None) -> dict[str, Any]:
     L.seed_everything(0)
     batches = make_batches(steps, 16, seed=100)
     batches[at_step] = corrupt(batches[at_step], case)
@@ -110,7 +108,7 @@ def _bad_batch(
     trainer = make_trainer(
         world_size, steps, {"constraints": ONE_TABLE_PLAN, **(strategy or {})}, callbacks=[snapshots]
     )
-    error: Optional[str] = None
+    error: str | None = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -149,7 +147,7 @@ class _ChangesIdsInForward(RecModel):
         return super().forward(Batch(dense_features=batch.dense_features, sparse_features=kjt, labels=batch.labels))
 
 
-def ids_changed_in_forward(rank: int, world_size: int, out_dir: Path, how: str, steps: int = 6) -> Dict[str, Any]:
+def ids_changed_in_forward(rank: int, world_size: int, out_dir: Path, how: str, steps: int = 6) -> dict[str, Any]:
     """Fit :class:`_ChangesIdsInForward`: the error, the completed steps, whether the refused step changed anything,
     and how many KJTs the doors had to read because the host had not checked them."""
     L.seed_everything(0)
@@ -170,12 +168,12 @@ def ids_changed_in_forward(rank: int, world_size: int, out_dir: Path, how: str, 
     }
 
 
-def nan_loss_at_end(rank: int, world_size: int, out_dir: Path, steps: int = 6) -> Dict[str, Any]:
+def nan_loss_at_end(rank: int, world_size: int, out_dir: Path, steps: int = 6) -> dict[str, Any]:
     """The loss of the last step (5) overflows. A checkpoint every 3 steps: after step 2, and after step 5, which
     must not be written. Then without a checkpoint: `fit` itself must fail."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    result: Dict[str, Any] = {}
+    result: dict[str, Any] = {}
     for name, callbacks in (
         ("error", [ModelCheckpoint(out_dir / "ckpt", filename="{step}", every_n_train_steps=3, save_top_k=-1)]),
         ("error_without_checkpoints", []),
@@ -207,7 +205,7 @@ def _kjt_cases():
 
     @st.composite
     def build(draw):
-        defects: List[str] = []
+        defects: list[str] = []
         batch = draw(st.integers(0, 5))
         if batch == 0:
             defects.append("empty")
@@ -223,7 +221,7 @@ def _kjt_cases():
             keys = keys + [keys[0]]
             defects.append("duplicate feature")
         lengths = [draw(st.integers(0, 3)) for _ in range(batch * len(keys))]
-        values: List[int] = []
+        values: list[int] = []
         for k, key in enumerate(keys):
             rows = TABLE_ROWS.get(key, 10)
             for n in lengths[k * batch : (k + 1) * batch]:
@@ -248,7 +246,7 @@ def _kjt_cases():
         limit = {torch.int32: 2**31, torch.int16: 2**15}.get(values_dtype)
         if limit is not None and any(not -limit <= v < limit for v in values):
             values_dtype = torch.int64
-        kwargs: Dict[str, Any] = {}
+        kwargs: dict[str, Any] = {}
         weights_kind = draw(st.sampled_from(["none"] * 4 + ["ok", "short"]))
         if weights_kind != "none":
             kwargs["weights"] = torch.rand(len(values) + (weights_kind == "short"))
@@ -268,7 +266,7 @@ def _kjt_cases():
 
 
 def _expected_loss(
-    weights: Dict[str, torch.Tensor], kjt: KeyedJaggedTensor, dense: torch.Tensor, labels: torch.Tensor
+    weights: dict[str, torch.Tensor], kjt: KeyedJaggedTensor, dense: torch.Tensor, labels: torch.Tensor
 ) -> float:
     """The loss RecModel must compute on a valid batch, from its weights before the step, by hand."""
     import torch.nn.functional as F
@@ -285,7 +283,7 @@ def _expected_loss(
     return float(F.binary_cross_entropy_with_logits(logits, labels))
 
 
-def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60) -> Dict[str, Any]:
+def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60) -> dict[str, Any]:
     """Every random KJT either trains one correct step (the loss equals the hand-computed one) or is refused with
     an InputError that leaves every weight as it was; valid ones are never refused, malformed ones never trained on.
     Hypothesis shrinks and prints any counterexample; a crash of the interpreter fails the process."""
@@ -299,7 +297,7 @@ def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60)
     make_trainer(world_size, 1, {"constraints": ONE_TABLE_PLAN}).fit(
         model, DataLoader(make_batches(1, 4, seed=0), batch_size=None)
     )
-    outcomes: Dict[str, int] = {}
+    outcomes: dict[str, int] = {}
 
     @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None)
     @given(case=_kjt_cases())

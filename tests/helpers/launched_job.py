@@ -12,9 +12,9 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
+from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.fault_scenarios import FailAt
 from tests.helpers.models import RecModel, make_batches
-from lightning_rec.testing import QUIET_TRAINER
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import lightning as L
 
@@ -23,7 +23,7 @@ class _InitBeforeValidation(L.Callback):
 
 def validate_movielens(
     rank: int, world_size: int, out_dir: Path, data_dir: str, interaction: str = "dcn"
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Validate a DLRM with plan-independent weights on MovieLens; report the epoch metrics."""
     dm = MovieLensDataModule(data_dir, download=False, batch_size=700)
     model = DLRMModule(

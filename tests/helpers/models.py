@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_rec
-from lightning_rec._compat import ShardedTensor
 from lightning_rec import Batch
+from lightning_rec._compat import ShardedTensor
 from lightning_rec.testing.init import deterministic_init  # noqa: F401  (re-exported: the tests' name for it)
 
 USERS, ITEMS, GENRES, TAGS = 60, 80, 12, 20
 FEATURES = ["user", "item", "genre"]
 
 
-def tables(dim: int = 8) -> List[EmbeddingBagConfig]:
+def tables(dim: int = 8) -> list[EmbeddingBagConfig]:
     return [
         EmbeddingBagConfig(name="t_user", embedding_dim=dim, num_embeddings=USERS, feature_names=["user"]),
         EmbeddingBagConfig(name="t_item", embedding_dim=dim, num_embeddings=ITEMS, feature_names=["item"]),
@@ -60,8 +59,8 @@ class RecModel(lightning_rec.RecLightningModule):
         lr: float = 0.1,
         table_device: str = "meta",
         with_ec: bool = False,
-        scheduler: Optional[Dict[str, Any]] = None,
-        emb_optimizer: Optional[Dict[str, Any]] = None,
+        scheduler: dict[str, Any] | None = None,
+        emb_optimizer: dict[str, Any] | None = None,
         manual: bool = False,
         batch_format: str = "batch",
     ) -> None:
@@ -75,9 +74,9 @@ class RecModel(lightning_rec.RecLightningModule):
         self.emb_optimizer = emb_optimizer
         self.automatic_optimization = not manual
         self.batch_format = batch_format
-        self.losses: List[float] = []
+        self.losses: list[float] = []
         self.closure_calls = 0
-        self.fused_lrs: List[float] = []
+        self.fused_lrs: list[float] = []
 
     # -- the batch contract: Batch, dict or tuple holding a KJT -----------------------------------------
     def _unpack(self, batch: Any):
@@ -158,7 +157,7 @@ class RecModel(lightning_rec.RecLightningModule):
         return opt
 
 
-def make_batches(n_batches: int, batch_size: int, seed: int, with_ec: bool = False) -> List[Batch]:
+def make_batches(n_batches: int, batch_size: int, seed: int, with_ec: bool = False) -> list[Batch]:
     """Learnable synthetic data: hidden per-user and per-item scores decide the label."""
     g = torch.Generator().manual_seed(1234)
     user_score, item_score = torch.randn(USERS, generator=g), torch.randn(ITEMS, generator=g)
@@ -196,9 +195,9 @@ def as_format(batch: Batch, fmt: str) -> Any:
     return batch
 
 
-def local_weights(module: nn.Module) -> Dict[str, List]:
+def local_weights(module: nn.Module) -> dict[str, list]:
     """Every tensor this rank holds, with its global offsets: ``{name: [(offsets, tensor), ...]}``."""
-    out: Dict[str, List] = {}
+    out: dict[str, list] = {}
     for name, t in module.state_dict().items():
         if isinstance(t, ShardedTensor):
             out[name] = [(list(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in t.local_shards()]
@@ -207,10 +206,10 @@ def local_weights(module: nn.Module) -> Dict[str, List]:
     return out
 
 
-def plan_shards(plan: Any) -> Dict[str, Dict[str, Any]]:
+def plan_shards(plan: Any) -> dict[str, dict[str, Any]]:
     """What a ``ShardingPlan`` (``trainer.strategy.sharding_plan``) made of every table: ``{table: {"type": sharding
     type, "offsets": [[row, column] of each shard], "ranks": [rank of each shard]}}`` (no shards: data-parallel)."""
-    out: Dict[str, Dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for module_plan in plan.plan.values():
         for table, ps in module_plan.items():
             shards = ps.sharding_spec.shards if ps.sharding_spec is not None else []
@@ -222,7 +221,7 @@ def plan_shards(plan: Any) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def sharded_forwards(module: nn.Module) -> Dict[str, str]:
+def sharded_forwards(module: nn.Module) -> dict[str, str]:
     """The type of the ``forward`` every sharded embedding module in ``module`` runs, by path: ``"method"`` (its own)
     or, once TorchRec's train pipeline rewrote it, ``"PipelinedForward"`` (inputs distributed ahead)."""
     from torchrec.distributed.types import ShardedModule
@@ -235,14 +234,14 @@ def save_weights(module: nn.Module, out_dir: Path, tag: str, rank: int) -> None:
     torch.save(local_weights(module), Path(out_dir) / f"{tag}.weights{rank}.pt")
 
 
-def saved_weights(out_dir: Path, tag: str, world_size: int) -> Dict[str, torch.Tensor]:
+def saved_weights(out_dir: Path, tag: str, world_size: int) -> dict[str, torch.Tensor]:
     """The global tensors every rank saved with :func:`save_weights` (see :func:`assemble`)."""
     return assemble([torch.load(Path(out_dir) / f"{tag}.weights{r}.pt") for r in range(world_size)])
 
 
-def assemble(per_rank: List[Dict[str, List]]) -> Dict[str, torch.Tensor]:
+def assemble(per_rank: list[dict[str, list]]) -> dict[str, torch.Tensor]:
     """Global tensors from every rank's :func:`local_weights` (replicated tensors must agree)."""
-    pieces: Dict[str, List] = {}
+    pieces: dict[str, list] = {}
     for weights in per_rank:
         for name, shards in weights.items():
             pieces.setdefault(name, []).extend(shards)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -32,7 +32,7 @@ class Observe(L.Callback):
         self.forwards["val"].add(type(pl_module.ebc.forward).__name__)
 
 
-def fit(rank: int, world_size: int, out_dir: Path, pipeline: bool, steps: int = 6, epochs: int = 2) -> Dict[str, Any]:
+def fit(rank: int, world_size: int, out_dir: Path, pipeline: bool, steps: int = 6, epochs: int = 2) -> dict[str, Any]:
     """Fit with validation every epoch and checkpoints, then predict; report what the test compares."""
     L.seed_everything(0)
     model = RecModel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import lightning as L
 
@@ -29,17 +29,17 @@ class LossRecorder(L.Callback):
     """Every training loss, as a float (read after fit)."""
 
     def __init__(self) -> None:
-        self.losses: List[float] = []
+        self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(outputs["loss"]))
 
 
-def _losses(cli: Any) -> List[float]:
+def _losses(cli: Any) -> list[float]:
     return next(c.losses for c in cli.trainer.callbacks if isinstance(c, LossRecorder))
 
 
-def fit_config(rank: int, world_size: int, out_dir: Path, config: str, plan: str, steps: int = 3) -> Dict[str, Any]:
+def fit_config(rank: int, world_size: int, out_dir: Path, config: str, plan: str, steps: int = 3) -> dict[str, Any]:
     """Fit ``config`` on 2 ranks three times: the planner's plan, then ``plan`` (the file), then a plan for another
     world size (refused before anything is sharded)."""
     from lightning_rec.strategy.plan_file import read_plan, to_sharding_plan

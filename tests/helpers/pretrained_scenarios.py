@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import lightning as L
 import torch
@@ -14,9 +14,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_rec
 from lightning_rec.callbacks import PretrainedRows
+from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.models import local_weights, plan_shards
 from tests.helpers.user_models import samples, to_batch
-from lightning_rec.testing import QUIET_TRAINER
 
 # (table, feature, rows): an EBC over user/genre/item and an EC sharing nothing with it.
 BAG_TABLES = [("t_user", "user", 60), ("t_genre", "genre", 20), ("t_item", "item", 90)]
@@ -43,7 +43,7 @@ class MetaModel(lightning_rec.RecLightningModule):
         )
         self.over = torch.nn.Linear(len(BAG_TABLES) * DIM + 2, 1)
 
-    def training_step(self, batch: Dict[str, Any], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         items = KeyedJaggedTensor.from_jt_dict({"item": batch["sparse"]["item"]})
         seq = self.ec(items)["item"].values().sum()
         logits = self.over(torch.cat([self.ebc(batch["sparse"]).values(), batch["dense"]], 1)).squeeze(1)
@@ -62,8 +62,8 @@ class _Start(L.Callback):
 
 
 def start_from_files(
-    rank: int, world_size: int, out_dir: Path, files: Dict[str, str], plans: Dict[str, Dict[str, Any]]
-) -> Dict[str, Any]:
+    rank: int, world_size: int, out_dir: Path, files: dict[str, str], plans: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     """For each plan: fit one step from rows in ``files``; each rank saves what it holds at train start as
     ``<plan>.start<rank>.pt``; report the sharding types used and the shards of every table (:func:`plan_shards`),
     by plan."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, Logger
@@ -17,10 +17,10 @@ from tests.helpers.models import RecModel
 from tests.helpers.scenarios import make_loader, make_trainer
 
 
-def _record_writes() -> List[str]:
+def _record_writes() -> list[str]:
     """Record, in this process, every directory the report is written to (every write goes through
     ``plan_report.write_plan_report``), so a test can tell which rank wrote."""
-    calls: List[str] = []
+    calls: list[str] = []
     original = plan_report.write_plan_report
 
     def recording(report: plan_report.PlanReport, directory: Any) -> Any:
@@ -31,7 +31,7 @@ def _record_writes() -> List[str]:
     return calls
 
 
-def fit_report(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dict[str, Any]:
+def fit_report(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> dict[str, Any]:
     """Fit with a CSV logger (MIXED_PLAN constraints); report where this rank wrote and the plan it sharded with."""
     calls = _record_writes()
     L.seed_everything(0)
@@ -64,21 +64,21 @@ class _SilentLogger(Logger):
     def save_dir(self) -> str:
         return self._save_dir
 
-    def log_metrics(self, metrics: Dict[str, float], step: Any = None) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: Any = None) -> None:
         pass
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
 
 
-def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> Dict[str, Any]:
+def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> dict[str, Any]:
     """Three fits: no logger (nothing written, anywhere), a fixed ``plan=`` (no estimates), ``report_plan=False``;
     then one whose report directory cannot be created (warns, trains). All but the first log to a CSV logger in
     ``root``."""
     calls = _record_writes()
-    results: Dict[str, Any] = {}
+    results: dict[str, Any] = {}
 
-    def fit(tag: str, strategy: Dict[str, Any], root: Path, logger: Any = True) -> L.Trainer:
+    def fit(tag: str, strategy: dict[str, Any], root: Path, logger: Any = True) -> L.Trainer:
         L.seed_everything(0)
         tr = make_trainer(
             world_size,

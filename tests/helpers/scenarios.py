@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
@@ -18,7 +18,7 @@ from lightning_rec.strategy.faults import close_process_group_at_exit
 from lightning_rec.strategy.optim import is_fused_parameter
 from lightning_rec.strategy.sharding import plan_rows
 from lightning_rec.testing import QUIET_TRAINER
-from tests.helpers.models import RecModel, as_format, deterministic_init, local_weights, save_weights, make_batches
+from tests.helpers.models import RecModel, as_format, deterministic_init, local_weights, make_batches, save_weights
 
 
 class DeterministicInit(L.Callback):
@@ -38,7 +38,7 @@ MIXED_PLAN = {
 
 
 def make_trainer(
-    world_size: int, steps: int, strategy: Optional[Dict[str, Any]] = None, det_init: bool = True, **kwargs: Any
+    world_size: int, steps: int, strategy: dict[str, Any] | None = None, det_init: bool = True, **kwargs: Any
 ) -> L.Trainer:
     num_nodes = kwargs.pop("num_nodes", 1)
     defaults = dict(
@@ -62,8 +62,8 @@ def make_trainer(
 def make_loader(
     rank: int,
     steps: int,
-    batch_size: Union[int, List[int]],
-    model: Dict[str, Any],
+    batch_size: int | list[int],
+    model: dict[str, Any],
     num_workers: int = 0,
     seed: int = 100,
 ) -> DataLoader:
@@ -85,13 +85,13 @@ def train(
     out_dir: Path,
     tag: str = "train",
     steps: int = 8,
-    batch_size: Union[int, List[int]] = 32,
-    model: Optional[Dict[str, Any]] = None,
-    strategy: Optional[Dict[str, Any]] = None,
-    trainer: Optional[Dict[str, Any]] = None,
+    batch_size: int | list[int] = 32,
+    model: dict[str, Any] | None = None,
+    strategy: dict[str, Any] | None = None,
+    trainer: dict[str, Any] | None = None,
     num_workers: int = 0,
     epochs: int = 1,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Fit a RecModel with recshard; report losses, closure calls, learning rates, plan; save local weights."""
     model = model or {}
     L.seed_everything(0)
@@ -124,7 +124,7 @@ def train(
     }
 
 
-def fit_error(rank: int, world_size: int, out_dir: Path, **kwargs: Any) -> Dict[str, Any]:
+def fit_error(rank: int, world_size: int, out_dir: Path, **kwargs: Any) -> dict[str, Any]:
     """Like :func:`train`, but report the exception instead of failing."""
     try:
         train(rank, world_size, out_dir, **kwargs)
@@ -140,10 +140,10 @@ def reference(
     plan_from: str,
     tag: str = "reference",
     steps: int = 8,
-    batch_size: Union[int, List[int]] = 32,
+    batch_size: int | list[int] = 32,
     lr: float = 0.1,
-    model: Optional[Dict[str, Any]] = None,
-) -> Dict[str, Any]:
+    model: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The hand-written TorchRec loop a TorchRec user would write: DMP + CombinedOptimizer, same plan and data."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -161,7 +161,7 @@ def reference(
     dmp = reference_dmp(m, sharders, torch.device("cpu"), plan=plan)
     deterministic_init(dmp.module)
     opt = reference_optimizer(dmp, lambda ps: torch.optim.Adagrad(ps, lr=lr))
-    losses: List[float] = []
+    losses: list[float] = []
     for b in make_loader(rank, steps, batch_size, model):
         opt.zero_grad()
         loss = F.binary_cross_entropy_with_logits(dmp(b), b.labels)
@@ -176,7 +176,7 @@ def reference(
     return {"losses": losses, "kernels": kernels}
 
 
-def loops(rank: int, world_size: int, out_dir: Path, steps: int = 4, batch_size: int = 16) -> Dict[str, Any]:
+def loops(rank: int, world_size: int, out_dir: Path, steps: int = 4, batch_size: int = 16) -> dict[str, Any]:
     """fit (with validation), then validate, test and predict on the sharded model; plus the collectives."""
     L.seed_everything(0)
     m = RecModel()
@@ -211,12 +211,12 @@ def loops(rank: int, world_size: int, out_dir: Path, steps: int = 4, batch_size:
     }
 
 
-def fit_errors(rank: int, world_size: int, out_dir: Path, cases: List[Dict[str, Any]]) -> Dict[str, Any]:
+def fit_errors(rank: int, world_size: int, out_dir: Path, cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Run several misconfigured fits in one process; report each one's error (or None)."""
     return {"errors": [fit_error(rank, world_size, out_dir, **case)["error"] for case in cases]}
 
 
-def dense_only(rank: int, world_size: int, out_dir: Path, steps: int = 20) -> Dict[str, Any]:
+def dense_only(rank: int, world_size: int, out_dir: Path, steps: int = 20) -> dict[str, Any]:
     """A model without embedding tables falls back to plain data parallel (with a warning) and trains."""
     import warnings
 
@@ -248,7 +248,7 @@ def dense_only(rank: int, world_size: int, out_dir: Path, steps: int = 20) -> Di
     }
 
 
-def validate_then_fit(rank: int, world_size: int, out_dir: Path, steps: int = 4) -> Dict[str, Any]:
+def validate_then_fit(rank: int, world_size: int, out_dir: Path, steps: int = 4) -> dict[str, Any]:
     """A common sanity pattern: validate a fresh model first (shards it), then fit the same model."""
     L.seed_everything(0)
     m = RecModel(lr=0.3)

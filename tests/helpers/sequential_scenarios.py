@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import lightning as L
 import torch
@@ -13,7 +13,6 @@ from lightning_rec import RecShardStrategy
 from lightning_rec.data.base import SparseFeature
 from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule
 from lightning_rec.models.sequential import SequentialRecModule
-
 from tests.helpers.data import MOVIELENS_DIR
 
 
@@ -54,7 +53,7 @@ def rank_metrics(
     max_len: int = 20,
     batch_size: int = 100,
     train_steps: int = 16,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Validate and predict (test split) one seeded model with the item table column-wise: the logged HR/NDCG and
     every user's rank, on this rank."""
     dm = MovieLensSequenceDataModule(str(MOVIELENS_DIR), download=False, max_len=max_len, batch_size=batch_size)

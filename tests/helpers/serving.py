@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Sequence, Tuple
 
 import torch
 
@@ -35,9 +35,9 @@ print("SERVED WITHOUT", FORBIDDEN)
 """
 
 
-def serve_fresh(jobs: Sequence[Tuple[Path, Sequence[Tuple[torch.Tensor, ...]]]], work: Path) -> List[torch.Tensor]:
+def serve_fresh(jobs: Sequence[tuple[Path, Sequence[tuple[torch.Tensor, ...]]]], work: Path) -> list[torch.Tensor]:
     """Each artifact's outputs on its batches of arguments, computed in one fresh process (see the module)."""
-    argv: List[str] = []
+    argv: list[str] = []
     for i, (artifact, batches) in enumerate(jobs):
         inputs = work / f"serve_inputs{i}.pt"
         torch.save(list(batches), inputs)

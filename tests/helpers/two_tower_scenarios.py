@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import lightning as L
 import torch
@@ -15,7 +15,6 @@ from lightning_rec.models.two_tower import in_batch_softmax_loss
 from tests.helpers.zoo import seeded_module
 from tests.helpers.zoo_two_tower import CASE
 
-
 # Real sharding on 2 ranks, column-wise included (evaluation only: no optimizer state to differ).
 EVAL_PLAN = {
     "t_user_id": {"sharding_types": ["column_wise"]},
@@ -25,7 +24,7 @@ EVAL_PLAN = {
 }
 
 
-def softmax_inputs(total: int = 7, dim: int = 4) -> Dict[str, torch.Tensor]:
+def softmax_inputs(total: int = 7, dim: int = 4) -> dict[str, torch.Tensor]:
     """A fixed global batch for the gathered softmax: queries, candidates, item ids (with repeats), log q."""
     g = torch.Generator().manual_seed(3)
     return {
@@ -44,7 +43,7 @@ def rank_rows(total: int, rank: int, world_size: int) -> slice:
     return slice(0, first) if rank == 0 else slice(first, total)
 
 
-def evaluate(rank: int, world_size: int, out_dir: Path, data_dir: str) -> Dict[str, Any]:
+def evaluate(rank: int, world_size: int, out_dir: Path, data_dir: str) -> dict[str, Any]:
     """Validate and test the zoo case's seeded two-tower model with real sharding; report the metrics, every test
     query's rank and embedding (predict), save a checkpoint; then the gathered softmax on batches of unequal sizes."""
     dm = MovieLensRetrievalDataModule(data_dir, download=False, eval_batch_size=300)
@@ -57,7 +56,7 @@ def evaluate(rank: int, world_size: int, out_dir: Path, data_dir: str) -> Dict[s
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    result: Dict[str, Any] = {}
+    result: dict[str, Any] = {}
     trainer.validate(module, dm)
     result.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     trainer.test(module, dm)

@@ -10,7 +10,8 @@ restores the unsharded order.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,14 +61,14 @@ class ValuesModel(lightning_rec.RecLightningModule):
         with torch.no_grad():
             for p in self.over.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        self.losses: List[float] = []
+        self.losses: list[float] = []
 
     def forward(self, batch: Any) -> torch.Tensor:
         sparse, dense = (batch["sparse"], batch["dense"]) if self.hparams.fmt == "dict" else (batch[0], batch[1])
         kt = self.ebc(sparse)
         return self.over(torch.cat([kt.values(), dense], dim=1)).squeeze(1)
 
-    def forward_dict(self, batch: Dict[str, Any]) -> torch.Tensor:
+    def forward_dict(self, batch: dict[str, Any]) -> torch.Tensor:
         """``forward`` on a dict batch, whatever ``fmt`` the model was built for (the reference uses it)."""
         return self(batch if self.hparams.fmt == "dict" else (batch["sparse"], batch["dense"], batch["label"]))
 
@@ -84,7 +85,7 @@ class ValuesModel(lightning_rec.RecLightningModule):
         return torch.optim.Adagrad(self.parameters(), lr=self.hparams.lr)
 
 
-def samples(n: int, seed: int) -> List[Dict[str, Any]]:
+def samples(n: int, seed: int) -> list[dict[str, Any]]:
     """``n`` samples: one user, 0-3 genres, one item, two dense values and a label that depends on them."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -103,7 +104,7 @@ def samples(n: int, seed: int) -> List[Dict[str, Any]]:
     return out
 
 
-def to_batch(rows: Sequence[Dict[str, Any]], fmt: str = "dict") -> Any:
+def to_batch(rows: Sequence[dict[str, Any]], fmt: str = "dict") -> Any:
     """A batch of ``rows`` (a KJT with features user, genre, item): a dict, or with ``fmt="tuple"`` a tuple."""
     keys = [f for _, f, _ in TABLES]
     values = [v for k in keys for r in rows for v in r[k]]
@@ -118,20 +119,20 @@ def to_batch(rows: Sequence[Dict[str, Any]], fmt: str = "dict") -> Any:
     return batch if fmt == "dict" else (batch["sparse"], batch["dense"], batch["label"])
 
 
-def global_batches(steps: int, batch_size: int, seed: int = 11) -> List[List[Dict[str, Any]]]:
+def global_batches(steps: int, batch_size: int, seed: int = 11) -> list[list[dict[str, Any]]]:
     """``steps`` global batches of ``batch_size`` samples (as sample lists)."""
     rows = samples(steps * batch_size, seed)
     return [rows[i * batch_size : (i + 1) * batch_size] for i in range(steps)]
 
 
-def rank_share(rows: Sequence[Dict[str, Any]], rank: int, world_size: int) -> List[Dict[str, Any]]:
+def rank_share(rows: Sequence[dict[str, Any]], rank: int, world_size: int) -> list[dict[str, Any]]:
     """This rank's contiguous share of a global batch."""
     per = len(rows) // world_size
     return list(rows[rank * per : (rank + 1) * per])
 
 
 def reference(
-    model: nn.Module, batches: Sequence[Sequence[Dict[str, Any]]], heldout: Sequence[Dict[str, Any]], lr: float
+    model: nn.Module, batches: Sequence[Sequence[dict[str, Any]]], heldout: Sequence[dict[str, Any]], lr: float
 ):
     """Plain PyTorch, unsharded, on whole batches: per-step losses and the trained model's logits (in eval mode) on
     ``heldout``."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -39,8 +39,8 @@ class _Probe(L.Callback):
 
     def __init__(self, out: Path, rank: int) -> None:
         self.out, self.rank = out, rank
-        self.reordered: Optional[bool] = None
-        self.forwards: List[str] = []
+        self.reordered: bool | None = None
+        self.forwards: list[str] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         torch.save(local_weights(pl_module), self.out / f"start.weights{self.rank}.pt")
@@ -76,22 +76,22 @@ def fit(
     rank: int,
     world_size: int,
     out_dir: Path,
-    constraints: Optional[Dict[str, Any]] = None,
+    constraints: dict[str, Any] | None = None,
     pipeline: bool = False,
     steps: int = 5,
     batch_size: int = 16,
-    save: Optional[str] = None,
+    save: str | None = None,
     fmt: str = "dict",
     rows_per_rank: bool = False,
     sync_batchnorm: bool = False,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Fit :class:`ValuesModel` on this rank's share of every global batch; predict the held-out rows; rank 0 also
     computes the plain-PyTorch reference on whole batches (from its own rows: with ``rows_per_rank`` every rank
     builds its tables from other rows, and training must start from rank 0's, as DDP does)."""
     L.seed_everything(0)
     model = ValuesModel(seed=7 + (rank if rows_per_rank else 0), lr=LR, fmt=fmt, batchnorm=sync_batchnorm)
     batches = global_batches(steps, batch_size)
-    result: Dict[str, Any] = {}
+    result: dict[str, Any] = {}
     if rank == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, out_dir / "held.pt")
         result["ref_losses"], result["ref_logits"] = reference(model, batches, samples(16, HELDOUT_SEED), LR)
@@ -118,8 +118,8 @@ def fit(
 
 
 def predict_from(
-    rank: int, world_size: int, out_dir: Path, ckpt: str, constraints: Optional[Dict[str, Any]] = None
-) -> Dict[str, Any]:
+    rank: int, world_size: int, out_dir: Path, ckpt: str, constraints: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A fresh model (other rows: they must come from the checkpoint) predicts the held-out rows with
     ``trainer.predict(ckpt_path=...)``."""
     L.seed_everything(0)
@@ -129,7 +129,7 @@ def predict_from(
     return {"logits": logits}
 
 
-def ec_order(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
+def ec_order(rank: int, world_size: int, out_dir: Path) -> dict[str, Any]:
     """An EmbeddingCollection (user, genre, item) under a plan that groups them by sharding type: the keys of its
     output dict, sharded, and the unsharded module's outputs for comparison."""
     from torchrec import EmbeddingCollection, EmbeddingConfig
@@ -146,7 +146,7 @@ def ec_order(rank: int, world_size: int, out_dir: Path) -> Dict[str, Any]:
                 device=torch.device("cpu"),
             )
 
-        def predict_step(self, batch: Dict[str, Any], batch_idx: int) -> Any:
+        def predict_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
             out = dict(self.ec(batch["sparse"]).items())  # a sharded EC returns a LazyAwaitable of the dict
             return {"keys": list(out), "values": [jt.values() for jt in out.values()]}
 
@@ -180,7 +180,7 @@ class _BatchValuesModel(ValuesModel):
         return loss
 
 
-def _sync_batches(rank: int, world_size: int, steps: int, fmt: str) -> List[Any]:
+def _sync_batches(rank: int, world_size: int, steps: int, fmt: str) -> list[Any]:
     from torchrec.datasets.utils import Batch
 
     batches = [to_batch(rank_share(b, rank, world_size)) for b in global_batches(steps, 16)]
@@ -193,7 +193,7 @@ class _Window:
     """Turns counting on and off: the dispatch-level :class:`~lightning_rec.testing.SyncCounter` and, on CUDA,
     torch's own sync detector (``torch.cuda.set_sync_debug_mode``, one warning per synchronizing call)."""
 
-    def __init__(self, counter: Any, caught: List[Any]) -> None:
+    def __init__(self, counter: Any, caught: list[Any]) -> None:
         self.counter, self.caught, self.cuda, self._since = counter, caught, 0, 0
 
     def set(self, active: bool) -> None:
@@ -213,7 +213,7 @@ def syncs(
     fmt: str = "dict",
     loop: str = "recshard",
     accelerator: str = "cpu",
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Count host syncs per training step (steps 3 to ``steps`` - 2), by who asked for them, in a recshard fit
     (``loop="recshard"``) or in the hand-written TorchRec loop of the same model (``loop="raw"``: DMP, fused
     Adagrad for the tables and torch's for the rest in a ``CombinedOptimizer``; ``TrainPipelineSparseDist`` with
@@ -268,8 +268,8 @@ def syncs(
     }
 
 
-def _by_origin(counter: Any, steps: int) -> Dict[str, float]:
-    out: Dict[str, float] = {}
+def _by_origin(counter: Any, steps: int) -> dict[str, float]:
+    out: dict[str, float] = {}
     for (op, (file, _, function)), n in counter.origins.items():
         mine = file.replace("\\", "/").rpartition("/lightning_rec/")
         key = f"{op} {'lightning_rec/' + mine[2] if mine[1] else Path(file).name}:{function}"
@@ -277,23 +277,22 @@ def _by_origin(counter: Any, steps: int) -> Dict[str, float]:
     return dict(sorted(out.items()))
 
 
-def _by_op(counter: Any) -> Dict[str, int]:
-    out: Dict[str, int] = {}
+def _by_op(counter: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
     for (op, _), n in counter.origins.items():
         out[op] = out.get(op, 0) + n
     return out
 
 
-def _raw_torchrec_loop(model: Any, batches: List[Any], window: _Window, pipeline: bool, device: torch.device) -> None:
+def _raw_torchrec_loop(model: Any, batches: list[Any], window: _Window, pipeline: bool, device: torch.device) -> None:
     """TorchRec by hand, as its tutorials write it; ``window`` counts steps 3 to len(batches) - 2."""
     import torch.distributed as dist
+    import torch.nn.functional as F
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torch import nn
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     from lightning_rec.testing.reference import reference_dmp, reference_optimizer
-
-    import torch.nn.functional as F
 
     class WithLoss(nn.Module):  # TorchRec's pipeline wants forward(batch) -> (loss, output)
         def __init__(self, inner: nn.Module) -> None:
@@ -367,7 +366,7 @@ class _HookedValuesModel(ValuesModel):
         return batch
 
 
-def transfer_hooks(rank: int, world_size: int, out_dir: Path, bad_step: int = -1, steps: int = 5) -> Dict[str, Any]:
+def transfer_hooks(rank: int, world_size: int, out_dir: Path, bad_step: int = -1, steps: int = 5) -> dict[str, Any]:
     """Fit :class:`_HookedValuesModel` on raw rows; the plain-PyTorch reference on the same batches."""
     L.seed_everything(0)
     model = _HookedValuesModel(bad_step)

@@ -13,7 +13,7 @@ import atexit
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import lightning as L
 import torch
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from tests.helpers.user_models import ValuesModel, global_batches, rank_share, to_batch
 
 
-def ranks(trainer: L.Trainer) -> Dict[str, Any]:
+def ranks(trainer: L.Trainer) -> dict[str, Any]:
     return {
         "global_rank": trainer.global_rank,
         "local_rank": trainer.local_rank,
@@ -39,7 +39,7 @@ def ranks(trainer: L.Trainer) -> Dict[str, Any]:
 
 
 class Record(L.Callback):
-    def __init__(self, seen: List[Any]) -> None:
+    def __init__(self, seen: list[Any]) -> None:
         self.seen = seen
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     import lightning_rec  # noqa: F401  (registers "recshard")
 
-    seen: List[Any] = []
+    seen: list[Any] = []
     L.seed_everything(0)
     trainer = L.Trainer(
         strategy=args.strategy,

@@ -34,10 +34,11 @@ import copy
 import dataclasses
 import importlib
 import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Mapping
+from typing import Any
 
 import lightning as L
 import pytest
@@ -46,7 +47,7 @@ from torch import nn
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.pretrained import table_holders, load_rows
+from lightning_rec.pretrained import load_rows, table_holders
 from tests.helpers.dist import run_ranks
 
 
@@ -70,19 +71,19 @@ class ZooCase:
     """
 
     build: Callable[[], nn.Module]
-    batches: Callable[[int], List[Any]]
+    batches: Callable[[int], list[Any]]
     heldout: Callable[[], Any]
     share: Callable[[Any, int, int], Any]
     loss: Callable[[nn.Module, Any], torch.Tensor]
-    optimizers: Callable[[nn.Module], List[torch.optim.Optimizer]]
-    constraints: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    optimizers: Callable[[nn.Module], list[torch.optim.Optimizer]]
+    constraints: dict[int, dict[str, Any]] = field(default_factory=dict)
     steps: int = 4
     tol: float = 1e-5
 
 
 def adam_and_rowwise_adagrad(
-    module: nn.Module, tables: List[nn.Parameter], dense_lr: float, table_lr: float, table_eps: float
-) -> List[torch.optim.Optimizer]:
+    module: nn.Module, tables: list[nn.Parameter], dense_lr: float, table_lr: float, table_eps: float
+) -> list[torch.optim.Optimizer]:
     """Plain ``Adam`` on every parameter but ``tables``, and ``torchrec.optim.RowWiseAdagrad`` (FBGEMM's exact row-wise
     Adagrad, in plain PyTorch) on ``tables``: what the shipped models train with."""
     ids = {id(p) for p in tables}
@@ -118,7 +119,7 @@ def flatten(prediction: Any) -> torch.Tensor:
     return t.reshape(t.shape[0], -1)
 
 
-def reference(case: ZooCase, module: nn.Module) -> Dict[str, Any]:
+def reference(case: ZooCase, module: nn.Module) -> dict[str, Any]:
     """Plain PyTorch on the unsharded module: per-step losses on whole batches and the held-out predictions."""
     module = copy.deepcopy(module)
     optimizers = case.optimizers(module)
@@ -177,15 +178,15 @@ def share_rows(batch: Any, rank: int, world_size: int) -> Any:
     return batch
 
 
-def _mean(runs: List[Dict[str, Any]], key: str) -> List[float]:
+def _mean(runs: list[dict[str, Any]], key: str) -> list[float]:
     return [sum(step) / len(step) for step in zip(*(r[key] for r in runs))]
 
 
-def _joined(runs: List[Dict[str, Any]], key: str) -> List[float]:
+def _joined(runs: list[dict[str, Any]], key: str) -> list[float]:
     return _flat([row for r in runs for row in r[key]])
 
 
-def _flat(rows: List[List[float]]) -> List[float]:
+def _flat(rows: list[list[float]]) -> list[float]:
     """Rows of predictions as one list (``pytest.approx`` compares flat sequences)."""
     return [x for row in rows for x in row]
 

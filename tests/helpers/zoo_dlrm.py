@@ -3,8 +3,9 @@ here, DeepFM in :mod:`tests.helpers.zoo_deepfm` through :func:`ctr_case`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, Callable, Dict, List
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ def movielens():
     return load_movielens(movielens_dir())
 
 
-def _batches(steps: int) -> List[Any]:
+def _batches(steps: int) -> list[Any]:
     ds, _ = movielens()
     return [ds[torch.arange(i * BATCH, (i + 1) * BATCH)] for i in range(steps)]
 
@@ -34,13 +35,13 @@ def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(module(batch), batch.labels)
 
 
-def _optimizers(module: CTRModule) -> List[torch.optim.Optimizer]:
+def _optimizers(module: CTRModule) -> list[torch.optim.Optimizer]:
     emb = module.embedding_optimizer
     tables = list(module.model.sparse_arch.parameters())
     return adam_and_rowwise_adagrad(module, tables, module.hparams.dense_lr, emb.lr, emb.eps)
 
 
-def ctr_case(build: Callable[[], CTRModule], constraints: Dict[int, Dict[str, Any]]) -> ZooCase:
+def ctr_case(build: Callable[[], CTRModule], constraints: dict[int, dict[str, Any]]) -> ZooCase:
     """A CTR model (``model.sparse_arch`` holds its tables) on consecutive MovieLens ratings."""
     return ZooCase(
         build=build,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import lightning as L
 import torch
@@ -20,8 +20,8 @@ class _Losses(L.Callback):
     sharded embedding module ran in it (:func:`~tests.helpers.models.sharded_forwards`)."""
 
     def __init__(self) -> None:
-        self.losses: List[float] = []
-        self.forwards: List[Dict[str, str]] = []
+        self.losses: list[float] = []
+        self.forwards: list[dict[str, str]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -40,13 +40,13 @@ def _trainer(case: ZooCase, world_size: int, pipeline: bool = False) -> L.Traine
     )
 
 
-def _loader(batches: List[Any]) -> DataLoader:
+def _loader(batches: list[Any]) -> DataLoader:
     return DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
 
 
 def _predict(
-    trainer: L.Trainer, module: L.LightningModule, case: ZooCase, rank: int, world_size: int, ckpt: Optional[str] = None
-) -> List[List[float]]:
+    trainer: L.Trainer, module: L.LightningModule, case: ZooCase, rank: int, world_size: int, ckpt: str | None = None
+) -> list[list[float]]:
     shares = _loader([case.share(case.heldout(), rank, world_size)])
     return torch.cat([flatten(p) for p in trainer.predict(module, shares, ckpt_path=ckpt)]).tolist()
 
@@ -61,13 +61,13 @@ def _fit(case: ZooCase, rank: int, world_size: int, pipeline: bool) -> tuple:
 
 
 def fit(
-    rank: int, world_size: int, out_dir: Path, case: str, save: Optional[str] = None, predict_ckpt: Optional[str] = None
-) -> Dict[str, Any]:
+    rank: int, world_size: int, out_dir: Path, case: str, save: str | None = None, predict_ckpt: str | None = None
+) -> dict[str, Any]:
     """Fit from the seeded start (rank 0 also runs the plain-PyTorch reference first), fit again pipelined, save,
     predict the held-out share; with ``predict_ckpt``, also predict from that checkpoint with a fresh module. Both
     fits report each step's loss and the forward each sharded embedding module ran in it."""
     zoo = load_case(case)
-    result: Dict[str, Any] = {}
+    result: dict[str, Any] = {}
     if rank == 0:
         result["reference"] = reference(zoo, seeded_module(zoo))
     trainer, module, plain = _fit(zoo, rank, world_size, pipeline=False)
@@ -82,12 +82,12 @@ def fit(
     return result
 
 
-def _from_ckpt(zoo: ZooCase, rank: int, world_size: int, ckpt: str) -> List[List[float]]:
+def _from_ckpt(zoo: ZooCase, rank: int, world_size: int, ckpt: str) -> list[list[float]]:
     L.seed_everything(1, verbose=False)  # other dense weights: they must come from the checkpoint
     module = zoo.build()
     return _predict(_trainer(zoo, world_size), module, zoo, rank, world_size, ckpt=ckpt)
 
 
-def predict(rank: int, world_size: int, out_dir: Path, case: str, ckpt: str) -> Dict[str, Any]:
+def predict(rank: int, world_size: int, out_dir: Path, case: str, ckpt: str) -> dict[str, Any]:
     """A fresh module predicts the held-out share from ``ckpt``."""
     return {"from_ckpt": _from_ckpt(load_case(case), rank, world_size, ckpt)}

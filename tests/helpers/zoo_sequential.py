@@ -13,15 +13,15 @@ each user's 0-based rank of the held-out item and its score.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_rec.data.base import SparseFeature
 from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule, SequenceDataset
-from lightning_rec.strategy.optim import EmbeddingOptimizer
 from lightning_rec.models.sequential import SequentialRecModule, catalog_scores
+from lightning_rec.strategy.optim import EmbeddingOptimizer
 from tests.helpers.data import movielens_dir
 from tests.helpers.zoo import ZooCase, share_rows
 
@@ -30,7 +30,7 @@ MAX_LEN = 10
 
 
 @lru_cache(maxsize=1)
-def _data() -> Dict[str, SequenceDataset]:
+def _data() -> dict[str, SequenceDataset]:
     dm = MovieLensSequenceDataModule(str(movielens_dir()), download=False, max_len=MAX_LEN, num_negatives=8, seed=0)
     return dm.datasets()
 
@@ -39,7 +39,7 @@ class _Module(SequentialRecModule):
     """The shipped module; its predictions also carry the held-out item's score (a float to compare to ``tol``,
     beside the integer rank)."""
 
-    def predict_step(self, batch: Dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Dict[str, Any]:
+    def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         out = self(batch)
         target = batch["features"]["target"].values().long()
         score = catalog_scores(out).gather(1, target.unsqueeze(1)).squeeze(1)
@@ -62,7 +62,7 @@ def _build() -> SequentialRecModule:
     )
 
 
-def _batches(steps: int) -> List[Any]:
+def _batches(steps: int) -> list[Any]:
     train = _data()["train"]
     return [train[(0, torch.arange(i * BATCH, (i + 1) * BATCH))] for i in range(steps)]
 
@@ -85,7 +85,7 @@ def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return module.loss(batch, module(batch))
 
 
-def _optimizers(module: SequentialRecModule) -> List[torch.optim.Optimizer]:
+def _optimizers(module: SequentialRecModule) -> list[torch.optim.Optimizer]:
     tables = list(module.model.item_ec.parameters())
     ids = {id(p) for p in tables}
     dense = [p for p in module.parameters() if id(p) not in ids]

@@ -5,7 +5,7 @@ one shared table, and an in-batch softmax whose negatives are gathered from ever
 from __future__ import annotations
 
 import functools
-from typing import Any, List
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ def _rows(start: int) -> Any:
     return _splits().train[torch.arange(start, start + BATCH * 37, 37)]
 
 
-def _batches(steps: int) -> List[Any]:
+def _batches(steps: int) -> list[Any]:
     return [_rows(i * BATCH * 37) for i in range(steps)]
 
 
@@ -47,7 +47,7 @@ def _loss(module: nn.Module, batch: Any) -> torch.Tensor:
     return module.loss(batch)
 
 
-def _optimizers(module: TwoTowerModule) -> List[torch.optim.Optimizer]:
+def _optimizers(module: TwoTowerModule) -> list[torch.optim.Optimizer]:
     hp = module.hparams
     return adam_and_rowwise_adagrad(module, module.table_parameters(), hp.dense_lr, hp.table_lr, hp.table_eps)
 

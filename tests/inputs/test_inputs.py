@@ -12,8 +12,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.inputs import InputChecks, InputError, ModuleInputs, NonFiniteError, check_features, check_finite
 from lightning_rec.inputs.specs import FeatureTables
-from tests.helpers.dist import launch, run_ranks
 from tests.helpers import checkpoint_scenarios, input_scenarios, scenarios
+from tests.helpers.dist import launch, run_ranks
 
 SPEC = ModuleInputs("ebc", ("user", "genre"), {"user": ("t_user", 10), "genre": ("t_genre", 5)})
 

@@ -20,9 +20,9 @@ from lightning_rec.data.base import Jagged
 from lightning_rec.models import DeepFMModule, DeepFMNN, build_deepfm
 from lightning_rec.models.deepfm import PairwiseFM
 from lightning_rec.strategy.optim import EmbeddingOptimizer
+from tests.helpers import zoo_deepfm
 from tests.helpers.data import REPO, movielens_dir
 from tests.helpers.zoo import check_case
-from tests.helpers import zoo_deepfm
 
 FEATURES = [SparseFeature("user", 10), SparseFeature("genre", 5, multi_hot=True)]
 CONFIG = REPO / "examples" / "configs" / "movielens_deepfm.yaml"

@@ -10,10 +10,10 @@ import torch
 from lightning_rec.data import RecDataset, SparseFeature
 from lightning_rec.data.base import Jagged
 from lightning_rec.models import DLRMModule, build_dlrm
+from tests.helpers import model_scenarios, zoo_dlrm
 from tests.helpers.data import movielens_dir
 from tests.helpers.dist import run_ranks
 from tests.helpers.zoo import check_case
-from tests.helpers import model_scenarios, zoo_dlrm
 
 FEATURES = [SparseFeature("user", 10), SparseFeature("genre", 5, multi_hot=True)]
 

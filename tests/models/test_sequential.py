@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import List
 
 import pytest
 import torch
@@ -22,11 +21,10 @@ from lightning_rec.data.movielens_sequential import (
 )
 from lightning_rec.metrics import RankingMetrics, target_rank
 from lightning_rec.models.sequential import SASRec, SequentialRecModule, sampled_softmax_loss
-
+from tests.helpers import sequential_scenarios, zoo_sequential
 from tests.helpers.data import REPO, movielens_dir
 from tests.helpers.dist import run_ranks
 from tests.helpers.zoo import check_case
-from tests.helpers import sequential_scenarios, zoo_sequential
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +122,7 @@ def test_rank_aware_batches_cover_rows_once(dm: MovieLensSequenceDataModule) -> 
     assert torch.equal(rows, torch.arange(943))
 
 
-def _brute_rank(scores: List[float], target: int, excluded: set) -> int:
+def _brute_rank(scores: list[float], target: int, excluded: set) -> int:
     order = sorted((c for c in range(len(scores)) if c not in excluded or c == target), key=lambda c: (-scores[c], c))
     return order.index(target)
 

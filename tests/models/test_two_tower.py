@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict, List
 
 import numpy as np
 import pytest
@@ -26,12 +25,12 @@ from lightning_rec.data.movielens_retrieval import (
 from lightning_rec.metrics import RankingMetrics, target_rank
 from lightning_rec.models import TwoTowerModule
 from lightning_rec.models.two_tower import build_two_tower, in_batch_softmax_loss
+from tests.helpers import two_tower_scenarios, zoo_two_tower
 from tests.helpers.data import REPO, movielens_dir
 from tests.helpers.dist import run_ranks
 from tests.helpers.two_tower_scenarios import rank_rows, softmax_inputs
 from tests.helpers.zoo import check_case, seeded_module
 from tests.helpers.zoo_two_tower import CASE
-from tests.helpers import two_tower_scenarios, zoo_two_tower
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +43,9 @@ def splits(interactions) -> RetrievalSplits:
     return leave_one_out(interactions, history_length=5)
 
 
-def _brute_sequences(it, threshold: float = 4.0) -> Dict[int, List[int]]:
+def _brute_sequences(it, threshold: float = 4.0) -> dict[int, list[int]]:
     """Each user's positives by (timestamp, file position), from the raw columns, one rating at a time."""
-    rows: Dict[int, list] = {}
+    rows: dict[int, list] = {}
     for pos, (u, i, r, t) in enumerate(
         zip(it.user.tolist(), it.item.tolist(), it.rating.tolist(), it.timestamp.tolist())
     ):
@@ -55,7 +54,7 @@ def _brute_sequences(it, threshold: float = 4.0) -> Dict[int, List[int]]:
     return {u: [i for _, _, i in sorted(rows[u])] for u in sorted(rows)}
 
 
-def _jagged_rows(jagged) -> List[List]:
+def _jagged_rows(jagged) -> list[list]:
     return [jagged.values[a:b].tolist() for a, b in zip(jagged.offsets[:-1].tolist(), jagged.offsets[1:].tolist())]
 
 
@@ -246,7 +245,7 @@ def test_metrics_on_two_ranks_equal_one_process_and_towers_work_alone_after_load
     # one process, plain PyTorch: the same seeded weights, unsharded, every query at once
     module = seeded_module(CASE).eval()
     full = leave_one_out(load_interactions(movielens_dir()))
-    expected: Dict[str, float] = {}
+    expected: dict[str, float] = {}
     with torch.no_grad():
         for name, rows in (("val", full.val), ("test", full.test)):
             _, ranks = module.rank_targets(rows[torch.arange(len(rows))])

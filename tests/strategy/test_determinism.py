@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lightning_rec.testing import shell_env
+from tests.helpers import scenarios
 from tests.helpers.dist import REPO, run_ranks
 from tests.helpers.models import saved_weights
-from tests.helpers import scenarios
 
 pytestmark = pytest.mark.dist
 

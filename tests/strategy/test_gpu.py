@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.dist import run_ranks
 from tests.helpers import checkpoint_scenarios, scenarios, user_scenarios
+from tests.helpers.dist import run_ranks
 
 pytestmark = [
     pytest.mark.dist,

@@ -10,8 +10,8 @@ import re
 import pytest
 
 from lightning_rec.checkpoint import is_checkpoint
-from tests.helpers.dist import REPO, launch, run_ranks
 from tests.helpers import scenarios
+from tests.helpers.dist import REPO, launch, run_ranks
 
 pytestmark = pytest.mark.dist
 

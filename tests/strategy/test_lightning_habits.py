@@ -10,14 +10,14 @@ from __future__ import annotations
 import csv
 import json
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import pytest
 import torch
 
+from tests.helpers import habit_scenarios
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import assemble
-from tests.helpers import habit_scenarios
 
 pytestmark = pytest.mark.dist
 
@@ -44,7 +44,7 @@ def fitted(tmp_path_factory):
     return out, results
 
 
-def _stop_index(history: List[float], patience: int, min_delta: float) -> Optional[int]:
+def _stop_index(history: list[float], patience: int, min_delta: float) -> int | None:
     """The validation (0-based) at which EarlyStopping(mode="min") stops, by its documented rule (None: never)."""
     best, wait = math.inf, 0
     for i, value in enumerate(history):
@@ -57,7 +57,7 @@ def _stop_index(history: List[float], patience: int, min_delta: float) -> Option
     return None
 
 
-def _expected_stop(history: List[float], patience: int, min_delta: float) -> int:
+def _expected_stop(history: list[float], patience: int, min_delta: float) -> int:
     stop = _stop_index(history, patience, min_delta)
     assert stop is not None, f"no early stop in {history}: the scenario must stop before max_epochs"
     return stop
@@ -106,8 +106,8 @@ def test_model_checkpoint_keeps_top_k_and_validate_best_reproduces_it(fitted):
         assert history[max(history)] != r["best_model_score"]
 
 
-def _csv_scalars(path) -> Dict[str, Dict[int, float]]:
-    out: Dict[str, Dict[int, float]] = {}
+def _csv_scalars(path) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
     with open(path) as f:
         for row in csv.DictReader(f):
             for key, value in row.items():
@@ -149,7 +149,7 @@ def test_prediction_writer_writes_every_ranks_rows(fitted):
     out, (r0, _) = fitted
     files = sorted((out / "predictions").iterdir())
     assert {f.name.split(".")[0] for f in files} == {"rank0", "rank1"}
-    by_index: Dict[int, float] = {}
+    by_index: dict[int, float] = {}
     for f in files:
         written = json.loads(f.read_text())
         for index, logit in zip(written["indices"], written["logits"]):
@@ -177,7 +177,7 @@ def test_val_check_interval_mid_epoch_checkpoint_resumes_exactly(tmp_path):
         assert r["resume_warnings"] == []
 
 
-def _tables(per_rank: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+def _tables(per_rank: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return assemble([{n: [(o, torch.tensor(t)) for o, t in shards] for n, shards in r.items()} for r in per_rank])
 
 
@@ -186,7 +186,7 @@ def optimized(tmp_path_factory):
     return run_ranks(habit_scenarios.optimizers_and_schedulers, 2, tmp_path_factory.mktemp("optimizers"), steps=6)
 
 
-def _global_losses(per_rank: List[Dict[str, Any]]) -> List[float]:
+def _global_losses(per_rank: list[dict[str, Any]]) -> list[float]:
     """Each step's whole-batch loss: the mean of the ranks' losses on their equal shares."""
     return [sum(step) / len(step) for step in zip(*(r["losses"] for r in per_rank))]
 

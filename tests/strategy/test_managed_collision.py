@@ -17,7 +17,7 @@ import copy
 import functools
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import lightning as L
 import pytest
@@ -107,14 +107,14 @@ class ZchModel(lightning_rec.RecLightningModule):
             for p in self.mc_ebc.parameters():
                 p.copy_(torch.randn(p.shape) * 0.3)
         self.over = nn.Linear(8 * len(FEATURES), 1)
-        self.losses: List[float] = []
-        self.remapped: List[Dict[str, List[int]]] = []
+        self.losses: list[float] = []
+        self.remapped: list[dict[str, list[int]]] = []
 
-    def forward(self, kjt: KeyedJaggedTensor) -> Tuple[torch.Tensor, KeyedJaggedTensor]:
+    def forward(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, KeyedJaggedTensor]:
         kt, remapped = self.mc_ebc(kjt)
         return self.over(kt.values()).squeeze(1), remapped
 
-    def training_step(self, batch: Tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         kjt, label = batch
         logits, remapped = self(kjt)
         loss = F.binary_cross_entropy_with_logits(logits, label)
@@ -122,14 +122,14 @@ class ZchModel(lightning_rec.RecLightningModule):
         self.remapped.append({f: remapped[f].values().tolist() for f in FEATURES})
         return loss
 
-    def predict_step(self, batch: Tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def predict_step(self, batch: tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self(batch[0])[0]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
-def _batches(rank: int, steps: int, size: int = 8, seed: int = 0) -> List[Tuple[KeyedJaggedTensor, torch.Tensor]]:
+def _batches(rank: int, steps: int, size: int = 8, seed: int = 0) -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
     """``steps`` batches of this rank: 1-3 raw ids per feature and sample, a few ids shared by every rank."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     out = []
@@ -152,7 +152,7 @@ def _trainer(world_size: int, steps: int = 1, **strategy: Any) -> L.Trainer:
     )
 
 
-def _torchrec_by_hand(rank: int, steps: int, eviction_interval: int) -> Dict[str, Any]:
+def _torchrec_by_hand(rank: int, steps: int, eviction_interval: int) -> dict[str, Any]:
     """TorchRec's own sharded training of the same model, rows and batches, on the ranks already started."""
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -164,7 +164,7 @@ def _torchrec_by_hand(rank: int, steps: int, eviction_interval: int) -> Dict[str
     from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 
     class RowWiseOnCpu(EmbeddingBagCollectionSharder):  # TorchRec lists row-wise for CUDA only
-        def sharding_types(self, compute_device_type: str) -> List[str]:
+        def sharding_types(self, compute_device_type: str) -> list[str]:
             return super().sharding_types("cuda")
 
     model = ZchModel(eviction_interval=eviction_interval)
@@ -195,7 +195,7 @@ def _torchrec_by_hand(rank: int, steps: int, eviction_interval: int) -> Dict[str
     return {"ref_losses": losses, "ref_remapped": remapped}
 
 
-def _collision_state(module: nn.Module) -> Dict[str, Any]:
+def _collision_state(module: nn.Module) -> dict[str, Any]:
     """Each collision buffer of this rank: (global row offset, values), ShardedTensor or whole."""
     from lightning_rec import _compat
 
@@ -218,11 +218,11 @@ def fit(
     eviction_interval: int = 2,
     save: str = "",
     sharders: Any = None,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """TorchRec by hand on these ranks, then recshard on the same rows and batches."""
     import torch.distributed as dist
 
-    result: Dict[str, Any] = {}
+    result: dict[str, Any] = {}
     if world_size > 1:
         dist.init_process_group("gloo")  # recshard joins this process group
         result = _torchrec_by_hand(rank, steps, eviction_interval)
@@ -255,7 +255,7 @@ def fit(
     }
 
 
-def restore(rank: int, world_size: int, out_dir: Path, ckpt: str) -> Dict[str, Any]:
+def restore(rank: int, world_size: int, out_dir: Path, ckpt: str) -> dict[str, Any]:
     """A fresh model (no ids seen) loads a checkpoint with ``trainer.validate``-free loading: ``fit`` for 0 steps."""
     model = ZchModel(seed=99)
     trainer = _trainer(world_size, steps=0)
@@ -265,16 +265,16 @@ def restore(rank: int, world_size: int, out_dir: Path, ckpt: str) -> Dict[str, A
     return {"state": _collision_state(model)}
 
 
-def _assembled(results: List[Dict[str, Any]]) -> Dict[str, List[Any]]:
+def _assembled(results: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """Every collision buffer whole, from each rank's row blocks."""
-    out: Dict[str, List[Any]] = {}
+    out: dict[str, list[Any]] = {}
     for key in results[0]["state"]:
         blocks = sorted(block for r in results for block in r["state"][key])
         out[key] = [x for _, values in blocks for x in values]
     return out
 
 
-def _by_raw_id(state: Dict[str, List[Any]]) -> Dict[str, Dict[int, Tuple[int, ...]]]:
+def _by_raw_id(state: dict[str, list[Any]]) -> dict[str, dict[int, tuple[int, ...]]]:
     """Per table: raw id -> (its row, its count, its last access), for the slots that hold an id."""
     out = {}
     for f in FEATURES:
@@ -295,7 +295,7 @@ def test_managed_collision_tables_train_as_torchrec_trains_them_and_every_rank_r
         assert r["losses"] == pytest.approx(r["ref_losses"], abs=TOL), rank
         assert r["remapped"] == r["ref_remapped"], rank
     # Every rank remaps a raw id to the same row (ids seen by both ranks included), within the table.
-    seen: Dict[Tuple[int, str, int], int] = {}
+    seen: dict[tuple[int, str, int], int] = {}
     for r in results:
         for step, (raw, ids) in enumerate(zip(r["raw"], r["remapped"])):
             for f in FEATURES:
@@ -428,15 +428,15 @@ class SequenceZchModel(lightning_rec.RecLightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.mc_ec = _managed_collision(False, eviction_interval=1)
-        self.losses: List[float] = []
-        self.remapped: List[Dict[str, List[int]]] = []
+        self.losses: list[float] = []
+        self.remapped: list[dict[str, list[int]]] = []
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         out, remapped = self.mc_ec(kjt)
         self.remapped.append({f: remapped[f].values().tolist() for f in FEATURES})
         return sum((out[f].values().sum(0) ** 2).sum() for f in FEATURES)
 
-    def training_step(self, batch: Tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self(batch[0])
         self.losses.append(float(loss.detach()))
         return loss

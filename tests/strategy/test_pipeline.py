@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.dist import run_ranks
 from tests.helpers import pipeline_scenarios
+from tests.helpers.dist import run_ranks
 
 pytestmark = pytest.mark.dist
 

@@ -17,9 +17,9 @@ from lightning_rec import _compat
 from lightning_rec.strategy import plan_report
 from lightning_rec.strategy.plan_report import PlanReport, imbalance, write_plan_report
 from lightning_rec.strategy.sharding import TableConstraints, make_planner, make_sharders, plan_rows
+from tests.helpers import report_scenarios
 from tests.helpers.dist import run_ranks
 from tests.helpers.scenarios import MIXED_PLAN
-from tests.helpers import report_scenarios
 
 # matplotlib's tab:blue and tab:orange, the memory and cost bars
 BLUE, ORANGE = (31, 119, 180), (255, 127, 14)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import warnings
 
-
 from lightning_rec.strategy.quiet import torchrec_noise_silenced
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
 from lightning_rec.strategy.sharding import (
     TableConstraints,

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import scenarios
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import saved_weights
-
 from tests.helpers.scenarios import MIXED_PLAN as CONSTRAINTS
-from tests.helpers import scenarios
 
 pytestmark = pytest.mark.dist
 

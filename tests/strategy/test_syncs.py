@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_rec.testing import SyncCounter
-from tests.helpers.dist import run_ranks
 from tests.helpers import user_scenarios
+from tests.helpers.dist import run_ranks
 
 SYNCS = user_scenarios.syncs
 

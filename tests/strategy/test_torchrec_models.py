@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import lightning as L
 import pytest
@@ -121,7 +121,7 @@ class TorchRecModel(lightning_rec.RecLightningModule):
     def __init__(self, model: torch.nn.Module, optimizer: str = "sgd") -> None:
         super().__init__()
         self.model, self.optimizer = model, optimizer
-        self.losses: List[float] = []
+        self.losses: list[float] = []
 
         self.automatic_optimization = optimizer != "two_optimizers"
 
@@ -145,11 +145,11 @@ class TorchRecModel(lightning_rec.RecLightningModule):
             return _per_table_optimizers(self.optimizer, dict(self.named_parameters()))
         return _torch_optimizer(self.optimizer, self.parameters())
 
-    def configure_embedding_optimizer(self) -> Optional[EmbeddingOptimizer]:
+    def configure_embedding_optimizer(self) -> EmbeddingOptimizer | None:
         return EmbeddingOptimizer("rowwise_adagrad", lr=LR, eps=1e-8) if self.optimizer == "rowwise_adagrad" else None
 
 
-def _per_table_optimizers(how: str, named: Dict[str, torch.nn.Parameter]) -> Any:
+def _per_table_optimizers(how: str, named: dict[str, torch.nn.Parameter]) -> Any:
     """Tables in param groups of their own: ``"param_groups"``, one Adagrad whose groups give the plain tables, the
     weighted ones and the dense layers three learning rates, with a scheduler halving them every step;
     ``"two_optimizers"``, Adagrad for the dense layers and plain tables, SGD for the weighted tables."""
@@ -180,7 +180,7 @@ def _in_backward(model: TestSparseNN) -> None:
     apply_optimizer_in_backward(RowWiseAdagrad, weights, {"lr": 0.05, "eps": 1e-8})
 
 
-def _reference(model: TestSparseNN, inputs, optimizer: str, eval_input: ModelInput) -> Dict[str, Any]:
+def _reference(model: TestSparseNN, inputs, optimizer: str, eval_input: ModelInput) -> dict[str, Any]:
     """Plain PyTorch on the unsharded model, whole global batches: the losses, then the predictions."""
     model = copy.deepcopy(model)
     if optimizer == "in_backward":  # those tables step in the backward pass; the optimizer gets the rest
@@ -238,7 +238,7 @@ def _eval_input(rank: int, world_size: int, vbe: bool = False) -> ModelInput:
 
 def _predict(
     trainer: L.Trainer, module: TorchRecModel, rank: int, world_size: int, vbe: bool = False, **kwargs: Any
-) -> List[float]:
+) -> list[float]:
     loader = DataLoader([_eval_input(rank, world_size, vbe)], batch_size=None)
     return torch.cat(trainer.predict(module, loader, **kwargs)).tolist()
 
@@ -247,16 +247,16 @@ def fit(
     rank: int,
     world_size: int,
     out_dir: Path,
-    constraints: Optional[Dict[str, Any]] = None,
+    constraints: dict[str, Any] | None = None,
     optimizer: str = "sgd",
     steps: int = 3,
-    save: Optional[str] = None,
-    sharders: Optional[List[Any]] = None,
+    save: str | None = None,
+    sharders: list[Any] | None = None,
     vbe: bool = False,
     accelerator: str = "cpu",
     fast_cpu_lookup: bool = True,
     threads: int = 0,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """Train on this rank's slice of every global batch; rank 0 also trains the unsharded reference. ``threads``: the
     intra-op threads of this rank (0: as launched)."""
     if threads:
@@ -288,19 +288,19 @@ def fit(
 
 
 def predict_from(
-    rank: int, world_size: int, out_dir: Path, ckpt: str, constraints: Optional[Dict[str, Any]] = None
-) -> Dict[str, Any]:
+    rank: int, world_size: int, out_dir: Path, ckpt: str, constraints: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A fresh model (other rows and weights: everything must come from the checkpoint) predicts under ``constraints``."""
     module = TorchRecModel(_model(seed=1234))
     trainer = _trainer(world_size, constraints=constraints)
     return {"preds": _predict(trainer, module, rank, world_size, ckpt_path=ckpt)}
 
 
-def _mean_losses(results: List[Dict[str, Any]]) -> List[float]:
+def _mean_losses(results: list[dict[str, Any]]) -> list[float]:
     return [sum(r["losses"][i] for r in results) / len(results) for i in range(len(results[0]["losses"]))]
 
 
-def _preds(results: List[Dict[str, Any]]) -> List[float]:
+def _preds(results: list[dict[str, Any]]) -> list[float]:
     return [x for r in results for x in r["preds"]]
 
 
@@ -368,7 +368,7 @@ def test_row_wise_on_one_rank_trains_like_unsharded_torchrec(tmp_path):
 class _RowWiseOnCpu(EmbeddingBagCollectionSharder):
     """A sharder as a TorchRec user subclasses one (here: to admit row-wise on CPU); it sets no optimizer."""
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
+    def sharding_types(self, compute_device_type: str) -> list[str]:
         return super().sharding_types("cuda")
 
 

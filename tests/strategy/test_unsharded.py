@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 from lightning_rec.checkpoint import CheckpointError
 from lightning_rec.strategy.dmp import materialize_dense
 from lightning_rec.strategy.unsharded import _Reorder
+from tests.helpers import user_scenarios
 from tests.helpers.dist import launch, run_ranks
 from tests.helpers.models import assemble
 from tests.helpers.user_models import (
@@ -28,7 +29,6 @@ from tests.helpers.user_models import (
     samples,
     to_batch,
 )
-from tests.helpers import user_scenarios
 
 TOL = 1e-5
 FIT = user_scenarios.fit
