@@ -62,6 +62,18 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return 1000 * (time.perf_counter() - start), out
 
 
+def _textbook_step(model, optimizer, batch) -> float:
+    """ms of one zero_grad, forward, backward, step."""
+
+    def run() -> None:
+        optimizer.zero_grad()
+        loss, _ = model(batch)
+        loss.backward()
+        optimizer.step()
+
+    return _timed(run)[0]
+
+
 class _TorchRec:
     """The DMP-sharded bench model; ``fast`` switches its TBEs between FBGEMM's forward and recshard's lookup (same
     weights: the two paths give the same bits)."""
@@ -96,13 +108,7 @@ class _TorchRec:
         return {"input_dist": t_in, "emb_fwd": t_fwd, "emb_bwd_update": t_bwd}
 
     def step(self, batch) -> float:
-        def run() -> None:
-            self.opt.zero_grad()
-            loss, _ = self.dmp(batch)
-            loss.backward()
-            self.opt.step()
-
-        return _timed(run)[0]
+        return _textbook_step(self.dmp, self.opt, batch)
 
 
 class _Sparse:
@@ -130,13 +136,7 @@ class _Sparse:
         return {"input_dist": t_in, "emb_fwd": t_fwd, "emb_bwd_update": t_bwd}
 
     def step(self, batch) -> float:
-        def run() -> None:
-            self.opt.zero_grad()
-            loss, _ = self.model(batch)
-            loss.backward()
-            self.opt.step()
-
-        return _timed(run)[0]
+        return _textbook_step(self.model, self.opt, batch)
 
 
 def _dense_phases(mlp, dense_opt, x: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
