@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 # Lightning: process-group helpers shared by its own DDP/FSDP/ModelParallel strategies. There is no public
 # equivalent; re-implementing them would fork Lightning's handling of cluster environments and timeouts.
@@ -56,6 +56,14 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor  # noqa: F401
 # lightning_rec.testing) lives only under a private module path; torch's own docs import it from there.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
+if TYPE_CHECKING:
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+    from lightning.pytorch.loops.prediction_loop import _PredictionLoop
+    from torch.optim import Optimizer
+
 # TorchRec tags the per-call `nn.Parameter` views of fused (TBE) tables with this attribute: the optimizer
 # living in the backward pass owns them, so a dense optimizer must never see them.
 IN_BACKWARD_OPTIMIZER_ATTR = "_in_backward_optimizers"
@@ -75,19 +83,20 @@ def planner_sharding_options(planner: object) -> list | None:
 
 # TorchRec: the planner keeps the topology, constraints and batch size it was built with in private attributes; an
 # enumerator built from the same three proposes the options it chose from (lightning-rec plan's "does not fit").
-def planner_topology(planner: object) -> Any:
+# (`planner: Any`: TorchRec ships no type information, so its objects are Any to the type checker anyway.)
+def planner_topology(planner: Any) -> Any:
     """The ``Topology`` an ``EmbeddingShardingPlanner`` plans for."""
-    return planner._topology  # type: ignore[attr-defined]
+    return planner._topology
 
 
-def planner_constraints(planner: object) -> Any:
+def planner_constraints(planner: Any) -> Any:
     """The ``ParameterConstraints`` by table name an ``EmbeddingShardingPlanner`` was given."""
-    return planner._constraints  # type: ignore[attr-defined]
+    return planner._constraints
 
 
-def planner_batch_size(planner: object) -> int:
+def planner_batch_size(planner: Any) -> int:
     """The per-rank batch size an ``EmbeddingShardingPlanner`` costs with."""
-    return planner._batch_size  # type: ignore[attr-defined]
+    return planner._batch_size
 
 
 def create_topology(
@@ -149,31 +158,32 @@ def ordered_enumerator(topology: Any, batch_size: int, constraints: Any) -> Any:
 
 # TorchRec: `TrainPipelineSparseDist.progress()` runs forward, backward and the optimizer itself. To keep
 # Lightning's step, lightning_rec.strategy.pipeline drives the pipeline's parts from Lightning's hooks; three of the parts
-# it needs have no public name in TorchRec 1.8 (its own `progress()` calls them).
-def pipeline_rewrite(pipeline: object) -> None:
+# it needs have no public name in TorchRec 1.8 (its own `progress()` calls them). (`pipeline: Any`: TorchRec's
+# `TrainPipelineSparseDist`, untyped.)
+def pipeline_rewrite(pipeline: Any) -> None:
     """Rewrite the sharded modules' forwards to read pre-distributed inputs, and start the head batch's input
     distribution (first time, or again after ``detach()``)."""
-    if pipeline._pipelined_modules:  # type: ignore[attr-defined]
-        pipeline.attach()  # type: ignore[attr-defined]  # re-rewrites with batches[0]
+    if pipeline._pipelined_modules:
+        pipeline.attach()  # re-rewrites with batches[0]
     else:
-        pipeline._init_pipelined_modules(  # type: ignore[attr-defined]
+        pipeline._init_pipelined_modules(
             pipeline.batches[0],
             pipeline.contexts[0],
-            pipeline._pipelined_forward_type,  # type: ignore[attr-defined]
+            pipeline._pipelined_forward_type,
         )
 
 
-def pipeline_set_context(pipeline: object, context: object) -> None:
+def pipeline_set_context(pipeline: Any, context: object) -> None:
     """Point the pipelined forwards at ``context`` (the batch about to run)."""
-    pipeline._set_module_context(context)  # type: ignore[attr-defined]
+    pipeline._set_module_context(context)
 
 
-def pipeline_wait_for_batch(pipeline: object) -> None:
+def pipeline_wait_for_batch(pipeline: Any) -> None:
     """Make the compute stream wait for the head batch's host-to-device copy."""
-    pipeline._wait_for_batch()  # type: ignore[attr-defined]
+    pipeline._wait_for_batch()
 
 
-def default_store() -> object | None:
+def default_store() -> torch.distributed.Store | None:
     """The default process group's key-value store, or ``None`` without a process group. torch keeps it private
     (``_get_default_store``); :mod:`lightning_rec.strategy.faults` uses it so that a failing rank can tell the others why,
     without opening a second rendezvous."""
@@ -186,11 +196,11 @@ def default_store() -> object | None:
     return _get_default_store()
 
 
-def tensor_version(tensor: object) -> int:
+def tensor_version(tensor: torch.Tensor) -> int:
     """How many times ``tensor`` (or a view of its storage) was changed in place: torch's autograd version counter,
     public in behaviour but underscore-named (``Tensor._version``). The input checks use it to notice a checked
     KJT changed in place inside ``forward``."""
-    return tensor._version  # type: ignore[attr-defined]
+    return tensor._version
 
 
 # Lightning: what `move_data_to_device` moves (anything with a `.to`); the strategy moves batches itself so that
@@ -198,10 +208,10 @@ def tensor_version(tensor: object) -> int:
 from lightning.fabric.utilities.apply_func import _TransferableDataType  # noqa: E402, F401
 
 
-def call_batch_hook(module: object, name: str, *args: object) -> object:
+def call_batch_hook(module: LightningModule, name: str, *args: object) -> object:
     """Run the LightningModule's (or the datamodule's) batch hook ``name`` the way Lightning does (its private
     ``_call_batch_hook``: the datamodule's override wins, with Lightning's profiling)."""
-    return module._call_batch_hook(name, *args)  # type: ignore[attr-defined]
+    return module._call_batch_hook(name, *args)
 
 
 # TorchRec: DMP keeps the module it wrapped for data parallelism (the dense part's DDP, or the module itself) in
@@ -214,15 +224,15 @@ def dmp_inner_module(dmp: object) -> object:
 # Lightning: where its loops stand (the batch index in the training epoch, the validation loop fit runs, how many
 # batches a loop has fetched). The loops' progress trackers are not a documented API; error messages use them to
 # name the step and batch a failure happened at.
-def training_batch_idx(trainer: object) -> int:
+def training_batch_idx(trainer: Trainer) -> int:
     return trainer.fit_loop.epoch_loop.batch_idx
 
 
-def fit_validation_loop(trainer: object) -> object:
+def fit_validation_loop(trainer: Trainer) -> _EvaluationLoop:
     return trainer.fit_loop.epoch_loop.val_loop
 
 
-def batches_fetched(loop: object) -> int:
+def batches_fetched(loop: _EvaluationLoop | _PredictionLoop) -> int:
     return loop.batch_progress.current.ready
 
 
@@ -232,7 +242,7 @@ def attached_trainer(module: object) -> object | None:
 
 
 # Lightning: the optimizer inside a LightningOptimizer (or the optimizer itself).
-def unwrap_optimizer(optimizer: object) -> object:
+def unwrap_optimizer(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -268,7 +278,7 @@ def _fused_params_holder(sharder: object) -> object | None:
     return sharder if isinstance(sharder, BaseEmbeddingSharder) else None
 
 
-def _private(obj: object, name: str) -> object:
+def _private(obj: object, name: str) -> Any:
     if name not in vars(obj):
         raise AttributeError(
             f"{type(obj).__name__} has no attribute {name!r}: this TorchRec version keeps it elsewhere "
@@ -277,10 +287,16 @@ def _private(obj: object, name: str) -> object:
     return vars(obj)[name]
 
 
+def _set_private(obj: object, name: str, value: object) -> None:
+    """``obj.<name> = value`` for an attribute the other package's class does not declare (TorchRec's ad-hoc
+    attributes on sharders and table weights)."""
+    setattr(obj, name, value)
+
+
 def sharder_fused_params(sharder: object) -> dict | None:
     """The ``fused_params`` an embedding sharder sets (``{}`` for none), or ``None`` for another kind of sharder."""
     holder = _fused_params_holder(sharder)
-    return None if holder is None else dict(_private(holder, "_fused_params") or {})  # type: ignore[call-overload]
+    return None if holder is None else dict(_private(holder, "_fused_params") or {})
 
 
 def with_sharder_fused_params(sharder: object, fused_params: dict, classes: dict[type, type] | None = None) -> object:
@@ -299,12 +315,14 @@ def with_sharder_fused_params(sharder: object, fused_params: dict, classes: dict
         out.__class__ = upgrade
     if isinstance(sharder, FeatureProcessedEmbeddingBagCollectionSharder):
         inner = with_sharder_fused_params(_private(sharder, "_ebc_sharder"), fused_params, classes)
-        out._ebc_sharder = inner  # type: ignore[attr-defined]
+        _set_private(out, "_ebc_sharder", inner)
     elif isinstance(sharder, BaseManagedCollisionEmbeddingCollectionSharder):
-        out._e_sharder = with_sharder_fused_params(_private(sharder, "_e_sharder"), fused_params, classes)  # type: ignore[attr-defined]
+        _set_private(
+            out, "_e_sharder", with_sharder_fused_params(_private(sharder, "_e_sharder"), fused_params, classes)
+        )
     else:
         _private(sharder, "_fused_params")
-        out._fused_params = dict(fused_params)  # type: ignore[attr-defined]
+        _set_private(out, "_fused_params", dict(fused_params))
     return out
 
 
@@ -326,7 +344,7 @@ def in_backward_optimizer(weight: object) -> tuple | None:
 
 
 @contextlib.contextmanager
-def optimizer_state_for_planner(weights: dict[object, object]) -> Iterator[None]:
+def optimizer_state_for_planner(weights: Mapping[torch.Tensor, object]) -> Iterator[None]:
     """Within this block, each unsharded table weight (key) tells TorchRec's planner the optimizer class (value) whose
     state its storage estimate adds; a weight that names a class already (``apply_optimizer_in_backward``) keeps it.
 
@@ -339,24 +357,24 @@ def optimizer_state_for_planner(weights: dict[object, object]) -> Iterator[None]
         for weight, cls in weights.items():
             classes = getattr(weight, "_optimizer_classes", None)
             if not classes or classes[0] is None:
-                weight._optimizer_classes = [cls]  # type: ignore[attr-defined]
+                _set_private(weight, "_optimizer_classes", [cls])
         yield
     finally:
         for weight, before in saved.values():
             weight.__dict__.pop("_optimizer_classes", None)
             if before is not None:
-                weight._optimizer_classes = before  # type: ignore[attr-defined]
+                _set_private(weight, "_optimizer_classes", before)
 
 
 @contextlib.contextmanager
-def table_fused_params(weights: dict[object, dict]) -> Iterator[None]:
+def table_fused_params(weights: Mapping[torch.Tensor, Mapping[str, Any]]) -> Iterator[None]:
     """Within this block, each unsharded table weight (key) carries its own fused parameters (value) for TorchRec's
     sharders; restored afterwards."""
     saved = {id(w): (w, {a: w.__dict__[a] for a in _TABLE_OPTIMIZER_ATTRS if a in w.__dict__}) for w in weights}
     try:
         for weight, fused in weights.items():
-            weight._optimizer_classes = [None]  # type: ignore[attr-defined]
-            weight._optimizer_kwargs = [dict(fused)]  # type: ignore[attr-defined]
+            _set_private(weight, "_optimizer_classes", [None])
+            _set_private(weight, "_optimizer_kwargs", [dict(fused)])
         yield
     finally:
         for weight, before in saved.values():

@@ -292,7 +292,8 @@ def _plan(argv: list[str]) -> None:
         return
     rows = planning.sweep(cli.model, sharder, clusters)
     print(planning.format_sweep(rows))
-    print(planning.calibration_note(device_type, clusters[0].device().name if clusters[0].device() else None))
+    preset = clusters[0].device()
+    print(planning.calibration_note(device_type, preset.name if preset else None))
     for row in rows:
         if row.error:
             print(f"{row.cluster.describe()}: {row.error}")

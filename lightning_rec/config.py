@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast, overload
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -54,6 +54,10 @@ _C = TypeVar("_C", bound=type)
 _CHECKPOINT_SAFE: dict[type, tuple[str, ...]] = {}
 
 
+@overload
+def checkpoint_safe(cls: _C, *, old_paths: Iterable[str] = ()) -> _C: ...
+@overload
+def checkpoint_safe(cls: None = None, *, old_paths: Iterable[str] = ()) -> Callable[[_C], _C]: ...
 def checkpoint_safe(cls: _C | None = None, *, old_paths: Iterable[str] = ()) -> _C | Callable[[_C], _C]:
     """Allow instances of ``cls`` in a checkpoint's hyperparameters (``meta.pt``), which is otherwise loaded with
     ``torch.load(weights_only=True)`` and refuses every class it does not know. A class decorator.
@@ -152,7 +156,7 @@ class EmbeddingOptimizer:
             )
         if not (self.lr >= 0 and math.isfinite(self.lr)):
             raise ValueError(f"EmbeddingOptimizer: lr must be a finite number >= 0, got {self.lr!r}.")
-        self.betas = tuple(self.betas)  # YAML gives lists
+        self.betas = cast(tuple[float, float], tuple(self.betas))  # YAML gives lists
 
     def validate_for(self, device_type: str) -> None:
         """Raise if FBGEMM has no kernel for this optimizer on ``device_type`` (``"cpu"`` or ``"cuda"``)."""
@@ -238,7 +242,7 @@ class TableConstraints:
 
     def to_torchrec(self) -> ParameterConstraints:
         """The equivalent ``torchrec.distributed.planner.ParameterConstraints``."""
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             sharding_types=self.sharding_types,
             compute_kernels=self.compute_kernels,
             min_partition=self.min_partition,
@@ -317,8 +321,8 @@ class QuantizedComms:
     backward_loss_scale: float | None = None
 
     def __post_init__(self) -> None:
-        self.forward = self.forward.lower()  # type: ignore[assignment]
-        self.backward = (self.backward or self.forward).lower()  # type: ignore[assignment]
+        self.forward = cast(CommPrecision, self.forward.lower())
+        self.backward = cast(CommPrecision, (self.backward or self.forward).lower())
         for direction, value in (("forward", self.forward), ("backward", self.backward)):
             if value not in _COMM_PRECISIONS:
                 raise ValueError(
@@ -332,21 +336,21 @@ class QuantizedComms:
         if value is None:
             return None
         if isinstance(value, str):
-            value = cls(forward=value)  # type: ignore[arg-type]
+            value = cls(forward=cast(CommPrecision, value))
         elif isinstance(value, dict):  # also with QCommsConfig's names (forward_precision, backward_precision)
             renamed = {"forward_precision": "forward", "backward_precision": "backward"}
+            kwargs: dict[str, Any] = {
+                renamed.get(k, k): str(v.value if hasattr(v, "value") else v) if k in renamed else v
+                for k, v in value.items()
+            }
+            value = cls(**kwargs)
+        elif not isinstance(value, cls):  # TorchRec's QCommsConfig (untyped)
+            config: Any = value
             value = cls(
-                **{
-                    renamed.get(k, k): str(v.value if hasattr(v, "value") else v) if k in renamed else v
-                    for k, v in value.items()
-                }
-            )
-        elif not isinstance(value, cls):  # TorchRec's QCommsConfig
-            value = cls(
-                forward=str(value.forward_precision),  # type: ignore[arg-type]
-                backward=str(value.backward_precision),  # type: ignore[arg-type]
-                forward_loss_scale=value.forward_loss_scale,
-                backward_loss_scale=value.backward_loss_scale,
+                forward=cast(CommPrecision, str(config.forward_precision)),
+                backward=cast(CommPrecision, str(config.backward_precision)),
+                forward_loss_scale=config.forward_loss_scale,
+                backward_loss_scale=config.backward_loss_scale,
             )
         return None if value.forward == value.backward == "fp32" else value
 

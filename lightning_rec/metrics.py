@@ -55,6 +55,9 @@ class LogLoss(Metric):
     is_differentiable = False
     higher_is_better = False
     full_state_update = False
+    # states (add_state)
+    ce_sum: torch.Tensor
+    count: torch.Tensor
 
     def __init__(self, eps: float = _EPS, validate_args: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -95,6 +98,8 @@ class NormalizedEntropy(LogLoss):
         >>> round(m.compute().item(), 6)
         1.0
     """
+
+    positives: torch.Tensor  # a state (add_state)
 
     def __init__(self, eps: float = _EPS, validate_args: bool = True, **kwargs: Any) -> None:
         super().__init__(eps=eps, validate_args=validate_args, **kwargs)
@@ -188,6 +193,10 @@ class RankingMetrics(Metric):
     is_differentiable = False
     higher_is_better = True
     full_state_update = False
+    # states (add_state)
+    hits: torch.Tensor
+    ndcg: torch.Tensor
+    count: torch.Tensor
 
     def __init__(self, ks: Sequence[int] = (10,), prefix: str = "", hit_name: str = "recall", **kwargs: Any) -> None:
         super().__init__(**kwargs)

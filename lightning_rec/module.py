@@ -5,11 +5,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from typing_extensions import Self
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
 
 from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.errors import ExportError
@@ -44,6 +47,12 @@ class RecLightningModule(pl.LightningModule):
             def configure_optimizers(self):
                 return torch.optim.Adagrad(self.parameters(), lr=0.1)   # tables: fused Adagrad, lr=0.1
     """
+
+    if TYPE_CHECKING:  # for the type checker only: Lightning's `hparams` is an AttributeDict (`self.hparams.lr`),
+        # which its declaration widens to any MutableMapping
+
+        @property
+        def hparams(self) -> AttributeDict: ...
 
     def configure_embedding_optimizer(self) -> EmbeddingOptimizer | None:
         """Declare the fused embedding optimizer explicitly.
@@ -92,10 +101,10 @@ class RecLightningModule(pl.LightningModule):
         )
 
     @classmethod
-    def load_from_checkpoint(  # type: ignore[override]
+    def load_from_checkpoint(
         cls,
         checkpoint_path: str | Path | IO,
-        map_location: str | torch.device | Callable | dict[Any, Any] | None = None,
+        map_location: str | torch.device | int | Callable | dict[Any, Any] | None = None,
         hparams_file: str | Path | None = None,
         strict: bool | None = None,
         weights_only: bool | None = None,
@@ -129,7 +138,7 @@ class RecLightningModule(pl.LightningModule):
             return load_module(
                 cls, checkpoint_path, map_location=map_location, strict=strict, weights_only=weights_only, **kwargs
             )
-        return super().load_from_checkpoint(  # type: ignore[return-value]
+        return super().load_from_checkpoint(
             checkpoint_path,
             map_location=map_location,
             hparams_file=hparams_file,

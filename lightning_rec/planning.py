@@ -133,13 +133,25 @@ class Cluster:
         """All ranks: hosts x devices per host."""
         return self.hosts * self.devices_per_host
 
+    @property
+    def _device_type(self) -> str:
+        """``device_type``, which ``__post_init__`` always sets."""
+        assert self.device_type is not None
+        return self.device_type
+
+    @property
+    def _preset(self) -> DevicePreset | None:
+        """``preset``, which ``__post_init__`` resolves from its name."""
+        assert not isinstance(self.preset, str)
+        return self.preset
+
     def device(self, topology: TopologyConfig | None = None) -> DevicePreset | None:
         """The preset the planner is given (with the memory overrides), ``None`` for TorchRec's defaults."""
-        preset = self.preset or default_preset(self.device_type, topology)  # type: ignore[arg-type]
+        preset = self._preset or default_preset(self._device_type, topology)
         if self.hbm_gb is None and self.ddr_gb is None:
-            return preset  # type: ignore[return-value]
-        base = preset or DevicePreset("custom", self.device_type)  # type: ignore[arg-type]
-        return base.with_memory(self.hbm_gb, self.ddr_gb)  # type: ignore[union-attr]
+            return preset
+        base = preset or DevicePreset("custom", self._device_type)
+        return base.with_memory(self.hbm_gb, self.ddr_gb)
 
     def describe(self) -> str:
         """``"2 x 8 h100"``: hosts x devices per host and the device."""
@@ -158,9 +170,10 @@ def planning_optimizer(
     dense = dense_parameter_ids(modules)
     ids = {id(p) for m in modules for p in m.parameters() if id(p) not in dense}
     optimizers: list[Any] = []
-    if callable(getattr(module, "configure_optimizers", None)):
+    configure_optimizers = getattr(module, "configure_optimizers", None)
+    if callable(configure_optimizers):
         try:
-            optimizers = _compat.parse_optimizers(module.configure_optimizers())
+            optimizers = _compat.parse_optimizers(configure_optimizers())
         except Exception as err:  # noqa: BLE001 - e.g. a configure_optimizers reading self.trainer
             warn(
                 f"note: {type(module).__name__}.configure_optimizers() did not run without a Trainer "
@@ -190,7 +203,7 @@ def plan_cluster(
     Raises:
         DoesNotFit: naming the tables that do not fit, their memory, and the smallest candidate that holds them.
     """
-    emb_opt, per_table = optimizer or planning_optimizer(module, sharder, cluster.device_type)  # type: ignore[arg-type]
+    emb_opt, per_table = optimizer or planning_optimizer(module, sharder, cluster._device_type)
     try:
         return _plan(module, sharder, cluster, emb_opt, per_table)
     except PlannerError as err:
@@ -203,7 +216,7 @@ def _plan(module: nn.Module, sharder: TableSharder, cluster: Cluster, emb_opt: A
         emb_opt,
         world_size=cluster.world_size,
         local_world_size=(sharder.topology or TopologyConfig()).ranks_per_host(cluster.devices_per_host),
-        device_type=cluster.device_type,  # type: ignore[arg-type]
+        device_type=cluster._device_type,
         per_table=per_table,
         preset=cluster.device(sharder.topology),
         batch_size=cluster.batch_size,
@@ -245,7 +258,7 @@ class DoesNotFit(ValueError):
             topology=sharder.topology,
             world_size=cluster.world_size,
             local_world_size=local,
-            device_type=cluster.device_type,  # type: ignore[arg-type]
+            device_type=cluster._device_type,
             qcomms=sharder.qcomms,
             preset=device,
             batch_size=cluster.batch_size,
@@ -392,7 +405,7 @@ def sweep(module: nn.Module, sharder: TableSharder, clusters: Sequence[Cluster])
         print(format_sweep(rows))
     """
     rows = []
-    optimizer = planning_optimizer(module, sharder, clusters[0].device_type) if clusters else None  # type: ignore[arg-type]
+    optimizer = planning_optimizer(module, sharder, clusters[0]._device_type) if clusters else None
     for cluster in clusters:
         try:
             rows.append(
@@ -444,7 +457,7 @@ def write_sweep_png(rows: Sequence[SweepRow], path: os.PathLike[str] | str) -> N
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     xs = list(range(len(fits)))  # evenly spaced: topologies usually double
-    mem = [(r.report.max_memory_bytes or 0) / _GB for r in fits]  # type: ignore[union-attr]
+    mem = [(report.max_memory_bytes or 0) / _GB for r in fits if (report := r.report) is not None]  # all of fits
     ax.plot(xs, mem, "o-", color="tab:blue", label="memory per rank (GiB)")
     ax.set_xticks(xs)
     ax.set_xticklabels([f"{r.cluster.hosts}x{r.cluster.devices_per_host}" for r in fits])
@@ -454,7 +467,7 @@ def write_sweep_png(rows: Sequence[SweepRow], path: os.PathLike[str] | str) -> N
     twin.plot(xs, [r.samples_per_s or 0 for r in fits], "s--", color="tab:orange", label="samples/s (planner)")
     twin.set_ylabel("samples/s (planner's step time)")
     lines = ax.get_lines() + twin.get_lines()
-    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper center", fontsize=8)
+    ax.legend(lines, [str(ln.get_label()) for ln in lines], loc="upper center", fontsize=8)
     missing = [r.cluster.describe() for r in rows if r.report is None]
     title = "Planned topologies" + (f" (does not fit: {', '.join(missing)})" if missing else "")
     ax.set_title(title, fontsize=9)

@@ -83,9 +83,9 @@ def read_rows(source: str | os.PathLike[str], table: str) -> torch.Tensor:
     return stored[matches[0]]
 
 
-def table_holders(module: nn.Module) -> dict[str, list[tuple[str, nn.Module, int, int]]]:
+def table_holders(module: nn.Module) -> dict[str, list[tuple[str, nn.Embedding | nn.EmbeddingBag, int, int]]]:
     """Table name -> every (module path, its nn.Embedding(Bag), rows, columns) that declares it."""
-    found: dict[str, list[tuple[str, nn.Module, int, int]]] = {}
+    found: dict[str, list[tuple[str, nn.Embedding | nn.EmbeddingBag, int, int]]] = {}
     for path, sub in embedding_modules(module).items():
         inner = inner_collection(sub)  # a position-weighted or managed-collision module's tables are its collection's
         if isinstance(inner, EmbeddingBagCollection):
@@ -133,7 +133,7 @@ def load_rows(module: nn.Module, rows: Mapping[str, Rows]) -> None:
             f"load_rows: {type(module).__name__} holds no unsharded EmbeddingBagCollection/EmbeddingCollection. "
             "HINT: call it on the model before fit (a sharded module's tables are filled from a checkpoint instead)."
         )
-    staged: list[tuple[str, nn.Module, torch.Tensor]] = []
+    staged: list[tuple[str, nn.Embedding | nn.EmbeddingBag, torch.Tensor]] = []
     for name, source in rows.items():
         where = tables.get(name)
         if not where:

@@ -22,10 +22,11 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.distributed.types import ShardedModule
+from torchrec.distributed.types import ModuleSharder, ShardedModule
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.modules.mc_embedding_modules import (
@@ -82,17 +83,17 @@ def inner_collection(module: nn.Module) -> EmbeddingBagCollection | EmbeddingCol
 def table_configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
     """The table configs of an embedding module (see :func:`inner_collection`); a custom sharder's module is asked
     for ``embedding_bag_configs()`` or ``embedding_configs()``, and has none if it answers to neither."""
-    inner = inner_collection(module) or module
+    inner: Any = inner_collection(module) or module  # duck-typed: asked for the methods it has
     if isinstance(inner, EmbeddingBagCollection) or (
         not isinstance(inner, EmbeddingCollection) and callable(getattr(inner, "embedding_bag_configs", None))
     ):
-        return list(inner.embedding_bag_configs())  # type: ignore[operator]
+        return list(inner.embedding_bag_configs())
     if callable(getattr(inner, "embedding_configs", None)):
-        return list(inner.embedding_configs())  # type: ignore[operator]
+        return list(inner.embedding_configs())
     return []
 
 
-def sharded_module_types(sharders: Sequence[object] = ()) -> tuple[type[nn.Module], ...]:
+def sharded_module_types(sharders: Sequence[ModuleSharder[nn.Module]] = ()) -> tuple[type[nn.Module], ...]:
     """:data:`TABLE_MODULE_TYPES` plus the ``module_type`` of each extra TorchRec sharder, without repeats."""
     return tuple(dict.fromkeys([*TABLE_MODULE_TYPES, *(s.module_type for s in sharders)]))
 

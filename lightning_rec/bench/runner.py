@@ -275,11 +275,11 @@ def plot_batch_sweep(results: Results, path: str) -> None:
             )
     fig = Figure(figsize=(6.5 * max(1, len(sweeps)), 4.5))
     FigureCanvasAgg(fig)
-    for i, (name, per_variant) in enumerate(sorted(sweeps.items())):
+    for i, (name, curves) in enumerate(sorted(sweeps.items())):
         ax = fig.add_subplot(1, max(1, len(sweeps)), i + 1)
         for variant in VARIANTS + EXTRA_VARIANTS:
-            if variant in per_variant:
-                xs, ys = zip(*sorted(per_variant[variant]))
+            if variant in curves:
+                xs, ys = zip(*sorted(curves[variant]))
                 ax.plot(xs, ys, marker="o", label=variant)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (per process)")

@@ -20,7 +20,7 @@ import os
 import resource
 import statistics
 import time
-from typing import Any
+from typing import Any, cast
 
 from lightning_rec.bench.workload import (
     BenchModel,
@@ -198,7 +198,7 @@ def lightning_module(size: Size, lr: float, plain_tables: bool, sparse: bool = F
 
     base = lightning_rec.RecLightningModule if not plain_tables else L.LightningModule
 
-    class Module(base):  # type: ignore[misc, valid-type]
+    class Module(base):  # type: ignore[misc, valid-type]  # a base chosen at run time
         def __init__(self) -> None:
             super().__init__()
             self.model = BenchModel.build(size, plain_tables, sparse)
@@ -254,7 +254,7 @@ def _run_lightning(
         init_weights(module.model)
         strategy: Any = "ddp" if size.world_size > 1 else "auto"
     else:
-        unchecked = {
+        unchecked: dict[str, Any] = {
             "default": {},
             "none": {"bounds_check": "none", "nonfinite": "ignore"},
             "strict": {"nonfinite": "strict"},
@@ -272,7 +272,7 @@ def _run_lightning(
         **QUIET_TRAINER,
     )
     trainer.fit(module, _loader(size, int(os.environ["RANK"]), device))
-    plan = None if plain_tables else _plan_rows(trainer.strategy.sharding_plan)
+    plan = None if plain_tables else _plan_rows(cast(RecShardStrategy, trainer.strategy).sharding_plan)
     return {"stamps": clock.stamps, "losses": [float(x) for x in module.losses], "plan": plan}
 
 

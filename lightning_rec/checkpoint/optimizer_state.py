@@ -147,10 +147,10 @@ class OptimizerTarget:
         for fqn, entries in sorted(live.items()):
             if entries and fqn not in saved:
                 self.problems.append(f"optimizer state for {fqn}: missing from the checkpoint")
-        for fqn, entries in saved.items():
+        for fqn, saved_entries in saved.items():
             if fqn not in owners:
                 continue
-            for name, (shape, dtype) in entries.items():
+            for name, (shape, dtype) in saved_entries.items():
                 target = live.get(fqn, {}).get(name) if owners[fqn] == "fused" else None
                 if owners[fqn] == "fused" and fqn not in live:
                     continue  # no shard of this table here
@@ -167,7 +167,7 @@ class OptimizerTarget:
                         )
                 else:
                     self.tensors[(fqn, name)] = target if target is not None else torch.empty(shape, dtype=dtype)
-            for name in set(live.get(fqn, {})) - set(entries):
+            for name in set(live.get(fqn, {})) - set(saved_entries):
                 self.problems.append(f"optimizer state {fqn}/{name}: missing from the checkpoint")
         self._check_groups()
 

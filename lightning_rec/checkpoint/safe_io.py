@@ -81,9 +81,10 @@ class SafeFileSystemReader(FileSystemReader):
         if kwargs.get("rank") is not None:  # per-rank metadata files are not a format this package writes
             raise UnsafeCheckpointError("per-rank DCP metadata files are not supported")
         metadata = read_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 

@@ -9,9 +9,9 @@ sizes may differ by one row between ranks, which TorchRec's input distribution h
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -112,8 +112,8 @@ class RecDataset(Dataset):
         self.sparse: dict[str, Column] = dict(sparse)
         self.weights: dict[str, Jagged] = dict(weights or {})
         for name, w in self.weights.items():
-            col = self.sparse.get(name)
-            if not isinstance(col, Jagged) or not torch.equal(col.offsets, w.offsets):
+            ids = self.sparse.get(name)
+            if not isinstance(ids, Jagged) or not torch.equal(ids.offsets, w.offsets):
                 raise ValueError(f"RecDataset: the weights of {name!r} must be a Jagged parallel to its ids.")
 
     def __len__(self) -> int:
@@ -224,7 +224,7 @@ class DistributedBatchSampler(DistributedSampler):
 
     def _batches(self) -> list[torch.Tensor]:
         return rank_batches(
-            len(self.dataset),
+            len(cast(Sized, self.dataset)),  # a map-style dataset (DistributedSampler's too)
             self.batch_size,
             rank=self.rank,
             world_size=self.num_replicas,
@@ -233,7 +233,7 @@ class DistributedBatchSampler(DistributedSampler):
             epoch=self.epoch,
         )
 
-    def __iter__(self) -> Iterator[torch.Tensor]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._batches())
 
     def __len__(self) -> int:

@@ -293,8 +293,8 @@ class CriteoNpyDataset:
         for k in np.unique(part):
             where = torch.from_numpy(np.nonzero(part == k)[0])
             # sorted, unique reads from the memory map; `inverse` restores the requested order
-            local, inverse = np.unique(idx[where.numpy()] - self._starts[k], return_inverse=True)
-            inverse = torch.from_numpy(inverse.reshape(-1))
+            local, order = np.unique(idx[where.numpy()] - self._starts[k], return_inverse=True)
+            inverse = torch.from_numpy(order.reshape(-1))
             d, s, y = (torch.from_numpy(np.array(a[local])) for a in self._arrays()[k])
             d = d if d.is_floating_point() else transform_dense(d)
             dense[where], ids[where] = d.float()[inverse], s.long()[inverse] % self.sizes
@@ -419,11 +419,12 @@ class CriteoDataModule(RecDataModule):
 
     def dataloader(self, split: str) -> DataLoader | list[DataLoader]:
         """TSV: a rank-exact stream; ``.npy``: the memory-mapped rows through :meth:`loader`."""
-        if not self.splits[split]:
+        patterns = self.splits[split]
+        if not patterns:
             if split == "val":
                 return []  # fit without validation: Lightning runs no batches from an empty list
             raise ValueError(f"CriteoDataModule: no {split} files given. HINT: set data.init_args.{split}.")
-        layout, files = _resolve(self.splits[split], self.layout, split)
+        layout, files = _resolve(patterns, self.layout, split)
         if layout == "npy":
             return self.loader(CriteoNpyDataset(files, self.sizes), shuffle=split == "train")
         rank, world_size = self.rank_and_world_size

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -339,7 +339,7 @@ class MovieLensRetrievalDataModule(RecDataModule):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         self.data_dir = Path(data_dir)
         self.download = download
-        self.split_args = dict(
+        self.split_args: dict[str, Any] = dict(
             positive_threshold=positive_threshold,
             min_positives=min_positives,
             history_length=history_length,

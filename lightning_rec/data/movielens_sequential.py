@@ -181,17 +181,17 @@ class SequenceDataset:
             )
         self.users, self.history, self.target, self.seen = users.long(), history, target, seen
         self.num_items, self.num_negatives, self.seed = num_items, num_negatives, seed
-        self._negatives: tuple[int, torch.Tensor | None] = (-1, None)
+        self._negatives: tuple[int, torch.Tensor] | None = None  # (epoch, its negatives)
 
     def __len__(self) -> int:
         return self.users.numel()
 
     def negatives(self, epoch: int) -> torch.Tensor:
         """``(R, num_negatives)`` item ids in ``[1, num_items)`` of every row in ``epoch`` (seeded by seed and epoch)."""
-        if self._negatives[0] != epoch:
+        if self._negatives is None or self._negatives[0] != epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._negatives = (epoch, torch.randint(1, self.num_items, (len(self), self.num_negatives), generator=g))
-        return self._negatives[1]  # type: ignore[return-value]
+        return self._negatives[1]
 
     def __getitem__(self, key: torch.Tensor | tuple[int, torch.Tensor] | int) -> dict[str, Any]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
@@ -223,7 +223,7 @@ class SequenceDataset:
 class _EpochBatchSampler(DistributedBatchSampler):
     """:class:`DistributedBatchSampler` that yields ``(epoch, indices)``, so the dataset can seed by epoch."""
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self):
         return ((self.epoch, b) for b in self._batches())
 
 

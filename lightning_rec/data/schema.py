@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -242,9 +242,9 @@ def hash_ids(values: np.ndarray, num_embeddings: int) -> np.ndarray:
     return (z % np.uint64(num_embeddings)).astype(np.int64)
 
 
-def hash_arrow(values: object, num_embeddings: int) -> np.ndarray:
+def hash_arrow(values: Any, num_embeddings: int) -> np.ndarray:
     """:func:`hash_ids` of a ``pyarrow`` integer or string array, reading the string bytes in place (no Python string
-    per value): the ids are those :func:`hash_ids` gives the same values.
+    per value): the ids are those :func:`hash_ids` gives the same values. (``values: Any``: pyarrow is untyped.)
 
     Example::
 
@@ -254,7 +254,7 @@ def hash_arrow(values: object, num_embeddings: int) -> np.ndarray:
     """
     import pyarrow as pa
 
-    arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values  # type: ignore[attr-defined]
+    arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
     if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
         return hash_ids(arr.to_numpy(zero_copy_only=False), num_embeddings)
     n = len(arr)

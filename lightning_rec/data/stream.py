@@ -120,7 +120,8 @@ def read_unit(unit: Unit, columns: Sequence[str], csv_columns: Sequence[str] | N
     else:
         with open(unit.file, "rb") as f:
             f.seek(unit.start)
-            data = f.read(unit.end - unit.start)  # type: ignore[operator]
+            assert unit.end is not None  # a byte range has both ends
+            data = f.read(unit.end - unit.start)
     table = pacsv.read_csv(
         io.BytesIO(data),
         read_options=pacsv.ReadOptions(column_names=names),

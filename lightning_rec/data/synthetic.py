@@ -243,7 +243,7 @@ class SyntheticDataModule(RecDataModule):
         if not self.rows["test"]:
             self._splits["test"] = self._splits["val"]
 
-    def split(self, name: Literal["train", "val", "test", "predict"]) -> RecDataset:
+    def split(self, name: str) -> RecDataset:
         """The rows of split ``name`` (after :meth:`setup`); ``predict`` runs over the validation rows."""
         if self._splits is None:
             raise RuntimeError("SyntheticDataModule: no data yet. HINT: call setup() first (the Trainer does).")

@@ -242,7 +242,10 @@ def _decode_sparse(part: _Part, spec: SparseColumn, bad: _Bad) -> tuple[Any, np.
 
 def _hashed(spec: SparseColumn) -> int | None:
     """The rows ``hash`` ids go to (they are hashed as they are decoded), else ``None``."""
-    return int(spec.num_embeddings) if spec.ids == "hash" else None  # type: ignore[arg-type]
+    if spec.ids != "hash":
+        return None
+    assert spec.num_embeddings is not None  # SparseColumn requires it of hash ids
+    return int(spec.num_embeddings)
 
 
 def _per_row_take(values: np.ndarray, have: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -283,7 +286,7 @@ def _decode(part: _Part, schema: Schema, drop: bool, timestamp: str | None) -> _
 def _concat_jagged(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> tuple[Any, ...]:
     ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
     lengths = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
-    weights = None if not parts or parts[0][2] is None else np.concatenate([p[2] for p in parts])  # type: ignore[misc]
+    weights = None if not parts or parts[0][2] is None else np.concatenate([p[2] for p in parts])
     return ids, lengths, weights
 
 
@@ -427,7 +430,7 @@ class TabularDataModule(RecDataModule):
             ids, lengths, weights = _concat_jagged([p.sparse[c.feature] for p in parts])
             values_kept = _rows_of(lengths, keep)
             sparse[c.feature] = (ids[values_kept], lengths[keep], None if weights is None else weights[values_kept])
-        stamps = None if parts[0].timestamps is None else np.concatenate([p.timestamps for p in parts])[keep]  # type: ignore[misc]
+        stamps = None if parts[0].timestamps is None else np.concatenate([p.timestamps for p in parts])[keep]
         return _Decoded(
             np.concatenate([p.labels for p in parts])[keep],
             np.concatenate([p.dense for p in parts])[keep],
@@ -480,14 +483,14 @@ class TabularDataModule(RecDataModule):
                 seen = counts[key]
                 for v, k in zip(values.tolist(), n.tolist()):
                     seen[v] = seen.get(v, 0) + k
-            for i, c in enumerate(stats):
-                column = train.dense[train.keep, self.schema.dense.index(c)]
+            for i, d in enumerate(stats):
+                column = train.dense[train.keep, self.schema.dense.index(d)]
                 moments[i] += (len(column), column.sum(), np.square(column).sum())
         for key, group in needed.items():
             self.vocabularies[key] = Vocabulary.build(counts[key], max(c.min_count for c in group))
-        for (n, total, squares), c in zip(moments, stats):
+        for (n, total, squares), d in zip(moments, stats):
             mean = total / max(n, 1)
-            self.dense_stats[c.column] = (float(mean), float(np.sqrt(max(squares / max(n, 1) - mean**2, 0.0))))
+            self.dense_stats[d.column] = (float(mean), float(np.sqrt(max(squares / max(n, 1) - mean**2, 0.0))))
         self._write_state()
 
     def _write_state(self) -> None:

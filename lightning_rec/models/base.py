@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics import MetricCollection
 
 from lightning_rec.batch import Batch
 from lightning_rec.config import EmbeddingOptimizer
@@ -90,6 +91,8 @@ class CTRModule(TwoOptimizerModule):
                 self.use_optimizers(None, dense_optimizer)
     """
 
+    model: nn.Module  # set by the subclass
+
     def __init__(self) -> None:
         super().__init__()
         self.val_metrics = ctr_metrics(prefix="val/")
@@ -116,7 +119,7 @@ class CTRModule(TwoOptimizerModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
         return loss
 
-    def _evaluate(self, batch: Batch, metrics: nn.Module) -> None:
+    def _evaluate(self, batch: Batch, metrics: MetricCollection) -> None:
         metrics.update(torch.sigmoid(self(batch)), batch.labels.long())
         self.log_dict(metrics, batch_size=batch.labels.numel())
 

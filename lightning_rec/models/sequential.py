@@ -61,6 +61,8 @@ class CausalEncoder(nn.Module):
         torch.Size([2, 4, 8])
     """
 
+    causal: torch.Tensor  # a buffer
+
     def __init__(
         self, embedding_dim: int, max_len: int, num_blocks: int = 2, num_heads: int = 2, dropout: float = 0.1
     ) -> None:

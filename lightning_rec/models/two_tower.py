@@ -22,7 +22,7 @@ division apply) is then the whole batch's mean loss, even when ranks hold batche
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from lightning_rec.config import EmbeddingOptimizer, SparseFeature
 from lightning_rec.errors import ExportError
 from lightning_rec.metrics import RankingMetrics, target_rank
 from lightning_rec.module import RecLightningModule
+
+if TYPE_CHECKING:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
 
 __all__ = ["Tower", "TwoTower", "TwoTowerModule", "build_two_tower", "gather_candidates", "in_batch_softmax_loss"]
 
@@ -181,14 +184,14 @@ class _GatherRows(torch.autograd.Function):
     rank's slice: gloo has no reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, rows: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, rows.contiguous())
         ctx.n = rows.shape[0]
         return torch.cat(parts)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous()
         dist.all_reduce(grad)
         start = dist.get_rank() * ctx.n
@@ -383,7 +386,7 @@ class TwoTowerModule(RecLightningModule):
 
     # -- Lightning hooks ---------------------------------------------------------------------------------
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        opt_dense, opt_tables = self.optimizers()
+        opt_dense, opt_tables = cast("list[LightningOptimizer]", self.optimizers())  # configure_optimizers' two
         opt_dense.zero_grad()
         opt_tables.zero_grad()
         loss = self.loss(batch)

@@ -91,6 +91,8 @@ class ServingWrapper(nn.Module):
     """Plain tensors in, the network's output out: builds the ``KeyedJaggedTensor`` the network takes, after
     :func:`check_inputs` when ``rows`` (the table rows of each feature) is given."""
 
+    rows: Tensor  # a buffer
+
     def __init__(self, net: nn.Module, features: list[str], dense: bool, rows: list[int] | None = None) -> None:
         super().__init__()
         self.net = net
@@ -158,7 +160,7 @@ def load_inference(path: str | Path, map_location: str = "cpu") -> torch.jit.Scr
     return torch.jit.load(str(path), map_location=map_location)
 
 
-def example_inputs(spec: InferenceSpec) -> tuple[Tensor, ...]:
+def example_inputs(spec: InferenceSpec) -> tuple[Tensor | None, ...]:
     """Two samples, one id (row 0) per feature: the warm-up call's input."""
     rows = 2
     n = rows * len(spec.features)

@@ -102,17 +102,16 @@ def export_inference(
         raise ExportError(f"bounds_check must be one of {list(_BOUNDS_CHECK)}, got {bounds_check!r}.")
     path = layout.recover(Path(checkpoint))
     cls = _model_class(model_class, safe_io.load_meta(path / layout.META_FILE, weights_only), path)
-    module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
+    module: nn.Module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
     net = serving_network(module, part)
     feature_rows, weighted, tables = network_features(net)
     features = list(feature_rows)
     check_row_width(tables, table_dtype, type(net).__name__)
     dense = takes_dense(net)
-    if dense:
-        num_dense_features = num_dense(module, num_dense_features, net, features, weighted)
+    num_dense_features = num_dense(module, num_dense_features, net, features, weighted) if dense else 0
     spec = InferenceSpec(
         features=features,
-        num_dense_features=num_dense_features if dense else 0,
+        num_dense_features=num_dense_features,
         weighted=weighted,
         table_dtype=table_dtype,
         tables=tables,

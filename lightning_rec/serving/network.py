@@ -3,7 +3,7 @@ it takes dense features and how wide they are, and the refusals that name the pa
 
 import copy
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -67,8 +67,8 @@ def network_features(net: nn.Module) -> tuple[dict[str, int], bool, dict[str, li
     for sub in embedding_modules(net).values():  # EmbeddingBagCollection or EmbeddingCollection
         if isinstance(sub, EmbeddingBagCollection):
             configs, weighted = sub.embedding_bag_configs(), weighted or bool(sub.is_weighted())
-        else:
-            configs = sub.embedding_configs()
+        else:  # an EmbeddingCollection (TorchRec's classes are untyped: Any)
+            configs = cast(Any, sub).embedding_configs()
         for config in configs:
             features.update(dict.fromkeys(config.feature_names, int(config.num_embeddings)))
             tables[config.name] = [int(config.num_embeddings), int(config.embedding_dim)]
@@ -187,7 +187,12 @@ def _dense_width(net: nn.Module, features: list[str], weighted: bool) -> int | N
 
     class Probe(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
-            width = _input_width(self.fetch_attr(n.target)) if n.op == "call_module" and n in reads_dense else None
+            # a call_module node's target is the module's path (a str; fx types any target as str | callable)
+            width = (
+                _input_width(self.fetch_attr(cast(str, n.target)))
+                if n.op == "call_module" and n in reads_dense
+                else None
+            )
             if width is not None:
                 args, _ = self.fetch_args_kwargs_from_env(n)
                 raise _WidthFound(width - args[0].shape[-1])

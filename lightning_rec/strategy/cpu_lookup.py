@@ -23,13 +23,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_rec import _compat
+
+if TYPE_CHECKING:  # FBGEMM ships no type information: to the type checker its TBE is Any
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
 # FBGEMM's CPU backward op per optimizer (what its own autograd function calls after the forward).
 _BACKWARD_OPS = {
@@ -38,7 +41,7 @@ _BACKWARD_OPS = {
 }
 
 
-def ineligible_reason(tbe: nn.Module) -> str | None:
+def ineligible_reason(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> str | None:
     """Why ``tbe`` (a ``SplitTableBatchedEmbeddingBagsCodegen``) must keep FBGEMM's own forward, or ``None``.
 
     Example::
@@ -76,7 +79,7 @@ def ineligible_reason(tbe: nn.Module) -> str | None:
     return None
 
 
-def _arguments(tbe: nn.Module) -> dict[str, Any]:
+def _arguments(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> dict[str, Any]:
     """Every argument FBGEMM's CPU backward ops take but the per-step ones, by name, from the TBE (as its own
     forward passes them)."""
     args = tbe.optimizer_args
@@ -135,7 +138,12 @@ class CpuLookup:
         tbe.forward = CpuLookup(tbe, tbe.forward)   # what install_cpu_lookup does
     """
 
-    def __init__(self, tbe: nn.Module, fbgemm_forward: Callable[..., torch.Tensor], threads: int | None = None) -> None:
+    def __init__(
+        self,
+        tbe: SplitTableBatchedEmbeddingBagsCodegen,
+        fbgemm_forward: Callable[..., torch.Tensor],
+        threads: int | None = None,
+    ) -> None:
         reason = ineligible_reason(tbe)
         if reason is not None:
             raise ValueError(f"CpuLookup: this TBE keeps FBGEMM's forward: {reason}")
@@ -263,7 +271,7 @@ class _Lookup(torch.autograd.Function):
         indices: torch.Tensor,
         offsets: torch.Tensor,
         feature_requires_grad: torch.Tensor | None,
-    ) -> torch.Tensor:  # type: ignore[override]
+    ) -> torch.Tensor:
         out, bounds = lookup.pooled(indices, offsets, weights)
         empty = torch.empty(0)
         ctx.lookup, ctx.bounds = lookup, bounds
@@ -276,7 +284,7 @@ class _Lookup(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         indices, offsets, weights, feature_requires_grad = ctx.saved_tensors
         lookup: CpuLookup = ctx.lookup
         grad = grad.contiguous()

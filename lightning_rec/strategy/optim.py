@@ -286,7 +286,7 @@ class RecOptimizer(CombinedOptimizer):
         for opt in self.table_optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         # No sync_lr here: the tables update inside the closure's backward, after `zero_grad` (and Lightning's
         # `on_train_batch_start`) pushed the rate.
         loss = None
@@ -362,7 +362,9 @@ def resolve_embedding_optimizer(
             opt.validate_for(device_type)
         emb_opt, lr_source = next(iter(per_table.values()))[0], None
     elif found:
-        idx, group = find_embedding_group(optimizers, is_embedding)  # type: ignore[misc]  # one, or it raises
+        located = find_embedding_group(optimizers, is_embedding)
+        assert located is not None  # `found` holds a group of them (and several raise)
+        idx, group = located
         emb_opt, lr_source = embedding_optimizer_from_torch(optimizers[idx], group), group
     elif optimizers and has_tables:
         raise ValueError(

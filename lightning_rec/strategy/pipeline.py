@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
@@ -77,7 +77,7 @@ class _NoStepOptimizer(torch.optim.Optimizer):
     def __init__(self) -> None:
         super().__init__([torch.zeros(0, requires_grad=True)], {})
 
-    def step(self, closure: Any = None) -> None:  # pragma: no cover - never called
+    def step(self, closure: Any = None) -> NoReturn:  # pragma: no cover - never called
         raise RuntimeError("the pipelined strategy never lets TorchRec's pipeline step the optimizer")
 
 

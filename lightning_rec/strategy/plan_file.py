@@ -72,7 +72,7 @@ def to_sharding_plan(report: PlanReport) -> ShardingPlan:
                     ShardMetadata(
                         shard_offsets=list(offsets),
                         shard_sizes=list(sizes),
-                        placement=where or placement(report.device_type, rank, local),  # type: ignore[arg-type]
+                        placement=where or placement(report.device_type, rank, local),
                     )
                     for sizes, offsets, rank, where in zip(
                         row.shard_sizes, row.shard_offsets, _shard_ranks(row), _placements(row)
@@ -87,7 +87,7 @@ def to_sharding_plan(report: PlanReport) -> ShardingPlan:
             sharding_spec=spec,
             **_decode_extras(row.extras),
         )
-    return ShardingPlan(plan)  # type: ignore[arg-type]
+    return ShardingPlan(plan)
 
 
 def check_plan(

@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
@@ -90,7 +90,7 @@ def plan_rows(plan: ShardingPlan, shapes: Mapping[str, Sequence[int]] | None = N
     """
     rows = []
     for module_path, module_plan in plan.plan.items():
-        for table, ps in module_plan.items():  # type: ignore[union-attr]
+        for table, ps in module_plan.items():
             shards = getattr(ps.sharding_spec, "shards", None) or []
             rows.append(
                 PlanRow(
@@ -128,7 +128,7 @@ def plan_extras(ps: ParameterSharding) -> dict[str, Any]:
             continue
         if isinstance(value, Enum):
             value = value.name
-        elif dataclasses.is_dataclass(value):
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             value = {k: v.name if isinstance(v, Enum) else v for k, v in dataclasses.asdict(value).items()}
         extras[name] = value
     return extras
@@ -205,8 +205,8 @@ class RankEstimate:
     @property
     def step_ms(self) -> float | None:
         """The planner's milliseconds per step of this rank's tables: lookups, input and output all-to-alls."""
-        parts = (self.lookup_ms, self.input_dist_ms, self.output_dist_ms)
-        return None if any(p is None for p in parts) else sum(parts)  # type: ignore[arg-type]
+        parts = _all_known((self.lookup_ms, self.input_dist_ms, self.output_dist_ms))
+        return None if parts is None else sum(parts)
 
     @property
     def memory_bytes(self) -> int | None:
@@ -250,10 +250,20 @@ def imbalance(values: Sequence[float | None]) -> float | None:
         >>> imbalance([2.0, 2.0]), imbalance([None, 1.0]), imbalance([0, 0])
         (1.0, None, None)
     """
-    if not values or any(v is None for v in values):
+    known = _all_known(values)
+    if not known:
         return None
-    mean = sum(values) / len(values)  # type: ignore[arg-type]
-    return max(values) / mean if mean > 0 else None  # type: ignore[type-var]
+    mean = sum(known) / len(known)
+    return max(known) / mean if mean > 0 else None
+
+
+_T = TypeVar("_T")
+
+
+def _all_known(values: Sequence[_T | None]) -> list[_T] | None:
+    """``values`` as a list, or ``None`` if any of them is ``None``."""
+    known = [v for v in values if v is not None]
+    return known if len(known) == len(values) else None
 
 
 @dataclass
@@ -316,7 +326,7 @@ class PlanReport:
             batch_size: the planner's per-rank batch size; preset: its device preset's name.
         """
         rows = plan_rows(plan, shapes)
-        meta = dict(local_world_size=local_world_size, batch_size=batch_size, preset=preset)
+        meta: dict[str, Any] = dict(local_world_size=local_world_size, batch_size=batch_size, preset=preset)
         if not sharding_options:
             return cls(world_size, device_type, rows, [RankEstimate(r) for r in range(world_size)], False, **meta)
         ranks = [RankEstimate(r, 0, 0, 0.0, 0.0, 0.0, 0.0) for r in range(world_size)]
@@ -326,14 +336,14 @@ class PlanReport:
                     continue
                 total = ranks[shard.rank]
                 if shard.storage is not None:
-                    total.hbm_bytes += int(shard.storage.hbm)  # type: ignore[operator]
-                    total.ddr_bytes += int(shard.storage.ddr)  # type: ignore[operator]
+                    total.hbm_bytes += int(shard.storage.hbm)
+                    total.ddr_bytes += int(shard.storage.ddr)
                 if shard.perf is not None:
                     perf = shard.perf
-                    total.cost += float(perf.total)  # type: ignore[operator]
-                    total.lookup_ms += float(perf.fwd_compute + perf.bwd_compute + perf.prefetch_compute)  # type: ignore[operator]
-                    total.input_dist_ms += float(getattr(perf, "input_dist_comms", 0.0))  # type: ignore[operator]
-                    total.output_dist_ms += float(perf.fwd_comms + perf.bwd_comms)  # type: ignore[operator]
+                    total.cost += float(perf.total)
+                    total.lookup_ms += float(perf.fwd_compute + perf.bwd_compute + perf.prefetch_compute)
+                    total.input_dist_ms += float(getattr(perf, "input_dist_comms", 0.0))
+                    total.output_dist_ms += float(perf.fwd_comms + perf.bwd_comms)
         return cls(world_size, device_type, rows, ranks, True, **meta)
 
     @property
@@ -352,15 +362,15 @@ class PlanReport:
     @property
     def max_memory_bytes(self) -> int | None:
         """The fullest rank's estimated memory (HBM + DDR), or ``None`` without estimates."""
-        values = [r.memory_bytes for r in self.ranks]
-        return None if not values or None in values else max(values)  # type: ignore[type-var]
+        values = _all_known([r.memory_bytes for r in self.ranks])
+        return max(values) if values else None
 
     @property
     def step_ms(self) -> float | None:
         """The planner's step time: the slowest rank's :attr:`RankEstimate.step_ms` (ranks wait for each other in
         the all-to-alls), or ``None`` without estimates."""
-        values = [r.step_ms for r in self.ranks]
-        return None if not values or None in values else max(values)  # type: ignore[type-var]
+        values = _all_known([r.step_ms for r in self.ranks])
+        return max(values) if values else None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document.
@@ -515,6 +525,7 @@ class PlanReport:
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         fig = Figure(figsize=(max(5.0, 0.9 * self.world_size + 3.0), 3.8), dpi=100)
         FigureCanvasAgg(fig)
@@ -538,7 +549,8 @@ class PlanReport:
             shards = [sum(r in t.shard_ranks or (not t.shard_ranks and r in t.ranks) for t in self.tables) for r in xs]
             ax.bar(xs, shards, color="tab:blue")
             ax.set_ylabel("tables with a shard here")
-            ax.yaxis.get_major_locator().set_params(integer=True)
+            # a bar chart's y axis keeps its default AutoLocator, a MaxNLocator (matplotlib types it as a Locator)
+            cast(MaxNLocator, ax.yaxis.get_major_locator()).set_params(integer=True)
             subtitle = "planner estimates unavailable: tables per rank"
         ax.set_title(f"Sharding plan: {self.world_size} rank(s), {self.device_type}\n{subtitle}", fontsize=9)
         ax.set_xticks(xs)

@@ -262,7 +262,8 @@ class RecShardStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         # Not every environment's setter updates rank_zero_only itself (see Lightning's DDPStrategy).
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # (`rank` is an attribute Lightning sets on the function; its declaration, an overloaded function, lacks it.)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @property
     @override
@@ -327,6 +328,13 @@ class RecShardStrategy(ParallelStrategy):
         """The sharding-plan report (tables, shards, topology, planner estimates; available after setup)."""
         state = sharded_state(self.lightning_module)
         return state.report if state is not None else None
+
+    @property
+    def _attached_module(self) -> pl.LightningModule:
+        """The LightningModule, for the hooks Lightning calls only while one is attached."""
+        module = self.lightning_module
+        assert module is not None
+        return module
 
     # ---------------------------------------------------------------------------------------------------
     # Lifecycle, in Lightning's order
@@ -422,7 +430,8 @@ class RecShardStrategy(ParallelStrategy):
                 self.world_size,
             ),
         )
-        self._batch_hooks = custom_batch_hooks(module, trainer.datamodule)
+        # (Lightning's data connector sets `Trainer.datamodule`; the Trainer class does not declare it.)
+        self._batch_hooks = custom_batch_hooks(module, trainer.datamodule)  # type: ignore[attr-defined]
         self._redirect_steps = dense_ddp(state.dmp) is not None
 
         if fitting:
@@ -446,12 +455,12 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if not self.lightning_module.trainer.training:
+        if not self._attached_module.trainer.training:
             return dataloader
         if self._sparse_dist is not None:
             dataloader = self._sparse_dist.wrap(dataloader)  # batches are copied and queued as Lightning fetches them
         if self._batch_counts is not None:  # outermost: a pass ends when Lightning has fetched every batch
-            trainer = self.lightning_module.trainer
+            trainer = self._attached_module.trainer
             max_steps = trainer.max_steps if trainer.max_steps != -1 else None
             dataloader = self._batch_counts.wrap(dataloader, trainer.limit_train_batches, max_steps)
         return dataloader
@@ -465,20 +474,21 @@ class RecShardStrategy(ParallelStrategy):
         memory, e.g. ``DataLoader(pin_memory=True)``, the copy then overlaps the GPU's work). A
         ``transfer_batch_to_device`` override (module or datamodule) is called instead, as Lightning calls it."""
         self._transferring = True  # Lightning counts the batch only once it is on the device (reset on exception)
-        if self._sparse_dist is not None and self.lightning_module.trainer.training:
+        if self._sparse_dist is not None and self._attached_module.trainer.training:
             batch = self._sparse_dist.begin_step()  # already on the device, checked on the host and distributed
         else:
             checked = self._input_checks.check_host(batch)
-            module = self.lightning_module
             custom_transfer, custom_after = self._batch_hooks
             device = device or self.root_device
             if custom_transfer:
-                batch = _compat.call_batch_hook(module, "transfer_batch_to_device", batch, device, dataloader_idx)
+                batch = _compat.call_batch_hook(
+                    self._attached_module, "transfer_batch_to_device", batch, device, dataloader_idx
+                )
             else:
                 batch = to_device(batch, device)
             self._input_checks.trust(checked, batch)
             if custom_after:
-                batch = _compat.call_batch_hook(module, "on_after_batch_transfer", batch, dataloader_idx)
+                batch = _compat.call_batch_hook(self._attached_module, "on_after_batch_transfer", batch, dataloader_idx)
         self._transferring = False
         return batch
 
@@ -513,7 +523,7 @@ class RecShardStrategy(ParallelStrategy):
         # Manual optimization calls backward inside training_step, i.e. inside DDP's forward; DDP's reducer was
         # kept out of that forward (see dmp.ManualOptimizationRedirection) and is prepared here instead.
         ddp = dense_ddp(self.model)
-        if ddp is not None and not self.lightning_module.automatic_optimization:
+        if ddp is not None and not self._attached_module.automatic_optimization:
             prepare_for_backward(ddp, closure_loss)
 
     @override
@@ -523,7 +533,7 @@ class RecShardStrategy(ParallelStrategy):
                 return super().training_step(*args, **kwargs)  # through DDP's forward, as Lightning's ddp does
             # One rank: no DDP around the dense part (dmp.DenseDataParallel), and DMP's forward only calls the module.
             with self.precision_plugin.train_step_context():
-                return self.lightning_module.training_step(*args, **kwargs)
+                return self._attached_module.training_step(*args, **kwargs)
         except RuntimeError as error:
             if raised_in(error, "toggle_optimizer"):  # torch refuses requires_grad on the tables' ShardedTensors
                 raise toggle_optimizer_error(type(self).__name__) from error

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -101,7 +102,7 @@ class TableSharder:
             if topology is None or isinstance(topology, TopologyConfig)
             else TopologyConfig(**topology),
             sharders=list(sharders or []),
-            plan=to_sharding_plan(plan_file) if plan_file is not None else plan,  # type: ignore[arg-type]
+            plan=to_sharding_plan(plan_file) if plan_file is not None else plan,
             plan_file=plan_file,
             embedding_optimizer=(
                 embedding_optimizer
@@ -157,7 +158,7 @@ class TableSharder:
 
     def shard(
         self,
-        module: nn.Module,
+        module: pl.LightningModule,
         embedding_optimizer: EmbeddingOptimizer,
         *,
         world_size: int,
@@ -242,7 +243,7 @@ class TableSharder:
     def per_table_fused_params(self, module: nn.Module, per_table: TableOptimizers | None) -> Any:
         """A context in which TorchRec's sharders see each of ``per_table``'s tables with its own fused optimizer
         (see :func:`lightning_rec._compat.table_fused_params`); planning and sharding run inside it."""
-        own = {}
+        own: dict[Tensor, Mapping[str, Any]] = {}
         if per_table:
             weights = table_weights(module, self.module_types)
             own = {weights[t]: opt.to_fused_params() for t, (opt, _) in per_table.items() if t in weights}

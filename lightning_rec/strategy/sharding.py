@@ -464,14 +464,14 @@ def make_sharders(
     built_in: list[ModuleSharder[nn.Module]] = [
         ebc,
         ec,
-        FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc, qcomm_codecs_registry=codecs),  # type: ignore[arg-type]
+        FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=ebc, qcomm_codecs_registry=codecs),
         MCEBCSharder(
-            ebc_sharder=ebc,  # type: ignore[arg-type]
+            ebc_sharder=ebc,
             mc_sharder=ManagedCollisionCollectionSharder(),
             qcomm_codecs_registry=codecs,
         ),
         MCECSharder(
-            ec_sharder=ec,  # type: ignore[arg-type]
+            ec_sharder=ec,
             mc_sharder=ManagedCollisionCollectionSharder(),
             qcomm_codecs_registry=codecs,
         ),

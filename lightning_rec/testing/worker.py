@@ -19,9 +19,10 @@ def main() -> None:
     else:  # srun
         rank, world_size = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
     module, _, func = name.rpartition(":")
-    if not (module or default_module):
+    module = module or default_module or ""
+    if not module:
         raise ValueError(f"scenario {name!r} names no module: give 'module:function', or the module of the scenarios")
-    scenario = getattr(importlib.import_module(module or default_module), func)
+    scenario = getattr(importlib.import_module(module), func)
     result = scenario(rank=rank, world_size=world_size, out_dir=out_dir, **config)
     (out_dir / f"{name}.rank{rank}.json").write_text(json.dumps(result))
     # Then exit as a user's script does: no barrier, no os._exit. A finished job must exit 0 on its own (the
