@@ -38,26 +38,14 @@ RECSHARD = {
     "numpy lightning_rec/inputs/kjt.py:host_numpy": 8,
     "numpy lightning_rec/inputs/checks.py:poll": 1,
 }
-EXPECTED = {  # (fmt, pipeline, ranks) -> recshard's reads per step (every rank), and the hand-written loop's
+# (fmt, pipeline, ranks) -> recshard's reads per step (every rank): 1 and 2 ranks, pipelined and not, both batch
+# formats, in four runs of ~12 s each.
+EXPECTED = {
     ("dict", False, 1): {
         **RECSHARD,
         "_local_scalar_dense user_models.py:training_step": 1,
         "to lightning_rec/batch.py:move": 2,
         "to jagged_tensor.py:to": 2,
-    },
-    ("batch", False, 1): {
-        **RECSHARD,
-        "_local_scalar_dense user_scenarios.py:training_step": 1,
-        "to jagged_tensor.py:to": 2,
-        "to utils.py:to": 2,
-    },
-    ("dict", True, 1): {
-        **RECSHARD,
-        **SPLITS,
-        "_local_scalar_dense user_models.py:training_step": 1,
-        "to apply_func.py:batch_to": 2,
-        "to jagged_tensor.py:to": 2,
-        "tolist jagged_tensor.py:_safe_tolist": 3,
     },
     ("batch", True, 1): {
         **RECSHARD,
@@ -105,7 +93,7 @@ def test_a_recshard_step_reads_exactly_what_is_pinned_and_no_more_than_torchrec_
     ours = run_ranks(SYNCS, ranks, tmp_path, pipeline=pipeline, fmt=fmt)
     for rank, counts in enumerate(ours):
         assert counts["by_origin"] == EXPECTED[fmt, pipeline, ranks], (rank, counts["origins"])
-    if (pipeline, ranks) in RAW_EXPECTED and fmt == "batch":
+    if (pipeline, ranks) in RAW_EXPECTED:  # (the hand-written loop takes TorchRec Batches whatever the format)
         raw = run_ranks(SYNCS, ranks, tmp_path / "raw", pipeline=pipeline, fmt="batch", loop="raw")
         for rank, counts in enumerate(raw):
             assert counts["by_origin"] == RAW_EXPECTED[pipeline, ranks], (rank, counts["origins"])
