@@ -148,3 +148,29 @@ def test_one_thread_keeps_fbgemm_s_path_where_it_is_as_fast(tmp_path, monkeypatc
     finally:
         torch.set_num_threads(threads)
     assert one["lookups"] and set(one["lookups"].values()) == {("fbgemm", 1)}
+
+
+def test_a_tutorial_style_model_takes_the_cpu_lookup_and_trains_like_plain_pytorch(tmp_path, monkeypatch):
+    """kt.values(), tables built on CPU with their own rows, dict batches, no logger; one rank with two threads (as
+    Lightning gives one process on two cores), a plan that splits a table's columns: the same losses and held-out
+    logits as plain PyTorch on the unsharded model."""
+    from lightning_rec.strategy import cpu_lookup
+    from tests.helpers import user_scenarios
+    from tests.helpers.user_models import REORDERING_PLAN
+
+    calls = []
+    original = cpu_lookup.CpuLookup.__call__
+    monkeypatch.setattr(
+        cpu_lookup.CpuLookup, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    )
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        result = user_scenarios.fit(0, 1, tmp_path, constraints=REORDERING_PLAN)
+    finally:
+        torch.set_num_threads(threads)
+    if torch.get_num_threads() < 2 and not calls:
+        pytest.skip("one core: the CPU lookup is left out with one thread")
+    assert calls, "the fused tables went through the CPU lookup"
+    assert result["losses"] == pytest.approx(result["ref_losses"], abs=1e-5)
+    assert result["logits"] == pytest.approx(result["ref_logits"], abs=1e-5)
