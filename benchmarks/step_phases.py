@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from lightning_rec.bench import SIZES, Size, workload
 from lightning_rec.bench.runner import reexec_with_steady_malloc
 from lightning_rec.bench.worker import copy_bandwidth, raw_torchrec
-from lightning_rec.strategy.cpu_lookup import CpuLookup, install_cpu_lookup
+from lightning_rec.strategy.cpu_lookup import cpu_lookups, install_cpu_lookup
 from lightning_rec.testing.ports import rank_env
 
 PHASES = ("input_dist", "emb_fwd", "dense_fwd_bwd", "emb_bwd_update", "opt_step", "step")
@@ -81,20 +81,14 @@ class _TorchRec:
     def __init__(self, size: Size, lr: float) -> None:
         self.dmp, self.opt = raw_torchrec(size, lr, torch.device("cpu"))
         install_cpu_lookup(self.dmp)
-        from lightning_rec import _compat
-
-        self.tbes = [tbe for _, tbe in _compat.fused_tbes(self.dmp)]
-        self.lookups = [tbe.forward for tbe in self.tbes]
-        assert all(isinstance(f, CpuLookup) for f in self.lookups)
+        self.lookups = cpu_lookups(self.dmp)
+        assert self.lookups, "the CPU lookup needs more than one thread"
         self.model = self.dmp.module
         self.dense_opt = torch.optim.SGD(self.model.mlp.parameters(), lr=lr)
 
     def use(self, fast: bool) -> None:
-        for tbe, lookup in zip(self.tbes, self.lookups):
-            if fast:
-                tbe.forward = lookup
-            else:
-                vars(tbe).pop("forward", None)
+        for lookup in self.lookups:
+            lookup.enable(fast)
 
     def phases(self, batch, features: list[str]) -> dict[str, float]:
         ebc = self.model.tables

@@ -388,7 +388,8 @@ def table_fused_params(weights: Mapping[torch.Tensor, Mapping[str, Any]]) -> Ite
 # kernel (`BatchedFusedEmbeddingBag`) exposes its FBGEMM TBE as `emb_module`. The faster CPU lookup
 # (lightning_rec.strategy.cpu_lookup) has to reach every TBE, and TorchRec offers no accessor.
 def fused_tbes(model: object) -> Iterator[tuple]:
-    """``(where, FBGEMM TBE)`` of every fused pooled-embedding kernel in ``model``'s sharded modules; ``where`` is
+    """``(where, FBGEMM TBE)`` of every fused pooled-embedding kernel in ``model``'s sharded modules, each once (a
+    feature-processed module and the collection inside it share their lookups); ``where`` is
     ``"<module path>/<lookup>.<kernel>"``."""
     from torch import nn
     from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
@@ -396,6 +397,7 @@ def fused_tbes(model: object) -> Iterator[tuple]:
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    seen: set[int] = set()
     for path, module in model.named_modules():
         if not isinstance(module, ShardedEmbeddingModule):
             continue
@@ -404,7 +406,9 @@ def fused_tbes(model: object) -> Iterator[tuple]:
             raise TypeError(f"{type(module).__name__}._lookups is a {type(lookups).__name__}, expected a list")
         for i, lookup in enumerate(lookups):
             for j, kernel in enumerate(k for k in lookup.modules() if isinstance(k, BatchedFusedEmbeddingBag)):
-                yield f"{path or '<root>'}/{i}.{j}", kernel.emb_module
+                if id(kernel.emb_module) not in seen:
+                    seen.add(id(kernel.emb_module))
+                    yield f"{path or '<root>'}/{i}.{j}", kernel.emb_module
 
 
 # The methods recshard replaces on single instances of TorchRec's and FBGEMM's classes, and why (the one seam for

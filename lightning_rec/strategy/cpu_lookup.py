@@ -178,6 +178,13 @@ class CpuLookup:
             self.tbe.placeholder_autograd_tensor, per_sample_weights, self, indices, offsets, feature_requires_grad
         )
 
+    def enable(self, on: bool = True) -> None:
+        """Route the TBE's calls through this lookup (``on``) or back to FBGEMM's own forward (same bits either way)."""
+        if on:
+            _compat.patch_method(self.tbe, "forward", self)
+        else:
+            _compat.unpatch_method(self.tbe, "forward")
+
     def pooled(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
     ) -> tuple[torch.Tensor, list[int]]:
@@ -335,6 +342,11 @@ def install_cpu_lookup(model: nn.Module, threads: int | None = None) -> dict[str
             continue
         reason = ineligible_reason(tbe) or (None if threads > 1 else "one intra-op thread")
         if reason is None:
-            _compat.patch_method(tbe, "forward", CpuLookup(tbe, tbe.forward, threads=threads))
+            CpuLookup(tbe, tbe.forward, threads=threads).enable()
         done[where] = reason or "fast"
     return done
+
+
+def cpu_lookups(model: nn.Module) -> list[CpuLookup]:
+    """The CPU lookups enabled on ``model``'s TBEs (keep them to switch each off and on with :meth:`CpuLookup.enable`)."""
+    return [tbe.forward for _, tbe in _compat.fused_tbes(model) if isinstance(tbe.forward, CpuLookup)]
