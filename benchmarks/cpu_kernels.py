@@ -2,7 +2,7 @@
 torch's ``embedding_bag`` with a sparse gradient and ``SGD.step`` (the sparse peer's tables), at 1 and 2 threads
 (issue 26; BENCHMARKS.md, "The CPU step against the sparse peer").
 
-Per ``--size`` of :mod:`lightning_rec.bench` (its tables, batch and ids per sample), medians over ``--repeats``
+Per ``--size`` of :mod:`lightning_rec.testing.bench` (its tables, batch and ids per sample), medians over ``--repeats``
 interleaved calls, ms:
 
 * ``fwd``: the pooled output ``[batch, tables x dim]``;
@@ -31,9 +31,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from lightning_rec.bench import SIZES, Size
-from lightning_rec.bench.runner import reexec_with_steady_malloc
-from lightning_rec.strategy.cpu_lookup import CpuLookup
+from lightning_rec._strategy.cpu_lookup import CpuLookup
+from lightning_rec.testing.bench import SIZES, Size
+from lightning_rec.testing.bench.runner import reexec_with_steady_malloc
 
 
 def _tbe(size: Size, lr: float) -> SplitTableBatchedEmbeddingBagsCodegen:

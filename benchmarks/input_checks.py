@@ -1,6 +1,6 @@
 """What recshard's input checks cost per step, against the training step they protect, in one process.
 
-The bench's A/B of whole runs (``python -m lightning_rec.bench --variants raw,recshard,recshard_unchecked``) has
+The bench's A/B of whole runs (``python -m lightning_rec.testing.bench --variants raw,recshard,recshard_unchecked``) has
 run-to-run noise of +-10% on this machine, far above the checks' cost; here both are timed in the same process,
 interleaved step by step on the same batches: a hand-written TorchRec step (DMP forward, backward, fused update,
 dense update) of the bench's model, and the checks recshard runs for it: on the host before the copy (every KJT's
@@ -29,9 +29,9 @@ def measure(size_name: str, steps: int) -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    from lightning_rec.bench.workload import SIZES, BenchModel, init_weights, make_batches, table_constraints
-    from lightning_rec.inputs import InputChecks, input_specs
-    from lightning_rec.inputs.kjt import FeatureTables
+    from lightning_rec._inputs.checks import InputChecks
+    from lightning_rec._inputs.specs import FeatureTables, input_specs
+    from lightning_rec.testing.bench.workload import SIZES, BenchModel, init_weights, make_batches, table_constraints
     from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 
     size = SIZES[size_name]
@@ -74,9 +74,9 @@ def measure(size_name: str, steps: int) -> dict:
 
 def measure_host(size_name: str, steps: int) -> dict:
     """The host checks alone (``check_host`` of each batch, as ``batch_to_device`` runs it before the copy)."""
-    from lightning_rec.bench.workload import SIZES, make_batches
-    from lightning_rec.inputs import InputChecks
-    from lightning_rec.inputs.kjt import FeatureTable, FeatureTables
+    from lightning_rec._inputs.checks import InputChecks
+    from lightning_rec._inputs.specs import FeatureTable, FeatureTables
+    from lightning_rec.testing.bench.workload import SIZES, make_batches
 
     size = SIZES[size_name]
     checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")
@@ -121,7 +121,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     out = []
     for name in args.sizes.split(","):
-        from lightning_rec.bench.workload import SIZES
+        from lightning_rec.testing.bench.workload import SIZES
 
         steps = args.steps if SIZES[name].batch_size < 1024 else max(20, args.steps // 10)
         r = measure(name, steps)

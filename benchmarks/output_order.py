@@ -1,4 +1,4 @@
-"""What restoring the unsharded output order costs (lightning_rec.strategy.unsharded), against the step it is part of.
+"""What restoring the unsharded output order costs (lightning_rec._strategy.unsharded), against the step it is part of.
 
 A sharded EmbeddingBagCollection whose plan mixes sharding types returns its pooled columns grouped by type; the
 strategy puts them back in the unsharded order with one ``torch.cat`` of column slices (and its backward). Here the
@@ -30,8 +30,8 @@ def measure(size_name: str, steps: int) -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    from lightning_rec.bench.workload import SIZES, BenchModel, make_batches
-    from lightning_rec.strategy.unsharded import output_orders, restore_output_order
+    from lightning_rec._strategy.unsharded import output_orders, restore_output_order
+    from lightning_rec.testing.bench.workload import SIZES, BenchModel, make_batches
     from lightning_rec.testing.reference import reference_dmp
 
     size = SIZES[size_name]

@@ -1,7 +1,7 @@
 """recshard's per-step overhead over hand-written TorchRec, and Lightning's own over a plain loop, paired step by
 step in one process: robust to a machine whose speed drifts between (and within) runs.
 
-The fresh-process A/B of ``python -m lightning_rec.bench`` compares medians of separate runs; on a noisy machine
+The fresh-process A/B of ``python -m lightning_rec.testing.bench`` compares medians of separate runs; on a noisy machine
 the spread between runs of the same variant is larger than a 0.1 ms overhead (BENCHMARKS.md, issue 14). Here every
 step of a Lightning fit is followed, in the same process, by one step of its baseline on its own model and
 batches, timed alone:
@@ -33,9 +33,15 @@ import lightning as L
 import torch
 
 from lightning_rec import RecShardStrategy
-from lightning_rec.bench import SIZES, Size
-from lightning_rec.bench.worker import lightning_module, raw_torchrec
-from lightning_rec.bench.workload import BenchModel, init_weights, make_batches, table_constraints, torch_optimizer
+from lightning_rec.testing.bench import SIZES, Size
+from lightning_rec.testing.bench.worker import lightning_module, raw_torchrec
+from lightning_rec.testing.bench.workload import (
+    BenchModel,
+    init_weights,
+    make_batches,
+    table_constraints,
+    torch_optimizer,
+)
 from lightning_rec.testing.ports import rank_env
 
 

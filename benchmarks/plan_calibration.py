@@ -1,7 +1,7 @@
 """How far the planner's estimates are from what a run measures, on this machine, for the bench sizes.
 
 For each size (``realistic``: 8 tables x 200,000 x 64, batch 4,096 per rank, on 1 process; ``realistic_2proc``: the
-same on 2 gloo processes), the plan ``lightning-rec plan`` makes (``lightning_rec.planning.plan_cluster``, tables on
+same on 2 gloo processes), the plan ``lightning-rec plan`` makes (``lightning_rec._planning.plan_cluster``, tables on
 ``meta``) is trained with ``RecShardStrategy(plan=plan.json)``, and per rank:
 
 * memory: the planner's estimate (HBM + DDR of the rank's shards) against the bytes the rank really holds for its
@@ -11,7 +11,7 @@ same on 2 gloo processes), the plan ``lightning-rec plan`` makes (``lightning_re
   Lightning training step (dense layers, loss, optimizer, Python included).
 
 The estimates come twice: with TorchRec's default bandwidths (what ``fit`` uses) and with the ``cpu`` preset's
-(``lightning_rec.strategy.topology.DEVICE_PRESETS["cpu"]``), and the script prints the bandwidths that would make the
+(``lightning_rec._strategy.topology.DEVICE_PRESETS["cpu"]``), and the script prints the bandwidths that would make the
 estimates match this machine (the lookup rate from 1 process, the all-to-all rate from 2)::
 
     .venv/bin/python benchmarks/plan_calibration.py                 # ~2 min on 2 cores
@@ -48,9 +48,9 @@ def train(
     import torch
 
     from lightning_rec import RecShardStrategy
-    from lightning_rec.bench.worker import lightning_module
-    from lightning_rec.bench.workload import SIZES, init_weights, make_batches
     from lightning_rec.testing import QUIET_TRAINER
+    from lightning_rec.testing.bench.worker import lightning_module
+    from lightning_rec.testing.bench.workload import SIZES, init_weights, make_batches
 
     s = replace(SIZES[size], steps=steps, warmup=3, optimizer=optimizer)
     batches = make_batches(s, rank, s.warmup + s.steps)
@@ -111,10 +111,10 @@ def _tensors(tree: Any) -> list[Any]:
 
 def estimates(size: str, world_size: int, preset: Any, optimizer: str = "sgd") -> Any:
     """The planner's report for the bench model at ``size`` on ``world_size`` CPU ranks of one host."""
-    from lightning_rec.bench.worker import lightning_module
-    from lightning_rec.bench.workload import SIZES, table_constraints
-    from lightning_rec.planning import Cluster, plan_cluster
-    from lightning_rec.strategy.sharder import TableSharder
+    from lightning_rec._planning import Cluster, plan_cluster
+    from lightning_rec._strategy.sharder import TableSharder
+    from lightning_rec.testing.bench.worker import lightning_module
+    from lightning_rec.testing.bench.workload import SIZES, table_constraints
 
     s = replace(SIZES[size], optimizer=optimizer)
     sharder = TableSharder.from_arguments(constraints=table_constraints(s))
@@ -123,7 +123,7 @@ def estimates(size: str, world_size: int, preset: Any, optimizer: str = "sgd") -
 
 
 def measure(steps: int, optimizer: str = "sgd") -> dict[str, Any]:
-    from lightning_rec.strategy.topology import DEVICE_PRESETS
+    from lightning_rec._strategy.topology import DEVICE_PRESETS
     from lightning_rec.testing.launch import run_ranks
 
     out: dict[str, Any] = {}

@@ -29,8 +29,8 @@ from dataclasses import replace
 
 import torch
 
-from lightning_rec.bench import SIZES, workload
-from lightning_rec.bench.worker import run_worker
+from lightning_rec.testing.bench import SIZES, workload
+from lightning_rec.testing.bench.worker import run_worker
 from lightning_rec.testing.ports import rank_env
 
 
@@ -67,8 +67,8 @@ def _instrument_lightning(events: list[tuple[str, float]]) -> None:
     """Time stamps at Lightning's per-step hooks, the strategy's ``batch_to_device`` and ``RecOptimizer.step``."""
     import lightning as L
 
-    from lightning_rec import strategy
-    from lightning_rec.strategy import optim
+    from lightning_rec import _strategy as strategy
+    from lightning_rec._strategy import optim
 
     mark = lambda name: events.append((name, time.perf_counter()))  # noqa: E731
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
-from lightning_rec.checkpoint.safe_io import load_meta
+from lightning_rec._tables import embedding_modules
+from lightning_rec.checkpoint._safe_io import load_meta
 from lightning_rec.data import MovieLensDataModule
 from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
-from lightning_rec.tables import embedding_modules
 
 DTYPES = ("fp32", "fp16", "int8", "int4")
 

@@ -2,7 +2,7 @@
 peer (``nn.EmbeddingBag(sparse=True)``), against this machine's limits (issue 26; BENCHMARKS.md, "The CPU step
 against the sparse peer").
 
-One process, the bench model (:mod:`lightning_rec.bench.workload`) at each ``--sizes``, the same batches for every
+One process, the bench model (:mod:`lightning_rec.testing.bench.workload`) at each ``--sizes``, the same batches for every
 variant. Every phase is timed alone, and the variants take turns phase by phase and batch by batch, so that a
 machine whose speed drifts slows them all alike (medians over ``--rounds`` x batches):
 
@@ -18,7 +18,7 @@ machine whose speed drifts slows them all alike (medians over ``--rounds`` x bat
 
 Variants: ``raw`` (DMP over TorchRec's planner, FBGEMM's CPU forward and serial fused backward, as a TorchRec
 user gets it), ``recshard_kernels`` (the same DMP, tables and weights, with recshard's default CPU lookup,
-:mod:`lightning_rec.strategy.cpu_lookup`), ``sparse_peer``. What Lightning's loop adds is measured by
+:mod:`lightning_rec._strategy.cpu_lookup`), ``sparse_peer``. What Lightning's loop adds is measured by
 ``benchmarks/paired_overhead.py``.
 
 Limits (``limits`` in the output): ``copy_gb_s``, the best ``Tensor.copy_`` bandwidth of a 256 MiB buffer (read +
@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_rec.bench import SIZES, Size, workload
-from lightning_rec.bench.runner import reexec_with_steady_malloc
-from lightning_rec.bench.worker import copy_bandwidth, raw_torchrec
-from lightning_rec.strategy.cpu_lookup import cpu_lookups, install_cpu_lookup
+from lightning_rec._strategy.cpu_lookup import cpu_lookups, install_cpu_lookup
+from lightning_rec.testing.bench import SIZES, Size, workload
+from lightning_rec.testing.bench.runner import reexec_with_steady_malloc
+from lightning_rec.testing.bench.worker import copy_bandwidth, raw_torchrec
 from lightning_rec.testing.ports import rank_env
 
 PHASES = ("input_dist", "emb_fwd", "dense_fwd_bwd", "emb_bwd_update", "opt_step", "step")

@@ -9,17 +9,21 @@ Example::
     trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2)
 """
 
-from lightning_rec import _compat, _moved
-from lightning_rec.batch import Batch, RowCollator, collate_rows
+from lightning_rec import _compat
+from lightning_rec._batch import Batch, RowCollator, collate_rows
+from lightning_rec._module import RecLightningModule
+from lightning_rec._pretrained import load_rows
+from lightning_rec._strategy.optim import RecOptimizer
+from lightning_rec._strategy.recshard import RecShardStrategy
+from lightning_rec._strategy.sharding import EBCSharder
 from lightning_rec.config import EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig, checkpoint_safe
 from lightning_rec.errors import InputError, NonFiniteError
-from lightning_rec.module import RecLightningModule
-from lightning_rec.strategy import RecOptimizer, RecShardStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "EBCSharder",
     "EmbeddingOptimizer",
     "InputError",
     "NonFiniteError",
@@ -32,7 +36,7 @@ __all__ = [
     "TopologyConfig",
     "checkpoint_safe",
     "collate_rows",
+    "load_rows",
 ]
 
 RecShardStrategy.register_strategies(_compat.StrategyRegistry)
-_moved.install()

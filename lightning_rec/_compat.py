@@ -157,7 +157,7 @@ def ordered_enumerator(topology: Any, batch_size: int, constraints: Any) -> Any:
 
 
 # TorchRec: `TrainPipelineSparseDist.progress()` runs forward, backward and the optimizer itself. To keep
-# Lightning's step, lightning_rec.strategy.pipeline drives the pipeline's parts from Lightning's hooks; three of the parts
+# Lightning's step, lightning_rec._strategy.pipeline drives the pipeline's parts from Lightning's hooks; three of the parts
 # it needs have no public name in TorchRec 1.8 (its own `progress()` calls them). (`pipeline: Any`: TorchRec's
 # `TrainPipelineSparseDist`, untyped.)
 def pipeline_rewrite(pipeline: Any) -> None:
@@ -185,7 +185,7 @@ def pipeline_wait_for_batch(pipeline: Any) -> None:
 
 def default_store() -> torch.distributed.Store | None:
     """The default process group's key-value store, or ``None`` without a process group. torch keeps it private
-    (``_get_default_store``); :mod:`lightning_rec.strategy.faults` uses it so that a failing rank can tell the others why,
+    (``_get_default_store``); :mod:`lightning_rec._strategy.faults` uses it so that a failing rank can tell the others why,
     without opening a second rendezvous."""
     import torch.distributed as dist
 
@@ -386,7 +386,7 @@ def table_fused_params(weights: Mapping[torch.Tensor, Mapping[str, Any]]) -> Ite
 # TorchRec: a sharded embedding module keeps its lookups (one per sharding type) in the plain list `_lookups` (not a
 # ModuleList, so `modules()` does not reach them), each holding its kernels in the ModuleList `_emb_modules`; a fused
 # kernel (`BatchedFusedEmbeddingBag`) exposes its FBGEMM TBE as `emb_module`. The faster CPU lookup
-# (lightning_rec.strategy.cpu_lookup) has to reach every TBE, and TorchRec offers no accessor.
+# (lightning_rec._strategy.cpu_lookup) has to reach every TBE, and TorchRec offers no accessor.
 def fused_tbes(model: object) -> Iterator[tuple]:
     """``(where, FBGEMM TBE)`` of every fused pooled-embedding kernel in ``model``'s sharded modules, each once (a
     feature-processed module and the collection inside it share their lookups); ``where`` is

@@ -11,9 +11,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from lightning_rec.batch import Batch
-from lightning_rec.pretrained import load_rows
-from lightning_rec.tables import is_sharded
+from lightning_rec._batch import Batch
+from lightning_rec._pretrained import load_rows
+from lightning_rec._tables import is_sharded
 
 __all__ = ["PredictionWriter", "PretrainedRows", "Throughput"]
 
@@ -63,7 +63,7 @@ class Throughput(pl.Callback):
 
 
 class PretrainedRows(pl.Callback):
-    """Start the named tables from files of rows (see :func:`lightning_rec.pretrained.load_rows`), from a config.
+    """Start the named tables from files of rows (see :func:`lightning_rec._pretrained.load_rows`), from a config.
 
     The rows go into the unsharded tables in ``setup``, before the strategy shards them, so every plan starts from
     them; a checkpoint given to ``fit(ckpt_path=...)`` or ``validate``/``predict`` is loaded afterwards and wins.

@@ -2,9 +2,8 @@
 
 These are plain dataclasses (YAML-friendly: the CLI builds them from configs, ``save_hyperparameters()`` records
 them, checkpoints' allow-list admits them), kept below every other module so that models, checkpoints, input
-checks and reports import configuration, never the strategy's machinery. Each is also importable from its old
-home (``lightning_rec.strategy.optim.EmbeddingOptimizer``, ``lightning_rec.strategy.sharding.TableConstraints``,
-``lightning_rec.data.base.SparseFeature``, ...) and the strategy's from ``lightning_rec``.
+checks and reports import configuration, never the strategy's machinery. The most used are importable from
+``lightning_rec`` too.
 
 Example::
 
@@ -123,7 +122,7 @@ def supported_optimizers(device_type: str) -> tuple[str, ...]:
     return tuple(_EMB_OPT_TYPES) if device_type == "cuda" else _CPU_OPTIMIZERS
 
 
-@checkpoint_safe(old_paths=["lightning_rec.optim.EmbeddingOptimizer"])
+@checkpoint_safe
 @dataclass
 class EmbeddingOptimizer:
     """A fused embedding optimizer: which FBGEMM update rule runs in the backward pass, and its hyperparameters.
@@ -212,7 +211,7 @@ class EmbeddingOptimizer:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@checkpoint_safe(old_paths=["lightning_rec.sharding.TableConstraints"])
+@checkpoint_safe
 @dataclass
 class TableConstraints:
     """What the planner may do with one table (a YAML-friendly ``ParameterConstraints``).
@@ -252,7 +251,7 @@ class TableConstraints:
         return ParameterConstraints(**kwargs)
 
 
-@checkpoint_safe(old_paths=["lightning_rec.sharding.TopologyConfig"])
+@checkpoint_safe
 @dataclass
 class TopologyConfig:
     """Overrides for the planner's view of the machines (everything else is detected).
@@ -263,7 +262,7 @@ class TopologyConfig:
         local_world_size: ranks per host (affects intra- vs inter-host communication costs).
         batch_size: per-rank batch size the planner assumes for its cost model.
         preset: a named device (``"h100"``, ``"h200"``, ``"a100-80g"``, ``"a100-40g"``, ``"cpu"``: see
-            :data:`lightning_rec.strategy.topology.DEVICE_PRESETS`) whose memory and bandwidths the planner assumes
+            :data:`lightning_rec._strategy.topology.DEVICE_PRESETS`) whose memory and bandwidths the planner assumes
             (``hbm_cap``/``ddr_cap`` still override its memory). Default: TorchRec's own defaults.
 
     Example::
@@ -376,7 +375,7 @@ class QuantizedComms:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@checkpoint_safe(old_paths=["lightning_rec.data.base.SparseFeature"])
+@checkpoint_safe
 @dataclass(frozen=True)
 class SparseFeature:
     """A categorical feature and the number of rows its embedding table needs.

@@ -1,7 +1,7 @@
 """Every exception a user of this package can catch, in one place.
 
 This module imports nothing from ``lightning_rec``: every other module may raise these without import cycles.
-Each class is also importable from the module that raises it (``lightning_rec.inputs.InputError``,
+Each class is also importable from the module that raises it (``lightning_rec._inputs.InputError``,
 ``lightning_rec.checkpoint.CheckpointError``, ...), and the input errors from ``lightning_rec`` itself.
 
 Example::
@@ -22,8 +22,8 @@ class InputError(ValueError):
     """A batch the embedding tables cannot take. The message names the module, feature, table, offending value
     and what was expected, and where in training it happened; nothing was updated with the batch.
 
-    Raised by :func:`~lightning_rec.inputs.kjt.check_on_host` and :func:`~lightning_rec.inputs.kjt.check_features`,
-    which :class:`~lightning_rec.inputs.InputChecks` runs on every batch (``bounds_check="error"``, the default of
+    Raised by :func:`~lightning_rec._inputs.kjt.check_on_host` and :func:`~lightning_rec._inputs.kjt.check_features`,
+    which :class:`~lightning_rec._inputs.InputChecks` runs on every batch (``bounds_check="error"``, the default of
     :class:`~lightning_rec.RecShardStrategy`): a missing or extra feature, a wrong dtype or shape, lengths that do
     not add up, or an id outside its table.
     """
@@ -33,7 +33,7 @@ class NonFiniteError(ValueError):
     """NaN or infinity in a dense input (refused before the step) or in the loss (see ``nonfinite`` of
     :class:`~lightning_rec.RecShardStrategy`).
 
-    Raised by :class:`~lightning_rec.inputs.InputChecks` with ``nonfinite="error"`` (the default) or ``"strict"``.
+    Raised by :class:`~lightning_rec._inputs.InputChecks` with ``nonfinite="error"`` (the default) or ``"strict"``.
     """
 
 
@@ -49,7 +49,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint file refers to a Python object that loading will not create.
 
     Raised while reading a checkpoint's ``.metadata`` or ``meta.pt``
-    (:mod:`lightning_rec.checkpoint.safe_io`) when they name a class outside the allow-list; for a checkpoint
+    (:mod:`lightning_rec.checkpoint._safe_io`) when they name a class outside the allow-list; for a checkpoint
     you trust, pass ``weights_only=False`` to ``trainer.fit/validate/test/predict``.
     """
 

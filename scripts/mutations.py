@@ -43,7 +43,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "loss_item",
         "an .item() inside torch (formatting the loss) in the step",
-        "lightning_rec/strategy/recshard.py",
+        "lightning_rec/_strategy/recshard.py",
         PRE_BACKWARD,
         PRE_BACKWARD + '        _ = f"{closure_loss.detach():.4f}"\n',
         (SYNCS_1,),
@@ -51,7 +51,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "loss_cpu",
         "the loss copied to the host with .cpu() in the step",
-        "lightning_rec/strategy/recshard.py",
+        "lightning_rec/_strategy/recshard.py",
         PRE_BACKWARD,
         PRE_BACKWARD + "        _ = closure_loss.detach().cpu()\n",
         (SYNCS_1,),
@@ -59,7 +59,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "loss_to_blocking",
         "the loss copied to the host with a blocking .to() in the step",
-        "lightning_rec/strategy/recshard.py",
+        "lightning_rec/_strategy/recshard.py",
         PRE_BACKWARD,
         PRE_BACKWARD + '        _ = closure_loss.detach().to("cpu")\n',
         (SYNCS_PIPE,),
@@ -67,7 +67,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "loss_check_copy",
         "the loss check's non-blocking copy to host memory replaced by .cpu()",
-        "lightning_rec/inputs/checks.py",
+        "lightning_rec/_inputs/checks.py",
         "        host.copy_(value, non_blocking=True)\n",
         "        host = value.cpu()\n",
         (SYNCS_1,),
@@ -75,7 +75,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "cpu_lookup_group",
         "the CPU lookup's threaded backward leaves one group of tables without its update",
-        "lightning_rec/strategy/cpu_lookup.py",
+        "lightning_rec/_strategy/cpu_lookup.py",
         "        futures = [_pool(self.threads).submit(self._call, grad, *call) for call in calls]\n",
         "        futures = [_pool(self.threads).submit(self._call, grad, *call) for call in calls[:-1]]\n",
         ("tests/strategy/test_cpu_lookup.py",),
@@ -83,7 +83,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "cpu_lookup_weights",
         "the CPU lookup's forward ignores per-sample weights",
-        "lightning_rec/strategy/cpu_lookup.py",
+        "lightning_rec/_strategy/cpu_lookup.py",
         "                    per_sample_weights=None if weights is None else weights[s:e],\n",
         "                    per_sample_weights=None,\n",
         ("tests/strategy/test_cpu_lookup.py",),
@@ -99,7 +99,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "column_offsets",
         "the rows the unsharded tables held are copied into every shard as if it began at column 0",
-        "lightning_rec/strategy/unsharded.py",
+        "lightning_rec/_strategy/unsharded.py",
         "            region = tuple(slice(o, o + s) for o, s in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))\n",
         "            region = tuple(slice(o, o + s) for o, s in zip([shard.metadata.shard_offsets[0], 0], shard.metadata.shard_sizes))\n",
         ("tests/test_pretrained.py::test_every_plan_starts_from_the_files_rows",),
@@ -107,7 +107,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "pipeline_rewrite",
         "TorchRec's pipeline rewrite silently skipped: both sides of 'pipelined == not pipelined' run the plain forward",
-        "lightning_rec/strategy/pipeline.py",
+        "lightning_rec/_strategy/pipeline.py",
         "                _compat.pipeline_rewrite(engine)  # rewrites the forwards, starts batch 0's input dist\n",
         "                pass\n",
         ("tests/strategy/test_unsharded.py::test_pipelined_training_takes_dict_and_tuple_batches",),
@@ -115,7 +115,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "pipeline_off",
         "RecShardStrategy(pipeline=True) never builds the pipeline",
-        "lightning_rec/strategy/recshard.py",
+        "lightning_rec/_strategy/recshard.py",
         "                SparseDistPipeline(state.dmp, self.root_device, self._input_checks) if self.pipeline else None\n",
         "                None\n",
         ("tests/models/test_dlrm.py::test_dlrm_dcn_trains_like_plain_pytorch_pipelined_and_resharded",),

@@ -45,7 +45,7 @@ def test_to_device_copies_torchrec_objects_without_blocking_to_an_accelerator_on
     and any ``Pipelineable`` too, and never for a copy to the host (which could be read before it lands)."""
     from torchrec.streamable import Pipelineable
 
-    from lightning_rec.batch import to_device
+    from lightning_rec._batch import to_device
 
     class Recorder(Pipelineable):
         def __init__(self) -> None:

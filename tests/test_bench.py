@@ -1,4 +1,4 @@
-"""`python -m lightning_rec.bench`: runs end to end (tiny size, the GPU sizes shrunk on CPU, the real ones on a GPU),
+"""`python -m lightning_rec.testing.bench`: runs end to end (tiny size, the GPU sizes shrunk on CPU, the real ones on a GPU),
 checks raw vs recshard, prints the JSON line."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_rec.bench import SIZES, check_identical, final_record, fused_params, main, plot_batch_sweep
-from lightning_rec.bench.workload import make_batches
+from lightning_rec.testing.bench import SIZES, check_identical, final_record, fused_params, main, plot_batch_sweep
+from lightning_rec.testing.bench.workload import make_batches
 from lightning_rec.testing.ports import free_port
 from tests.helpers.dist import REPO
 
 
-def _bench(*args: str, timeout: float = 300, script: str = "-m lightning_rec.bench"):
+def _bench(*args: str, timeout: float = 300, script: str = "-m lightning_rec.testing.bench"):
     """Run the bench (or a ``benchmarks/`` script) from the repository; its output and its last line's JSON."""
     out = subprocess.run(
         [sys.executable, *script.split(), *args],
@@ -142,7 +142,7 @@ def test_bench_criteo_onehot_on_a_gpu():
 
 
 def test_raw_loops_fused_optimizer_is_what_recshard_derives_from_the_torch_one():
-    from lightning_rec.strategy.optim import embedding_optimizer_from_torch
+    from lightning_rec._strategy.optim import embedding_optimizer_from_torch
 
     for name, opt in (("sgd", torch.optim.SGD), ("adagrad", torch.optim.Adagrad)):
         torch_opt = opt([torch.nn.Parameter(torch.zeros(2))], lr=0.03)

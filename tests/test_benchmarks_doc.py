@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = {"-m lightning_rec.bench": REPO / "lightning_rec" / "bench" / "runner.py"}
+SCRIPTS = {"-m lightning_rec.testing.bench": REPO / "lightning_rec" / "testing" / "bench" / "runner.py"}
 
 
 def _commands():

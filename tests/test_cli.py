@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from lightning_rec import RecShardStrategy
-from lightning_rec.cli import run
+from lightning_rec._cli import run
 from tests.helpers.data import REPO, movielens_dir
 
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
@@ -45,7 +45,7 @@ def test_no_shipped_config_splits_the_columns_of_a_table_row_wise_adagrad_trains
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(config: Path, tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_rec.cli", "fit", "--config", str(config), "--print_config"],
+        [sys.executable, "-m", "lightning_rec", "fit", "--config", str(config), "--print_config"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -157,7 +157,7 @@ def test_criteo_fit_on_a_generated_file(tmp_path: Path) -> None:
 def test_prepare_subcommand(tmp_path: Path) -> None:
     data = movielens_dir()
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_rec.cli", "prepare", "movielens", "--data_dir", str(data)],
+        [sys.executable, "-m", "lightning_rec", "prepare", "movielens", "--data_dir", str(data)],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -1,13 +1,10 @@
-"""The house rules the layout promises, checked on the source: old import paths still work (with a deprecation
-naming the new one), user-facing modules never import the strategy's mechanics, private names of torch, TorchRec
-and Lightning appear only in ``_compat.py``, and user configuration classes can be admitted into checkpoints."""
+"""The house rules the layout promises, checked on the source: user-facing modules never import the strategy's
+mechanics, private names of torch, TorchRec and Lightning appear only in ``_compat.py``, and user configuration
+classes can be admitted into checkpoints. The public/private line itself: ``tests/test_public_api.py``."""
 
 from __future__ import annotations
 
 import ast
-import importlib
-import pickle
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,26 +12,26 @@ import pytest
 import torch
 
 import lightning_rec
-from lightning_rec import _moved
-from lightning_rec.checkpoint.safe_io import UnsafeCheckpointError, dumps_meta, load_meta
-from lightning_rec.config import TableConstraints, checkpoint_safe
+from lightning_rec.checkpoint._safe_io import dumps_meta, load_meta
+from lightning_rec.config import checkpoint_safe
+from lightning_rec.errors import UnsafeCheckpointError
 
 PACKAGE = Path(lightning_rec.__file__).parent
 REPO = PACKAGE.parent
 # Modules a user writes against: they may import configs, errors, tables, the checkpoint API (loading a module) and
 # each other, never the strategy's mechanics.
 USER_FACING = [
-    "module.py",
-    "batch.py",
+    "_module.py",
+    "_batch.py",
     "callbacks.py",
     "metrics.py",
-    "pretrained.py",
+    "_pretrained.py",
     "config.py",
     "errors.py",
-    "tables.py",
+    "_tables.py",
 ]
 USER_FACING_DIRS = ["models", "data", "serving"]
-MECHANICS = ("lightning_rec.strategy", "lightning_rec.inputs", "lightning_rec.bench", "lightning_rec.testing")
+MECHANICS = ("lightning_rec._strategy", "lightning_rec._inputs", "lightning_rec.testing.bench", "lightning_rec.testing")
 
 
 def _imports(path: Path):
@@ -47,19 +44,10 @@ def _imports(path: Path):
                 yield node.lineno, alias.name, []
 
 
-@pytest.mark.parametrize("old, new", sorted(_moved.MOVED.items()))
-def test_old_module_paths_import_the_new_module_with_a_deprecation(old, new):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
-
-
 def test_public_api_is_importable_from_the_package_root():
     for name in lightning_rec.__all__:
         assert getattr(lightning_rec, name) is not None, name
-    from lightning_rec.strategy import RecShardStrategy
+    from lightning_rec._strategy.recshard import RecShardStrategy
 
     assert RecShardStrategy is lightning_rec.RecShardStrategy
 
@@ -108,30 +96,32 @@ def test_user_config_class_is_refused_until_registered_then_loads(tmp_path):
     assert load_meta(meta)["hyper_parameters"]["tower"] == _TowerConfig()
 
 
-def test_config_pickled_under_its_old_module_path_still_loads(tmp_path):
-    """A checkpoint written when ``TableConstraints`` lived in ``lightning_rec.sharding`` names it so."""
-    original = TableConstraints.__module__
-    TableConstraints.__module__ = "lightning_rec.sharding"
+def test_a_class_pickled_under_an_old_module_path_loads_when_registered_with_it(tmp_path):
+    """``checkpoint_safe(old_paths=...)``: a user who moves a config class keeps the checkpoints written before."""
+
+    @dataclass
+    class Tower:
+        layers: tuple = (64, 32)
+
+    Tower.__module__, Tower.__qualname__ = "tests_old_home", "Tower"
+    import sys
+    import types
+
+    old_home = types.ModuleType("tests_old_home")
+    old_home.Tower = Tower
+    sys.modules["tests_old_home"] = old_home
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            blob = dumps_meta({"constraints": TableConstraints(sharding_types=["column_wise"])})
+        blob = dumps_meta({"tower": Tower()})
     finally:
-        TableConstraints.__module__ = original
-    assert b"lightning_rec.sharding" in blob
+        del sys.modules["tests_old_home"]
+    Tower.__module__ = __name__
     meta = tmp_path / "meta.pt"
     meta.write_bytes(blob)
-    loaded = load_meta(meta)["constraints"]
-    assert loaded == TableConstraints(sharding_types=["column_wise"]) and type(loaded) is TableConstraints
-    assert pickle.loads(pickle.dumps(loaded)) == loaded and torch.load(meta, weights_only=False) is not None
-
-
-def test_strategy_plan_report_argument_is_a_deprecated_alias_of_report_plan():
-    """``plan_report`` is the report property; the old argument of that name still works, with a deprecation."""
-    with pytest.warns(DeprecationWarning, match=r"plan_report=\.\.\.\) is now `report_plan=\.\.\.`"):
-        old = lightning_rec.RecShardStrategy(plan_report=False)
-    new = lightning_rec.RecShardStrategy(report_plan=False)
-    assert old.plan_report is None and new.plan_report is None  # no report before setup, either way
+    with pytest.raises(UnsafeCheckpointError, match="tests_old_home"):
+        load_meta(meta)
+    checkpoint_safe(Tower, old_paths=["tests_old_home.Tower"])
+    loaded = load_meta(meta)["tower"]
+    assert loaded == Tower() and type(loaded) is Tower
 
 
 def test_the_torchrec_internals_compat_relies_on_exist_in_the_installed_torchrec():

@@ -72,7 +72,7 @@ def _export_reproduces_the_final_validation(log_dir: Path, data: Path, logged_au
     from torchmetrics.classification import BinaryAUROC
 
     from lightning_rec.checkpoint import is_checkpoint, load_exported
-    from lightning_rec.checkpoint.safe_io import load_meta
+    from lightning_rec.checkpoint._safe_io import load_meta
     from lightning_rec.data import MovieLensDataModule
     from lightning_rec.models import DLRMModule
 

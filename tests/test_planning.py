@@ -14,13 +14,13 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 
 import lightning_rec
-from lightning_rec.cli import run
+from lightning_rec._cli import run
+from lightning_rec._planning import Cluster, DoesNotFit, plan_cluster, sweep
+from lightning_rec._strategy.plan_file import check_plan, read_plan, to_sharding_plan
+from lightning_rec._strategy.plan_report import PlanReport
+from lightning_rec._strategy.sharder import TableSharder
+from lightning_rec._strategy.topology import DEVICE_PRESETS, make_topology
 from lightning_rec.config import EmbeddingOptimizer, TopologyConfig
-from lightning_rec.planning import Cluster, DoesNotFit, plan_cluster, sweep
-from lightning_rec.strategy.plan_file import check_plan, read_plan, to_sharding_plan
-from lightning_rec.strategy.plan_report import PlanReport
-from lightning_rec.strategy.sharder import TableSharder
-from lightning_rec.strategy.topology import DEVICE_PRESETS, make_topology
 from tests.helpers import planning_scenarios
 from tests.helpers.dist import run_ranks
 
@@ -144,7 +144,7 @@ def test_plan_file_round_trips_to_the_same_sharding_plan(tmp_path: Path) -> None
 
 
 def _replan(model: Any, sharder: TableSharder, cluster: Cluster) -> Any:
-    from lightning_rec.planning import planning_optimizer
+    from lightning_rec._planning import planning_optimizer
 
     emb_opt, per_table = planning_optimizer(model, sharder, cluster.device_type)
     with sharder.per_table_fused_params(model, per_table):
@@ -263,7 +263,7 @@ def test_sweep_gives_one_row_per_topology_and_memory_per_rank_falls(tmp_path: Pa
 
 
 def test_a_user_model_plans_with_the_optimizer_fit_would_derive() -> None:
-    from lightning_rec.planning import planning_optimizer
+    from lightning_rec._planning import planning_optimizer
 
     model = _meta(UserModel)
     sharder = TableSharder.from_arguments()

@@ -1,4 +1,4 @@
-"""Starting tables from given rows: ``lightning_rec.pretrained.load_rows`` and the ``PretrainedRows`` callback."""
+"""Starting tables from given rows: ``lightning_rec._pretrained.load_rows`` and the ``PretrainedRows`` callback."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-from lightning_rec.pretrained import load_rows, read_rows
+from lightning_rec._pretrained import load_rows, read_rows
 from tests.helpers import pretrained_scenarios
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import assemble

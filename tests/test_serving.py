@@ -24,12 +24,12 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec import RecLightningModule, RecShardStrategy
-from lightning_rec.checkpoint.safe_io import dumps_meta, load_meta
+from lightning_rec._pretrained import table_holders
+from lightning_rec.checkpoint._safe_io import dumps_meta, load_meta
 from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.errors import CheckpointError, ExportError
 from lightning_rec.models import DLRMModule
 from lightning_rec.models.base import CTRModule
-from lightning_rec.pretrained import table_holders
 from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
 from lightning_rec.testing import QUIET_TRAINER, shell_env
 from tests.helpers import user_scenarios, zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower

@@ -87,7 +87,7 @@ def test_the_process_group_is_gone_before_the_interpreter_exits(ddp_and_recshard
 
 # The whole job, many times, as users run it. Before the fix ~1 in 13 recshard fits here aborted at exit (and ~1 in
 # 3 plain 2-rank gloo scripts that end right after their collectives): "terminate called without an active
-# exception", exit code 134 (lightning_rec.strategy.faults.close_process_group_at_exit).
+# exception", exit code 134 (lightning_rec._strategy.faults.close_process_group_at_exit).
 @pytest.mark.parametrize("run", range(3))
 def test_a_finished_job_exits_zero_under_lightnings_launcher(tmp_path, run):
     proc = _plain(tmp_path, "recshard")

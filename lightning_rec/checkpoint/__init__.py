@@ -1,11 +1,11 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): each rank writes and reads only its own
 shards, a checkpoint loads on any world size and plan, and loading checks everything before it changes anything.
 
-What a checkpoint holds (see :mod:`~lightning_rec.checkpoint.layout` for the files):
+What a checkpoint holds (see :mod:`~lightning_rec.checkpoint._layout` for the files):
 
 * ``model/<fqn>``: the LightningModule's ``state_dict`` (sharded tables as ShardedTensors, dense weights once);
 * ``optim/<i>/<fqn>/<state>``: every optimizer's state by parameter FQN, tables' under FBGEMM's names
-  (:mod:`~lightning_rec.checkpoint.optimizer_state`), so it reshards like the tables;
+  (:mod:`~lightning_rec.checkpoint._optimizer_state`), so it reshards like the tables;
 * ``meta.pt``: Lightning's loops, callbacks, LR schedulers, epoch/step, optimizer param groups and the
   sharding plan, world size and embedding optimizer it was saved with (``checkpoint["lightning_rec"]``).
 
@@ -27,9 +27,10 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
 
-from lightning_rec.checkpoint import layout, safe_io
-from lightning_rec.checkpoint.export import export, load_exported, load_module
-from lightning_rec.checkpoint.optimizer_state import OptimizerTarget, canonical_state, is_tensor
+from lightning_rec.checkpoint import _layout as layout
+from lightning_rec.checkpoint import _safe_io as safe_io
+from lightning_rec.checkpoint._export import export, load_exported, load_module
+from lightning_rec.checkpoint._optimizer_state import OptimizerTarget, canonical_state, is_tensor
 from lightning_rec.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [

@@ -1,12 +1,12 @@
 """DataModules: MovieLens (real data), Criteo-format click logs, synthetic data, your own Parquet/CSV tables through a
 schema; and what they share."""
 
+from lightning_rec.config import SparseFeature
 from lightning_rec.data.base import (
     DistributedBatchSampler,
     Jagged,
     RecDataModule,
     RecDataset,
-    SparseFeature,
     batch_loader,
     rank_batches,
 )

@@ -18,15 +18,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.batch import Batch
-from lightning_rec.config import SparseFeature  # re-exported: the old path keeps working
+from lightning_rec._batch import Batch
+from lightning_rec.config import SparseFeature
 
 __all__ = [
     "DistributedBatchSampler",
     "Jagged",
     "RecDataModule",
     "RecDataset",
-    "SparseFeature",
     "batch_loader",
     "rank_batches",
 ]
@@ -73,7 +72,7 @@ Column = torch.Tensor | Jagged
 class RecDataset(Dataset):
     """Rows held as columns (dense matrix, labels, one column per sparse feature), indexed a batch at a time.
 
-    ``dataset[index_tensor]`` returns a whole :class:`~lightning_rec.batch.Batch` built with tensor ops, which
+    ``dataset[index_tensor]`` returns a whole :class:`~lightning_rec._batch.Batch` built with tensor ops, which
     is what makes a Python-free input path on CPU; ``dataset[i]`` returns a batch of one.
 
     Args:

@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.batch import Batch
+from lightning_rec._batch import Batch
 from lightning_rec.config import SparseFeature
 from lightning_rec.data.base import RecDataModule
 
@@ -127,7 +127,7 @@ def _parse(rows: Sequence[_Row], sizes: torch.Tensor) -> Batch:
 
 
 def parse_lines(lines: Sequence[str], num_embeddings: Sizes = 100_000, *, has_label: bool = True) -> Batch:
-    """Parse Criteo TSV lines into one :class:`~lightning_rec.batch.Batch` (errors name ``<lines>:N``).
+    """Parse Criteo TSV lines into one :class:`~lightning_rec._batch.Batch` (errors name ``<lines>:N``).
 
     Example::
 

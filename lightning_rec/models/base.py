@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MetricCollection
 
-from lightning_rec.batch import Batch
+from lightning_rec._batch import Batch
+from lightning_rec._module import RecLightningModule
 from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.errors import ExportError
 from lightning_rec.metrics import ctr_metrics
-from lightning_rec.module import RecLightningModule
 
 __all__ = ["CTRModule", "DENSE_OPTIMIZERS", "DenseOptimizerName", "TwoOptimizerModule"]
 
@@ -23,7 +23,7 @@ DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "s
 
 
 class TwoOptimizerModule(RecLightningModule):
-    """A module whose tables train with a fused :class:`~lightning_rec.strategy.optim.EmbeddingOptimizer` and whose other
+    """A module whose tables train with a fused :class:`~lightning_rec._strategy.optim.EmbeddingOptimizer` and whose other
     parameters with a dense optimizer named by the hyperparameters ``dense_optimizer``, ``dense_lr`` and
     ``dense_weight_decay`` (a subclass's ``__init__`` takes them and calls ``save_hyperparameters()``).
 
@@ -76,7 +76,7 @@ class Probability(nn.Module):
 
 
 class CTRModule(TwoOptimizerModule):
-    """Click prediction on :class:`~lightning_rec.batch.Batch`\\ es: ``self.model(dense, sparse)`` gives logits, trained
+    """Click prediction on :class:`~lightning_rec._batch.Batch`\\ es: ``self.model(dense, sparse)`` gives logits, trained
     with binary cross entropy; validation and test report AUROC, log loss, normalized entropy and accuracy (exact
     across ranks) under ``val/`` and ``test/``; ``predict_step`` gives ``{"probability", "label"}``.
 

@@ -32,10 +32,10 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_rec._module import RecLightningModule
 from lightning_rec.config import EmbeddingOptimizer, SparseFeature
 from lightning_rec.errors import ExportError
 from lightning_rec.metrics import RankingMetrics, target_rank
-from lightning_rec.module import RecLightningModule
 
 if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer

@@ -94,7 +94,9 @@ def export_inference(
     """
     from torchrec.inference.modules import quantize_inference_model
 
-    from lightning_rec.checkpoint import layout, load_module, safe_io
+    from lightning_rec.checkpoint import _layout as layout
+    from lightning_rec.checkpoint import _safe_io as safe_io
+    from lightning_rec.checkpoint._export import load_module
 
     if table_dtype not in _DTYPES:
         raise ExportError(f"table_dtype must be one of {sorted(_DTYPES)}, got {table_dtype!r}.")

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection
 
+from lightning_rec._tables import embedding_modules, inner_collection
 from lightning_rec.errors import ExportError
 from lightning_rec.serving.artifact import InferenceSpec, ServingWrapper, example_inputs
-from lightning_rec.tables import embedding_modules, inner_collection
 
 __all__ = [
     "KERNELS",

@@ -26,7 +26,7 @@ def main() -> None:
     result = scenario(rank=rank, world_size=world_size, out_dir=out_dir, **config)
     (out_dir / f"{name}.rank{rank}.json").write_text(json.dumps(result))
     # Then exit as a user's script does: no barrier, no os._exit. A finished job must exit 0 on its own (the
-    # strategy tears its process group down at exit: lightning_rec.strategy.faults.close_process_group_at_exit).
+    # strategy tears its process group down at exit: lightning_rec._strategy.faults.close_process_group_at_exit).
 
 
 if __name__ == "__main__":

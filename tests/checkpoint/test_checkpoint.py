@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_rec import cli
+from lightning_rec import _cli as cli
 from lightning_rec.checkpoint import (
     CheckpointError,
     UnsafeCheckpointError,
@@ -180,7 +180,7 @@ def test_layout_and_contents(saved):
     assert len(data) > 1 and all(f.startswith("__0_") for f in data)  # one file per tensor chunk, all rank 0's
     manifest = layout.read_manifest(path)
     assert set(manifest["files"]) == files - {"COMPLETE"} and manifest["world_size"] == 1
-    from lightning_rec.checkpoint.safe_io import load_meta, read_metadata
+    from lightning_rec.checkpoint._safe_io import load_meta, read_metadata
 
     meta = load_meta(path / "meta.pt")
     assert meta["global_step"] == 3 and meta["loops"] and "lr_schedulers" in meta

@@ -548,7 +548,7 @@ def features(rank: int, world_size: int, out_dir: Path) -> dict[str, Any]:
         StochasticWeightAveraging,
     )
 
-    from lightning_rec.strategy.dmp import sharded_state
+    from lightning_rec._strategy.dmp import sharded_state
 
     class FreezeTables(BaseFinetuning):  # BackboneFinetuning's mechanism, with the tables as the backbone
         def freeze_before_training(self, pl_module: Any) -> None:

@@ -289,7 +289,7 @@ def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60)
     Hypothesis shrinks and prints any counterexample; a crash of the interpreter fails the process."""
     from hypothesis import given, settings
 
-    from lightning_rec.inputs import InputError
+    from lightning_rec.errors import InputError
     from tests.helpers.models import assemble
 
     L.seed_everything(0)

@@ -35,5 +35,5 @@ def ctr(rank: int, world_size: int, out_dir: Path, rows: int = 1001, seed: int =
     for chunk in torch.arange(mine.start, mine.stop).split(97):  # several updates per rank
         metrics.update(preds[chunk], target[chunk])
     result = {"metrics": {k: float(v) for k, v in metrics.compute().items()}, "rows": mine.stop - mine.start}
-    dist.destroy_process_group()  # as a script that started its own process group ends (see lightning_rec.strategy.faults)
+    dist.destroy_process_group()  # as a script that started its own process group ends (see lightning_rec._strategy.faults)
     return result

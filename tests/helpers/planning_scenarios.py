@@ -11,7 +11,7 @@ import lightning as L
 
 
 def _fit(config: str, out_dir: Path, steps: int, plan: Any = None) -> Any:
-    from lightning_rec.cli import run
+    from lightning_rec._cli import run
 
     args = [
         "fit", "--config", config, "--trainer.devices=2", f"--trainer.max_steps={steps}", "--trainer.logger=false",
@@ -42,8 +42,8 @@ def _losses(cli: Any) -> list[float]:
 def fit_config(rank: int, world_size: int, out_dir: Path, config: str, plan: str, steps: int = 3) -> dict[str, Any]:
     """Fit ``config`` on 2 ranks three times: the planner's plan, then ``plan`` (the file), then a plan for another
     world size (refused before anything is sharded)."""
-    from lightning_rec.strategy.plan_file import read_plan, to_sharding_plan
-    from lightning_rec.strategy.plan_report import plan_rows
+    from lightning_rec._strategy.plan_file import read_plan, to_sharding_plan
+    from lightning_rec._strategy.plan_report import plan_rows
 
     planned = _fit(config, out_dir / "planned", steps)
     from_file = to_sharding_plan(read_plan(plan))

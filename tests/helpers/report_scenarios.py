@@ -11,8 +11,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from lightning_rec.strategy import plan_report
-from lightning_rec.strategy.sharding import plan_rows
+from lightning_rec._strategy import plan_report
+from lightning_rec._strategy.plan_report import plan_rows
 from tests.helpers.models import RecModel
 from tests.helpers.scenarios import make_loader, make_trainer
 

@@ -14,9 +14,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
-from lightning_rec.strategy.faults import close_process_group_at_exit
-from lightning_rec.strategy.optim import is_fused_parameter
-from lightning_rec.strategy.sharding import plan_rows
+from lightning_rec._strategy.faults import close_process_group_at_exit
+from lightning_rec._strategy.optim import is_fused_parameter
+from lightning_rec._strategy.plan_report import plan_rows
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.models import RecModel, as_format, deterministic_init, local_weights, make_batches, save_weights
 
@@ -171,7 +171,7 @@ def reference(
     save_weights(dmp.module, out_dir, tag, rank)
     kernels = sorted({ps.compute_kernel for mp in dmp.plan.plan.values() for ps in mp.values()})
     # Without it, gloo's worker threads can abort the process at exit; destroy_process_group alone does not stop them
-    # while DMP still references the group (see lightning_rec.strategy.faults.close_process_group_at_exit).
+    # while DMP still references the group (see lightning_rec._strategy.faults.close_process_group_at_exit).
     close_process_group_at_exit()
     return {"losses": losses, "kernels": kernels}
 

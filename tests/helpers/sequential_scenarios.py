@@ -10,7 +10,7 @@ import torch
 from torchrec import EmbeddingCollection
 
 from lightning_rec import RecShardStrategy
-from lightning_rec.data.base import SparseFeature
+from lightning_rec.config import SparseFeature
 from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule
 from lightning_rec.models.sequential import SequentialRecModule
 from tests.helpers.data import MOVIELENS_DIR

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
-from lightning_rec.strategy.faults import close_process_group_at_exit
+from lightning_rec._strategy.faults import close_process_group_at_exit
 from tests.helpers.models import local_weights, plan_shards, sharded_forwards
 from tests.helpers.user_models import (
     TABLE_WISE_PLAN,
@@ -339,7 +339,7 @@ def _raw_torchrec_loop(model: Any, batches: list[Any], window: _Window, pipeline
             optimizer.step()
             loss.item()
     window.set(False)
-    close_process_group_at_exit()  # a clean exit for the hand-written loop's gloo group (lightning_rec.strategy.faults)
+    close_process_group_at_exit()  # a clean exit for the hand-written loop's gloo group (lightning_rec._strategy.faults)
 
 
 class _HookedValuesModel(ValuesModel):

@@ -22,7 +22,7 @@ predictions (the ranks' shares concatenated) equal the reference's, before and a
 class's ``load_from_checkpoint(<2-process checkpoint>)`` predicts the same in this (non-distributed) process.
 
 Every run starts from the same weights: :func:`seeded_module` builds the module after ``L.seed_everything(0)``
-(dense layers) and gives every table seeded rows through :func:`lightning_rec.pretrained.load_rows`.
+(dense layers) and gives every table seeded rows through :func:`lightning_rec._pretrained.load_rows`.
 
 The reference runs on rank 0 before ``fit`` creates the process group: a loss that gathers across ranks (in-batch
 negatives) must fall back to the local batch when ``torch.distributed`` is not initialised.
@@ -47,7 +47,7 @@ from torch import nn
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.pretrained import load_rows, table_holders
+from lightning_rec._pretrained import load_rows, table_holders
 from tests.helpers.dist import run_ranks
 
 

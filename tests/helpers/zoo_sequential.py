@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_rec.data.base import SparseFeature
+from lightning_rec.config import EmbeddingOptimizer, SparseFeature
 from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule, SequenceDataset
 from lightning_rec.models.sequential import SequentialRecModule, catalog_scores
-from lightning_rec.strategy.optim import EmbeddingOptimizer
 from tests.helpers.data import movielens_dir
 from tests.helpers.zoo import ZooCase, share_rows
 

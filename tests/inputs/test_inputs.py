@@ -10,8 +10,10 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.inputs import InputChecks, InputError, ModuleInputs, NonFiniteError, check_features, check_finite
-from lightning_rec.inputs.specs import FeatureTables
+from lightning_rec._inputs.checks import InputChecks, check_finite
+from lightning_rec._inputs.kjt import check_features
+from lightning_rec._inputs.specs import FeatureTables, ModuleInputs
+from lightning_rec.errors import InputError, NonFiniteError
 from tests.helpers import checkpoint_scenarios, input_scenarios, scenarios
 from tests.helpers.dist import launch, run_ranks
 

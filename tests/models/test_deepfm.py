@@ -15,11 +15,11 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.deepfm import SimpleDeepFMNN
 from torchrec.modules.deepfm import FactorizationMachine
 
+from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.data import MovieLensDataModule, RecDataset, SparseFeature
 from lightning_rec.data.base import Jagged
 from lightning_rec.models import DeepFMModule, DeepFMNN, build_deepfm
 from lightning_rec.models.deepfm import PairwiseFM
-from lightning_rec.strategy.optim import EmbeddingOptimizer
 from tests.helpers import zoo_deepfm
 from tests.helpers.data import REPO, movielens_dir
 from tests.helpers.zoo import check_case
@@ -151,7 +151,7 @@ def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> No
 def test_shipped_config_builds_with_the_cli_parser() -> None:
     """The CLI parses examples/configs/movielens_deepfm.yaml, links the DataModule's features into the model, and
     the model it builds (tables unsharded here) scores a real validation batch."""
-    from lightning_rec.cli import RecCLI
+    from lightning_rec._cli import RecCLI
 
     shipped = yaml.safe_load(CONFIG.read_text())
     cli = RecCLI(

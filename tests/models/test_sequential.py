@@ -265,7 +265,7 @@ def test_hr_ndcg_on_two_ranks_equal_one_rank(tmp_path: Path) -> None:
 
 @pytest.mark.dist
 def test_config_runs_with_the_cli(tmp_path: Path) -> None:
-    from lightning_rec.cli import run
+    from lightning_rec._cli import run
 
     movielens_dir()
     cli = run(

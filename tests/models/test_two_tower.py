@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_rec.cli import run
+from lightning_rec._cli import run
 from lightning_rec.data.movielens import load_interactions
 from lightning_rec.data.movielens_retrieval import (
     CANDIDATE_FEATURES,

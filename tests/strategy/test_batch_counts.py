@@ -43,7 +43,7 @@ def _counts_of_rank_0(tmp_path: Path) -> Any:
     """Rank 0 of 2 on a store where rank 1 already said its loader has 4 batches."""
     import torch.distributed as dist
 
-    from lightning_rec.strategy.batch_counts import BatchCounts
+    from lightning_rec._strategy.batch_counts import BatchCounts
 
     store = dist.FileStore(str(tmp_path / "store"), 2)
     dist.PrefixStore("lightning_rec/batch_counts/t/", store).set("loader1/len/rank1", "4")
@@ -57,7 +57,7 @@ def _counts_of_rank_0(tmp_path: Path) -> Any:
 def test_unequal_lengths_that_training_never_reaches_are_not_refused(
     limit: Any, max_steps: Any, refused: bool, tmp_path: Path
 ) -> None:
-    from lightning_rec.strategy.batch_counts import UnequalBatchesError
+    from lightning_rec._strategy.batch_counts import UnequalBatchesError
 
     counts = _counts_of_rank_0(tmp_path)
     loader = list(range(5))  # rank 0: 5 batches

@@ -1,4 +1,4 @@
-"""recshard's CPU lookup (:mod:`lightning_rec.strategy.cpu_lookup`) against FBGEMM's own TBE: the same bits.
+"""recshard's CPU lookup (:mod:`lightning_rec._strategy.cpu_lookup`) against FBGEMM's own TBE: the same bits.
 
 Two TBEs with the same tables and weights, one with FBGEMM's forward and one with :class:`CpuLookup`, take the same
 steps: tables of three widths, two features sharing a table, empty bags, learnt per-sample weights; the outputs,
@@ -20,7 +20,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec.strategy.cpu_lookup import CpuLookup, ineligible_reason
+from lightning_rec._strategy.cpu_lookup import CpuLookup, ineligible_reason
 
 ROWS_DIMS = [(50, 8), (30, 4), (70, 16), (20, 8)]
 FEATURE_TABLES = [0, 1, 1, 2, 3]  # features 1 and 2 read one table
@@ -154,7 +154,7 @@ def test_a_tutorial_style_model_takes_the_cpu_lookup_and_trains_like_plain_pytor
     """kt.values(), tables built on CPU with their own rows, dict batches, no logger; one rank with two threads (as
     Lightning gives one process on two cores), a plan that splits a table's columns: the same losses and held-out
     logits as plain PyTorch on the unsharded model."""
-    from lightning_rec.strategy import cpu_lookup
+    from lightning_rec._strategy import cpu_lookup
     from tests.helpers import user_scenarios
     from tests.helpers.user_models import REORDERING_PLAN
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from lightning_rec.strategy.faults import FailureBoard, describe_position, explain, is_communication_error
+from lightning_rec._strategy.faults import FailureBoard, describe_position, explain, is_communication_error
 from tests.helpers import checkpoint_scenarios
 from tests.helpers.dist import REPO, launch, run_ranks
 from tests.helpers.fault_scenarios import failure_time

@@ -369,9 +369,9 @@ def test_raw_ids_are_checked_against_the_hash_space_not_the_table(tmp_path):
     ],
 )
 def test_managed_collision_tables_torchrec_cannot_shard_are_refused_before_planning(kwargs, constraints, message):
+    from lightning_rec._strategy.sharding import check_managed_collision
+    from lightning_rec._tables import TABLE_MODULE_TYPES
     from lightning_rec.config import TableConstraints
-    from lightning_rec.strategy.sharding import check_managed_collision
-    from lightning_rec.tables import TABLE_MODULE_TYPES
 
     model = ZchModel(**kwargs)
     typed = {t: TableConstraints(**c) for t, c in (constraints or {}).items()}
@@ -387,8 +387,8 @@ def test_torchrecs_own_zch_test_model_trains_and_its_single_bucket_is_refused_on
 
     from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
 
-    from lightning_rec.strategy.sharding import check_managed_collision
-    from lightning_rec.tables import TABLE_MODULE_TYPES
+    from lightning_rec._strategy.sharding import check_managed_collision
+    from lightning_rec._tables import TABLE_MODULE_TYPES
     from tests.strategy.test_torchrec_models import TorchRecModel
 
     tables = [
@@ -467,7 +467,7 @@ def test_a_managed_collision_embedding_collection_trains_like_the_unsharded_modu
 
 
 def test_pretrained_rows_reach_a_managed_collision_table():
-    from lightning_rec.pretrained import load_rows
+    from lightning_rec._pretrained import load_rows
 
     model = ZchModel()
     load_rows(model, {"t_f0": torch.full((ROWS, 8), 0.5)})

@@ -7,14 +7,13 @@ import torch
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.keyed import KeyedOptimizer
 
-from lightning_rec.strategy.optim import (
-    EmbeddingOptimizer,
+from lightning_rec._strategy.optim import (
     RecOptimizer,
     embedding_optimizer_from_torch,
     find_embedding_group,
     strip_params,
-    supported_optimizers,
 )
+from lightning_rec.config import EmbeddingOptimizer, supported_optimizers
 
 
 def _derive(opt):

@@ -14,9 +14,10 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_rec import _compat
-from lightning_rec.strategy import plan_report
-from lightning_rec.strategy.plan_report import PlanReport, imbalance, write_plan_report
-from lightning_rec.strategy.sharding import TableConstraints, make_planner, make_sharders, plan_rows
+from lightning_rec._strategy import plan_report
+from lightning_rec._strategy.plan_report import PlanReport, imbalance, plan_rows, write_plan_report
+from lightning_rec._strategy.sharding import make_planner, make_sharders
+from lightning_rec.config import TableConstraints
 from tests.helpers import report_scenarios
 from tests.helpers.dist import run_ranks
 from tests.helpers.scenarios import MIXED_PLAN

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from lightning_rec.strategy.quiet import torchrec_noise_silenced
+from lightning_rec._strategy.quiet import torchrec_noise_silenced
 
 
 def test_only_the_named_torchrec_messages_are_dropped(caplog):

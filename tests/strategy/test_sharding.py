@@ -7,15 +7,10 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-from lightning_rec.strategy.sharding import (
-    TableConstraints,
-    embedding_tables,
-    format_plan,
-    make_planner,
-    plan_rows,
-    supported_sharding_types,
-    validate_constraints,
-)
+from lightning_rec._strategy.plan_report import format_plan, plan_rows
+from lightning_rec._strategy.sharding import make_planner, supported_sharding_types, validate_constraints
+from lightning_rec._tables import embedding_tables
+from lightning_rec.config import TableConstraints
 from tests.helpers.models import RecModel, tables
 
 

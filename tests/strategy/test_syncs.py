@@ -23,10 +23,10 @@ VBE = {"cpu split_table_batched_embeddings_ops_training.py:_generate_vbe_metadat
 DDP = {"_local_scalar_dense graph.py:_engine_run_backward": 4}  # DMP's DDP of the dense part, in its backward hooks
 SPLITS = {"tolist dist_data.py:_safe_tolist_2d": 2}  # TorchRec: the all-to-all splits of the ids, read on the host
 HOST_SIDE = {
-    "numpy lightning_rec/inputs/kjt.py:host_numpy": "recshard's input checks read the batch on the host, before its copy",
-    "numpy lightning_rec/inputs/checks.py:poll": "recshard reads the last step's loss from host memory (copied without blocking)",
+    "numpy lightning_rec/_inputs/kjt.py:host_numpy": "recshard's input checks read the batch on the host, before its copy",
+    "numpy lightning_rec/_inputs/checks.py:poll": "recshard reads the last step's loss from host memory (copied without blocking)",
     "cpu split_table_batched_embeddings_ops_training.py:_generate_vbe_metadata": "FBGEMM: feature_dims, on the host",
-    "to lightning_rec/batch.py:move": "the batch's copy to the device (non_blocking on a GPU; on CPU the host is the device)",
+    "to lightning_rec/_batch.py:move": "the batch's copy to the device (non_blocking on a GPU; on CPU the host is the device)",
     "to apply_func.py:batch_to": "the same copy, by Lightning's collection walk (pipelined dict batches)",
     "to jagged_tensor.py:to": "the KJT's copy to the device (non_blocking on a GPU)",
     "to utils.py:to": "TorchRec's Batch copied to the device (non_blocking on a GPU)",
@@ -35,8 +35,8 @@ HOST_SIDE = {
 RECSHARD = {
     **OPTIMIZER,
     **VBE,
-    "numpy lightning_rec/inputs/kjt.py:host_numpy": 8,
-    "numpy lightning_rec/inputs/checks.py:poll": 1,
+    "numpy lightning_rec/_inputs/kjt.py:host_numpy": 8,
+    "numpy lightning_rec/_inputs/checks.py:poll": 1,
 }
 # (fmt, pipeline, ranks) -> recshard's reads per step (every rank): 1 and 2 ranks, pipelined and not, both batch
 # formats, in four runs of ~12 s each.
@@ -44,7 +44,7 @@ EXPECTED = {
     ("dict", False, 1): {
         **RECSHARD,
         "_local_scalar_dense user_models.py:training_step": 1,
-        "to lightning_rec/batch.py:move": 2,
+        "to lightning_rec/_batch.py:move": 2,
         "to jagged_tensor.py:to": 2,
     },
     ("batch", True, 1): {

@@ -29,7 +29,7 @@ from torchrec.optim import RowWiseAdagrad
 import lightning_rec
 from lightning_rec import EmbeddingOptimizer, RecShardStrategy
 from lightning_rec._compat import fused_tbes
-from lightning_rec.strategy.cpu_lookup import CpuLookup
+from lightning_rec._strategy.cpu_lookup import CpuLookup
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.dist import run_ranks
 
@@ -384,7 +384,7 @@ def test_a_sharder_the_user_passes_keeps_the_optimizer_of_configure_optimizers(t
 def test_a_sharder_with_another_optimizer_is_refused_naming_both():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    from lightning_rec.strategy.sharding import make_sharders
+    from lightning_rec._strategy.sharding import make_sharders
 
     derived = EmbeddingOptimizer("adagrad", lr=0.5).to_fused_params()
     own = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-8})
@@ -415,8 +415,8 @@ def test_quantized_comms_halve_what_the_tables_send_and_stay_near_full_precision
 def test_quantized_comms_that_cannot_run_on_cpu_are_refused_naming_why():
     from torchrec import EmbeddingConfig
 
+    from lightning_rec._strategy.sharding import check_qcomms
     from lightning_rec.config import QuantizedComms, TableConstraints
-    from lightning_rec.strategy.sharding import check_qcomms
 
     tables = {c.name: c for c in _tables()[0]}
     with pytest.raises(ValueError, match="fp8 cannot run on CPU"):

@@ -1,4 +1,4 @@
-"""The sharded model behaves like the unsharded one it came from (lightning_rec.strategy.unsharded, dmp.materialize_dense):
+"""The sharded model behaves like the unsharded one it came from (lightning_rec._strategy.unsharded, dmp.materialize_dense):
 same output order under any plan and world size, the rows the tables held, every dense tensor initialised.
 
 The model (tests/helpers/user_models.py) is written as TorchRec's tutorial writes one: tables built on CPU with rows
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
+from lightning_rec._strategy.dmp import materialize_dense
+from lightning_rec._strategy.unsharded import _Reorder
 from lightning_rec.checkpoint import CheckpointError
-from lightning_rec.strategy.dmp import materialize_dense
-from lightning_rec.strategy.unsharded import _Reorder
 from tests.helpers import user_scenarios
 from tests.helpers.dist import launch, run_ranks
 from tests.helpers.models import assemble

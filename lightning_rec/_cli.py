@@ -1,0 +1,375 @@
+"""``lightning-rec``: LightningCLI for recommendation models, with the ``recshard`` strategy registered.
+
+Subcommands are LightningCLI's (``fit``, ``validate``, ``test``, ``predict``; ``--print_config``, ``--config``)
+plus ``prepare``, which fetches a dataset ahead of time (the DataModules also fetch on first use), ``plan``, which
+makes the sharding plan of a config for a cluster of any size on this machine (tables on ``meta``; see README
+"Planning for a cluster"), and ``export``, which turns a sharded checkpoint into one unsharded state dict file, or
+(``--format inference``) into a servable TorchScript artifact with quantized tables::
+
+    lightning-rec fit --config examples/configs/movielens_dlrm.yaml
+    lightning-rec fit --config examples/configs/movielens_dlrm.yaml --trainer.max_epochs=2 --data.batch_size=1024
+    lightning-rec prepare movielens --data_dir data/ml-100k
+    lightning-rec plan --config examples/configs/criteo_dlrm.yaml --hosts 2 --devices-per-host 8 --device h100
+    lightning-rec fit --config examples/configs/criteo_dlrm.yaml --trainer.strategy.init_args.plan=plan/plan.json
+    lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model.safetensors
+    lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt --format inference
+
+DataModules publish ``sparse_features`` and ``num_dense_features``; they are linked into the model's
+arguments of the same names, so a model config never repeats table sizes. By default, metrics go to a CSV
+log under ``trainer.default_root_dir`` and the progress bar shows samples/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+
+import lightning_rec  # noqa: F401  (registers the "recshard" strategy)
+from lightning_rec.callbacks import Throughput
+
+__all__ = ["RecCLI", "main", "run"]
+
+
+class RecCLI(LightningCLI):
+    """LightningCLI with the DataModule's feature specs linked into the model, a CSV logger and throughput.
+
+    Any ``LightningModule`` can be configured (``model.class_path``); if its ``__init__`` takes
+    ``sparse_features`` and/or ``num_dense_features`` they are filled from the DataModule.
+
+    Example::
+
+        RecCLI(args=["fit", "--config", "examples/configs/synthetic_dlrm.yaml", "--trainer.max_steps=10"])
+    """
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        for key in ("sparse_features", "num_dense_features"):
+            parser.link_arguments(f"data.{key}", f"model.init_args.{key}", apply_on="instantiate")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        config = self.config_init[self.subcommand]["trainer"] if self.subcommand else self.config_init["trainer"]
+        if config.get("logger") in (None, True):
+            kwargs.setdefault("logger", CSVLogger(save_dir=config.get("default_root_dir") or "."))
+        return super().instantiate_trainer(**kwargs)
+
+
+def _prepare(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightning-rec prepare", description="Fetch a dataset ahead of time.")
+    parser.add_argument("dataset", choices=["movielens"])
+    parser.add_argument("--data_dir", default="data/ml-100k")
+    parser.add_argument(
+        "--format",
+        choices=["native", "parquet"],
+        default="native",
+        help="parquet: also write the ratings as one Parquet table (DATA_DIR/ml-100k.parquet) with vocabulary files, "
+        "for examples/configs/movielens_parquet.yaml",
+    )
+    parser.add_argument("--output", default=None, help="parquet: the table's path (default: DATA_DIR/ml-100k.parquet)")
+    args = parser.parse_args(argv)
+    from lightning_rec.data.movielens import export_parquet, prepare_movielens
+
+    if args.format == "parquet":
+        print(f"MovieLens-100K written to {export_parquet(args.data_dir, args.output)} (and vocab_*.txt beside it)")
+        return
+    print(f"MovieLens-100K ready in {prepare_movielens(args.data_dir)}")
+
+
+def _export(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lightning-rec export",
+        description="Turn a sharded checkpoint (any world size, any plan) into one file: the unsharded state dict "
+        "(--format weights: safetensors for *.safetensors, else a torch.save file that loads with weights_only=True), "
+        "or a servable TorchScript artifact with quantized tables that loads without lightning_rec "
+        "(--format inference; see README 'Serving').",
+    )
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory, e.g. lightning_logs/version_0/checkpoints/last.ckpt"
+    )
+    parser.add_argument("output", help="e.g. model.safetensors, model.pt, or model_int8.pt")
+    parser.add_argument("--format", choices=["weights", "inference"], default="weights")
+    parser.add_argument(
+        "--prefix", default="", help='weights: export only the weights under this prefix, without it (e.g. "model.")'
+    )
+    parser.add_argument(
+        "--table-dtype", choices=["fp32", "fp16", "int8", "int4"], default="int8", help="inference: the tables' dtype"
+    )
+    parser.add_argument("--part", default=None, help='inference: which network, e.g. "query" for a two-tower model')
+    parser.add_argument(
+        "--model-class",
+        default=None,
+        help="inference: package.module.Class, importable from here (default: the class the checkpoint names)",
+    )
+    parser.add_argument("--num-dense-features", type=int, default=None, help="inference: the dense input's width")
+    parser.add_argument(
+        "--bounds-check",
+        choices=["error", "warn", "ignore", "none"],
+        default="error",
+        help="inference: an id outside its table raises (error), or reads row 0 (warn, ignore), or is not checked",
+    )
+    args = parser.parse_args(argv)
+    from lightning_rec.errors import CheckpointError, ExportError
+
+    try:
+        if args.format == "weights":
+            from lightning_rec.checkpoint._export import export
+
+            shapes = export(args.checkpoint, args.output, prefix=args.prefix)
+            print(f"wrote {len(shapes)} tensors ({sum(s.numel() for s in shapes.values()):,} values) to {args.output}")
+            return
+        from lightning_rec.serving.export import export_inference
+
+        if os.getcwd() not in sys.path:  # --model-class script.Model from the script's folder, as `python -m` would
+            sys.path.insert(0, os.getcwd())
+        spec = export_inference(
+            args.checkpoint,
+            args.output,
+            table_dtype=args.table_dtype,
+            part=args.part,
+            model_class=args.model_class,
+            num_dense_features=args.num_dense_features,
+            bounds_check=args.bounds_check,
+        )
+    except (CheckpointError, ExportError) as err:  # the user's input: the message, not a traceback
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    dense = f"dense_features[B, {spec.num_dense_features}], " if spec.num_dense_features else ""
+    print(
+        f"wrote {args.output}: {spec.model}{f' ({spec.part})' if spec.part else ''}, {len(spec.tables)} "
+        f"{spec.table_dtype} tables; forward({dense}values, lengths{', weights' if spec.weighted else ''}) with "
+        f"features {spec.features}"
+    )
+
+
+class _PlanCLI(RecCLI):
+    """The config as ``fit`` reads it, without a Trainer: the model is built with its tensors on ``meta``."""
+
+    def _add_instantiators(self) -> None:
+        super()._add_instantiators()
+
+        def on_meta(class_type: Any, *args: Any, **kwargs: Any) -> Any:
+            with torch.device("meta"):
+                return class_type(*args, **kwargs)
+
+        self.parser.add_instantiator(on_meta, LightningModule, subclasses=True, prepend=True)
+
+    def instantiate_classes(self) -> None:
+        self.config_init = self.parser.instantiate_classes(self.config)
+        self.datamodule = self.config_init.get("data")
+        self.model = self.config_init.get("model")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or a comma-separated list of numbers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _plan(argv: list[str]) -> None:
+    from lightning_rec import _planning as planning
+    from lightning_rec._strategy.sharder import TableSharder
+    from lightning_rec._strategy.topology import DEVICE_PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-rec plan",
+        allow_abbrev=False,
+        description="Make the sharding plan `fit` would make for a cluster, here, with the model's tables on the "
+        "meta device (nothing allocated, no GPU or process group needed): every table's sharding type, kernel, "
+        "ranks and shards, and per rank the planner's memory and step-time estimates. Takes `fit`'s --config and "
+        "--model.../--data.../--trainer... overrides. Writes DIR/plan.json (give it to fit as "
+        "--trainer.strategy.init_args.plan=DIR/plan.json) and DIR/plan.png; with several --hosts or "
+        "--devices-per-host, one row per topology (DIR/sweep.json, DIR/sweep.png).",
+        epilog=f"device presets: {planning.presets_text()}",
+    )
+    parser.add_argument(
+        "--hosts", type=_ints, default=None, help="hosts (nodes), or a list: 1,2,4,8 (default: trainer.num_nodes)"
+    )
+    parser.add_argument(
+        "--devices-per-host", type=_ints, default=None, help="ranks per host, or a list (default: trainer.devices)"
+    )
+    parser.add_argument(
+        "--device-type",
+        choices=["cuda", "cpu", *[n for n in DEVICE_PRESETS if n != "cpu"]],
+        default=None,
+        help="cuda or cpu (default: the preset's, else the trainer's accelerator); a preset name works too",
+    )
+    parser.add_argument(
+        "--device",
+        "--preset",
+        dest="device",
+        choices=sorted(DEVICE_PRESETS),
+        default=None,
+        help="a device preset: memory and bandwidths",
+    )
+    parser.add_argument("--hbm-gb", type=float, default=None, help="device memory per rank, GiB (over the preset's)")
+    parser.add_argument("--ddr-gb", type=float, default=None, help="host memory per rank, GiB (over the preset's)")
+    parser.add_argument(
+        "--batch-size-per-rank",
+        type=int,
+        default=None,
+        help="the cost model's batch (default: the strategy's topology.batch_size, else 512)",
+    )
+    parser.add_argument("--output", default=None, help="a directory for plan.json and plan.png (default: print only)")
+    args, rest = parser.parse_known_args(argv)
+    if args.device_type in DEVICE_PRESETS and args.device_type != "cpu":  # --device-type h100: the preset
+        if args.device not in (None, args.device_type):
+            parser.error(f"--device-type {args.device_type} and --device {args.device} name two devices")
+        args.device, args.device_type = args.device_type, None
+    if not any(a == "--config" or a.startswith("--config=") or a.startswith("--model") for a in rest):
+        parser.error("give the model: --config CONFIG.yaml (as for `fit`), or --model.class_path=...")
+
+    with warnings.catch_warnings():  # the rest of our own command line, not a mistake
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        cli = _PlanCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=rest,
+            run=False,
+            auto_configure_optimizers=False,
+        )
+    trainer_config = cli.config_init.get("trainer") or {}
+    strategy = trainer_config.get("strategy")
+    sharder = getattr(strategy, "sharder", None)
+    if not isinstance(sharder, TableSharder):
+        if strategy not in (None, "recshard", "auto"):
+            print(f"note: the config's strategy is {strategy!r}, not recshard; planning with recshard's defaults.")
+        sharder = TableSharder.from_arguments()
+    accelerator = str(trainer_config.get("accelerator") or "")
+    device_type = args.device_type or (
+        DEVICE_PRESETS[args.device].device_type if args.device else ("cpu" if accelerator == "cpu" else "cuda")
+    )
+    devices = trainer_config.get("devices")
+    hosts = args.hosts or [int(trainer_config.get("num_nodes") or 1)]
+    per_host = args.devices_per_host or [devices if isinstance(devices, int) and devices > 0 else 1]
+    try:
+        clusters = planning.sweep_clusters(
+            hosts,
+            per_host,
+            device_type=device_type,
+            preset=args.device,
+            hbm_gb=args.hbm_gb,
+            ddr_gb=args.ddr_gb,
+            batch_size=args.batch_size_per_rank,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    out = args.output
+    if out:
+        os.makedirs(out, exist_ok=True)
+    if len(clusters) == 1:
+        try:
+            report = planning.plan_cluster(cli.model, sharder, clusters[0])
+        except planning.DoesNotFit as err:
+            parser.exit(2, f"{parser.prog}: error: {err}\n")
+        print(
+            f"plan for {clusters[0].describe()}: {report.world_size} rank(s), {report.local_world_size} per host, "
+            f"{report.device_type}, preset {report.preset or 'none (TorchRec defaults)'}, batch {report.batch_size} "
+            "per rank"
+        )
+        print(report.format_table())
+        print(planning.calibration_note(report.device_type, report.preset))
+        if out:
+            report.write_json(os.path.join(out, "plan.json"))
+            report.write_png(os.path.join(out, "plan.png"))
+            print(
+                f"wrote {os.path.join(out, 'plan.json')} and plan.png; train with it: lightning-rec fit ... "
+                f"--trainer.strategy.init_args.plan={os.path.join(out, 'plan.json')}"
+            )
+        return
+    rows = planning.sweep(cli.model, sharder, clusters)
+    print(planning.format_sweep(rows))
+    preset = clusters[0].device()
+    print(planning.calibration_note(device_type, preset.name if preset else None))
+    for row in rows:
+        if row.error:
+            print(f"{row.cluster.describe()}: {row.error}")
+    if out:
+        with open(os.path.join(out, "sweep.json"), "w") as f:
+            json.dump([row.to_dict() for row in rows], f, indent=2)
+        planning.write_sweep_png(rows, os.path.join(out, "sweep.png"))
+        for row in rows:
+            if row.report is not None:
+                name = f"plan_{row.cluster.hosts}x{row.cluster.devices_per_host}.json"
+                row.report.write_json(os.path.join(out, name))
+        print(f"wrote {os.path.join(out, 'sweep.json')}, sweep.png and one plan_HxD.json per topology that fits")
+
+
+_DESCRIPTION = "TorchRec's sharded training under Lightning: LightningCLI's commands, and three of its own."
+# LightningCLI lists only its own subcommands; the three handled before it (see `run`) are listed here.
+_OTHER_COMMANDS = (
+    "other commands (each with --help): "
+    "plan (the sharding plan fit would make, for a cluster, from this machine); "
+    "export (a sharded checkpoint to one unsharded state dict, or a serving artifact); "
+    "prepare (fetch or convert a dataset ahead of time)"
+)
+
+
+def _strategy_class_for_init_args(argv: list[str]) -> list[str]:
+    """``--trainer.strategy.init_args.X=...`` on a config that says ``strategy: recshard`` (a name, which takes no
+    arguments): name the class first, ``--trainer.strategy={"class_path": "lightning_rec.RecShardStrategy"}``, so the
+    override applies as it does to a config that names the class (whose other arguments are kept)."""
+    at = next((i for i, a in enumerate(argv) if a.startswith("--trainer.strategy.init_args.")), None)
+    named = any(a == "--trainer.strategy" or a.startswith("--trainer.strategy=") for a in argv)
+    if at is None or named:
+        return list(argv)
+    return [*argv[:at], '--trainer.strategy={"class_path": "lightning_rec.RecShardStrategy"}', *argv[at:]]
+
+
+def run(args: list[str] | None = None) -> RecCLI | None:
+    """Run one ``lightning-rec`` command in this process and return the CLI (``None`` for ``prepare``/``export``/
+    ``plan``).
+
+    Args:
+        args: the command line without the program name; ``None`` reads ``sys.argv``.
+
+    Example::
+
+        cli = run(["fit", "--config", "examples/configs/synthetic_dlrm.yaml", "--trainer.max_steps=5"])
+        cli.trainer.callback_metrics["val/auroc"]
+    """
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["prepare"]:
+        _prepare(argv[1:])
+        return None
+    if argv[:1] == ["export"]:
+        _export(argv[1:])
+        return None
+    if argv[:1] == ["plan"]:
+        _plan(argv[1:])
+        return None
+    rewritten = _strategy_class_for_init_args(argv)
+    with warnings.catch_warnings():  # a rewritten command line is still this one
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return RecCLI(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            trainer_defaults={"callbacks": [Throughput()]},
+            args=rewritten if rewritten != argv else args,
+            auto_configure_optimizers=False,
+            parser_kwargs={"description": _DESCRIPTION, "epilog": _OTHER_COMMANDS},
+        )
+
+
+def main() -> None:
+    """The ``lightning-rec`` console script (arguments from ``sys.argv``)."""
+    run()
+
+
+if __name__ == "__main__":
+    main()

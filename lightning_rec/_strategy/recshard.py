@@ -1,0 +1,708 @@
+"""``RecShardStrategy``: Lightning's hooks for TorchRec's sharded training.
+
+The strategy owns the whole lifecycle of the sharded model, because Lightning's generic one (move the
+module to the device, wrap it in DDP, ``.cpu()`` it at teardown) breaks on tables that live on ``meta`` or
+are split across ranks:
+
+1. ``connect``: checks the model and the configuration (tables, constraints) before any distributed work.
+2. ``setup_environment``: checks what the device can run, then starts the process group (gloo on CPU,
+   nccl on CUDA).
+3. ``setup``: materialises the dense layers, builds the user's optimizers, derives the fused embedding
+   optimizer from them, plans the sharding on rank 0 (TorchRec's planner, broadcast), wraps the module in
+   ``DistributedModelParallel`` (tables sharded in place, dense part data-parallel) and combines fused and
+   dense optimizers into one :class:`~lightning_rec._strategy.optim.RecOptimizer`; puts the input checks of
+   :mod:`lightning_rec._inputs` in front of every sharded module.
+4. ``on_exception``: tells the other ranks why this one failed, or explains a failed collective
+   (:mod:`lightning_rec._strategy.faults`).
+5. ``teardown``: leaves the sharded module where it is, so later ``validate``/``test``/``predict`` calls reuse
+   it.
+
+The mechanics live in :mod:`lightning_rec._strategy.sharding`, :mod:`lightning_rec._strategy.dmp`, :mod:`lightning_rec._strategy.optim`,
+:mod:`lightning_rec._strategy.plan_report` and :mod:`lightning_rec.checkpoint`; this file is the list of Lightning hooks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.overrides.distributed import prepare_for_backward
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from typing_extensions import override
+
+from lightning_rec import _compat
+from lightning_rec import checkpoint as _ckpt
+from lightning_rec._batch import custom_batch_hooks, to_device
+from lightning_rec._inputs.checks import InputChecks
+from lightning_rec._strategy.batch_counts import BatchCounts
+from lightning_rec._strategy.dmp import (
+    ManualOptimizationRedirection,
+    dense_ddp,
+    prepare_for_optimizers,
+    sharded_state,
+    unfused_table_parameters,
+)
+from lightning_rec._strategy.faults import FailureBoard, close_process_group_at_exit, describe_position, note_failure
+from lightning_rec._strategy.optim import (
+    RecOptimizer,
+    combine_optimizers,
+)
+from lightning_rec._strategy.pipeline import SparseDistPipeline, check_pipelinable
+from lightning_rec._strategy.plan_report import PlanReport, write_for_trainer
+from lightning_rec._strategy.settings import (
+    backward_without_step_error,
+    check_fit,
+    check_precision,
+    raised_in,
+    toggle_optimizer_error,
+)
+from lightning_rec._strategy.sharder import TableSharder
+from lightning_rec._strategy.sharding import vbe_refusals
+from lightning_rec.config import (
+    BoundsCheck,
+    EmbeddingOptimizer,
+    NonFinitePolicy,
+    QuantizedComms,
+    TableConstraints,
+    TopologyConfig,
+)
+
+# How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+class RecShardStrategy(ParallelStrategy):
+    """Train a LightningModule with TorchRec-sharded embedding tables and data-parallel dense layers.
+
+    Args:
+        constraints: per-table planner constraints, by table name (allowed sharding types, compute kernels).
+            Plain dicts work too (from YAML). Tables without constraints may use any sharding type the device
+            can run.
+        topology: overrides for the planner's view of the machine (memory per rank, local world size, the
+            per-rank batch size it assumes, a device preset such as ``"h100"``).
+        sharders: extra TorchRec sharders (e.g. for custom embedding modules); they replace the built-in ones
+            for the same module type.
+        plan: a precomputed plan to use instead of running the planner: a ``ShardingPlan``, or the path of a
+            ``plan.json`` written by ``lightning-rec plan`` (or a ``sharding_plan.json`` written by an earlier
+            fit). A file's plan is checked against the run before anything is sharded (world size, ranks per
+            host, device type, the model's tables and their shapes, sharding types and kernels this device can
+            train with), and a mismatch is refused naming it (see README "Planning for a cluster").
+        embedding_optimizer: the fused embedding optimizer when the module does not declare one with
+            ``configure_embedding_optimizer()``. ``None`` (default): derive it from ``configure_optimizers``.
+        fused_params: extra FBGEMM table-batched-embedding arguments for every table (e.g.
+            ``{"stochastic_rounding": False}``).
+        bounds_check: what to do with ids outside a table: ``"error"`` (default: an :class:`~lightning_rec._inputs.InputError`
+            naming the feature, table, id and table size, raised before anything is updated), ``"warn"`` (TorchRec's
+            default: warn and read row 0 instead), ``"ignore"`` (silently read row 0) or ``"none"`` (no check at all,
+            not even of the features, lengths and dtypes that the other modes check: undefined on bad input; for
+            benchmarks). See :mod:`lightning_rec._inputs`.
+        nonfinite: NaN or infinity in a dense input or in the loss. ``"error"`` (default): a
+            :class:`~lightning_rec._inputs.NonFiniteError` naming the step; a dense input is refused before its step
+            (checked on the host), a loss is read one step late without making the GPU wait (reported before the
+            next update, any checkpoint and the end of fitting; that step's own update has happened).
+            ``"strict"``: the loss too is refused before its backward pass, at one host sync per step. ``"warn"``
+            (warn and train on) or ``"ignore"``.
+        process_group_backend: ``"gloo"``/``"nccl"``; default: nccl on CUDA, gloo on CPU.
+        timeout: how long a collective waits for the other ranks before failing (a ``timedelta`` or seconds). When a
+            rank dies or raises, the others fail at once; this bounds the wait for one that hangs. Default: 5
+            minutes (Lightning's default is 30). Raise it if a rank legitimately works alone for longer (e.g. planning
+            thousands of tables, or very large checkpoints on a slow filesystem). See :mod:`lightning_rec._strategy.faults`.
+        static_graph: passed to the DDP wrapper of the dense part (TorchRec's default: ``True``); with one rank there is
+            no DDP (an all-reduce over one rank changes nothing; see :class:`~lightning_rec._strategy.dmp.DenseDataParallel`).
+        find_unused_parameters: passed to the DDP wrapper of the dense part.
+        qcomms: quantize what the tables send between ranks (the embedding all-to-alls forward, their gradients
+            backward): a :class:`~lightning_rec.config.QuantizedComms`, a precision for both directions (``"fp16"``,
+            ``"bf16"``, ``"int8"``, ``"fp8"``), ``{"forward": "fp16", "backward": "bf16"}``, or TorchRec's
+            ``QCommsConfig``. Default: full precision. What cannot run on the device is refused before sharding.
+        pipeline: overlap the next batch's host-to-device copy and input distribution (all-to-all) with the
+            current batch's forward/backward, as TorchRec's ``TrainPipelineSparseDist`` does, inside Lightning's
+            loop (see :mod:`lightning_rec._strategy.pipeline`). Training only; same losses as without.
+        fast_cpu_lookup: on CPU, run FBGEMM's fused tables (SGD/Adagrad, sum pooling, fp32) through
+            :mod:`lightning_rec._strategy.cpu_lookup`: torch's multi-threaded ``embedding_bag`` forward and FBGEMM's
+            own backward op split across threads by table; bitwise identical to FBGEMM's path, faster with more than
+            one thread per rank (BENCHMARKS.md; with one it is left out). ``False`` keeps FBGEMM's forward. No effect
+            on CUDA.
+        report_plan: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
+            the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``; without
+            a logger nothing is written (see :mod:`lightning_rec._strategy.plan_report`). The plan is logged as a table either
+            way. A report that cannot be written only warns.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the
+            Trainer, as for any Lightning strategy.
+
+    Example::
+
+        trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2)
+        trainer = L.Trainer(
+            strategy=RecShardStrategy(constraints={"item": TableConstraints(sharding_types=["column_wise"])}),
+            devices=2,
+        )
+    """
+
+    strategy_name = "recshard"
+
+    def __init__(
+        self,
+        constraints: Mapping[str, TableConstraints | Mapping[str, Any]] | None = None,
+        topology: TopologyConfig | Mapping[str, Any] | None = None,
+        sharders: Sequence[ModuleSharder[nn.Module]] | None = None,
+        plan: str | ShardingPlan | None = None,
+        embedding_optimizer: EmbeddingOptimizer | Mapping[str, Any] | None = None,
+        fused_params: Mapping[str, Any] | None = None,
+        bounds_check: BoundsCheck = "error",
+        nonfinite: NonFinitePolicy = "error",
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        static_graph: bool = True,
+        find_unused_parameters: bool = False,
+        report_plan: bool = True,
+        pipeline: bool = False,
+        fast_cpu_lookup: bool = True,
+        qcomms: QuantizedComms | str | Mapping[str, Any] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.sharder = TableSharder.from_arguments(
+            constraints=constraints,
+            topology=topology,
+            sharders=sharders,
+            plan=plan,
+            embedding_optimizer=embedding_optimizer,
+            fused_params=fused_params,
+            bounds_check=bounds_check,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            qcomms=qcomms,
+            fast_cpu_lookup=fast_cpu_lookup,
+            owner=type(self).__name__,
+        )
+        self._input_checks = InputChecks(
+            check_ids=bounds_check == "error",
+            nonfinite=nonfinite,
+            position=self._describe_position,
+            check_structure=bounds_check != "none",
+        )
+        self._process_group_backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        self._failures: FailureBoard | None = None
+        self._batch_counts: BatchCounts | None = None
+        self._transferring = False
+        self._batch_hooks: tuple[bool, bool] = (False, False)  # transfer_batch_to_device, on_after_batch_transfer
+        self._redirect_steps = True  # training_step through DMP's DDP (not with one rank: see `training_step`)
+        self.num_nodes = 1
+        self._report_plan = report_plan
+        self.pipeline = pipeline
+        self._sparse_dist: SparseDistPipeline | None = None
+        self._rec_optimizer: RecOptimizer | None = None
+        self._forward_redirection = ManualOptimizationRedirection()
+        self._backward_without_step = False  # a training backward ran (tables updated) and no optimizer stepped yet
+        self._check_steps = False  # fitting a model with tables: every backward must be followed by a step
+
+    # ---------------------------------------------------------------------------------------------------
+    # Properties Lightning asks for
+    # ---------------------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always ``True``: Lightning reads this to decide whether ``self.log(..., sync_dist=True)`` reduces
+        across ranks (it only knows its own strategies otherwise)."""
+        return True
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size, as Lightning's ``ddp`` does.
+
+        Lightning's accelerator connector calls it when the Trainer is built (so ``trainer.global_rank``,
+        ``world_size`` and ``is_global_zero`` are right before ``fit``), and the strategy again before starting the
+        process group."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # Not every environment's setter updates rank_zero_only itself (see Lightning's DDPStrategy).
+        # (`rank` is an attribute Lightning sets on the function; its declaration, an overloaded function, lacks it.)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """How long a collective waits for the other ranks (see the ``timeout`` argument)."""
+        return self._timeout
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Sharded state can only be loaded into the sharded model.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # `load_checkpoint` restores the optimizer in place, shard by shard
+
+    @property
+    def constraints(self) -> dict[str, TableConstraints]:
+        """The per-table planner constraints, by table name."""
+        return self.sharder.constraints
+
+    @property
+    def topology(self) -> TopologyConfig | None:
+        """The overrides of the planner's view of the machine."""
+        return self.sharder.topology
+
+    @property
+    def embedding_optimizer(self) -> EmbeddingOptimizer | None:
+        """The fused embedding optimizer given to the strategy (``None``: the module's or a derived one)."""
+        return self.sharder.embedding_optimizer
+
+    @property
+    def fused_params(self) -> dict[str, Any]:
+        """FBGEMM's table-batched-embedding arguments for every table (``bounds_check_mode`` included)."""
+        return self.sharder.fused_params
+
+    @property
+    def sharded_model(self) -> DistributedModelParallel:
+        """The ``DistributedModelParallel`` wrapper (available after setup)."""
+        state = sharded_state(self.lightning_module)
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__}: the model is not sharded yet; call this after setup.")
+        return state.dmp
+
+    @property
+    def sharding_plan(self) -> ShardingPlan:
+        """The ``ShardingPlan`` the model was sharded with (available after setup)."""
+        return self.sharded_model.plan
+
+    @property
+    def plan_report(self) -> PlanReport | None:
+        """The sharding-plan report (tables, shards, topology, planner estimates; available after setup)."""
+        state = sharded_state(self.lightning_module)
+        return state.report if state is not None else None
+
+    @property
+    def _attached_module(self) -> pl.LightningModule:
+        """The LightningModule, for the hooks Lightning calls only while one is attached."""
+        module = self.lightning_module
+        assert module is not None
+        return module
+
+    # ---------------------------------------------------------------------------------------------------
+    # Lifecycle, in Lightning's order
+    # ---------------------------------------------------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _compat._SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        if sharded_state(model) is not None:
+            return
+        self.sharder.check_model(model, self.root_device.type)
+        if self.pipeline:
+            check_pipelinable(model, self.sharder.module_types, type(self).__name__)
+
+    @override
+    def setup_environment(self) -> None:
+        check_precision(getattr(self.precision_plugin, "precision", "32-true"), type(self).__name__)
+        if self.embedding_optimizer is not None:
+            self.embedding_optimizer.validate_for(self.root_device.type)
+        super().setup_environment()
+        # As the launching process already did (and torchrun does): one share of the host's cores per local rank.
+        _compat._set_num_threads_if_needed(self.num_processes)
+        self._setup_distributed()
+        close_process_group_at_exit(self._timeout)  # a finished job must exit 0, not abort in gloo's threads
+        # A prefix shared by every rank of this run, under which a failing rank leaves its error for the others.
+        token = self.broadcast(uuid.uuid4().hex)
+        self._failures = FailureBoard.for_default_group(token, self.global_rank)
+        # Ranks that run out of training batches at different counts are named (batch_counts), not left to pair
+        # their next collectives with the others' remaining batches.
+        wait = min(self._timeout, timedelta(seconds=10)) if self._timeout is not None else timedelta(seconds=10)
+        self._batch_counts = BatchCounts.for_default_group(
+            token, self.global_rank, self.world_size, wait, type(self).__name__
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_steps = check_fit(trainer, module, self.sharder.module_types, type(self).__name__)
+            self._backward_without_step = False
+
+        state = sharded_state(module)
+        if fitting and state is None and self._layer_sync is not None:
+            # Trainer(sync_batchnorm=True), as Lightning's ddp applies it: before the optimizers see the parameters.
+            self._layer_sync.apply(module)  # converts the BatchNorm layers in place (the root is no BatchNorm)
+        is_embedding = prepare_for_optimizers(module, self.sharder.module_types, self.root_device, state)
+        optimizers: list[Optimizer] = []
+        lr_scheduler_configs: list[Any] = []
+        # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
+        if fitting or (state is None and is_overridden("configure_optimizers", module)):
+            optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
+        emb_opt, lr_source, per_table = self.sharder.embedding_optimizer_for(
+            module, optimizers, is_embedding, self.root_device.type
+        )
+
+        if state is None:
+            state = self.sharder.shard(
+                module,
+                emb_opt,
+                world_size=self.world_size,
+                num_processes=self.num_processes,
+                device=self.root_device,
+                per_table=per_table,
+            )
+        elif fitting and (emb_opt, _rules(per_table)) != (state.embedding_optimizer, state.table_optimizers):
+            raise RuntimeError(
+                f"{type(self).__name__}: the model was sharded earlier with embedding optimizer "
+                f"{state.table_optimizers or state.embedding_optimizer}, but now asks for "
+                f"{_rules(per_table) or emb_opt}. The fused optimizer is part of the "
+                "sharded kernels. HINT: declare it with `configure_embedding_optimizer()` so that every run "
+                "uses the same one, or build a fresh model."
+            )
+        self.model = state.dmp
+        self._input_checks.install(
+            state.dmp.module,
+            state.inputs,
+            vbe_refusals(
+                state.plan,
+                sorted({o.name for o in [state.embedding_optimizer, *state.table_optimizers.values()]}),
+                self.root_device.type,
+                self.world_size,
+            ),
+        )
+        # (Lightning's data connector sets `Trainer.datamodule`; the Trainer class does not declare it.)
+        self._batch_hooks = custom_batch_hooks(module, trainer.datamodule)  # type: ignore[attr-defined]
+        self._redirect_steps = dense_ddp(state.dmp) is not None
+
+        if fitting:
+            self._rec_optimizer, self.optimizers = combine_optimizers(
+                state.dmp.fused_optimizer,
+                optimizers,
+                named_parameters=dict(module.named_parameters()),
+                is_embedding=is_embedding,
+                lr_source=lr_source,
+                table_params=unfused_table_parameters(module, state),
+                embedding_optimizer=state.embedding_optimizer,
+                per_table=per_table,
+            )
+            self.lr_scheduler_configs = lr_scheduler_configs
+            if self._report_plan and state.report is not None:
+                write_for_trainer(state.report, trainer, self.global_rank)  # every rank: it may broadcast
+            self._sparse_dist = (
+                SparseDistPipeline(state.dmp, self.root_device, self._input_checks) if self.pipeline else None
+            )
+        self.setup_precision_plugin()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if not self._attached_module.trainer.training:
+            return dataloader
+        if self._sparse_dist is not None:
+            dataloader = self._sparse_dist.wrap(dataloader)  # batches are copied and queued as Lightning fetches them
+        if self._batch_counts is not None:  # outermost: a pass ends when Lightning has fetched every batch
+            trainer = self._attached_module.trainer
+            max_steps = trainer.max_steps if trainer.max_steps != -1 else None
+            dataloader = self._batch_counts.wrap(dataloader, trainer.limit_train_batches, max_steps)
+        return dataloader
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Check the batch on the host, copy it to the device without blocking, run the module's transfer hooks.
+
+        Lightning's own transfer copies a TorchRec ``Batch`` or KJT blocking (it passes ``non_blocking`` to plain
+        tensors only); here every tensor, KJT and ``Pipelineable`` is copied with ``non_blocking=True`` (from pinned
+        memory, e.g. ``DataLoader(pin_memory=True)``, the copy then overlaps the GPU's work). A
+        ``transfer_batch_to_device`` override (module or datamodule) is called instead, as Lightning calls it."""
+        self._transferring = True  # Lightning counts the batch only once it is on the device (reset on exception)
+        if self._sparse_dist is not None and self._attached_module.trainer.training:
+            batch = self._sparse_dist.begin_step()  # already on the device, checked on the host and distributed
+        else:
+            checked = self._input_checks.check_host(batch)
+            custom_transfer, custom_after = self._batch_hooks
+            device = device or self.root_device
+            if custom_transfer:
+                batch = _compat.call_batch_hook(
+                    self._attached_module, "transfer_batch_to_device", batch, device, dataloader_idx
+                )
+            else:
+                batch = to_device(batch, device)
+            self._input_checks.trust(checked, batch)
+            if custom_after:
+                batch = _compat.call_batch_hook(self._attached_module, "on_after_batch_transfer", batch, dataloader_idx)
+        self._transferring = False
+        return batch
+
+    @override
+    def on_validation_start(self) -> None:
+        self._input_checks.poll()  # report a non-finite training loss before evaluating its weights
+        if self._sparse_dist is not None:
+            self._sparse_dist.detach()  # evaluation runs the sharded modules' own forwards
+
+    on_test_start = on_predict_start = on_validation_start
+
+    @override
+    def on_train_end(self) -> None:
+        if self._sparse_dist is not None:
+            self._sparse_dist.reset()
+        self._input_checks.poll()  # the last steps' losses (nonfinite="error" reads them one step late)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._backward_without_step = False
+        if self._batch_counts is not None:
+            self._batch_counts.check()  # after this rank's last step of an epoch: did every rank run as many?
+        return out
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        self._backward_without_step = self._check_steps  # cleared by the next optimizer step
+        self._input_checks.check_loss(closure_loss)  # the backward pass would write a NaN into the tables
+        if self._sparse_dist is not None:
+            self._sparse_dist.before_backward()  # the next batch's input all-to-all overlapped this forward
+        # Manual optimization calls backward inside training_step, i.e. inside DDP's forward; DDP's reducer was
+        # kept out of that forward (see dmp.ManualOptimizationRedirection) and is prepared here instead.
+        ddp = dense_ddp(self.model)
+        if ddp is not None and not self._attached_module.automatic_optimization:
+            prepare_for_backward(ddp, closure_loss)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if self._redirect_steps:
+                return super().training_step(*args, **kwargs)  # through DDP's forward, as Lightning's ddp does
+            # One rank: no DDP around the dense part (dmp.DenseDataParallel), and DMP's forward only calls the module.
+            with self.precision_plugin.train_step_context():
+                return self._attached_module.training_step(*args, **kwargs)
+        except RuntimeError as error:
+            if raised_in(error, "toggle_optimizer"):  # torch refuses requires_grad on the tables' ShardedTensors
+                raise toggle_optimizer_error(type(self).__name__) from error
+            raise
+
+    @override
+    def model_to_device(self) -> None:
+        # Devices are handled in `setup`: dense layers are materialised/moved there, tables by DMP.
+        pass
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._backward_without_step:  # the tables updated in the last batch's backward, the dense part did not
+            raise backward_without_step_error(batch_idx, type(self).__name__)
+        # An LR scheduler may have moved the dense learning rate since the last step; the tables follow it
+        # before this step's backward pass (where their update happens).
+        if self._rec_optimizer is not None:
+            self._rec_optimizer.sync_lr()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks why this one stops, or, if a collective failed because another rank stopped, say
+        which rank and why (see :mod:`lightning_rec._strategy.faults`)."""
+        position = self._describe_position(0)
+        self._transferring = False
+        self._input_checks.forget()
+        note_failure()  # this process's exit must not wait for the others
+        if self._failures is not None:
+            self._failures.handle(exception, position, self.world_size, self._timeout, type(self).__name__)
+
+    @override
+    def teardown(self) -> None:
+        # Unlike Lightning's default, never `.cpu()` the module: its tables are sharded (and on CUDA, moving
+        # them would break the kernels). The sharded module is kept for later validate/test/predict calls.
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # ---------------------------------------------------------------------------------------------------
+    # Collectives
+    # ---------------------------------------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _compat._distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _compat._distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=_compat._group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        """Reduce ``tensor`` over all ranks with ``reduce_op`` (``"mean"``/``"avg"``, ``"sum"``, ``"max"``,
+        ``"min"`` or a ``ReduceOp``); non-tensors are returned unchanged."""
+        if isinstance(tensor, Tensor):
+            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---------------------------------------------------------------------------------------------------
+    # Checkpoints (torch.distributed.checkpoint; see lightning_rec.checkpoint)
+    # ---------------------------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return _ckpt.canonical_state(optimizer, dict(self.lightning_module.named_parameters()))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in place by `load_checkpoint`
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in place by `load_checkpoint`
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` as a sharded checkpoint directory at ``filepath`` (every rank writes its own shards;
+        see :mod:`lightning_rec.checkpoint`)."""
+        if storage_options is not None:
+            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+        self._input_checks.poll()  # never write weights that a non-finite loss has reached
+        path = Path(self.broadcast(str(filepath)))
+        module = self.lightning_module
+        state = sharded_state(module)
+        info: dict[str, Any] = {"module_class": f"{type(module).__module__}.{type(module).__qualname__}"}
+        if state is not None:
+            info["embedding_optimizer"] = state.embedding_optimizer.as_dict()
+            if state.report is not None:
+                info["plan"] = state.report.to_dict()
+        _ckpt.save(checkpoint, path, info=info)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint directory (from any world size or plan) into the sharded model and its optimizers, in
+        place; checks everything first (see :func:`lightning_rec.checkpoint.load`)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = self.lightning_module
+        assert module is not None
+        meta = _ckpt.load(
+            path,
+            module,
+            [_compat.unwrap_optimizer(o) for o in self.optimizers],
+            strict=getattr(module, "strict_loading", True),
+            weights_only=weights_only,
+        )
+        saved = meta.get("lightning_rec", {})
+        if saved.get("world_size") not in (None, self.world_size):
+            rank_zero_info(
+                f"{type(self).__name__}: resharded checkpoint {path} from {saved['world_size']} rank(s) onto {self.world_size}."
+            )
+        return meta
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            _ckpt.remove(Path(filepath))
+
+    # ---------------------------------------------------------------------------------------------------
+    # Registration
+    # ---------------------------------------------------------------------------------------------------
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="TorchRec sharded embedding tables (DMP + FBGEMM fused optimizers) with data-parallel dense layers",
+            override=True,
+        )
+
+    # ---------------------------------------------------------------------------------------------------
+    # Private helpers
+    # ---------------------------------------------------------------------------------------------------
+
+    def _setup_distributed(self) -> None:
+        _compat.reset_seed()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _compat._get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def _describe_position(self, ahead: int, batch: int | None = None) -> str:
+        module = self.lightning_module
+        trainer = _compat.attached_trainer(module) if module is not None else None
+        if trainer is None:
+            return ""
+        return describe_position(trainer, ahead, transferring=self._transferring, batch=batch)
+
+
+def _rules(per_table: dict[str, Any] | None) -> dict[str, EmbeddingOptimizer]:
+    """Each table's own fused optimizer (``per_table``: as :meth:`TableSharder.embedding_optimizer_for` gives it)."""
+    return {table: opt for table, (opt, _) in (per_table or {}).items()}

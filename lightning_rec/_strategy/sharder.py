@@ -1,0 +1,307 @@
+"""What the user asked of the sharding (tables' constraints, the machine's topology, extra sharders, a fixed plan,
+the fused optimizer, FBGEMM's arguments), normalised once, and the steps that use it: check a model against it,
+settle the fused embedding optimizer, plan on rank 0 and shard. :class:`~lightning_rec.RecShardStrategy` owns one
+and calls it from its hooks; it knows nothing of Lightning's loop.
+
+Example::
+
+    sharder = TableSharder.from_arguments(constraints={"t_item": {"sharding_types": ["column_wise"]}})
+    sharder.check_model(model, device_type="cpu")                  # before any distributed work
+    emb_opt, lr_source, per_table = sharder.embedding_optimizer_for(model, optimizers, is_embedding, "cpu")
+    state = sharder.shard(model, emb_opt, world_size=2, num_processes=2, device=torch.device("cpu"), per_table=per_table)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torchrec.distributed.planner.constants import BATCH_SIZE
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+from lightning_rec import _compat
+from lightning_rec._inputs.specs import input_specs
+from lightning_rec._strategy.dmp import ShardedState, shard_module
+from lightning_rec._strategy.optim import (
+    TableOptimizers,
+    bounds_check_params,
+    optimizer_state_class,
+    resolve_embedding_optimizer,
+)
+from lightning_rec._strategy.plan_file import check_plan, read_plan, to_sharding_plan
+from lightning_rec._strategy.plan_report import PlanReport, table_shapes
+from lightning_rec._strategy.quiet import torchrec_noise_silenced
+from lightning_rec._strategy.sharding import (
+    check_managed_collision,
+    check_qcomms,
+    make_sharders,
+    plan_module,
+    validate_constraints,
+)
+from lightning_rec._strategy.topology import DevicePreset, default_preset
+from lightning_rec._tables import embedding_tables, sharded_module_types, table_weights
+from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig
+
+__all__ = ["TableSharder"]
+
+
+@dataclass
+class TableSharder:
+    """The strategy's sharding configuration (see :class:`~lightning_rec.RecShardStrategy`'s arguments of the same
+    names) and the steps it drives. Build it with :meth:`from_arguments`, which accepts YAML-shaped dicts."""
+
+    constraints: dict[str, TableConstraints] = field(default_factory=dict)
+    topology: TopologyConfig | None = None
+    sharders: list[ModuleSharder[nn.Module]] = field(default_factory=list)
+    plan: ShardingPlan | None = None
+    plan_file: PlanReport | None = None  # the report `plan` was read from (checked against the run)
+    embedding_optimizer: EmbeddingOptimizer | None = None
+    fused_params: dict[str, Any] = field(default_factory=dict)
+    static_graph: bool = True
+    find_unused_parameters: bool = False
+    qcomms: QuantizedComms | None = None
+    fast_cpu_lookup: bool = True
+    owner: str = "RecShardStrategy"  # who the messages name
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        constraints: Mapping[str, TableConstraints | Mapping[str, Any]] | None = None,
+        topology: TopologyConfig | Mapping[str, Any] | None = None,
+        sharders: Sequence[ModuleSharder[nn.Module]] | None = None,
+        plan: ShardingPlan | str | os.PathLike[str] | None = None,
+        embedding_optimizer: EmbeddingOptimizer | Mapping[str, Any] | None = None,
+        fused_params: Mapping[str, Any] | None = None,
+        bounds_check: BoundsCheck = "error",
+        static_graph: bool = True,
+        find_unused_parameters: bool = False,
+        qcomms: QuantizedComms | str | Mapping[str, Any] | Any | None = None,
+        fast_cpu_lookup: bool = True,
+        owner: str = "RecShardStrategy",
+    ) -> TableSharder:
+        """The configuration from the strategy's arguments: dicts become the typed configs, ``bounds_check``
+        becomes FBGEMM's ``bounds_check_mode`` (under any ``fused_params`` the user gave), a ``plan`` path is read
+        (see :func:`~lightning_rec._strategy.plan_file.read_plan`)."""
+        plan_file = read_plan(plan, owner) if isinstance(plan, (str, os.PathLike)) else None
+        return cls(
+            constraints={
+                name: c if isinstance(c, TableConstraints) else TableConstraints(**c)
+                for name, c in (constraints or {}).items()
+            },
+            topology=topology
+            if topology is None or isinstance(topology, TopologyConfig)
+            else TopologyConfig(**topology),
+            sharders=list(sharders or []),
+            plan=to_sharding_plan(plan_file) if plan_file is not None else plan,
+            plan_file=plan_file,
+            embedding_optimizer=(
+                embedding_optimizer
+                if embedding_optimizer is None or isinstance(embedding_optimizer, EmbeddingOptimizer)
+                else EmbeddingOptimizer(**embedding_optimizer)
+            ),
+            fused_params={**bounds_check_params(bounds_check), **dict(fused_params or {})},
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            qcomms=QuantizedComms.of(dict(qcomms) if isinstance(qcomms, Mapping) else qcomms),
+            fast_cpu_lookup=fast_cpu_lookup,
+            owner=owner,
+        )
+
+    @property
+    def module_types(self) -> tuple[type[nn.Module], ...]:
+        """The module types that get sharded (see :func:`lightning_rec._tables.sharded_module_types`)."""
+        return sharded_module_types(self.sharders)
+
+    def tables(self, module: nn.Module) -> dict[str, BaseEmbeddingConfig]:
+        """Every table of ``module`` that gets sharded, by name."""
+        return embedding_tables(module, self.module_types)
+
+    def check_model(self, module: nn.Module, device_type: str) -> None:
+        """Warn about a model without tables; check the constraints against its tables and ``device_type``."""
+        tables = self.tables(module)
+        if not tables:
+            rank_zero_warn(
+                f"{self.owner}: {type(module).__name__} has no EmbeddingBagCollection or "
+                "EmbeddingCollection, so there is nothing to shard; it will be trained as plain data parallel. "
+                "HINT: use `strategy='ddp'` for models without embedding tables."
+            )
+        if self.plan is None:
+            validate_constraints(self.constraints, tables, device_type)
+        check_qcomms(self.qcomms, tables, self.constraints, device_type)
+
+    def embedding_optimizer_for(
+        self, module: nn.Module, optimizers: list[Optimizer], is_embedding: Callable[[Tensor], bool], device_type: str
+    ) -> tuple[EmbeddingOptimizer, dict[str, Any] | None, TableOptimizers | None]:
+        """The fused optimizer (the module's ``configure_embedding_optimizer()``, this configuration's, or derived
+        from ``optimizers``), the param group whose learning rate it follows (``None``: its own), and each table's own
+        when the tables sit in several param groups (see :func:`~lightning_rec._strategy.optim.resolve_embedding_optimizer`)."""
+        declared = getattr(module, "configure_embedding_optimizer", lambda: None)() or self.embedding_optimizer
+        return resolve_embedding_optimizer(
+            optimizers,
+            is_embedding,
+            declared=declared,
+            has_tables=bool(self.tables(module)),
+            device_type=device_type,
+            owner=self.owner,
+            table_weights=table_weights(module, self.module_types),
+        )
+
+    def shard(
+        self,
+        module: pl.LightningModule,
+        embedding_optimizer: EmbeddingOptimizer,
+        *,
+        world_size: int,
+        num_processes: int,
+        device: torch.device,
+        per_table: TableOptimizers | None = None,
+    ) -> ShardedState:
+        """Plan (rank 0, broadcast; or this configuration's ``plan``, checked against this run first), log the plan,
+        and shard ``module`` in place with DMP (see :func:`lightning_rec._strategy.dmp.shard_module`); ``per_table``:
+        tables trained by their own fused optimizer (TorchRec groups tables by their fused parameters)."""
+        pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
+        local_world_size = (self.topology or TopologyConfig()).ranks_per_host(num_processes)
+        with self.per_table_fused_params(module, per_table), torchrec_noise_silenced():
+            plan, report, sharders = self._plan(
+                module, embedding_optimizer, world_size, local_world_size, device.type, pg, None, None
+            )
+            rank_zero_info(
+                f"{self.owner}: sharding plan over {world_size} rank(s), {local_world_size} per host\n"
+                f"{report.format_table()}"
+            )
+            state = shard_module(
+                module,
+                plan,
+                sharders,
+                device,
+                pg,
+                embedding_optimizer=embedding_optimizer,
+                report=report,
+                inputs=input_specs(module, self.module_types),
+                module_types=self.module_types,
+                static_graph=self.static_graph,
+                find_unused_parameters=self.find_unused_parameters,
+                fast_cpu_lookup=self.fast_cpu_lookup,
+            )
+        state.table_optimizers = {t: opt for t, (opt, _) in (per_table or {}).items()}
+        return state
+
+    def plan_for(
+        self,
+        module: nn.Module,
+        embedding_optimizer: EmbeddingOptimizer,
+        *,
+        world_size: int,
+        local_world_size: int,
+        device_type: str,
+        per_table: TableOptimizers | None = None,
+        preset: DevicePreset | None = None,
+        batch_size: int | None = None,
+    ) -> PlanReport:
+        """The plan (with the planner's estimates) :meth:`shard` would make for ``world_size`` ranks,
+        ``local_world_size`` per host, on ``device_type``, made here in this process, without any process group:
+        ``module``'s tables may sit on the ``meta`` device. ``preset``/``batch_size`` replace the topology's.
+
+        Raises:
+            torchrec.distributed.planner.types.PlannerError: if the tables do not fit.
+        """
+        with self.per_table_fused_params(module, per_table), torchrec_noise_silenced():
+            return self._plan(
+                module, embedding_optimizer, world_size, local_world_size, device_type, None, preset, batch_size
+            )[1]
+
+    def sharders_for(self, embedding_optimizer: EmbeddingOptimizer) -> list[ModuleSharder[nn.Module]]:
+        """The sharders of every table module, with ``embedding_optimizer`` and this configuration's FBGEMM
+        arguments and quantized comms (see :func:`~lightning_rec._strategy.sharding.make_sharders`)."""
+        return make_sharders(
+            {**embedding_optimizer.to_fused_params(), **self.fused_params},
+            self.sharders,
+            owner=self.owner,
+            qcomms=self.qcomms,
+        )
+
+    def optimizer_state_classes(self, module: nn.Module, embedding_optimizer: EmbeddingOptimizer) -> dict[Any, Any]:
+        """Each table weight's optimizer class as TorchRec's planner counts its state: the table's own fused
+        optimizer (see :meth:`per_table_fused_params`) or ``embedding_optimizer``."""
+        default = embedding_optimizer.to_fused_params().get("optimizer")
+        classes = {}
+        for weight in table_weights(module, self.module_types).values():
+            own = (getattr(weight, "_optimizer_kwargs", None) or [{}])[0] or {}
+            classes[weight] = optimizer_state_class(own.get("optimizer", default))
+        return classes
+
+    def per_table_fused_params(self, module: nn.Module, per_table: TableOptimizers | None) -> Any:
+        """A context in which TorchRec's sharders see each of ``per_table``'s tables with its own fused optimizer
+        (see :func:`lightning_rec._compat.table_fused_params`); planning and sharding run inside it."""
+        own: dict[Tensor, Mapping[str, Any]] = {}
+        if per_table:
+            weights = table_weights(module, self.module_types)
+            own = {weights[t]: opt.to_fused_params() for t, (opt, _) in per_table.items() if t in weights}
+        return _compat.table_fused_params(own)
+
+    def _plan(
+        self,
+        module: nn.Module,
+        embedding_optimizer: EmbeddingOptimizer,
+        world_size: int,
+        local_world_size: int,
+        device_type: str,
+        pg: dist.ProcessGroup | None,
+        preset: DevicePreset | None,
+        batch_size: int | None,
+    ) -> tuple[ShardingPlan, PlanReport, list[ModuleSharder[nn.Module]]]:
+        sharders = self.sharders_for(embedding_optimizer)
+        check_managed_collision(module, self.module_types, self.constraints, world_size, device_type)
+        if self.plan_file is not None:
+            check_plan(
+                self.plan_file,
+                module,
+                self.module_types,
+                world_size=world_size,
+                local_world_size=local_world_size,
+                device_type=device_type,
+                owner=self.owner,
+            )
+        if self.plan is not None:
+            report = self.plan_file or PlanReport.from_plan(
+                self.plan, world_size, device_type, None, local_world_size, shapes=table_shapes(self.tables(module))
+            )
+            return self.plan, report, sharders
+        chosen = preset or default_preset(device_type, self.topology)
+        batch_size = batch_size or (self.topology.batch_size if self.topology else None) or BATCH_SIZE
+        with _compat.optimizer_state_for_planner(self.optimizer_state_classes(module, embedding_optimizer)):
+            plan, options = plan_module(
+                module,
+                sharders,
+                module_types=self.module_types,
+                constraints=self.constraints,
+                topology=self.topology,
+                world_size=world_size,
+                local_world_size=local_world_size,
+                device_type=device_type,
+                pg=pg,
+                qcomms=self.qcomms,
+                preset=chosen,
+                batch_size=batch_size,
+            )
+        report = PlanReport.from_plan(
+            plan,
+            world_size,
+            device_type,
+            options,
+            local_world_size,
+            shapes=table_shapes(self.tables(module)),
+            batch_size=batch_size,
+            preset=chosen.name if chosen is not None else None,
+        )
+        return plan, report, sharders

@@ -1,0 +1,191 @@
+"""Export: a sharded checkpoint -> one ordinary, unsharded state dict file, for inference and for people who
+do not use this package; or straight into an unsharded LightningModule (:func:`load_module`, what
+``RecLightningModule.load_from_checkpoint`` calls).
+
+Example::
+
+    from lightning_rec.checkpoint import export
+    export("checkpoints/last.ckpt", "model.safetensors")            # or "model.pt" (torch.save, weights only)
+
+    state = safetensors.torch.load_file("model.safetensors")        # or torch.load("model.pt", weights_only=True)
+    model = MyModel(...)                                            # the plain, unsharded model
+    model.load_state_dict(state, assign=True)                       # assign=True: tables built on "meta"
+
+or from the shell: ``lightning-rec export checkpoints/last.ckpt model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_rec.checkpoint import _layout as layout
+from lightning_rec.checkpoint import _safe_io as safe_io
+
+
+def export(
+    checkpoint: str | Path, output: str | Path, *, prefix: str = "", verify_hashes: bool = True
+) -> dict[str, torch.Size]:
+    """Write the model weights of a sharded checkpoint as one unsharded state dict file (one process, no GPU).
+
+    Every table is assembled whole from its shards (so this needs memory for the whole model, once);
+    optimizer state is left out.
+
+    Args:
+        checkpoint: a checkpoint directory written on any number of ranks with any plan.
+        output: ``*.safetensors`` for safetensors, anything else for a ``torch.save`` file that loads with
+            ``torch.load(..., weights_only=True)``. Written to a temporary name, then renamed.
+        prefix: export only the weights under this prefix, without it: e.g. ``"model."`` gives the state dict of
+            the ``nn.Module`` a LightningModule holds as ``self.model`` (``""``: everything).
+        verify_hashes: check the checkpoint files' SHA-256 first.
+
+    Returns:
+        the exported names and shapes.
+
+    Raises:
+        CheckpointError: the checkpoint is incomplete or corrupt, or no weight is under ``prefix``.
+    """
+    path, output = layout.recover(Path(checkpoint)), Path(output)
+    state = _assemble(path, prefix, verify_hashes)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    if output.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(partial), metadata={"format": "pt", "source": str(path)})
+    else:
+        torch.save(state, partial)
+    partial.replace(output)
+    return {k: v.shape for k, v in state.items()}
+
+
+def _assemble(path: Path, prefix: str, verify_hashes: bool) -> dict[str, torch.Tensor]:
+    """Every model weight under ``prefix`` (without it) of the checkpoint at ``path``, whole, on CPU."""
+    problems = layout.verify_files(path, layout.read_manifest(path), 0, 1, hashes=verify_hashes)
+    if problems:
+        raise layout.CheckpointError(f"Cannot read {str(path)!r}:\n  - " + "\n  - ".join(problems))
+    metadata = safe_io.read_metadata(path)
+    targets: dict[str, torch.Tensor] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith(layout.MODEL_PREFIX + prefix) and isinstance(md, TensorStorageMetadata):
+            targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    if not targets:
+        raise layout.CheckpointError(f"{str(path)!r} has no model weights under prefix {prefix!r}.")
+    dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(path), no_dist=True)
+    return {key[len(layout.MODEL_PREFIX + prefix) :]: tensor.contiguous() for key, tensor in targets.items()}
+
+
+M = TypeVar("M", bound=pl.LightningModule)
+
+
+def load_module(
+    cls: type[M],
+    checkpoint: str | Path,
+    *,
+    map_location: str | torch.device | None = None,
+    strict: bool | None = None,
+    weights_only: bool | None = None,
+    verify_hashes: bool = True,
+    **kwargs: Any,
+) -> M:
+    """Build ``cls`` from a sharded checkpoint directory, unsharded, with every table whole (one process, no GPU,
+    no process group): Lightning's ``load_from_checkpoint`` for checkpoint directories.
+
+    As Lightning does: the module is built from the hyperparameters it saved (``save_hyperparameters()``), updated
+    by ``kwargs``; ``configure_model`` and ``on_load_checkpoint`` run; then the weights load. Tables (or any tensor)
+    the module built on ``meta`` are given storage first and filled from the checkpoint; one the checkpoint does
+    not hold is an error, since it would keep uninitialised memory.
+
+    Args:
+        cls: the LightningModule class.
+        checkpoint: a checkpoint directory written on any number of ranks with any plan.
+        map_location: the device to put the module on (default: CPU).
+        strict: whether missing/unexpected weights are errors (default: the module's ``strict_loading``, else True).
+        weights_only: ``False`` lets ``meta.pt`` unpickle arbitrary objects (only for trusted checkpoints).
+        verify_hashes: check the checkpoint files' SHA-256 first.
+        kwargs: override saved hyperparameters.
+
+    Example::
+
+        model = MyModel.load_from_checkpoint("checkpoints/last.ckpt")      # a RecLightningModule subclass
+        model = load_module(MyPlainLightningModule, "checkpoints/last.ckpt")
+        model.eval(); logits = model(batch)
+
+    Raises:
+        CheckpointError: incomplete/corrupt checkpoint, or weights that do not match the module.
+    """
+    path = layout.recover(Path(checkpoint))
+    state = _assemble(path, "", verify_hashes)
+    meta = safe_io.load_meta(path / layout.META_FILE, weights_only)
+    module = _instantiate(cls, meta, kwargs)
+    strict = getattr(module, "strict_loading", True) if strict is None else strict
+    if is_overridden("configure_model", module):
+        module.configure_model()
+    module.on_load_checkpoint({**meta, "state_dict": state})
+    live = module.state_dict(keep_vars=True)
+    empty = [k for k, t in live.items() if isinstance(t, torch.Tensor) and t.is_meta and k not in state]
+    missing, unexpected = sorted(set(live) - set(state)), sorted(set(state) - set(live))
+    problems = [f"{k}: built on meta and not in the checkpoint, so it would hold uninitialised memory" for k in empty]
+    if strict:
+        problems += [f"{k}: in {cls.__name__}, not in the checkpoint" for k in missing if k not in empty]
+        problems += [f"{k}: in the checkpoint, not in {cls.__name__}" for k in unexpected]
+    problems += [
+        f"{k}: checkpoint shape {tuple(state[k].shape)}, {cls.__name__} shape {tuple(live[k].shape)}"
+        for k in set(state) & set(live)
+        if isinstance(live[k], torch.Tensor) and tuple(live[k].shape) != tuple(state[k].shape)
+    ]
+    if problems:
+        raise layout.CheckpointError(
+            f"Checkpoint {str(path)!r} does not match {cls.__name__}:\n  - " + "\n  - ".join(sorted(problems))
+        )
+    _allocate_meta_tensors(module)
+    module.load_state_dict({k: v for k, v in state.items() if k in live}, strict=False)
+    if meta.get("model_extra"):
+        module.load_state_dict(meta["model_extra"], strict=False)
+    return module.to(map_location) if map_location is not None else module
+
+
+def _instantiate(cls: type[M], meta: dict[str, Any], kwargs: dict[str, Any]) -> M:
+    """``cls`` built from the saved hyperparameters, updated by ``kwargs`` (as Lightning's loading does)."""
+    hparams = dict(meta.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {})
+    params = inspect.signature(cls.__init__).parameters
+    name = meta.get(cls.CHECKPOINT_HYPER_PARAMS_NAME)
+    if name and name in params:
+        hparams = {name: hparams}
+    merged = {**hparams, **kwargs}
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        merged = {k: v for k, v in merged.items() if k in params}
+    try:
+        inspect.signature(cls).bind(**merged)
+    except TypeError as err:
+        raise layout.CheckpointError(
+            f"cannot build {cls.__name__} from the checkpoint: {err} (it holds the hyperparameters "
+            f"{sorted(hparams)}). HINT: call `self.save_hyperparameters()` in {cls.__name__}.__init__, or pass the "
+            "missing arguments (`load_from_checkpoint(path, name=value)`; `export_inference(..., init_args={...})`)."
+        ) from None
+    return cls(**merged)
+
+
+@torch.no_grad()
+def _allocate_meta_tensors(module: torch.nn.Module) -> None:
+    """Give every module that holds ``meta`` tensors CPU storage (the checkpoint fills it next)."""
+    for sub in module.modules():
+        if any(t.is_meta for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]):
+            sub.to_empty(device="cpu", recurse=False)
+
+
+def load_exported(path: str | Path, device: str | None = "cpu") -> dict[str, torch.Tensor]:
+    """Read a file written by :func:`export` (safetensors or weights-only torch) as a state dict."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device=device or "cpu")
+    return torch.load(path, map_location=device, weights_only=True)
