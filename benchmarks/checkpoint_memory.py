@@ -31,7 +31,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import lightning_rec
-from lightning_rec import Batch, RecShardStrategy, _compat
+from lightning_rec import Batch, RecShardStrategy
 from lightning_rec.testing import QUIET_TRAINER
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -131,15 +131,15 @@ def batches(tables: int, rows: int, n: int, batch_size: int = 256) -> DataLoader
 
 def local_state_bytes(model: torch.nn.Module, trainer: L.Trainer) -> int:
     """Bytes of the table shards and fused optimizer state this rank holds."""
-    total = 0
-    for value in model.state_dict().values():
-        if isinstance(value, _compat.ShardedTensor):
-            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
-    for entries in trainer.strategy._rec_optimizer.fused.state_dict()["state"].values():
-        for value in entries.values():
-            if isinstance(value, _compat.ShardedTensor):
-                total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
-    return total
+    fused = trainer.strategy.sharded_model.fused_optimizer.state_dict()["state"]
+    values = [*model.state_dict().values(), *(v for entries in fused.values() for v in entries.values())]
+    return sum(_local_shard_bytes(value) for value in values)
+
+
+def _local_shard_bytes(value: Any) -> int:
+    """Bytes of this rank's shards of a sharded table or its optimizer state (a ``ShardedTensor``), else 0."""
+    local_shards = getattr(value, "local_shards", None)  # torch keeps ShardedTensor's type in a private module
+    return sum(s.tensor.numel() * s.tensor.element_size() for s in local_shards()) if local_shards else 0
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """How often a finished 2-process job aborts at exit (``terminate called without an active exception``), with and
-without lightning_rec's clean exit (``lightning_rec._strategy.faults.close_process_group_at_exit``).
+without lightning_rec's clean exit (``lightning_rec.testing.close_process_group_at_exit``, what the strategy registers).
 
 Modes, each run ``--runs`` times as two fresh processes:
 
@@ -41,7 +41,7 @@ def _child(mode: str) -> None:
     dist.init_process_group("gloo")
     _HELD.append(dist.group.WORLD)  # a reference until exit, as DDP and TorchRec's modules hold one
     if mode == "gloo_clean":
-        from lightning_rec._strategy.faults import close_process_group_at_exit
+        from lightning_rec.testing import close_process_group_at_exit
 
         close_process_group_at_exit()
     t = torch.ones(1000)

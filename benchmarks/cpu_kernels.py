@@ -31,7 +31,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from lightning_rec._strategy.cpu_lookup import CpuLookup
+from lightning_rec.testing import cpu_lookup
 from lightning_rec.testing.bench import SIZES, Size
 from lightning_rec.testing.bench.runner import reexec_with_steady_malloc
 
@@ -52,7 +52,7 @@ def measure(size: Size, threads: int, repeats: int, lr: float = 0.01) -> dict[st
     offsets = torch.arange(0, n + 1, size.pooling)
     grad = torch.randn(size.batch_size, size.tables * size.dim, generator=g)
     fbgemm, ours = _tbe(size, lr), _tbe(size, lr)
-    ours.forward = CpuLookup(ours, ours.forward, threads=threads)
+    cpu_lookup(ours, threads=threads)
     tables = [torch.nn.Parameter(w.detach().clone()) for w in fbgemm.split_embedding_weights()]
     sgd = torch.optim.SGD(tables, lr=lr)
     per_table = ids.view(size.tables, -1)

@@ -29,26 +29,22 @@ def measure(size_name: str, steps: int) -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    from lightning_rec._inputs.checks import InputChecks
-    from lightning_rec._inputs.specs import FeatureTables, input_specs
+    from lightning_rec.testing import StepInputChecks
     from lightning_rec.testing.bench.workload import SIZES, BenchModel, init_weights, make_batches, table_constraints
     from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 
     size = SIZES[size_name]
     model = BenchModel.build(size)
-    specs = input_specs(model, [type(model.tables)])
+    checks = StepInputChecks(model)  # the doors: the model's one EmbeddingBagCollection, "tables"
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01})
     dmp = reference_dmp(model, [sharder], torch.device("cpu"), table_constraints(size))
     init_weights(dmp.module)
     optimizer = reference_optimizer(dmp, lambda ps: torch.optim.SGD(ps, lr=0.01))
-    checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")
-    spec = specs["tables"]
-    checks.tables = FeatureTables.of(specs)
     step_s, check_s = [], []
     for i, batch in enumerate(make_batches(size, 0, size.warmup + steps)):
         t0 = time.perf_counter()
-        checks.trust(checks.check_host(batch), batch)
-        checks.at_door(batch.sparse_features, spec)
+        checks.check_host(batch)
+        checks.check_door(batch.sparse_features, "tables")
         t1 = time.perf_counter()
         optimizer.zero_grad()
         loss, _ = dmp(batch)
@@ -74,20 +70,18 @@ def measure(size_name: str, steps: int) -> dict:
 
 def measure_host(size_name: str, steps: int) -> dict:
     """The host checks alone (``check_host`` of each batch, as ``batch_to_device`` runs it before the copy)."""
-    from lightning_rec._inputs.checks import InputChecks
-    from lightning_rec._inputs.specs import FeatureTable, FeatureTables
-    from lightning_rec.testing.bench.workload import SIZES, make_batches
+    from lightning_rec.testing import StepInputChecks
+    from lightning_rec.testing.bench.workload import SIZES, BenchModel, make_batches
 
     size = SIZES[size_name]
-    checks = InputChecks(check_ids=True, nonfinite="error", position=lambda ahead, batch=None: "")
-    checks.tables = FeatureTables({f"f{i}": FeatureTable("tables", f"t_f{i}", size.rows) for i in range(size.tables)})
+    checks = StepInputChecks(BenchModel.build(size))  # its tables on meta: their sizes, no memory
     batches = make_batches(
         size, 0, min(size.warmup + steps, 4)
     )  # a few distinct batches, cycled (the GPU sizes' are big)
     times = []
     for i in range(size.warmup + steps):
         t0 = time.perf_counter()
-        checks.check_host(batches[i % len(batches)])
+        checks.check_host(batches[i % len(batches)], trust=False)
         if i >= size.warmup:
             times.append(time.perf_counter() - t0)
     ids = size.tables * size.batch_size * size.pooling

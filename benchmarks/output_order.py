@@ -1,12 +1,13 @@
-"""What restoring the unsharded output order costs (lightning_rec._strategy.unsharded), against the step it is part of.
+"""What restoring the unsharded output order costs, against the step it is part of.
 
 A sharded EmbeddingBagCollection whose plan mixes sharding types returns its pooled columns grouped by type; the
 strategy puts them back in the unsharded order with one ``torch.cat`` of column slices (and its backward). Here the
-bench's model tables (``--size``) are sharded with alternating column-wise / table-wise tables, so the order
-differs, and a training step of the tables (DMP forward, ``kt.values()``, a loss, backward with the fused update)
-is timed with the reordering on and off, interleaved step by step on the same batches in one process. When the
-orders already agree the strategy removes its wrapper after the first step, so that case costs nothing by
-construction (tests/strategy/test_unsharded.py checks the wrapper is gone).
+same code (``lightning_rec.testing.OutputReordering``) runs on the bench's model tables (``--size``), sharded by hand
+with alternating column-wise / table-wise tables, so the order differs, and a training step of the tables (DMP
+forward, ``kt.values()``, a loss, backward with the fused update) is timed with the reordering on and off,
+interleaved step by step on the same batches in one process. When the orders already agree the strategy removes
+its wrapper after the first step, so that case costs nothing by construction (tests/strategy/test_unsharded.py
+checks the wrapper is gone).
 
     .venv/bin/python benchmarks/output_order.py --size realistic
 
@@ -30,7 +31,7 @@ def measure(size_name: str, steps: int) -> dict:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    from lightning_rec._strategy.unsharded import output_orders, restore_output_order
+    from lightning_rec.testing import OutputReordering
     from lightning_rec.testing.bench.workload import SIZES, BenchModel, make_batches
     from lightning_rec.testing.reference import reference_dmp
 
@@ -42,7 +43,7 @@ def measure(size_name: str, steps: int) -> dict:
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.01})
     holder = torch.nn.Module()
     holder.ebc = ebc
-    orders = output_orders(holder, [type(ebc)])
+    reordering = OutputReordering(holder)
     dmp = reference_dmp(holder, [sharder], torch.device("cpu"), constraints)
     sharded = dmp.module.ebc
     batches = make_batches(size, 0, 8)
@@ -55,19 +56,16 @@ def measure(size_name: str, steps: int) -> dict:
         loss.backward()
         return time.perf_counter() - start
 
-    restore_output_order(dmp.module, orders)
+    reordering.install(dmp.module)
     first = sharded(batches[0].sparse_features)
     first = first.wait() if hasattr(first, "wait") else first
-    assert first.keys() == orders["ebc"], "the reordering must be active for this measurement"
-    reordering = vars(sharded)["compute_and_output_dist"]
+    assert first.keys() == reordering.orders["ebc"], "the reordering must be active for this measurement"
+    assert reordering.reordered(dmp.module) == ["ebc"]
     on, off = [], []
     for i in range(steps):
         batch = batches[i % len(batches)]
         for variant, out in ((True, on), (False, off)) if i % 2 == 0 else ((False, off), (True, on)):
-            if variant:
-                sharded.compute_and_output_dist = reordering
-            else:
-                vars(sharded).pop("compute_and_output_dist", None)
+            reordering.enable(dmp.module, variant)
             out.append(timed(batch))
     med_on, med_off = statistics.median(on), statistics.median(off)
     paired = statistics.median(a - b for a, b in zip(on, off))  # each step's two variants ran back to back

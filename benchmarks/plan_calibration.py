@@ -1,7 +1,7 @@
 """How far the planner's estimates are from what a run measures, on this machine, for the bench sizes.
 
 For each size (``realistic``: 8 tables x 200,000 x 64, batch 4,096 per rank, on 1 process; ``realistic_2proc``: the
-same on 2 gloo processes), the plan ``lightning-rec plan`` makes (``lightning_rec._planning.plan_cluster``, tables on
+same on 2 gloo processes), the plan ``lightning-rec plan`` makes (``lightning_rec.plan_cluster``, tables on
 ``meta``) is trained with ``RecShardStrategy(plan=plan.json)``, and per rank:
 
 * memory: the planner's estimate (HBM + DDR of the rank's shards) against the bytes the rank really holds for its
@@ -11,8 +11,8 @@ same on 2 gloo processes), the plan ``lightning-rec plan`` makes (``lightning_re
   Lightning training step (dense layers, loss, optimizer, Python included).
 
 The estimates come twice: with TorchRec's default bandwidths (what ``fit`` uses) and with the ``cpu`` preset's
-(``lightning_rec._strategy.topology.DEVICE_PRESETS["cpu"]``), and the script prints the bandwidths that would make the
-estimates match this machine (the lookup rate from 1 process, the all-to-all rate from 2)::
+(``lightning_rec.Cluster(preset="cpu")``), and the script prints the bandwidths that would make the estimates match
+this machine (the lookup rate from 1 process, the all-to-all rate from 2)::
 
     .venv/bin/python benchmarks/plan_calibration.py                 # ~2 min on 2 cores
     .venv/bin/python benchmarks/plan_calibration.py --steps 10      # quicker, noisier
@@ -109,28 +109,26 @@ def _tensors(tree: Any) -> list[Any]:
     return [tree]
 
 
-def estimates(size: str, world_size: int, preset: Any, optimizer: str = "sgd") -> Any:
+def estimates(size: str, world_size: int, preset: str | None, optimizer: str = "sgd") -> Any:
     """The planner's report for the bench model at ``size`` on ``world_size`` CPU ranks of one host."""
-    from lightning_rec._planning import Cluster, plan_cluster
-    from lightning_rec._strategy.sharder import TableSharder
+    from lightning_rec import Cluster, RecShardStrategy, plan_cluster
     from lightning_rec.testing.bench.worker import lightning_module
     from lightning_rec.testing.bench.workload import SIZES, table_constraints
 
     s = replace(SIZES[size], optimizer=optimizer)
-    sharder = TableSharder.from_arguments(constraints=table_constraints(s))
+    sharding = RecShardStrategy(constraints=table_constraints(s)).sharding  # what `fit` would plan with
     cluster = Cluster(1, world_size, "cpu", preset=preset, batch_size=s.batch_size)
-    return plan_cluster(lightning_module(s, 0.1, plain_tables=False), sharder, cluster)
+    return plan_cluster(lightning_module(s, 0.1, plain_tables=False), sharding, cluster)
 
 
 def measure(steps: int, optimizer: str = "sgd") -> dict[str, Any]:
-    from lightning_rec._strategy.topology import DEVICE_PRESETS
     from lightning_rec.testing.launch import run_ranks
 
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size, world in (("realistic", 1), ("realistic_2proc", 2)):
             default = estimates(size, world, None, optimizer)
-            calibrated = estimates(size, world, DEVICE_PRESETS["cpu"], optimizer)
+            calibrated = estimates(size, world, "cpu", optimizer)
             path = Path(tmp) / f"{size}.json"
             default.write_json(path)
             ranks = run_ranks(

@@ -22,7 +22,8 @@ import json
 import torch
 from torchmetrics.classification import BinaryAUROC
 
-from lightning_rec.data import MovieLensDataModule, MovieLensRetrievalDataModule
+from lightning_rec.data import MovieLensDataModule, MovieLensRetrievalDataModule, MovieLensSequenceDataModule
+from lightning_rec.data.movielens_retrieval import popularity_baseline as retrieval_baseline
 from lightning_rec.data.movielens_sequential import popularity_baseline as sequential_baseline
 
 
@@ -58,12 +59,14 @@ def main() -> None:
         print(json.dumps({"task": "ctr", "split": "80/10/10 (DeepFM)", **ctr_baseline(args.data_dir, 0.1, 0.1)}))
         print(json.dumps({"task": "ctr", "split": "90/10 (main job)", **ctr_baseline(args.data_dir, 0.1, 0.0)}))
     if "retrieval" in args.tasks:
-        dm = MovieLensRetrievalDataModule(args.data_dir)
+        splits = MovieLensRetrievalDataModule(args.data_dir).splits
         for split in ("val", "test"):
-            metrics = dm.popularity_baseline(split, args.ks)
+            metrics = retrieval_baseline(splits, split, args.ks)
             print(json.dumps({"task": "retrieval", **{k: round(v, 4) for k, v in metrics.items()}}))
     if "sequential" in args.tasks:
-        print(json.dumps({"task": "sequential", **sequential_baseline(args.data_dir, tuple(args.ks))}))
+        sequences = MovieLensSequenceDataModule(args.data_dir).splits
+        metrics = {k: v for split in ("val", "test") for k, v in sequential_baseline(sequences, split, args.ks).items()}
+        print(json.dumps({"task": "sequential", **{k: round(v, 4) for k, v in metrics.items()}}))
 
 
 if __name__ == "__main__":

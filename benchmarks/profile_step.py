@@ -67,8 +67,7 @@ def _instrument_lightning(events: list[tuple[str, float]]) -> None:
     """Time stamps at Lightning's per-step hooks, the strategy's ``batch_to_device`` and ``RecOptimizer.step``."""
     import lightning as L
 
-    from lightning_rec import _strategy as strategy
-    from lightning_rec._strategy import optim
+    from lightning_rec import RecOptimizer, RecShardStrategy
 
     mark = lambda name: events.append((name, time.perf_counter()))  # noqa: E731
 
@@ -97,20 +96,20 @@ def _instrument_lightning(events: list[tuple[str, float]]) -> None:
         return trainer(*args, **{**kwargs, "callbacks": [*kwargs.get("callbacks", []), Hooks()]})
 
     L.Trainer = trainer_with_hooks
-    to_device = strategy.RecShardStrategy.batch_to_device
+    to_device = RecShardStrategy.batch_to_device
 
     def timed_to_device(self, *args, **kwargs):
         mark("batch_to_device")
         return to_device(self, *args, **kwargs)
 
-    strategy.RecShardStrategy.batch_to_device = timed_to_device
-    step = optim.RecOptimizer.step
+    RecShardStrategy.batch_to_device = timed_to_device
+    step = RecOptimizer.step
 
     def timed_step(self, closure=None):
         mark("RecOptimizer.step")
         return step(self, closure)
 
-    optim.RecOptimizer.step = timed_step
+    RecOptimizer.step = timed_step
 
 
 def _timeline(events: list[tuple[str, float]], skip: int) -> dict[str, float]:

@@ -20,13 +20,21 @@ from pathlib import Path
 
 import torch
 from torchmetrics.functional.classification import binary_auroc
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
-from lightning_rec._tables import embedding_modules
-from lightning_rec.checkpoint._safe_io import load_meta
 from lightning_rec.data import MovieLensDataModule
 from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
 
 DTYPES = ("fp32", "fp16", "int8", "int4")
+# TorchRec's embedding modules, whose parameters are the tables (the rest of the network is dense).
+TABLE_MODULES = (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+    FeatureProcessedEmbeddingBagCollection,
+    BaseManagedCollisionEmbeddingCollection,
+)
 
 
 def _tensor_bytes(artifact: Path) -> int:
@@ -49,25 +57,29 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     ckpt = Path(args.checkpoint)
-    meta = load_meta(ckpt / "meta.pt")
-    module_name, _, class_name = meta["lightning_rec"]["module_class"].rpartition(".")
+    work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
+    name = "{}.pt" if args.sizes_only else "model_{}.pt"  # (the archive's name is in it: part of its size)
+    artifacts = {"fp32": work / name.format("fp32")}
+    spec = export_inference(ckpt, artifacts["fp32"], table_dtype="fp32")  # names the module's class too
+    module_name, _, class_name = spec.model.rpartition(".")
     module = getattr(importlib.import_module(module_name), class_name).load_from_checkpoint(ckpt).eval()
     net = module.inference_module()
-    table_params = {id(p) for m in embedding_modules(net).values() for p in m.parameters()}
+    table_params = {id(p) for m in net.modules() if isinstance(m, TABLE_MODULES) for p in m.parameters()}
     dense_bytes = sum(p.numel() * 4 for p in net.parameters() if id(p) not in table_params)
     fp32_table_bytes = sum(p.numel() * 4 for p in net.parameters() if id(p) in table_params)
-    hp = meta["hyper_parameters"]
+    hp = module.hparams
     if args.sizes_only:
         print(
             f"{ckpt} ({type(module).__name__}, embedding_dim {hp.get('embedding_dim')}): fp32 tables "
             f"{fp32_table_bytes:,} B, dense {dense_bytes:,} B"
         )
         print("| tables | artifact B | tables B (vs fp32) |\n|---|---|---|")
-        work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
         for dtype in DTYPES:
-            export_inference(ckpt, work / f"{dtype}.pt", table_dtype=dtype)
-            tables = _tensor_bytes(work / f"{dtype}.pt") - dense_bytes
-            size = (work / f"{dtype}.pt").stat().st_size
+            artifact = artifacts[dtype] = work / name.format(dtype)
+            if dtype != "fp32":  # exported above
+                export_inference(ckpt, artifact, table_dtype=dtype)
+            tables = _tensor_bytes(artifact) - dense_bytes
+            size = artifact.stat().st_size
             print(f"| {dtype} | {size:,} | {tables:,} ({fp32_table_bytes / tables:.2f}x smaller) |")
         return
     dm = MovieLensDataModule(data_dir=args.data_dir, val_fraction=0.1, split_seed=42, batch_size=512)
@@ -80,11 +92,10 @@ def main() -> None:
     print(f"  eval forward: val AUROC {eager_auroc:.4f}; fp32 tables {fp32_table_bytes:,} B, dense {dense_bytes:,} B")
     print("| tables | artifact B | tensors B | tables B (vs fp32) | val AUROC (vs module) |")
     print("|---|---|---|---|---|")
-    work = Path(tempfile.mkdtemp(prefix="serving_bench_"))
-    artifacts = {}
     for dtype in DTYPES:
-        artifact = artifacts[dtype] = work / f"model_{dtype}.pt"
-        spec = export_inference(ckpt, artifact, table_dtype=dtype)
+        artifact = artifacts[dtype] = work / name.format(dtype)
+        if dtype != "fp32":  # exported above
+            export_inference(ckpt, artifact, table_dtype=dtype)
         model = load_inference(artifact)
         with torch.inference_mode():
             probs = torch.cat([model(*serving_inputs(spec, b.sparse_features, b.dense_features)) for b in batches])

@@ -18,7 +18,7 @@ machine whose speed drifts slows them all alike (medians over ``--rounds`` x bat
 
 Variants: ``raw`` (DMP over TorchRec's planner, FBGEMM's CPU forward and serial fused backward, as a TorchRec
 user gets it), ``recshard_kernels`` (the same DMP, tables and weights, with recshard's default CPU lookup,
-:mod:`lightning_rec._strategy.cpu_lookup`), ``sparse_peer``. What Lightning's loop adds is measured by
+:func:`lightning_rec.testing.cpu_lookups`), ``sparse_peer``. What Lightning's loop adds is measured by
 ``benchmarks/paired_overhead.py``.
 
 Limits (``limits`` in the output): ``copy_gb_s``, the best ``Tensor.copy_`` bandwidth of a 256 MiB buffer (read +
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_rec._strategy.cpu_lookup import cpu_lookups, install_cpu_lookup
+from lightning_rec.testing import cpu_lookups
 from lightning_rec.testing.bench import SIZES, Size, workload
 from lightning_rec.testing.bench.runner import reexec_with_steady_malloc
 from lightning_rec.testing.bench.worker import copy_bandwidth, raw_torchrec
@@ -80,7 +80,6 @@ class _TorchRec:
 
     def __init__(self, size: Size, lr: float) -> None:
         self.dmp, self.opt = raw_torchrec(size, lr, torch.device("cpu"))
-        install_cpu_lookup(self.dmp)
         self.lookups = cpu_lookups(self.dmp)
         assert self.lookups, "the CPU lookup needs more than one thread"
         self.model = self.dmp.module

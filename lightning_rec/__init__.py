@@ -9,9 +9,12 @@ Example::
     trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2)
 """
 
+from torchrec.datasets.utils import Batch
+
 from lightning_rec import _compat
-from lightning_rec._batch import Batch, RowCollator, collate_rows
+from lightning_rec._batch import RowCollator, collate_rows
 from lightning_rec._module import RecLightningModule
+from lightning_rec._planning import Cluster, plan_cluster
 from lightning_rec._pretrained import load_rows
 from lightning_rec._strategy.optim import RecOptimizer
 from lightning_rec._strategy.recshard import RecShardStrategy
@@ -23,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "Cluster",
     "EBCSharder",
     "EmbeddingOptimizer",
     "InputError",
@@ -37,6 +41,7 @@ __all__ = [
     "checkpoint_safe",
     "collate_rows",
     "load_rows",
+    "plan_cluster",
 ]
 
 RecShardStrategy.register_strategies(_compat.StrategyRegistry)

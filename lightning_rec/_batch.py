@@ -20,7 +20,7 @@ from torchrec.streamable import Pipelineable
 
 from lightning_rec import _compat
 
-__all__ = ["Batch", "RowCollator", "collate_rows", "custom_batch_hooks", "to_device"]
+__all__ = ["RowCollator", "collate_rows", "custom_batch_hooks", "to_device"]
 
 SparseValue = int | Sequence[int] | torch.Tensor
 

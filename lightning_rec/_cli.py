@@ -179,7 +179,7 @@ def _ints(text: str) -> list[int]:
 
 def _plan(argv: list[str]) -> None:
     from lightning_rec import _planning as planning
-    from lightning_rec._strategy.sharder import TableSharder
+    from lightning_rec._strategy.sharding_config import ShardingConfig
     from lightning_rec._strategy.topology import DEVICE_PRESETS
 
     parser = argparse.ArgumentParser(
@@ -243,11 +243,11 @@ def _plan(argv: list[str]) -> None:
         )
     trainer_config = cli.config_init.get("trainer") or {}
     strategy = trainer_config.get("strategy")
-    sharder = getattr(strategy, "sharder", None)
-    if not isinstance(sharder, TableSharder):
+    sharding = getattr(strategy, "sharding", None)
+    if not isinstance(sharding, ShardingConfig):
         if strategy not in (None, "recshard", "auto"):
             print(f"note: the config's strategy is {strategy!r}, not recshard; planning with recshard's defaults.")
-        sharder = TableSharder.from_arguments()
+        sharding = ShardingConfig.from_arguments()
     accelerator = str(trainer_config.get("accelerator") or "")
     device_type = args.device_type or (
         DEVICE_PRESETS[args.device].device_type if args.device else ("cpu" if accelerator == "cpu" else "cuda")
@@ -272,7 +272,7 @@ def _plan(argv: list[str]) -> None:
         os.makedirs(out, exist_ok=True)
     if len(clusters) == 1:
         try:
-            report = planning.plan_cluster(cli.model, sharder, clusters[0])
+            report = planning.plan_cluster(cli.model, sharding, clusters[0])
         except planning.DoesNotFit as err:
             parser.exit(2, f"{parser.prog}: error: {err}\n")
         print(
@@ -290,7 +290,7 @@ def _plan(argv: list[str]) -> None:
                 f"--trainer.strategy.init_args.plan={os.path.join(out, 'plan.json')}"
             )
         return
-    rows = planning.sweep(cli.model, sharder, clusters)
+    rows = planning.sweep(cli.model, sharding, clusters)
     print(planning.format_sweep(rows))
     preset = clusters[0].device()
     print(planning.calibration_note(device_type, preset.name if preset else None))

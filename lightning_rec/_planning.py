@@ -12,7 +12,7 @@ with the model's tables on the ``meta`` device (nothing allocated, no process gr
 Example::
 
     module = build_on_meta(lambda: MyModel(...))                # tables on "meta": nothing allocated
-    report = plan_cluster(module, TableSharder.from_arguments(), Cluster(hosts=2, devices_per_host=8, preset="h100"))
+    report = plan_cluster(module, ShardingConfig.from_arguments(), Cluster(hosts=2, devices_per_host=8, preset="h100"))
     print(report.format_table())
     report.write_json("plan.json")
 """
@@ -31,8 +31,8 @@ from torchrec.distributed.planner.types import PlannerError
 from lightning_rec import _compat
 from lightning_rec._strategy.dmp import dense_parameter_ids
 from lightning_rec._strategy.plan_report import PlanReport
-from lightning_rec._strategy.sharder import TableSharder
 from lightning_rec._strategy.sharding import planner_for_module, table_storage_options
+from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec._strategy.topology import DEVICE_PRESETS, DevicePreset, default_preset, preset_named
 from lightning_rec._tables import embedding_modules
 from lightning_rec.config import EmbeddingOptimizer, TopologyConfig
@@ -160,13 +160,13 @@ class Cluster:
 
 
 def planning_optimizer(
-    module: nn.Module, sharder: TableSharder, device_type: str, warn: Callable[[str], None] = print
+    module: nn.Module, sharding: ShardingConfig, device_type: str, warn: Callable[[str], None] = print
 ) -> tuple[EmbeddingOptimizer, Any]:
     """The fused optimizer (and per-table ones) ``fit`` would derive for ``module``: its
     ``configure_embedding_optimizer()``, the strategy's, or from ``configure_optimizers()`` (called here without a
     Trainer; one that needs the Trainer is skipped with a warning, and the tables are planned with the default
     optimizer's state). The optimizer's state is part of each table's memory, so the plan depends on it."""
-    modules = list(embedding_modules(module, sharder.module_types).values())
+    modules = list(embedding_modules(module, sharding.module_types).values())
     dense = dense_parameter_ids(modules)
     ids = {id(p) for m in modules for p in m.parameters() if id(p) not in dense}
     optimizers: list[Any] = []
@@ -179,13 +179,13 @@ def planning_optimizer(
                 f"note: {type(module).__name__}.configure_optimizers() did not run without a Trainer "
                 f"({type(err).__name__}: {err}); planning with the strategy's or the default embedding optimizer."
             )
-    emb_opt, _, per_table = sharder.embedding_optimizer_for(module, optimizers, lambda p: id(p) in ids, device_type)
+    emb_opt, _, per_table = sharding.embedding_optimizer_for(module, optimizers, lambda p: id(p) in ids, device_type)
     return emb_opt, per_table
 
 
 def plan_cluster(
     module: nn.Module,
-    sharder: TableSharder,
+    sharding: ShardingConfig,
     cluster: Cluster,
     *,
     optimizer: tuple[EmbeddingOptimizer, Any] | None = None,
@@ -195,7 +195,7 @@ def plan_cluster(
 
     Args:
         module: the model; its tables may (and for big ones should) be on ``meta``.
-        sharder: the strategy's sharding configuration (constraints, topology, sharders, fused params, qcomms).
+        sharding: the strategy's sharding configuration (constraints, topology, sharders, fused params, qcomms).
         optimizer: the fused optimizer and per-table ones (default: :func:`planning_optimizer`).
         candidates: bigger topologies to suggest when the model does not fit (default: ``cluster`` with 2, 4,
             ... 64 times the hosts).
@@ -203,22 +203,22 @@ def plan_cluster(
     Raises:
         DoesNotFit: naming the tables that do not fit, their memory, and the smallest candidate that holds them.
     """
-    emb_opt, per_table = optimizer or planning_optimizer(module, sharder, cluster._device_type)
+    emb_opt, per_table = optimizer or planning_optimizer(module, sharding, cluster._device_type)
     try:
-        return _plan(module, sharder, cluster, emb_opt, per_table)
+        return _plan(module, sharding, cluster, emb_opt, per_table)
     except PlannerError as err:
-        raise DoesNotFit.explain(module, sharder, cluster, emb_opt, per_table, err, candidates) from None
+        raise DoesNotFit.explain(module, sharding, cluster, emb_opt, per_table, err, candidates) from None
 
 
-def _plan(module: nn.Module, sharder: TableSharder, cluster: Cluster, emb_opt: Any, per_table: Any) -> PlanReport:
-    return sharder.plan_for(
+def _plan(module: nn.Module, sharding: ShardingConfig, cluster: Cluster, emb_opt: Any, per_table: Any) -> PlanReport:
+    return sharding.plan_for(
         module,
         emb_opt,
         world_size=cluster.world_size,
-        local_world_size=(sharder.topology or TopologyConfig()).ranks_per_host(cluster.devices_per_host),
+        local_world_size=(sharding.topology or TopologyConfig()).ranks_per_host(cluster.devices_per_host),
         device_type=cluster._device_type,
         per_table=per_table,
-        preset=cluster.device(sharder.topology),
+        preset=cluster.device(sharding.topology),
         batch_size=cluster.batch_size,
     )
 
@@ -241,7 +241,7 @@ class DoesNotFit(ValueError):
     def explain(
         cls,
         module: nn.Module,
-        sharder: TableSharder,
+        sharding: ShardingConfig,
         cluster: Cluster,
         emb_opt: EmbeddingOptimizer,
         per_table: Any,
@@ -249,23 +249,23 @@ class DoesNotFit(ValueError):
         candidates: Sequence[Cluster] = (),
     ) -> DoesNotFit:
         """Read the planner's failure: the tables' smallest memory, the rank capacity, bigger topologies tried."""
-        device = cluster.device(sharder.topology)
-        local = (sharder.topology or TopologyConfig()).ranks_per_host(cluster.devices_per_host)
+        device = cluster.device(sharding.topology)
+        local = (sharding.topology or TopologyConfig()).ranks_per_host(cluster.devices_per_host)
         planner = planner_for_module(
             module,
-            module_types=sharder.module_types,
-            constraints=sharder.constraints,
-            topology=sharder.topology,
+            module_types=sharding.module_types,
+            constraints=sharding.constraints,
+            topology=sharding.topology,
             world_size=cluster.world_size,
             local_world_size=local,
             device_type=cluster._device_type,
-            qcomms=sharder.qcomms,
+            qcomms=sharding.qcomms,
             preset=device,
             batch_size=cluster.batch_size,
         )
-        with sharder.per_table_fused_params(module, per_table):
-            sharders = sharder.sharders_for(emb_opt)
-            with _compat.optimizer_state_for_planner(sharder.optimizer_state_classes(module, emb_opt)):
+        with sharding.per_table_fused_params(module, per_table):
+            sharders = sharding.sharders_for(emb_opt)
+            with _compat.optimizer_state_for_planner(sharding.optimizer_state_classes(module, emb_opt)):
                 options = table_storage_options(module, sharders, planner)
         rank = _compat.planner_topology(planner).devices[0].storage
         cap = rank.hbm + rank.ddr  # the planner may also spill to host memory (UVM caching) on CUDA
@@ -305,14 +305,14 @@ class DoesNotFit(ValueError):
         for candidate in sorted(tried, key=lambda c: c.world_size):
             if candidate.world_size <= cluster.world_size and candidate.device() == cluster.device():
                 continue
-            rank_cap = _rank_capacity(candidate, sharder.topology)
+            rank_cap = _rank_capacity(candidate, sharding.topology)
             if rank_cap is not None and rank_cap * candidate.world_size < total:
                 continue  # cannot hold them by arithmetic alone: no need to ask the planner
             if attempts == _MAX_ATTEMPTS:
                 break
             attempts += 1
             try:
-                _plan(module, sharder, candidate, emb_opt, per_table)
+                _plan(module, sharding, candidate, emb_opt, per_table)
             except PlannerError:
                 continue
             smallest = candidate
@@ -396,20 +396,20 @@ class SweepRow:
         }
 
 
-def sweep(module: nn.Module, sharder: TableSharder, clusters: Sequence[Cluster]) -> list[SweepRow]:
+def sweep(module: nn.Module, sharding: ShardingConfig, clusters: Sequence[Cluster]) -> list[SweepRow]:
     """:func:`plan_cluster` for each topology; one that does not fit gets a row with its reason.
 
     Example::
 
-        rows = sweep(model, TableSharder.from_arguments(), [Cluster(h, 8, preset="h100") for h in (1, 2, 4, 8)])
+        rows = sweep(model, ShardingConfig.from_arguments(), [Cluster(h, 8, preset="h100") for h in (1, 2, 4, 8)])
         print(format_sweep(rows))
     """
     rows = []
-    optimizer = planning_optimizer(module, sharder, clusters[0]._device_type) if clusters else None
+    optimizer = planning_optimizer(module, sharding, clusters[0]._device_type) if clusters else None
     for cluster in clusters:
         try:
             rows.append(
-                SweepRow(cluster, plan_cluster(module, sharder, cluster, optimizer=optimizer, candidates=clusters))
+                SweepRow(cluster, plan_cluster(module, sharding, cluster, optimizer=optimizer, candidates=clusters))
             )
         except DoesNotFit as err:
             rows.append(SweepRow(cluster, None, str(err)))

@@ -10,8 +10,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
+from torchrec.datasets.utils import Batch
 
-from lightning_rec._batch import Batch
 from lightning_rec._pretrained import load_rows
 from lightning_rec._tables import is_sharded
 

@@ -30,6 +30,7 @@ __all__ = [
     "NonFinitePolicy",
     "OptimizerName",
     "QuantizedComms",
+    "SEQUENCE_FEATURES",
     "SparseFeature",
     "TableConstraints",
     "TopologyConfig",
@@ -373,6 +374,10 @@ class QuantizedComms:
 # ---------------------------------------------------------------------------------------------------------
 # What the DataModules publish and the models build tables from.
 # ---------------------------------------------------------------------------------------------------------
+
+SEQUENCE_FEATURES = ("history", "target", "negatives", "catalog")
+"""The ``KeyedJaggedTensor`` keys of a sequence batch (:class:`~lightning_rec.data.MovieLensSequenceDataModule`),
+all read by the one item table of :class:`~lightning_rec.models.SequentialRecModule`."""
 
 
 @checkpoint_safe

@@ -20,7 +20,7 @@ import torch
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
-__all__ = ["LogLoss", "NormalizedEntropy", "RankingMetrics", "ctr_metrics", "target_rank"]
+__all__ = ["LogLoss", "NormalizedEntropy", "RankingMetrics", "ctr_metrics", "exclusion_mask", "target_rank"]
 
 _EPS = 1e-12
 
@@ -167,6 +167,32 @@ def target_rank(scores: torch.Tensor, target: torch.Tensor, exclude: torch.Tenso
             raise ValueError("target_rank: a row's target is excluded. HINT: exclude only items other than the target.")
         ahead &= ~exclude
     return ahead.sum(1)
+
+
+def exclusion_mask(
+    seen_values: torch.Tensor, seen_lengths: torch.Tensor, target: torch.Tensor, num_items: int
+) -> torch.Tensor:
+    """``(B, num_items)`` bool for :func:`target_rank`'s ``exclude``: the items each row does not rank (those it has
+    seen, and id 0), never its target.
+
+    Args:
+        seen_values: the seen items of every row, concatenated.
+        seen_lengths: ``(B,)`` how many of them each row has.
+        target: ``(B,)`` each row's held-out item.
+        num_items: the number of candidates (item ids ``0..num_items-1``).
+
+    Example::
+
+        >>> exclusion_mask(torch.tensor([2, 1, 3]), torch.tensor([2, 1]), torch.tensor([3, 1]), 4).int().tolist()
+        [[1, 1, 1, 0], [1, 0, 0, 1]]
+    """
+    b = seen_lengths.numel()
+    mask = torch.zeros(b, num_items, dtype=torch.bool, device=target.device)
+    rows = torch.repeat_interleave(torch.arange(b, device=target.device), seen_lengths.to(target.device))
+    mask[rows, seen_values.to(target.device)] = True
+    mask[:, 0] = True
+    mask[torch.arange(b, device=target.device), target] = False
+    return mask
 
 
 class RankingMetrics(Metric):

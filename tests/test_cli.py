@@ -102,8 +102,8 @@ def test_strategy_arguments_and_constraints_from_flags(tmp_path: Path) -> None:
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, RecShardStrategy)
-    assert strategy.constraints["t_user"].sharding_types == ["table_wise"]
-    assert strategy.fused_params["bounds_check_mode"].name == "WARNING"
+    assert strategy.sharding.constraints["t_user"].sharding_types == ["table_wise"]
+    assert strategy.sharding.fused_params["bounds_check_mode"].name == "WARNING"
     assert strategy.timeout == timedelta(seconds=90)
     assert strategy._input_checks.nonfinite == "ignore" and not strategy._input_checks.check_ids
     assert (

@@ -1,5 +1,6 @@
-"""The main job, run exactly as the README says: `lightning-rec fit --config examples/configs/movielens_dlrm.yaml`
-on 2 CPU processes, real MovieLens-100K. It must reach validation AUROC >= 0.78 within 5 minutes."""
+"""The main job, run exactly as the README says: `lightning-rec fit --config examples/configs/movielens_deepfm.yaml`
+on 2 CPU processes, real MovieLens-100K. It must reach validation AUROC >= 0.79 (the best shipped CTR model) within
+5 minutes."""
 
 from __future__ import annotations
 
@@ -11,14 +12,25 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_rec.testing import shell_env
 from tests.helpers.data import REPO, movielens_dir
 
 pytestmark = pytest.mark.dist
 
+CONFIG = "examples/configs/movielens_deepfm.yaml"
 
-def test_movielens_main_job_reaches_auroc_078_in_under_5_minutes(tmp_path: Path) -> None:
+
+def _datamodule(data: Path):
+    """The config's own DataModule (its split and batch), on ``data``."""
+    from lightning_rec.data import MovieLensDataModule
+
+    init_args = yaml.safe_load((REPO / CONFIG).read_text())["data"]["init_args"]
+    return MovieLensDataModule(**{**init_args, "data_dir": str(data)})
+
+
+def test_movielens_main_job_reaches_auroc_079_in_under_5_minutes(tmp_path: Path) -> None:
     data = movielens_dir()  # fetched once per checkout (checksummed), not part of the timed job
     script = Path(sys.executable).with_name("lightning-rec")
     assert script.is_file(), "the lightning-rec console script should be installed by the set-up"
@@ -31,7 +43,7 @@ def test_movielens_main_job_reaches_auroc_078_in_under_5_minutes(tmp_path: Path)
             str(script),
             "fit",
             "--config",
-            "examples/configs/movielens_dlrm.yaml",
+            CONFIG,
             f"--data.init_args.data_dir={data}",
             f"--trainer.default_root_dir={tmp_path}",
         ],
@@ -48,8 +60,8 @@ def test_movielens_main_job_reaches_auroc_078_in_under_5_minutes(tmp_path: Path)
     assert len(logs) == 1, f"one run, one log directory (rank 0 only): {logs}"
     rows = list(csv.DictReader(open(logs[0] / "metrics.csv")))
     aurocs = [float(r["val/auroc"]) for r in rows if r.get("val/auroc")]
-    assert len(aurocs) == 6, "one validation per epoch"
-    assert aurocs[-1] >= 0.78, f"final validation AUROC {aurocs[-1]:.4f} (per epoch: {aurocs})"
+    assert len(aurocs) == 4, "one validation per epoch"
+    assert aurocs[-1] >= 0.79, f"final validation AUROC {aurocs[-1]:.4f} (per epoch: {aurocs})"
     assert aurocs[-1] > aurocs[0], "it learned"
     # The plan report: written once (rank 0), next to the metrics, matching the config's constraints.
     reports = sorted(tmp_path.rglob("sharding_plan.*"))
@@ -66,15 +78,14 @@ def test_movielens_main_job_reaches_auroc_078_in_under_5_minutes(tmp_path: Path)
 
 
 def _export_reproduces_the_final_validation(log_dir: Path, data: Path, logged_auroc: float) -> None:
-    """The job's `last.ckpt` (2 ranks, sharded), exported with the CLI and loaded into the plain DLRMModule on this
+    """The job's `last.ckpt` (2 ranks, sharded), exported with the CLI and loaded into the plain DeepFMModule on this
     one process, scores exactly the AUROC the job logged for its last epoch."""
     import torch
     from torchmetrics.classification import BinaryAUROC
 
     from lightning_rec.checkpoint import is_checkpoint, load_exported
     from lightning_rec.checkpoint._safe_io import load_meta
-    from lightning_rec.data import MovieLensDataModule
-    from lightning_rec.models import DLRMModule
+    from lightning_rec.models import DeepFMModule
 
     last = log_dir / "checkpoints" / "last.ckpt"
     assert is_checkpoint(last)
@@ -87,9 +98,9 @@ def _export_reproduces_the_final_validation(log_dir: Path, data: Path, logged_au
     )
     assert out.returncode == 0, out.stderr[-2000:]
     hparams = {k: v for k, v in load_meta(last / "meta.pt")["hyper_parameters"].items() if not k.startswith("_")}
-    model = DLRMModule(**hparams).eval()
+    model = DeepFMModule(**hparams).eval()
     model.load_state_dict(load_exported(log_dir / "model.safetensors"), assign=True)
-    dm = MovieLensDataModule(data_dir=str(data), val_fraction=0.1, split_seed=42, batch_size=512)
+    dm = _datamodule(data)
     dm.setup("fit")
     auroc = BinaryAUROC()
     with torch.no_grad():
@@ -105,7 +116,6 @@ def _served_artifacts_predict_like_lightning_rec_predict(log_dir: Path, data: Pa
     import torch
     from torchmetrics.functional.classification import binary_auroc
 
-    from lightning_rec.data import MovieLensDataModule
     from lightning_rec.serving import inference_spec, serving_inputs
     from tests.helpers.serving import serve_fresh
 
@@ -121,7 +131,7 @@ def _served_artifacts_predict_like_lightning_rec_predict(log_dir: Path, data: Pa
         script,
         "predict",
         "--config",
-        "examples/configs/movielens_dlrm.yaml",
+        CONFIG,
         f"--data.init_args.data_dir={data}",
         f"--trainer.default_root_dir={log_dir / 'predict'}",
         "--trainer.devices=1",
@@ -133,7 +143,7 @@ def _served_artifacts_predict_like_lightning_rec_predict(log_dir: Path, data: Pa
     assert out.returncode == 0, out.stderr[-3000:]
     predicted = torch.load(log_dir / "predictions" / "predictions.rank0.pt")
 
-    dm = MovieLensDataModule(data_dir=str(data), val_fraction=0.1, split_seed=42, batch_size=512)
+    dm = _datamodule(data)
     dm.setup("predict")
     batches = list(dm.predict_dataloader())
     labels = torch.cat([b.labels for b in batches]).long()

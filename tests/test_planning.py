@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import resource
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,10 @@ import lightning_rec
 from lightning_rec._cli import run
 from lightning_rec._planning import Cluster, DoesNotFit, plan_cluster, sweep
 from lightning_rec._strategy.plan_file import check_plan, read_plan, to_sharding_plan
-from lightning_rec._strategy.plan_report import PlanReport
-from lightning_rec._strategy.sharder import TableSharder
+from lightning_rec._strategy.plan_report import PlanReport, plan_rows
+from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec._strategy.topology import DEVICE_PRESETS, make_topology
 from lightning_rec.config import EmbeddingOptimizer, TopologyConfig
-from tests.helpers import planning_scenarios
 from tests.helpers.dist import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,8 +115,8 @@ def test_presets_set_memory_and_bandwidth_and_explicit_numbers_override_them() -
         Cluster(preset="v100")
     # The planner sees them: the same tables need more ranks' worth of memory on a 40 GB card.
     model = _meta(lambda: UserModel(rows=20_000_000, dim=128))
-    small = plan_cluster(model, TableSharder.from_arguments(), Cluster(1, 8, preset="a100-40g"))
-    big = plan_cluster(model, TableSharder.from_arguments(), Cluster(1, 8, preset="h100"))
+    small = plan_cluster(model, ShardingConfig.from_arguments(), Cluster(1, 8, preset="a100-40g"))
+    big = plan_cluster(model, ShardingConfig.from_arguments(), Cluster(1, 8, preset="h100"))
     assert small.preset == "a100-40g" and big.preset == "h100"
     assert big.step_ms < small.step_ms, "an H100's HBM and NVLink are faster than an A100's"
 
@@ -129,7 +129,7 @@ def test_plan_file_round_trips_to_the_same_sharding_plan(tmp_path: Path) -> None
         "cat": {"sharding_types": ["data_parallel"]},
         "hist": {"sharding_types": ["table_wise"]},
     }
-    sharder = TableSharder.from_arguments(constraints=constraints)
+    sharder = ShardingConfig.from_arguments(constraints=constraints)
     for cluster in (Cluster(2, 2, "cuda"), Cluster(1, 2, "cpu")):
         report = plan_cluster(model, sharder, cluster)
         plan = sharder.plan  # None: planned here
@@ -143,7 +143,7 @@ def test_plan_file_round_trips_to_the_same_sharding_plan(tmp_path: Path) -> None
         assert again.to_dict() == report.to_dict()
 
 
-def _replan(model: Any, sharder: TableSharder, cluster: Cluster) -> Any:
+def _replan(model: Any, sharder: ShardingConfig, cluster: Cluster) -> Any:
     from lightning_rec._planning import planning_optimizer
 
     emb_opt, per_table = planning_optimizer(model, sharder, cluster.device_type)
@@ -163,7 +163,7 @@ def _replan(model: Any, sharder: TableSharder, cluster: Cluster) -> Any:
 
 def test_a_plan_for_another_run_is_refused_naming_the_mismatch(tmp_path: Path) -> None:
     model = _meta(UserModel)
-    sharder = TableSharder.from_arguments()
+    sharder = ShardingConfig.from_arguments()
     report = plan_cluster(model, sharder, Cluster(2, 2, "cuda"))
     kw: dict[str, Any] = dict(world_size=4, local_world_size=2, device_type="cuda")
     check_plan(report, model, sharder.module_types, **kw)  # the run it was made for
@@ -220,7 +220,7 @@ def test_a_model_that_does_not_fit_names_its_tables_and_the_smallest_topology_th
     model = _meta(
         lambda: UserModel(rows=40_000_000, dim=128)
     )  # item: 160M x 128 = 76 GiB, as much again of Adagrad state
-    sharder = TableSharder.from_arguments(
+    sharder = ShardingConfig.from_arguments(
         constraints={"item": {"sharding_types": ["table_wise"]}}  # one rank must hold it whole
     )
     with pytest.raises(DoesNotFit) as caught:
@@ -230,7 +230,7 @@ def test_a_model_that_does_not_fit_names_its_tables_and_the_smallest_topology_th
     assert "item (152.6 GiB in its smallest shard) does not fit on any of these ranks" in str(err)  # + Adagrad state
     assert err.smallest_fit is None, "table-wise, no number of 40 GB cards holds it"
 
-    free = TableSharder.from_arguments()
+    free = ShardingConfig.from_arguments()
     with pytest.raises(DoesNotFit) as caught:
         plan_cluster(model, free, Cluster(1, 2, preset="a100-40g", ddr_gb=1))
     err = caught.value
@@ -266,7 +266,7 @@ def test_a_user_model_plans_with_the_optimizer_fit_would_derive() -> None:
     from lightning_rec._planning import planning_optimizer
 
     model = _meta(UserModel)
-    sharder = TableSharder.from_arguments()
+    sharder = ShardingConfig.from_arguments()
     emb_opt, _ = planning_optimizer(model, sharder, "cpu")
     assert (emb_opt.name, emb_opt.lr) == ("adagrad", 0.1), "from configure_optimizers, called without a Trainer"
 
@@ -286,7 +286,7 @@ def test_plan_made_here_is_the_plan_fit_makes_and_fit_trains_with_it(tmp_path: P
     run(["plan", "--config", SYNTHETIC, "--hosts", "1", "--devices-per-host", "2", "--device-type", "cpu",
          "--output", str(tmp_path / "plan")])  # fmt: skip
     plan_file = tmp_path / "plan" / "plan.json"
-    res = run_ranks(planning_scenarios.fit_config, 2, tmp_path / "runs", config=SYNTHETIC, plan=str(plan_file))
+    res = run_ranks(fit_config, 2, tmp_path / "runs", config=SYNTHETIC, plan=str(plan_file))
     assert all(r["planned_equals_file"] for r in res), "the plan fit computed is the one `plan` wrote"
     assert res[0]["planned_types"] == {
         t["name"]: t["sharding_type"] for t in json.loads(plan_file.read_text())["tables"]
@@ -303,7 +303,7 @@ def test_plan_made_here_is_the_plan_fit_makes_and_fit_trains_with_it(tmp_path: P
 
 def test_the_fused_optimizers_state_is_in_the_memory_estimate_and_planning_leaves_no_mark() -> None:
     model = _meta(lambda: UserModel(rows=100_000, dim=64))  # tables dominate the io buffers
-    sharder = TableSharder.from_arguments(
+    sharder = ShardingConfig.from_arguments(
         constraints={t: {"sharding_types": ["table_wise"]} for t in ("user", "item", "cat", "hist")}
     )
 
@@ -367,7 +367,7 @@ def test_torchrecs_own_test_model_plans_and_its_plan_file_checks_against_it(tmp_
     model = TestSparseNN(
         tables=tables, weighted_tables=weighted, num_float_features=16, sparse_device=torch.device("meta")
     )
-    sharder = TableSharder.from_arguments()
+    sharder = ShardingConfig.from_arguments()
     report = plan_cluster(model, sharder, Cluster(1, 2, "cpu"), optimizer=(EmbeddingOptimizer("adagrad", lr=0.1), None))
     assert sorted((t.module, t.table) for t in report.tables) == sorted(
         [("sparse.ebc", f"table_{i}") for i in range(4)] + [("sparse.weighted_ebc", "weighted")]
@@ -375,3 +375,88 @@ def test_torchrecs_own_test_model_plans_and_its_plan_file_checks_against_it(tmp_
     report.write_json(tmp_path / "plan.json")
     check_plan(read_plan(tmp_path / "plan.json"), model, sharder.module_types, world_size=2, local_world_size=2,
                device_type="cpu")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What each rank runs (run_ranks imports it from this module): `fit` from a config, with and without the plan
+# `lightning-rec plan` wrote.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _fit(config: str, out_dir: Path, steps: int, plan: Any = None) -> Any:
+    args = [
+        "fit", "--config", config, "--trainer.devices=2", f"--trainer.max_steps={steps}", "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={out_dir}", "--data.init_args.train_rows=4096", "--data.init_args.val_rows=512",
+        # the config says `strategy: recshard`: the README's override names the argument alone
+        *([f"--trainer.strategy.init_args.plan={plan}"] if plan else []),
+    ]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run(args + ["--trainer.callbacks+=tests.test_planning.LossRecorder"])
+
+
+class LossRecorder(L.Callback):
+    """Every training loss, as a float (read after fit)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _losses(cli: Any) -> list[float]:
+    return next(c.losses for c in cli.trainer.callbacks if isinstance(c, LossRecorder))
+
+
+def fit_config(rank: int, world_size: int, out_dir: Path, config: str, plan: str, steps: int = 3) -> dict[str, Any]:
+    """Fit ``config`` on 2 ranks three times: the planner's plan, then ``plan`` (the file), then a plan for another
+    world size (refused before anything is sharded)."""
+    planned = _fit(config, out_dir / "planned", steps)
+    from_file = to_sharding_plan(read_plan(plan))
+    with_plan = _fit(config, out_dir / "with_plan", steps, plan)
+
+    # A plan the planner would not make: t_country whole on rank 1. The run must shard with it.
+    mine = json.loads(Path(plan).read_text())
+    country = next(t for t in mine["tables"] if t["name"] == "t_country")
+    country.update(
+        sharding_type="table_wise",
+        compute_kernel="fused",
+        ranks=[1],
+        shards=[{"rank": 1, "sizes": country["shape"], "offsets": [0, 0], "placement": "rank:1/cpu"}],
+    )
+    mine_path = out_dir / f"mine_{rank}.json"
+    mine_path.write_text(json.dumps(mine))
+    with_mine = _fit(config, out_dir / "mine", steps, str(mine_path))
+    local = [
+        list(shard.tensor.shape)
+        for key, value in with_mine.trainer.strategy.model.state_dict().items()
+        if "t_country" in key and hasattr(value, "local_shards")
+        for shard in value.local_shards()
+    ]
+
+    other = json.loads(Path(plan).read_text())
+    other["world_size"], other["local_world_size"] = 4, 4
+    other_path = out_dir / f"other_{rank}.json"
+    other_path.write_text(json.dumps(other))
+    refused = ""
+    try:
+        _fit(config, out_dir / "refused", steps, str(other_path))
+    except ValueError as err:
+        refused = str(err)
+    # The plan as each rank got it before sharding (TorchRec's grid-shard sharder later rewrites its own entries of
+    # the plan object to table_row_wise on rank 1), then rebuilt from the file.
+    planned_plan = to_sharding_plan(planned.trainer.strategy.plan_report)
+    return {
+        "planned_equals_file": planned_plan == from_file,
+        "planned_types": {r.table: r.sharding_type for r in plan_rows(planned_plan)},
+        "planned": {"losses": _losses(planned)},
+        "with_plan": {"losses": _losses(with_plan)},
+        "mine": {
+            "types": {r.table: r.sharding_type for r in plan_rows(with_mine.trainer.strategy.sharding_plan)},
+            "losses": _losses(with_mine),
+            "country_weights_here": local,
+        },
+        "refused": refused,
+    }

@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import lightning_rec
 from lightning_rec._pretrained import load_rows, read_rows
-from tests.helpers import pretrained_scenarios
+from lightning_rec.callbacks import PretrainedRows
+from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.dist import run_ranks
-from tests.helpers.models import assemble
-from tests.helpers.pretrained_scenarios import BAG_TABLES, DIM, SEQ_TABLE
+from tests.helpers.models import assemble, local_weights, plan_shards
+from tests.helpers.user_models import samples, to_batch
+
+# (table, feature, rows): an EBC over user/genre/item and an EC sharing nothing with it.
+BAG_TABLES = [("t_user", "user", 60), ("t_genre", "genre", 20), ("t_item", "item", 90)]
+SEQ_TABLE = ("t_item_seq", "item", 90)
+DIM = 8
 
 
 def _ebc(device: str = "meta") -> EmbeddingBagCollection:
@@ -117,7 +129,7 @@ def test_every_plan_starts_from_the_files_rows(tmp_path: Path) -> None:
             "t_item_seq": {"sharding_types": ["table_wise"]},
         },
     }
-    res = run_ranks(pretrained_scenarios.start_from_files, 2, tmp_path, files=files, plans=plans)
+    res = run_ranks(start_from_files, 2, tmp_path, files=files, plans=plans)
     assert res[0]["types"] == ["column_wise", "data_parallel", "table_column_wise", "table_wise"]
     # The shards each plan made (the same on every rank): (row, column) offsets of each shard.
     whole, halves = [[0, 0]], [[0, 0], [0, 4]]
@@ -136,3 +148,71 @@ def test_every_plan_starts_from_the_files_rows(tmp_path: Path) -> None:
         for name, r in rows.items():
             key = next(k for k in start if k.endswith(f".{name}.weight"))
             torch.testing.assert_close(start[key], r, atol=0, rtol=0, msg=f"{tag}: {name}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What each rank runs (run_ranks imports it from this module): a model with tables on meta starts from rows in
+# files (``PretrainedRows``) on a given plan.
+# ------------------------------------------------------------------------------------------------------------
+
+
+class MetaModel(lightning_rec.RecLightningModule):
+    """Tables on meta (no rows of their own), pooled EBC output + the EC's values, SGD with lr 0 (nothing moves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f])
+                for t, f, n in BAG_TABLES
+            ],
+            device=torch.device("meta"),
+        )
+        t, f, n = SEQ_TABLE
+        self.ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name=t, embedding_dim=DIM, num_embeddings=n, feature_names=[f])],
+            device=torch.device("meta"),
+        )
+        self.over = torch.nn.Linear(len(BAG_TABLES) * DIM + 2, 1)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        items = KeyedJaggedTensor.from_jt_dict({"item": batch["sparse"]["item"]})
+        seq = self.ec(items)["item"].values().sum()
+        logits = self.over(torch.cat([self.ebc(batch["sparse"]).values(), batch["dense"]], 1)).squeeze(1)
+        return F.binary_cross_entropy_with_logits(logits, batch["label"]) + 0 * seq
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class _Start(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.save(local_weights(pl_module), self.path)
+
+
+def start_from_files(
+    rank: int, world_size: int, out_dir: Path, files: dict[str, str], plans: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """For each plan: fit one step from rows in ``files``; each rank saves what it holds at train start as
+    ``<plan>.start<rank>.pt``; report the sharding types used and the shards of every table (:func:`plan_shards`),
+    by plan."""
+    L.seed_everything(0)
+    types = set()
+    shards = {}
+    for tag, constraints in plans.items():
+        trainer = L.Trainer(
+            strategy=lightning_rec.RecShardStrategy(constraints=constraints),
+            accelerator="cpu",
+            devices=world_size,
+            max_steps=1,
+            **QUIET_TRAINER,
+            callbacks=[PretrainedRows(files), _Start(out_dir / f"{tag}.start{rank}.pt")],
+        )
+        batch = to_batch(samples(8, 3)[rank * 4 : (rank + 1) * 4])
+        trainer.fit(MetaModel(), DataLoader([batch], batch_size=None))
+        shards[tag] = plan_shards(trainer.strategy.sharding_plan)
+        types.update(t["type"] for t in shards[tag].values())
+    return {"types": sorted(types), "shards": shards}

@@ -2,7 +2,11 @@
 
 * :mod:`~lightning_rec._strategy.recshard`: :class:`RecShardStrategy`, the list of Lightning's hooks; each hook hands
   its work to one module beside it:
+* :mod:`~lightning_rec._strategy.hook_state`: what one hook leaves for another (a backward without a step, ...);
 * :mod:`~lightning_rec._strategy.settings`: which Trainer flags and callbacks a sharded run can honour;
+* :mod:`~lightning_rec._strategy.sharding_config`: the sharding configuration, built once from the strategy's
+  arguments (``strategy.sharding``): check a model, settle the fused optimizer, plan and shard;
+* :mod:`~lightning_rec._strategy.device_support`: what each device can train, and the refusals that name what cannot;
 * :mod:`~lightning_rec._strategy.sharding`: TorchRec's planner (plan on rank 0, broadcast) and the sharders;
 * :mod:`~lightning_rec._strategy.dmp`: ``DistributedModelParallel``, the unsharded rows copied into the shards;
 * :mod:`~lightning_rec._strategy.unsharded`: the sharded outputs put back in the unsharded module's order;

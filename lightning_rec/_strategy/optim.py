@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
 from lightning_rec import _compat
+from lightning_rec.checkpoint._optimizer_state import ComposedOptimizer
 from lightning_rec.config import BoundsCheck, EmbeddingOptimizer
 
 _BOUNDS_CHECK_MODES: dict[str, BoundsCheckMode] = {
@@ -178,7 +179,7 @@ def is_fused_parameter(param: torch.Tensor) -> bool:
     return hasattr(param, _compat.IN_BACKWARD_OPTIMIZER_ATTR)
 
 
-class RecOptimizer(CombinedOptimizer):
+class RecOptimizer(CombinedOptimizer, ComposedOptimizer):
     """TorchRec's ``CombinedOptimizer`` of fused embedding optimizers and a dense optimizer, driven by Lightning.
 
     Differences from the plain ``CombinedOptimizer`` that Lightning needs:
@@ -188,6 +189,9 @@ class RecOptimizer(CombinedOptimizer):
       steps the dense optimizer. The embedding rows were already updated inside the closure's backward pass.
     * the embedding learning rate follows ``lr_source``, the dense param group that held the embedding
       parameters in ``configure_optimizers``: an LR scheduler that moves it moves the tables' rate too.
+    * :attr:`optimizer` is the user's own optimizer, which Lightning's ``LearningRateMonitor`` reports (as it reports
+      the optimizer a DeepSpeed one wraps): ``lr-Adagrad`` with the user's param groups, as without sharding.
+    * checkpoints read it as a :class:`~lightning_rec.checkpoint._optimizer_state.ComposedOptimizer`.
 
     Args:
         fused: the fused embedding optimizer (``DistributedModelParallel.fused_optimizer``).
@@ -248,6 +252,12 @@ class RecOptimizer(CombinedOptimizer):
         for opt in self.table_optimizers:
             groups += opt.param_groups
         return groups
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The user's optimizer from ``configure_optimizers`` (its param groups keep their learning rates, the
+        tables' parameters removed): what ``LearningRateMonitor`` names and logs, ``lr-<its class>[/<group>]``."""
+        return self.dense
 
     @property
     def embedding_lrs(self) -> list[float]:

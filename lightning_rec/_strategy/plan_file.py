@@ -30,8 +30,8 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
+from lightning_rec._strategy.device_support import supported_kernels, supported_sharding_types
 from lightning_rec._strategy.plan_report import PlanReport, PlanRow
-from lightning_rec._strategy.sharding import supported_kernels, supported_sharding_types
 from lightning_rec._tables import embedding_modules, table_configs
 
 __all__ = ["check_plan", "read_plan", "to_sharding_plan"]

@@ -17,8 +17,10 @@ are split across ranks:
 5. ``teardown``: leaves the sharded module where it is, so later ``validate``/``test``/``predict`` calls reuse
    it.
 
-The mechanics live in :mod:`lightning_rec._strategy.sharding`, :mod:`lightning_rec._strategy.dmp`, :mod:`lightning_rec._strategy.optim`,
-:mod:`lightning_rec._strategy.plan_report` and :mod:`lightning_rec.checkpoint`; this file is the list of Lightning hooks.
+The mechanics live in :mod:`lightning_rec._strategy.sharding_config` (the sharding configuration, built once from the
+arguments: ``strategy.sharding``), :mod:`lightning_rec._strategy.dmp`, :mod:`lightning_rec._strategy.optim`,
+:mod:`lightning_rec._strategy.plan_report` and :mod:`lightning_rec.checkpoint`; what one hook leaves for another is in
+:mod:`lightning_rec._strategy.hook_state`; this file is the list of Lightning hooks.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -48,10 +50,10 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
 from lightning_rec import _compat
-from lightning_rec import checkpoint as _ckpt
 from lightning_rec._batch import custom_batch_hooks, to_device
 from lightning_rec._inputs.checks import InputChecks
 from lightning_rec._strategy.batch_counts import BatchCounts
+from lightning_rec._strategy.device_support import vbe_refusals
 from lightning_rec._strategy.dmp import (
     ManualOptimizationRedirection,
     dense_ddp,
@@ -60,6 +62,7 @@ from lightning_rec._strategy.dmp import (
     unfused_table_parameters,
 )
 from lightning_rec._strategy.faults import FailureBoard, close_process_group_at_exit, describe_position, note_failure
+from lightning_rec._strategy.hook_state import HookState
 from lightning_rec._strategy.optim import (
     RecOptimizer,
     combine_optimizers,
@@ -67,14 +70,14 @@ from lightning_rec._strategy.optim import (
 from lightning_rec._strategy.pipeline import SparseDistPipeline, check_pipelinable
 from lightning_rec._strategy.plan_report import PlanReport, write_for_trainer
 from lightning_rec._strategy.settings import (
-    backward_without_step_error,
     check_fit,
     check_precision,
     raised_in,
     toggle_optimizer_error,
 )
-from lightning_rec._strategy.sharder import TableSharder
-from lightning_rec._strategy.sharding import vbe_refusals
+from lightning_rec._strategy.sharding_config import ShardingConfig
+from lightning_rec.checkpoint._io import load, remove, save
+from lightning_rec.checkpoint._optimizer_state import canonical_state
 from lightning_rec.config import (
     BoundsCheck,
     EmbeddingOptimizer,
@@ -146,6 +149,13 @@ class RecShardStrategy(ParallelStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the
             Trainer, as for any Lightning strategy.
 
+    Attributes:
+        sharding: the sharding configuration, built once from ``constraints``, ``topology``, ``sharders``, ``plan``,
+            ``embedding_optimizer``, ``fused_params``, ``bounds_check``, ``static_graph``, ``find_unused_parameters``,
+            ``qcomms`` and ``fast_cpu_lookup`` (typed: dicts became configs, ``bounds_check`` is in ``fused_params``);
+            read them there, e.g. ``strategy.sharding.constraints``
+            (:class:`~lightning_rec._strategy.sharding_config.ShardingConfig`).
+
     Example::
 
         trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2)
@@ -188,7 +198,7 @@ class RecShardStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.sharder = TableSharder.from_arguments(
+        self.sharding = ShardingConfig.from_arguments(
             constraints=constraints,
             topology=topology,
             sharders=sharders,
@@ -212,17 +222,13 @@ class RecShardStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._failures: FailureBoard | None = None
         self._batch_counts: BatchCounts | None = None
-        self._transferring = False
-        self._batch_hooks: tuple[bool, bool] = (False, False)  # transfer_batch_to_device, on_after_batch_transfer
-        self._redirect_steps = True  # training_step through DMP's DDP (not with one rank: see `training_step`)
+        self._steps = HookState()  # what one hook leaves for another
         self.num_nodes = 1
         self._report_plan = report_plan
         self.pipeline = pipeline
         self._sparse_dist: SparseDistPipeline | None = None
         self._rec_optimizer: RecOptimizer | None = None
         self._forward_redirection = ManualOptimizationRedirection()
-        self._backward_without_step = False  # a training backward ran (tables updated) and no optimizer stepped yet
-        self._check_steps = False  # fitting a model with tables: every backward must be followed by a step
 
     # ---------------------------------------------------------------------------------------------------
     # Properties Lightning asks for
@@ -283,26 +289,6 @@ class RecShardStrategy(ParallelStrategy):
         return False  # `load_checkpoint` restores the optimizer in place, shard by shard
 
     @property
-    def constraints(self) -> dict[str, TableConstraints]:
-        """The per-table planner constraints, by table name."""
-        return self.sharder.constraints
-
-    @property
-    def topology(self) -> TopologyConfig | None:
-        """The overrides of the planner's view of the machine."""
-        return self.sharder.topology
-
-    @property
-    def embedding_optimizer(self) -> EmbeddingOptimizer | None:
-        """The fused embedding optimizer given to the strategy (``None``: the module's or a derived one)."""
-        return self.sharder.embedding_optimizer
-
-    @property
-    def fused_params(self) -> dict[str, Any]:
-        """FBGEMM's table-batched-embedding arguments for every table (``bounds_check_mode`` included)."""
-        return self.sharder.fused_params
-
-    @property
     def sharded_model(self) -> DistributedModelParallel:
         """The ``DistributedModelParallel`` wrapper (available after setup)."""
         state = sharded_state(self.lightning_module)
@@ -345,15 +331,15 @@ class RecShardStrategy(ParallelStrategy):
         super().connect(model)
         if sharded_state(model) is not None:
             return
-        self.sharder.check_model(model, self.root_device.type)
+        self.sharding.check_model(model, self.root_device.type)
         if self.pipeline:
-            check_pipelinable(model, self.sharder.module_types, type(self).__name__)
+            check_pipelinable(model, self.sharding.module_types, type(self).__name__)
 
     @override
     def setup_environment(self) -> None:
         check_precision(getattr(self.precision_plugin, "precision", "32-true"), type(self).__name__)
-        if self.embedding_optimizer is not None:
-            self.embedding_optimizer.validate_for(self.root_device.type)
+        if self.sharding.embedding_optimizer is not None:
+            self.sharding.embedding_optimizer.validate_for(self.root_device.type)
         super().setup_environment()
         # As the launching process already did (and torchrun does): one share of the host's cores per local rank.
         _compat._set_num_threads_if_needed(self.num_processes)
@@ -377,25 +363,24 @@ class RecShardStrategy(ParallelStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            self._check_steps = check_fit(trainer, module, self.sharder.module_types, type(self).__name__)
-            self._backward_without_step = False
+            self._steps.fit_started(check_fit(trainer, module, self.sharding.module_types, type(self).__name__))
 
         state = sharded_state(module)
         if fitting and state is None and self._layer_sync is not None:
             # Trainer(sync_batchnorm=True), as Lightning's ddp applies it: before the optimizers see the parameters.
             self._layer_sync.apply(module)  # converts the BatchNorm layers in place (the root is no BatchNorm)
-        is_embedding = prepare_for_optimizers(module, self.sharder.module_types, self.root_device, state)
+        is_embedding = prepare_for_optimizers(module, self.sharding.module_types, self.root_device, state)
         optimizers: list[Optimizer] = []
         lr_scheduler_configs: list[Any] = []
         # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
         if fitting or (state is None and is_overridden("configure_optimizers", module)):
             optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
-        emb_opt, lr_source, per_table = self.sharder.embedding_optimizer_for(
+        emb_opt, lr_source, per_table = self.sharding.embedding_optimizer_for(
             module, optimizers, is_embedding, self.root_device.type
         )
 
         if state is None:
-            state = self.sharder.shard(
+            state = self.sharding.shard(
                 module,
                 emb_opt,
                 world_size=self.world_size,
@@ -403,14 +388,8 @@ class RecShardStrategy(ParallelStrategy):
                 device=self.root_device,
                 per_table=per_table,
             )
-        elif fitting and (emb_opt, _rules(per_table)) != (state.embedding_optimizer, state.table_optimizers):
-            raise RuntimeError(
-                f"{type(self).__name__}: the model was sharded earlier with embedding optimizer "
-                f"{state.table_optimizers or state.embedding_optimizer}, but now asks for "
-                f"{_rules(per_table) or emb_opt}. The fused optimizer is part of the "
-                "sharded kernels. HINT: declare it with `configure_embedding_optimizer()` so that every run "
-                "uses the same one, or build a fresh model."
-            )
+        elif fitting:
+            self.sharding.check_sharded_with(state, emb_opt, per_table)  # the fused optimizer is in the kernels
         self.model = state.dmp
         self._input_checks.install(
             state.dmp.module,
@@ -423,8 +402,8 @@ class RecShardStrategy(ParallelStrategy):
             ),
         )
         # (Lightning's data connector sets `Trainer.datamodule`; the Trainer class does not declare it.)
-        self._batch_hooks = custom_batch_hooks(module, trainer.datamodule)  # type: ignore[attr-defined]
-        self._redirect_steps = dense_ddp(state.dmp) is not None
+        self._steps.batch_hooks = custom_batch_hooks(module, trainer.datamodule)  # type: ignore[attr-defined]
+        self._steps.redirect_steps = dense_ddp(state.dmp) is not None
 
         if fitting:
             self._rec_optimizer, self.optimizers = combine_optimizers(
@@ -465,12 +444,12 @@ class RecShardStrategy(ParallelStrategy):
         tensors only); here every tensor, KJT and ``Pipelineable`` is copied with ``non_blocking=True`` (from pinned
         memory, e.g. ``DataLoader(pin_memory=True)``, the copy then overlaps the GPU's work). A
         ``transfer_batch_to_device`` override (module or datamodule) is called instead, as Lightning calls it."""
-        self._transferring = True  # Lightning counts the batch only once it is on the device (reset on exception)
+        self._steps.transferring = True  # Lightning counts the batch only once it is on the device (reset on exception)
         if self._sparse_dist is not None and self._attached_module.trainer.training:
             batch = self._sparse_dist.begin_step()  # already on the device, checked on the host and distributed
         else:
             checked = self._input_checks.check_host(batch)
-            custom_transfer, custom_after = self._batch_hooks
+            custom_transfer, custom_after = self._steps.batch_hooks
             device = device or self.root_device
             if custom_transfer:
                 batch = _compat.call_batch_hook(
@@ -481,7 +460,7 @@ class RecShardStrategy(ParallelStrategy):
             self._input_checks.trust(checked, batch)
             if custom_after:
                 batch = _compat.call_batch_hook(self._attached_module, "on_after_batch_transfer", batch, dataloader_idx)
-        self._transferring = False
+        self._steps.transferring = False
         return batch
 
     @override
@@ -501,14 +480,14 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._backward_without_step = False
+        self._steps.optimizer_stepped()
         if self._batch_counts is not None:
             self._batch_counts.check()  # after this rank's last step of an epoch: did every rank run as many?
         return out
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        self._backward_without_step = self._check_steps  # cleared by the next optimizer step
+        self._steps.backward_ran()  # a step must follow before the next batch
         self._input_checks.check_loss(closure_loss)  # the backward pass would write a NaN into the tables
         if self._sparse_dist is not None:
             self._sparse_dist.before_backward()  # the next batch's input all-to-all overlapped this forward
@@ -521,7 +500,7 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            if self._redirect_steps:
+            if self._steps.redirect_steps:
                 return super().training_step(*args, **kwargs)  # through DDP's forward, as Lightning's ddp does
             # One rank: no DDP around the dense part (dmp.DenseDataParallel), and DMP's forward only calls the module.
             with self.precision_plugin.train_step_context():
@@ -538,8 +517,7 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._backward_without_step:  # the tables updated in the last batch's backward, the dense part did not
-            raise backward_without_step_error(batch_idx, type(self).__name__)
+        self._steps.check_batch_start(batch_idx, type(self).__name__)
         # An LR scheduler may have moved the dense learning rate since the last step; the tables follow it
         # before this step's backward pass (where their update happens).
         if self._rec_optimizer is not None:
@@ -550,7 +528,7 @@ class RecShardStrategy(ParallelStrategy):
         """Tell the other ranks why this one stops, or, if a collective failed because another rank stopped, say
         which rank and why (see :mod:`lightning_rec._strategy.faults`)."""
         position = self._describe_position(0)
-        self._transferring = False
+        self._steps.transferring = False
         self._input_checks.forget()
         note_failure()  # this process's exit must not wait for the others
         if self._failures is not None:
@@ -613,7 +591,7 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return _ckpt.canonical_state(optimizer, dict(self.lightning_module.named_parameters()))
+        return canonical_state(optimizer, dict(self.lightning_module.named_parameters()))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -631,40 +609,28 @@ class RecShardStrategy(ParallelStrategy):
             raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
         self._input_checks.poll()  # never write weights that a non-finite loss has reached
         path = Path(self.broadcast(str(filepath)))
-        module = self.lightning_module
-        state = sharded_state(module)
-        info: dict[str, Any] = {"module_class": f"{type(module).__module__}.{type(module).__qualname__}"}
-        if state is not None:
-            info["embedding_optimizer"] = state.embedding_optimizer.as_dict()
-            if state.report is not None:
-                info["plan"] = state.report.to_dict()
-        _ckpt.save(checkpoint, path, info=info)
+        module = self._attached_module
+        save(checkpoint, path, module=module, sharding=sharded_state(module))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint directory (from any world size or plan) into the sharded model and its optimizers, in
-        place; checks everything first (see :func:`lightning_rec.checkpoint.load`)."""
+        place; checks everything first (see :func:`lightning_rec.checkpoint._io.load`)."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        module = self.lightning_module
-        assert module is not None
-        meta = _ckpt.load(
+        module = self._attached_module
+        return load(
             path,
             module,
             [_compat.unwrap_optimizer(o) for o in self.optimizers],
             strict=getattr(module, "strict_loading", True),
             weights_only=weights_only,
+            owner=type(self).__name__,
         )
-        saved = meta.get("lightning_rec", {})
-        if saved.get("world_size") not in (None, self.world_size):
-            rank_zero_info(
-                f"{type(self).__name__}: resharded checkpoint {path} from {saved['world_size']} rank(s) onto {self.world_size}."
-            )
-        return meta
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            _ckpt.remove(Path(filepath))
+            remove(Path(filepath))
 
     # ---------------------------------------------------------------------------------------------------
     # Registration
@@ -700,9 +666,4 @@ class RecShardStrategy(ParallelStrategy):
         trainer = _compat.attached_trainer(module) if module is not None else None
         if trainer is None:
             return ""
-        return describe_position(trainer, ahead, transferring=self._transferring, batch=batch)
-
-
-def _rules(per_table: dict[str, Any] | None) -> dict[str, EmbeddingOptimizer]:
-    """Each table's own fused optimizer (``per_table``: as :meth:`TableSharder.embedding_optimizer_for` gives it)."""
-    return {table: opt for table, (opt, _) in (per_table or {}).items()}
+        return describe_position(trainer, ahead, transferring=self._steps.transferring, batch=batch)

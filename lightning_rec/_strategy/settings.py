@@ -17,7 +17,6 @@ except ImportError:  # pragma: no cover - lightning 2.5
     WeightAveraging = ()  # type: ignore[assignment,misc]  # isinstance(x, ()) is always False
 
 __all__ = [
-    "backward_without_step_error",
     "check_frozen_tables",
     "check_precision",
     "check_trainer_flags",
@@ -96,7 +95,7 @@ def check_trainer_flags(trainer: Any, has_tables: bool, owner: str = "RecShardSt
 def check_fit(trainer: Any, module: nn.Module, module_types: Sequence[type], owner: str = "RecShardStrategy") -> bool:
     """Before fitting: :func:`check_trainer_flags`, and :func:`check_frozen_tables` unless the tables are sharded
     already (a second ``fit``). Returns whether ``module`` has tables (then every backward must be followed by an
-    optimizer step: see :func:`backward_without_step_error`)."""
+    optimizer step: see :func:`~lightning_rec._strategy.hook_state.backward_without_step_error`)."""
     tables, sharded = embedding_modules(module, module_types), is_sharded(module)
     has_tables = bool(tables) or sharded
     check_trainer_flags(trainer, has_tables, owner)
@@ -118,19 +117,6 @@ def check_frozen_tables(named_tables: Iterable[tuple[str, nn.Parameter]], owner:
             "`EmbeddingOptimizer('sgd', lr=0.0)` (or the strategy's `embedding_optimizer=`); freeze only dense layers "
             "(e.g. BackboneFinetuning on a dense backbone)."
         )
-
-
-def backward_without_step_error(batch_idx: int, owner: str = "RecShardStrategy") -> RuntimeError:
-    """The error for a training batch whose backward pass ran without any optimizer step (checked when the next
-    batch starts)."""
-    return RuntimeError(
-        f"{owner}: the training batch before batch {batch_idx} ran a backward pass but no optimizer step. The "
-        "embedding rows were already updated inside that backward pass (FBGEMM fused optimizer), the dense "
-        "parameters were not, so skipping `optimizer.step()` (gradient accumulation in an `optimizer_step` override, "
-        "or `opt.step()` every other batch in manual optimization) would silently train the tables and the dense "
-        "layers on different batches. HINT: step the optimizer after every backward pass and increase the batch "
-        "size instead of accumulating gradients."
-    )
 
 
 def toggle_optimizer_error(owner: str = "RecShardStrategy") -> RuntimeError:

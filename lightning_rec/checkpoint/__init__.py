@@ -10,273 +10,30 @@ What a checkpoint holds (see :mod:`~lightning_rec.checkpoint._layout` for the fi
   sharding plan, world size and embedding optimizer it was saved with (``checkpoint["lightning_rec"]``).
 
 Use it through Lightning (``ModelCheckpoint``, ``trainer.save_checkpoint``, ``ckpt_path=``,
-``MyModel.load_from_checkpoint(dir)`` for a :class:`~lightning_rec.RecLightningModule`); :func:`export`
-turns one into a single-file, unsharded state dict, :func:`load_module` into an unsharded LightningModule.
+``MyModel.load_from_checkpoint(dir)`` for a :class:`~lightning_rec.RecLightningModule`; the strategy saves and loads
+through :mod:`~lightning_rec.checkpoint._io`); :func:`is_checkpoint` tells a complete checkpoint directory,
+:func:`export` turns one into a single-file, unsharded state dict, :func:`load_exported` reads that file back, and
+:func:`load_module` turns a checkpoint into an unsharded LightningModule.
+
+Example::
+
+    from lightning_rec.checkpoint import export, is_checkpoint, load_exported
+    assert is_checkpoint(path)
+    export(path, "model.pt")
+    state = load_exported("model.pt")
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
-
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.optim import Optimizer
-
-from lightning_rec.checkpoint import _layout as layout
-from lightning_rec.checkpoint import _safe_io as safe_io
 from lightning_rec.checkpoint._export import export, load_exported, load_module
-from lightning_rec.checkpoint._optimizer_state import OptimizerTarget, canonical_state, is_tensor
+from lightning_rec.checkpoint._io import is_checkpoint
 from lightning_rec.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
     "CheckpointError",
     "UnsafeCheckpointError",
-    "canonical_state",
     "export",
     "is_checkpoint",
     "load_exported",
-    "load",
     "load_module",
-    "remove",
-    "save",
 ]
-
-log = logging.getLogger(__name__)
-MODEL_PREFIX, OPTIM_PREFIX = layout.MODEL_PREFIX, layout.OPTIM_PREFIX
-
-
-def is_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a complete checkpoint directory (it has the ``COMPLETE`` marker)."""
-    try:
-        layout.read_manifest(Path(path))
-        return True
-    except CheckpointError:
-        return False
-
-
-class _Collectives:
-    """The few collectives save/load need, or single-process stand-ins when no process group runs."""
-
-    def __init__(self) -> None:
-        self.on = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.on else 0
-        self.world_size = dist.get_world_size() if self.on else 1
-
-    def barrier(self) -> None:
-        if self.on:
-            dist.barrier()
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if not self.on:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def raise_if_any(self, problems: list[str], headline: str) -> None:
-        """Every rank raises the same error if any rank found a problem (no rank is left waiting)."""
-        everything = sorted({p for rank_problems in self.all_gather(problems) for p in rank_problems})
-        if everything:
-            raise CheckpointError(headline + "\n  - " + "\n  - ".join(everything))
-
-
-# -----------------------------------------------------------------------------------------------------------
-# Save
-# -----------------------------------------------------------------------------------------------------------
-
-
-def _split(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Lightning's checkpoint dict -> (flat tensors for DCP, tensor-free rest for ``meta.pt``)."""
-    tensors: dict[str, Any] = {}
-    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    meta["model_extra"] = {}
-    for key, value in checkpoint.get("state_dict", {}).items():
-        if is_tensor(value):
-            tensors[MODEL_PREFIX + key] = value
-        else:
-            meta["model_extra"][key] = value
-    meta["optimizer_states"] = []
-    for i, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
-        rest = {k: v for k, v in opt_state.items() if k != "state"}
-        rest["extra"] = {}
-        for fqn, entries in opt_state.get("state", {}).items():
-            for name, value in entries.items():
-                if is_tensor(value):
-                    tensors[f"{OPTIM_PREFIX}{i}/{fqn}/{name}"] = value
-                else:
-                    rest["extra"].setdefault(fqn, {})[name] = value
-        meta["optimizer_states"].append(rest)
-    return tensors, meta
-
-
-def save(checkpoint: Mapping[str, Any], path: Path, info: Mapping[str, Any] | None = None) -> None:
-    """Write Lightning's ``checkpoint`` dict as the checkpoint directory ``path`` (every rank calls this).
-
-    Args:
-        checkpoint: what ``trainer._checkpoint_connector.dump_checkpoint()`` produced, with optimizer states
-            from :func:`canonical_state`.
-        path: the directory to create (an existing checkpoint there is replaced once the new one is complete).
-        info: plain data stored as ``checkpoint["lightning_rec"]`` (plan, world size, embedding optimizer).
-    """
-    path = Path(path)
-    comm = _Collectives()
-    staging = layout.staging_path(path)
-    if comm.rank == 0:
-        layout.remove_tree(staging)  # left by a crashed save
-        staging.mkdir(parents=True)
-    comm.barrier()
-    tensors, meta = _split(checkpoint)
-    meta["lightning_rec"] = {**(info or {}), "world_size": comm.world_size}
-    # One file per tensor chunk: DCP keeps every tensor it writes to a file alive until that file is closed
-    # (and clones views of the kernels' flat weight buffers), so one file per rank would peak at the whole local state.
-    writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, sync_files=True)
-    dcp.save(tensors, storage_writer=writer, no_dist=not comm.on)
-    files = {p.name: layout.file_digest(p) for p in layout.own_files(staging, comm.rank)}
-    all_files = {k: v for rank_files in comm.all_gather(files) for k, v in rank_files.items()}
-    if comm.rank == 0:
-        meta_bytes = safe_io.dumps_meta(meta)
-        layout.write_file(staging / layout.META_FILE, meta_bytes)
-        for name in (layout.META_FILE, layout.METADATA_FILE):
-            all_files[name] = layout.file_digest(staging / name)
-        referenced = {s.relative_path for s in safe_io.read_metadata(staging).storage_data.values()}
-        if not referenced <= set(all_files):
-            raise CheckpointError(f"DCP wrote files no rank accounted for: {sorted(referenced - set(all_files))}")
-        layout.mark_complete(staging, all_files, {"world_size": comm.world_size})
-        layout.publish(staging, path)
-    comm.barrier()
-
-
-def remove(path: Path) -> None:
-    """Delete the checkpoint at ``path`` (rank 0 only): renamed aside first, so it never looks half there."""
-    layout.remove_tree(Path(path))
-
-
-# -----------------------------------------------------------------------------------------------------------
-# Load
-# -----------------------------------------------------------------------------------------------------------
-
-
-def _saved_entries(metadata: Metadata) -> tuple[dict[str, TensorStorageMetadata], dict[int, dict[str, dict[str, Any]]]]:
-    model: dict[str, TensorStorageMetadata] = {}
-    optim: dict[int, dict[str, dict[str, Any]]] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            raise UnsafeCheckpointError(f"{key}: a pickled object in the tensor data; this format never writes one")
-        if key.startswith(MODEL_PREFIX):
-            model[key[len(MODEL_PREFIX) :]] = md
-        elif key.startswith(OPTIM_PREFIX):
-            _, i, fqn, name = key.split("/", 3)
-            optim.setdefault(int(i), {}).setdefault(fqn, {})[name] = (md.size, md.properties.dtype)
-    return model, optim
-
-
-def _column_widths(md: TensorStorageMetadata) -> list[int]:
-    """Widths of a saved table's column shards, in column order."""
-    if len(md.size) != 2:
-        return []
-    return [w for _, w in sorted({(c.offsets[1], c.sizes[1]) for c in md.chunks})]
-
-
-def _model_problems(live: Mapping[str, Any], saved: Mapping[str, TensorStorageMetadata], strict: bool) -> list[str]:
-    problems = []
-    for key, value in live.items():
-        if not is_tensor(value):
-            continue
-        if key not in saved:
-            if strict:
-                problems.append(f"{key}: in the model, missing from the checkpoint")
-        elif tuple(saved[key].size) != tuple(value.size()):
-            problems.append(
-                f"{key}: shape {tuple(saved[key].size)} in the checkpoint, {tuple(value.size())} in the model"
-            )
-    if strict:
-        problems += [f"{key}: in the checkpoint, not in the model" for key in saved if key not in live]
-    return problems
-
-
-def load(
-    path: Path,
-    module: nn.Module,
-    optimizers: Sequence[Optimizer],
-    *,
-    strict: bool = True,
-    weights_only: bool | None = None,
-    verify_hashes: bool = True,
-) -> dict[str, Any]:
-    """Load the checkpoint at ``path`` into ``module`` and ``optimizers`` in place (every rank calls this).
-
-    Nothing is modified until the whole checkpoint checked out: complete, every file's size (and SHA-256,
-    each rank hashing its share), the tensor names and global shapes against the model and optimizers.
-
-    Args:
-        path: a checkpoint directory written by :func:`save`, on any world size or plan.
-        module: the (sharded) LightningModule.
-        optimizers: its optimizers (empty for validate/test/predict: only the weights are loaded).
-        strict: whether tensors missing from the checkpoint, or in it but not in the model, are errors.
-        weights_only: ``False`` lets ``meta.pt`` unpickle arbitrary objects (only for trusted checkpoints).
-        verify_hashes: check every file's SHA-256 before loading (sizes are always checked).
-
-    Returns:
-        Lightning's checkpoint dict without the tensors (loops, callbacks, schedulers, ``lightning_rec``).
-
-    Raises:
-        CheckpointError: incomplete, corrupt or mismatching checkpoint; the message lists every problem.
-    """
-    comm = _Collectives()
-    path = layout.recover(Path(path))
-    problems: list[str] = []
-    try:
-        manifest = layout.read_manifest(path)
-        problems = layout.verify_files(path, manifest, comm.rank, comm.world_size, hashes=verify_hashes)
-    except CheckpointError as err:
-        problems = [str(err)]
-    comm.raise_if_any(problems, f"Cannot load checkpoint {str(path)!r}; nothing was modified:")
-
-    meta = safe_io.load_meta(path / layout.META_FILE, weights_only)
-    saved_model, saved_optim = _saved_entries(safe_io.read_metadata(path))
-    live = module.state_dict()
-    problems = _model_problems(live, saved_model, strict)
-    targets: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in live.items() if is_tensor(v) and k in saved_model}
-    opt_targets: list[OptimizerTarget] = []
-    saved_opt_meta = meta.get("optimizer_states", [])
-    if optimizers:
-        if not saved_opt_meta:
-            problems.append(
-                "the checkpoint has no optimizer state (saved with `save_weights_only=True`?), so training cannot "
-                "resume from it. HINT: load its weights in `validate/test/predict`, or export it and load the "
-                "state dict into a fresh model."
-            )
-        elif len(saved_opt_meta) != len(optimizers):
-            problems.append(f"the checkpoint has {len(saved_opt_meta)} optimizer(s), the model {len(optimizers)}")
-        else:
-            widths = {k: _column_widths(md) for k, md in saved_model.items()}
-            named = dict(module.named_parameters())
-            for i, opt in enumerate(optimizers):
-                target = OptimizerTarget(
-                    opt,
-                    named,
-                    live,
-                    saved_optim.get(i, {}),
-                    saved_opt_meta[i].get("param_groups", []),
-                    widths,
-                    saved_extra=saved_opt_meta[i].get("extra"),
-                )
-                problems += [f"optimizer {i}: {p}" for p in target.problems]
-                targets.update({f"{OPTIM_PREFIX}{i}/{fqn}/{name}": t for (fqn, name), t in target.tensors.items()})
-                opt_targets.append(target)
-    comm.raise_if_any(
-        problems,
-        f"Checkpoint {str(path)!r} does not match {type(module).__name__} and its optimizers; nothing was modified:",
-    )
-
-    dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(path), no_dist=not comm.on)
-    if meta.get("model_extra"):
-        module.load_state_dict(meta["model_extra"], strict=False)
-    for i, target in enumerate(opt_targets):
-        target.apply(saved_opt_meta[i].get("embedding_lrs"), int(meta.get("global_step", 0)))
-    return meta

@@ -13,10 +13,14 @@ state is keyed by parameter FQN, and a table's state has the fused name whicheve
 Row-wise Adagrad keeps one accumulator per row *and column shard* (``rows * shards`` values); loading it into
 another number of column shards averages per row (weighted by shard width) and says so: exact when the plan
 is unchanged, the best available estimate otherwise.
+
+An optimizer made of several (the strategy's ``RecOptimizer``) is read through :class:`ComposedOptimizer`, the
+interface it implements; nothing here imports the strategy.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,9 +28,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
+from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_rec import _compat
-from lightning_rec._strategy.optim import RecOptimizer
 
 # torch optimizer state name -> fused (FBGEMM) state name, for tables on a non-fused kernel.
 _TORCH_TO_FUSED = {"sum": "momentum1", "exp_avg": "momentum1", "exp_avg_sq": "momentum2"}
@@ -36,6 +40,38 @@ _FUSED_TO_TORCH = {
     "Adam": {"momentum1": "exp_avg", "momentum2": "exp_avg_sq"},
 }
 _ROWWISE = "momentum1"
+
+
+class ComposedOptimizer(abc.ABC):
+    """An optimizer made of several, as a checkpoint reads and restores it: TorchRec's fused (in-backward) table
+    optimizer, the user's dense optimizer, and ordinary optimizers for tables on a non-fused kernel.
+
+    The strategy's :class:`~lightning_rec._strategy.optim.RecOptimizer` implements it; a checkpoint then keys the
+    fused state by table FQN, the dense and table optimizers' state by parameter FQN, and keeps the tables' learning
+    rates (see the module docstring).
+
+    Attributes:
+        fused: the fused table optimizer (``DistributedModelParallel.fused_optimizer``).
+        dense: the user's optimizer over the dense parameters.
+        dense_params: the dense parameters by FQN.
+        table_optimizers: ordinary optimizers for table parameters on a non-fused kernel.
+        table_params: those table parameters by FQN.
+    """
+
+    fused: KeyedOptimizer
+    dense: Optimizer
+    dense_params: dict[str, Tensor]
+    table_optimizers: list[Optimizer]
+    table_params: dict[str, Tensor]
+
+    @property
+    @abc.abstractmethod
+    def embedding_lrs(self) -> list[float]:
+        """The learning rates the tables are trained with right now (saved with the state)."""
+
+    @abc.abstractmethod
+    def restore_embedding_lrs(self, lrs: Sequence[float]) -> None:
+        """Set the tables' learning rates to ``lrs`` (as :attr:`embedding_lrs` listed them, maybe on another plan)."""
 
 
 def is_tensor(value: Any) -> bool:
@@ -69,7 +105,7 @@ def _table_state_to_canonical(state: dict[str, Any]) -> dict[str, Any]:
 def canonical_state(optimizer: Optimizer, named_parameters: Mapping[str, Tensor]) -> dict[str, Any]:
     """``optimizer``'s state keyed by parameter FQN with plan-independent names (see the module docstring)."""
     optimizer = _compat.unwrap_optimizer(optimizer)
-    if not isinstance(optimizer, RecOptimizer):
+    if not isinstance(optimizer, ComposedOptimizer):
         names = {id(p): n for n, p in named_parameters.items()}
         return {"state": _torch_state_by_fqn(optimizer, names), "param_groups": _groups_by_fqn(optimizer, names)}
     dense_names = {id(p): n for n, p in optimizer.dense_params.items()}
@@ -118,7 +154,7 @@ class OptimizerTarget:
         self._rows: dict[str, int] = {}
         live: dict[str, dict[str, Any]] = {}  # fused state, in place
         owners: dict[str, str] = {}  # fqn -> "dense"/"table"/"fused"
-        if isinstance(self.optimizer, RecOptimizer):
+        if isinstance(self.optimizer, ComposedOptimizer):
             live = canonical_state(self.optimizer, named_parameters)["state"]
             live = {
                 fqn: e
@@ -200,7 +236,7 @@ class OptimizerTarget:
         self._load_torch(dense, dense_names, False, global_step, saved_groups=self._saved_groups)
         for optimizer, names in tables:
             self._load_torch(optimizer, names, True, global_step, saved_groups=None)
-        if isinstance(self.optimizer, RecOptimizer) and embedding_lrs:
+        if isinstance(self.optimizer, ComposedOptimizer) and embedding_lrs:
             self.optimizer.restore_embedding_lrs(embedding_lrs)
 
     def _load_torch(

@@ -12,14 +12,15 @@ from lightning_rec.data.base import (
 )
 from lightning_rec.data.criteo import CriteoDataModule, write_criteo_tsv
 from lightning_rec.data.movielens import (
+    Interactions,
     MovieLensDataModule,
     export_parquet,
     load_interactions,
     load_movielens,
     prepare_movielens,
 )
-from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule
-from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule
+from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule, RetrievalSplits, retrieval_splits
+from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule, SequenceSplits, sequence_splits
 from lightning_rec.data.schema import DataError, DenseColumn, LabelColumn, Schema, SparseColumn
 from lightning_rec.data.synthetic import SyntheticDataModule, SyntheticTable, make_synthetic_dataset
 from lightning_rec.data.tabular import SplitRule, TabularDataModule
@@ -30,6 +31,11 @@ __all__ = [
     "MovieLensDataModule",
     "MovieLensRetrievalDataModule",
     "MovieLensSequenceDataModule",
+    "Interactions",
+    "RetrievalSplits",
+    "retrieval_splits",
+    "SequenceSplits",
+    "sequence_splits",
     "SyntheticDataModule",
     "SyntheticTable",
     "make_synthetic_dataset",

@@ -15,11 +15,12 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec._batch import Batch
 from lightning_rec.config import SparseFeature
+from lightning_rec.data.stream import StreamLoader, TableStream
 
 __all__ = [
     "DistributedBatchSampler",
@@ -47,6 +48,7 @@ class Jagged:
 
     @staticmethod
     def from_lists(rows: Sequence[Sequence[int]]) -> Jagged:
+        """The jagged column of ``rows`` (one list of ids per sample)."""
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=offsets[1:])
@@ -66,7 +68,7 @@ class Jagged:
         return self.values[row_starts + torch.arange(total)], lengths
 
 
-Column = torch.Tensor | Jagged
+_Column = torch.Tensor | Jagged
 
 
 class RecDataset(Dataset):
@@ -97,7 +99,7 @@ class RecDataset(Dataset):
         self,
         dense: torch.Tensor,
         labels: torch.Tensor,
-        sparse: Mapping[str, Column],
+        sparse: Mapping[str, _Column],
         weights: Mapping[str, Jagged] | None = None,
     ) -> None:
         n = labels.shape[0]
@@ -108,7 +110,7 @@ class RecDataset(Dataset):
                 raise ValueError(f"RecDataset: sparse feature {name!r} has {len(col)} rows, the labels {n}.")
         self.dense = dense.float()
         self.labels = labels.float()
-        self.sparse: dict[str, Column] = dict(sparse)
+        self.sparse: dict[str, _Column] = dict(sparse)
         self.weights: dict[str, Jagged] = dict(weights or {})
         for name, w in self.weights.items():
             ids = self.sparse.get(name)
@@ -151,7 +153,7 @@ class RecDataset(Dataset):
             torch.cumsum(n, 0, out=offsets[1:])
             return Jagged(v, offsets)
 
-        sparse: dict[str, Column] = {
+        sparse: dict[str, _Column] = {
             n: jagged(c) if isinstance(c, Jagged) else c[index] for n, c in self.sparse.items()
         }
         weights = {name: jagged(w) for name, w in self.weights.items()}
@@ -199,7 +201,9 @@ class DistributedBatchSampler(DistributedSampler):
     """Yields this rank's batches of row indices (see :func:`rank_batches`); use with ``batch_size=None``.
 
     It is a ``DistributedSampler`` so that Lightning keeps it (instead of injecting its own, which would pad
-    with repeated rows) and calls :meth:`set_epoch` on it, which reshuffles each epoch.
+    with repeated rows) and calls :meth:`set_epoch` on it, which reshuffles each epoch. With ``with_epoch`` it
+    yields ``(epoch, indices)``, for a dataset whose rows depend on the epoch (e.g. sampled negatives) whatever the
+    rank and the DataLoader worker that reads them.
 
     Example::
 
@@ -216,9 +220,11 @@ class DistributedBatchSampler(DistributedSampler):
         rank: int = 0,
         shuffle: bool = False,
         seed: int = 0,
+        with_epoch: bool = False,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.batch_size = batch_size
+        self.with_epoch = with_epoch
         self._num_batches = len(self._batches())
 
     def _batches(self) -> list[torch.Tensor]:
@@ -232,14 +238,16 @@ class DistributedBatchSampler(DistributedSampler):
             epoch=self.epoch,
         )
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Any]:
+        if self.with_epoch:
+            return ((self.epoch, b) for b in self._batches())
         return iter(self._batches())
 
     def __len__(self) -> int:
         return self._num_batches
 
 
-def identity(x: Any) -> Any:
+def _identity(x: Any) -> Any:
     """A ``collate_fn`` that hands the sampler's batch through as it is (the datasets collate whole batches)."""
     return x
 
@@ -254,8 +262,10 @@ def batch_loader(
     seed: int = 0,
     num_workers: int = 0,
     pin_memory: bool = False,
+    with_epoch: bool = False,
 ) -> DataLoader:
-    """A ``DataLoader`` over a dataset indexed by batches of row indices (``dataset[indices] -> Batch``).
+    """A ``DataLoader`` over a dataset indexed by batches of row indices (``dataset[indices] -> Batch``, or
+    ``dataset[(epoch, indices)]`` with ``with_epoch``).
 
     Worker processes are started with ``spawn``: forking a process whose gloo threads run can deadlock. With
     ``pin_memory`` (for CUDA training) batches land in pinned host memory, from which the strategy's non-blocking
@@ -266,13 +276,13 @@ def batch_loader(
         loader = batch_loader(RecDataset(...), 512, rank=trainer.global_rank, world_size=trainer.world_size)
     """
     sampler = DistributedBatchSampler(
-        dataset, batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
+        dataset, batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, with_epoch=with_epoch
     )
     return DataLoader(
         dataset,
         sampler=sampler,
         batch_size=None,
-        collate_fn=identity,
+        collate_fn=_identity,
         num_workers=num_workers,
         multiprocessing_context="spawn" if num_workers > 0 else None,
         persistent_workers=num_workers > 0,
@@ -281,16 +291,38 @@ def batch_loader(
 
 
 class RecDataModule(pl.LightningDataModule):
-    """Base of the DataModules here: publishes the features a model needs and builds rank-aware loaders.
+    """Base of the DataModules here: publishes the features a model needs and owns the rank-aware loaders.
 
-    Subclasses set :attr:`sparse_features` and :attr:`num_dense_features` (the CLI links both to the model) and
-    implement :meth:`split` (an in-memory dataset per split name), or override :meth:`dataloader` (e.g. to
-    stream); the four ``*_dataloader`` hooks call :meth:`dataloader`.
+    A subclass sets :attr:`sparse_features` and :attr:`num_dense_features` (the CLI links both to the model) and
+    overrides one method, :meth:`split`: the dataset of a split, built on first use. The base turns it into the
+    split's loader (:meth:`dataloader`, which the four ``*_dataloader`` hooks call), by what :meth:`split` returns:
+
+    * a map-style dataset indexed by a tensor of row indices (``dataset[indices]`` -> a whole batch): a
+      :func:`batch_loader` for this rank, shuffled for training only; ``batch_size`` rows per training batch,
+      :attr:`eval_batch_size` per evaluation batch. A dataset whose ``indexed_by_epoch`` is true is indexed by
+      ``(epoch, indices)`` instead;
+    * a :class:`~lightning_rec.data.stream.TableStream`: a :class:`~lightning_rec.data.stream.StreamLoader` (it
+      resumes mid-epoch);
+    * any other ``IterableDataset`` (it yields this rank's batches itself): a ``DataLoader`` with ``batch_size=None``;
+    * ``None`` (the data has no such split): no batches (``[]``), e.g. ``fit`` without validation.
 
     Args:
         batch_size: rows per batch on each rank.
         num_workers: DataLoader worker processes per rank.
         seed: shuffling seed (reshuffled every epoch).
+
+    Attributes:
+        eval_batch_size: rows per batch of the evaluation splits (``val``, ``test``, ``predict``): ``batch_size``
+            unless a subclass takes its own.
+
+    Example::
+
+        class Ones(RecDataModule):
+            sparse_features = [SparseFeature("user", 10)]
+            num_dense_features = 1
+
+            def split(self, name):
+                return RecDataset(torch.ones(8, 1), torch.ones(8), {"user": torch.arange(8)})
     """
 
     def __init__(self, batch_size: int = 512, num_workers: int = 0, seed: int = 0) -> None:
@@ -300,6 +332,7 @@ class RecDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
+        self.eval_batch_size = batch_size
 
     @property
     def sparse_features(self) -> list[SparseFeature]:
@@ -323,28 +356,41 @@ class RecDataModule(pl.LightningDataModule):
         device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
         return device is not None and device.type == "cuda"
 
-    def loader(self, dataset: Any, shuffle: bool, batch_size: int | None = None) -> DataLoader:
-        """A :func:`batch_loader` for this rank (rank and world size come from the attached trainer; pinned memory
-        on CUDA)."""
+    def split(self, name: str) -> Any:
+        """The dataset of split ``name`` (``"train"``, ``"val"``, ``"test"`` or ``"predict"``): the one method a
+        subclass overrides (see the class docstring for what it may return). It is called each time a loader is
+        made, so a subclass builds its splits once and keeps them."""
+        raise NotImplementedError(f"{type(self).__name__} must implement split(name).")
+
+    def dataloader(self, name: str) -> Any:
+        """The loader of split ``name`` over :meth:`split` (see the class docstring), for this rank."""
+        dataset = self.split(name)
+        if dataset is None:
+            return []  # Lightning runs no batches from an empty list
+        if isinstance(dataset, TableStream):
+            return StreamLoader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory)
+        if isinstance(dataset, IterableDataset):
+            return DataLoader(
+                dataset,
+                batch_size=None,
+                num_workers=self.num_workers,
+                persistent_workers=self.num_workers > 0,
+                multiprocessing_context="spawn" if self.num_workers > 0 else None,
+                pin_memory=self.pin_memory,
+            )
         rank, world_size = self.rank_and_world_size
+        train = name == "train"
         return batch_loader(
             dataset,
-            batch_size or self.batch_size,
+            self.batch_size if train else self.eval_batch_size,
             rank=rank,
             world_size=world_size,
-            shuffle=shuffle,
+            shuffle=train,
             seed=self.seed,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            with_epoch=bool(getattr(dataset, "indexed_by_epoch", False)),
         )
-
-    def split(self, name: str) -> Any:
-        """The dataset of split ``name`` (``"train"``, ``"val"``, ``"test"`` or ``"predict"``), indexed by batches."""
-        raise NotImplementedError(f"{type(self).__name__} must implement split() or dataloader().")
-
-    def dataloader(self, name: str) -> Any:
-        """The loader of split ``name``: :meth:`loader` over :meth:`split`, shuffled for training only."""
-        return self.loader(self.split(name), shuffle=name == "train")
 
     def train_dataloader(self) -> Any:
         return self.dataloader("train")

@@ -40,11 +40,11 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
+from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec._batch import Batch
 from lightning_rec.config import SparseFeature
 from lightning_rec.data.base import RecDataModule
 
@@ -63,10 +63,10 @@ _NPY_PARTS = ("dense", "sparse", "labels")
 _GZIP_MAGIC = b"\x1f\x8b"
 _ID_MASK = (1 << 63) - 1  # Criteo ids are 32-bit; longer hex keeps its low 63 bits so it fits an int64
 _Row = tuple[str, int, str, bool]  # (file, line number, text, whether the file has a label column)
-Sizes = int | Sequence[int]
+_Sizes = int | Sequence[int]
 
 
-def _table_sizes(num_embeddings: Sizes) -> list[int]:
+def _table_sizes(num_embeddings: _Sizes) -> list[int]:
     sizes = [num_embeddings] * CAT_FEATURE_COUNT if isinstance(num_embeddings, int) else list(num_embeddings)
     if len(sizes) != CAT_FEATURE_COUNT or any(not isinstance(s, int) or s < 1 for s in sizes):
         raise ValueError(
@@ -126,7 +126,7 @@ def _parse(rows: Sequence[_Row], sizes: torch.Tensor) -> Batch:
     return _make_batch(dense, torch.tensor(cats, dtype=torch.long) % sizes, torch.tensor(labels))
 
 
-def parse_lines(lines: Sequence[str], num_embeddings: Sizes = 100_000, *, has_label: bool = True) -> Batch:
+def parse_lines(lines: Sequence[str], num_embeddings: _Sizes = 100_000, *, has_label: bool = True) -> Batch:
     """Parse Criteo TSV lines into one :class:`~lightning_rec._batch.Batch` (errors name ``<lines>:N``).
 
     Example::
@@ -196,6 +196,7 @@ class CriteoTSVStream(IterableDataset):
         >>> path = write_criteo_tsv(os.path.join(tempfile.mkdtemp(), "day_0"), 7)   # a round of 4, then 3 rows
         >>> [[b.labels.numel() for b in CriteoTSVStream([path], batch_size=2, rank=r, world_size=2)] for r in (0, 1)]
         [[2, 2], [2, 1]]
+        >>> from torch.utils.data import DataLoader
         >>> loader = DataLoader(CriteoTSVStream([path], batch_size=2), batch_size=None)
     """
 
@@ -203,7 +204,7 @@ class CriteoTSVStream(IterableDataset):
         self,
         paths: Sequence[str | Path],
         batch_size: int,
-        num_embeddings: Sizes = 100_000,
+        num_embeddings: _Sizes = 100_000,
         *,
         rank: int = 0,
         world_size: int = 1,
@@ -255,7 +256,7 @@ class CriteoNpyDataset:
         batch = ds[torch.arange(4096)]
     """
 
-    def __init__(self, prefixes: Sequence[str | Path], num_embeddings: Sizes = 100_000) -> None:
+    def __init__(self, prefixes: Sequence[str | Path], num_embeddings: _Sizes = 100_000) -> None:
         self.prefixes = [str(p) for p in prefixes]
         self.sizes = torch.tensor(_table_sizes(num_embeddings))
         self._maps: list[tuple[np.ndarray, ...]] | None = None
@@ -403,7 +404,7 @@ class CriteoDataModule(RecDataModule):
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         if layout not in ("auto", "tsv", "npy"):
             raise ValueError(f"CriteoDataModule: layout must be 'auto', 'tsv' or 'npy', got {layout!r}.")
-        self.splits = {"train": train, "val": val, "test": test, "predict": predict if predict is not None else test}
+        self.files = {"train": train, "val": val, "test": test, "predict": predict if predict is not None else test}
         self.layout = layout
         self.sizes = _table_sizes(num_embeddings)
 
@@ -417,26 +418,20 @@ class CriteoDataModule(RecDataModule):
         """13: the Criteo integer features."""
         return INT_FEATURE_COUNT
 
-    def dataloader(self, split: str) -> DataLoader | list[DataLoader]:
-        """TSV: a rank-exact stream; ``.npy``: the memory-mapped rows through :meth:`loader`."""
-        patterns = self.splits[split]
+    def split(self, name: str) -> CriteoNpyDataset | CriteoTSVStream | None:
+        """TSV: a rank-exact stream of this rank's batches; ``.npy``: the memory-mapped rows (batched for this rank
+        by :meth:`~lightning_rec.data.base.RecDataModule.dataloader`); ``None`` for ``val`` without files (``fit``
+        runs no validation)."""
+        patterns = self.files[name]
         if not patterns:
-            if split == "val":
-                return []  # fit without validation: Lightning runs no batches from an empty list
-            raise ValueError(f"CriteoDataModule: no {split} files given. HINT: set data.init_args.{split}.")
-        layout, files = _resolve(patterns, self.layout, split)
+            if name == "val":
+                return None
+            raise ValueError(f"CriteoDataModule: no {name} files given. HINT: set data.init_args.{name}.")
+        layout, files = _resolve(patterns, self.layout, name)
         if layout == "npy":
-            return self.loader(CriteoNpyDataset(files, self.sizes), shuffle=split == "train")
+            return CriteoNpyDataset(files, self.sizes)
         rank, world_size = self.rank_and_world_size
-        stream = CriteoTSVStream(files, self.batch_size, self.sizes, rank=rank, world_size=world_size)
-        return DataLoader(
-            stream,
-            batch_size=None,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            multiprocessing_context="spawn" if self.num_workers > 0 else None,
-            pin_memory=self.pin_memory,
-        )
+        return CriteoTSVStream(files, self.batch_size, self.sizes, rank=rank, world_size=world_size)
 
 
 def write_criteo_tsv(path: str | Path, num_rows: int, seed: int = 0, with_label: bool = True) -> Path:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from lightning_rec.config import SparseFeature
-from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset
+from lightning_rec.data.base import Jagged, RecDataModule, RecDataset, _Column
 
 __all__ = [
     "Interactions",
@@ -49,19 +49,19 @@ __all__ = [
     "prepare_movielens",
 ]
 
-log = logging.getLogger(__name__)
+_log = logging.getLogger(__name__)
 
-RECBOLE_WHEEL = "recbole-1.2.1-py3-none-any.whl"
-RECBOLE_WHEEL_SHA256 = "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"
+_RECBOLE_WHEEL = "recbole-1.2.1-py3-none-any.whl"
+_RECBOLE_WHEEL_SHA256 = "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"
 _WHEEL_DIR = "recbole/dataset_example/ml-100k/"
-ATOMIC_FILES = {
+_ATOMIC_FILES = {
     "ml-100k.inter": "4edb74e2a81178c2ba9ff381495f754f996c4aea351b1272ca36b43da0935eff",
     "ml-100k.user": "4f670007d9cfbeb9807e757209af1555b9bcc186bde25e767f67cb67c6dd5972",
     "ml-100k.item": "51d7cdf777ce5c0f5b32c1d947a4a81fe07d75e78abbe761e0cd4d0756064532",
 }
-GROUPLENS_FILES = ("u.data", "u.user", "u.item")
+_GROUPLENS_FILES = ("u.data", "u.user", "u.item")
 # u.item's 19 genre flags, in GroupLens' order (u.genre).
-GROUPLENS_GENRES = (
+_GROUPLENS_GENRES = (
     "unknown",
     "Action",
     "Adventure",
@@ -83,16 +83,16 @@ GROUPLENS_GENRES = (
     "Western",
 )
 # MovieLens' own age groups (as in ml-1m): under 18, 18-24, 25-34, 35-44, 45-49, 50-55, 56+.
-AGE_BOUNDARIES = (18, 25, 35, 45, 50, 56)
-SPARSE_NAMES = ("user_id", "item_id", "age", "gender", "occupation", "zip", "genres")
+_AGE_BOUNDARIES = (18, 25, 35, 45, 50, 56)
+_SPARSE_NAMES = ("user_id", "item_id", "age", "gender", "occupation", "zip", "genres")
 _YEAR_CENTRE = 1990.0
 
 
-def find_layout(root: Path) -> str | None:
+def _find_layout(root: Path) -> str | None:
     """``"grouplens"`` or ``"atomic"`` if ``root`` holds that layout's three files, else ``None``."""
-    if all((root / f).is_file() for f in GROUPLENS_FILES):
+    if all((root / f).is_file() for f in _GROUPLENS_FILES):
         return "grouplens"
-    if all((root / f).is_file() for f in ATOMIC_FILES):
+    if all((root / f).is_file() for f in _ATOMIC_FILES):
         return "atomic"
     return None
 
@@ -135,31 +135,31 @@ def prepare_movielens(root: os.PathLike | str, wheel: os.PathLike | str | None =
         prepare_movielens("data/ml-100k")     # downloads ~2 MB once; later calls return at once
     """
     root = Path(root)
-    if find_layout(root):
+    if _find_layout(root):
         return root
     with _locked(root.parent / f".{root.name}.lock"):
-        if find_layout(root):  # another process fetched it while we waited
+        if _find_layout(root):  # another process fetched it while we waited
             return root
         with tempfile.TemporaryDirectory(prefix="ml-100k-") as tmp:
             wheel_path = Path(wheel) if wheel is not None else _download_wheel(Path(tmp))
-            if _sha256(wheel_path) != RECBOLE_WHEEL_SHA256:
+            if _sha256(wheel_path) != _RECBOLE_WHEEL_SHA256:
                 raise RuntimeError(
-                    f"{wheel_path} does not have the expected SHA-256 {RECBOLE_WHEEL_SHA256}; refusing to use it. "
+                    f"{wheel_path} does not have the expected SHA-256 {_RECBOLE_WHEEL_SHA256}; refusing to use it. "
                     f"HINT: delete it, or download MovieLens-100K from GroupLens and pass its directory."
                 )
             staging = Path(tmp) / "extracted"
             staging.mkdir()
             with zipfile.ZipFile(wheel_path) as zf:
-                for name, sha in ATOMIC_FILES.items():
+                for name, sha in _ATOMIC_FILES.items():
                     target = staging / name
                     with zf.open(_WHEEL_DIR + name) as src, open(target, "wb") as dst:
                         shutil.copyfileobj(src, dst)
                     if _sha256(target) != sha:
                         raise RuntimeError(f"{name} extracted from {wheel_path.name} has an unexpected SHA-256.")
             root.mkdir(parents=True, exist_ok=True)
-            for name in ATOMIC_FILES:  # each file appears whole or not at all
+            for name in _ATOMIC_FILES:  # each file appears whole or not at all
                 os.replace(staging / name, root / name)
-    log.info("MovieLens-100K (atomic files) prepared in %s", root)
+    _log.info("MovieLens-100K (atomic files) prepared in %s", root)
     return root
 
 
@@ -178,10 +178,10 @@ def _download_wheel(dest: Path) -> Path:
         "recbole==1.2.1",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    path = dest / RECBOLE_WHEEL
+    path = dest / _RECBOLE_WHEEL
     if proc.returncode != 0 or not path.is_file():
         raise RuntimeError(
-            f"Could not download {RECBOLE_WHEEL} from the package index ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n"
+            f"Could not download {_RECBOLE_WHEEL} from the package index ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n"
             "HINT: download MovieLens-100K (u.data, u.user, u.item) yourself and set data_dir to its directory."
         )
     return path
@@ -216,7 +216,7 @@ def _read_grouplens(root: Path) -> _Raw:
             fields = line.split("|")
             date, flags = fields[2], fields[5:]
             year = int(date[-4:]) if len(date) >= 4 and date[-4:].isdigit() else None
-            items[fields[0]] = (year, [g for g, flag in zip(GROUPLENS_GENRES, flags) if flag == "1"])
+            items[fields[0]] = (year, [g for g, flag in zip(_GROUPLENS_GENRES, flags) if flag == "1"])
     return _Raw(ratings, users, items)
 
 
@@ -244,13 +244,28 @@ def _read_atomic(root: Path) -> _Raw:
     return _Raw(ratings, users, items)
 
 
+def _read(root: Path) -> _Raw:
+    """The raw ratings, users and items of ``root``, whichever layout it holds.
+
+    Raises:
+        FileNotFoundError: if ``root`` holds neither layout.
+    """
+    layout = _find_layout(root)
+    if layout is None:
+        raise FileNotFoundError(
+            f"{root} holds neither {', '.join(_GROUPLENS_FILES)} (GroupLens) nor {', '.join(_ATOMIC_FILES)} (atomic "
+            "files). HINT: call prepare_movielens(root) or set download=True."
+        )
+    return _read_grouplens(root) if layout == "grouplens" else _read_atomic(root)
+
+
 def _vocab(values: Sequence[str]) -> dict[str, int]:
     """Sorted distinct values -> ids from 1; id 0 is left for values never seen (e.g. a rating's unknown user)."""
     return {v: i + 1 for i, v in enumerate(sorted(set(values)))}
 
 
 def _age_bucket(age: int) -> int:
-    return 1 + sum(age >= b for b in AGE_BOUNDARIES)
+    return 1 + sum(age >= b for b in _AGE_BOUNDARIES)
 
 
 @dataclass(frozen=True)
@@ -303,21 +318,14 @@ def load_interactions(root: os.PathLike | str) -> Interactions:
     Raises:
         FileNotFoundError: if ``root`` holds neither layout.
     """
-    root = Path(root)
-    layout = find_layout(root)
-    if layout is None:
-        raise FileNotFoundError(
-            f"{root} holds neither {', '.join(GROUPLENS_FILES)} (GroupLens) nor {', '.join(ATOMIC_FILES)} (atomic "
-            "files). HINT: call prepare_movielens(root) or set download=True."
-        )
-    raw = _read_grouplens(root) if layout == "grouplens" else _read_atomic(root)
+    raw = _read(Path(root))
     user_ids, item_ids = _vocab(list(raw.users)), _vocab(list(raw.items))
     occupations = _vocab([u[2] for u in raw.users.values()])
     genders = _vocab([u[1] for u in raw.users.values()])
     zips = _vocab([u[3][:3] for u in raw.users.values()])
     genres = _vocab([g for _, gs in raw.items.values() for g in gs])
 
-    user_features = {name: torch.zeros(len(user_ids) + 1, dtype=torch.long) for name in SPARSE_NAMES[2:6]}
+    user_features = {name: torch.zeros(len(user_ids) + 1, dtype=torch.long) for name in _SPARSE_NAMES[2:6]}
     for user, (age, gender, occupation, zipcode) in raw.users.items():
         uid = user_ids[user]
         user_features["age"][uid] = _age_bucket(age)
@@ -333,7 +341,7 @@ def load_interactions(root: os.PathLike | str) -> Interactions:
     sizes = {
         "user_id": len(user_ids) + 1,
         "item_id": len(item_ids) + 1,
-        "age": len(AGE_BOUNDARIES) + 2,
+        "age": len(_AGE_BOUNDARIES) + 2,
         "gender": len(genders) + 1,
         "occupation": len(occupations) + 1,
         "zip": len(zips) + 1,
@@ -347,7 +355,7 @@ def load_interactions(root: os.PathLike | str) -> Interactions:
         user_features=user_features,
         item_genres=Jagged.from_lists(genre_rows),
         item_dense=torch.tensor(item_dense),
-        features=[SparseFeature(name, sizes[name], multi_hot=name == "genres") for name in SPARSE_NAMES],
+        features=[SparseFeature(name, sizes[name], multi_hot=name == "genres") for name in _SPARSE_NAMES],
     )
 
 
@@ -373,10 +381,10 @@ def export_parquet(root: os.PathLike | str, output: os.PathLike | str | None = N
     import pyarrow.parquet as pq
 
     root = prepare_movielens(root)
-    raw = _read_grouplens(root) if find_layout(root) == "grouplens" else _read_atomic(root)
+    raw = _read(root)
     out = Path(output) if output is not None else root / "ml-100k.parquet"
     out.parent.mkdir(parents=True, exist_ok=True)
-    groups = (1,) + AGE_BOUNDARIES
+    groups = (1,) + _AGE_BOUNDARIES
     users = [raw.users[r[0]] for r in raw.ratings]
     items = [raw.items.get(r[1], (None, [])) for r in raw.ratings]
     table = pa.table(
@@ -428,22 +436,27 @@ def load_movielens(root: os.PathLike | str, positive_threshold: float = 4.0) -> 
         (100000, ['user_id', 'item_id', 'age', 'gender', 'occupation', 'zip', 'genres'])
     """
     it = load_interactions(root)
-    sparse: dict[str, Column] = {"user_id": it.user, "item_id": it.item}
+    return _ratings(it, positive_threshold), list(it.features)
+
+
+def _ratings(it: Interactions, positive_threshold: float) -> RecDataset:
+    """Every rating of ``it`` as a row of the click-style task (see the module docstring), in file order."""
+    sparse: dict[str, _Column] = {"user_id": it.user, "item_id": it.item}
     sparse.update({name: column[it.user] for name, column in it.user_features.items()})
     values, lengths = it.item_genres.take(it.item)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
     torch.cumsum(lengths, 0, out=offsets[1:])
     sparse["genres"] = Jagged(values, offsets)
     labels = (it.rating >= positive_threshold).float()
-    return RecDataset(it.item_dense[it.item], labels, sparse), list(it.features)
+    return RecDataset(it.item_dense[it.item], labels, sparse)
 
 
-def holdout_split(num_rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _holdout_split(num_rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded random ``(keep, holdout)`` split of ``range(num_rows)``; both sorted.
 
     Example::
 
-        >>> keep, held = holdout_split(10, 0.2, seed=0)
+        >>> keep, held = _holdout_split(10, 0.2, seed=0)
         >>> len(keep), len(held), sorted(keep.tolist() + held.tolist()) == list(range(10))
         (8, 2, True)
     """
@@ -454,7 +467,45 @@ def holdout_split(num_rows: int, fraction: float, seed: int) -> tuple[torch.Tens
     return order[n_held:].sort().values, order[:n_held].sort().values
 
 
-class MovieLensDataModule(RecDataModule):
+class _MovieLensBase(RecDataModule):
+    """What the MovieLens-100K DataModules share: where the data lives, fetching it (``prepare_data``) and reading it
+    once (:attr:`interactions`). A task derives from it and overrides :meth:`~RecDataModule.split`.
+
+    Args:
+        data_dir: a directory with MovieLens-100K (either layout, see the module docstring); fetched there if absent
+            and ``download``.
+        download: fetch the data when ``data_dir`` lacks it (from the ``recbole==1.2.1`` wheel on PyPI).
+        batch_size, num_workers, seed: see :class:`~lightning_rec.data.base.RecDataModule`.
+    """
+
+    def __init__(
+        self,
+        data_dir: str = "data/ml-100k",
+        download: bool = True,
+        batch_size: int = 512,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        self.data_dir = Path(data_dir)
+        self.download = download
+        self._interactions: Interactions | None = None
+
+    def prepare_data(self) -> None:
+        """Fetch the data into ``data_dir`` when it lacks it and ``download`` (once per machine: a lock file)."""
+        if self.download:
+            prepare_movielens(self.data_dir)
+
+    @property
+    def interactions(self) -> Interactions:
+        """Every rating, with the users' and movies' features (read on first use, fetched first if need be)."""
+        if self._interactions is None:
+            self.prepare_data()
+            self._interactions = load_interactions(self.data_dir)
+        return self._interactions
+
+
+class MovieLensDataModule(_MovieLensBase):
     """MovieLens-100K ratings as a binary task (rating >= 4), with sparse, multi-hot and dense features.
 
     Default split: a seeded random 10% of the ratings held out for validation (and test, unless
@@ -489,48 +540,30 @@ class MovieLensDataModule(RecDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        super().__init__(data_dir, download, batch_size=batch_size, num_workers=num_workers, seed=seed)
         if val_fraction + test_fraction >= 1.0:
             raise ValueError(f"val_fraction + test_fraction must be < 1, got {val_fraction} + {test_fraction}.")
-        self.data_dir = Path(data_dir)
-        self.download = download
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.split_seed = split_seed
         self.positive_threshold = positive_threshold
-        self._all: RecDataset | None = None
-        self._features: list[SparseFeature] | None = None
         self._splits: dict[str, RecDataset] = {}
-
-    def prepare_data(self) -> None:
-        if self.download:
-            prepare_movielens(self.data_dir)
-
-    def _load(self) -> RecDataset:
-        if self._all is None:
-            self.prepare_data()
-            self._all, self._features = load_movielens(self.data_dir, self.positive_threshold)
-        return self._all
 
     @property
     def sparse_features(self) -> list[SparseFeature]:
-        self._load()
-        assert self._features is not None
-        return list(self._features)
+        return list(self.interactions.features)
 
     @property
     def num_dense_features(self) -> int:
         return 2
 
-    def setup(self, stage: str) -> None:
-        if self._splits:
-            return
-        data = self._load()
-        rest, test = holdout_split(len(data), self.test_fraction, self.split_seed + 1)
-        train, val = holdout_split(len(rest), self.val_fraction / (1.0 - self.test_fraction), self.split_seed)
-        self._splits = {"train": data.subset(rest[train]), "val": data.subset(rest[val])}
-        self._splits["test"] = data.subset(test) if len(test) else self._splits["val"]
-
     def split(self, name: str) -> RecDataset:
-        """The rows of split ``name`` (after :meth:`setup`); ``predict`` runs over the validation rows."""
+        """The rows of split ``name`` (the holdout is drawn on first use); ``predict`` runs over the validation
+        rows."""
+        if not self._splits:
+            data = _ratings(self.interactions, self.positive_threshold)
+            rest, test = _holdout_split(len(data), self.test_fraction, self.split_seed + 1)
+            train, val = _holdout_split(len(rest), self.val_fraction / (1.0 - self.test_fraction), self.split_seed)
+            self._splits = {"train": data.subset(rest[train]), "val": data.subset(rest[val])}
+            self._splits["test"] = data.subset(test) if len(test) else self._splits["val"]
         return self._splits["val" if name == "predict" else name]

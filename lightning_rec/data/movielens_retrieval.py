@@ -30,7 +30,7 @@ collection reads it)::
 
 Evaluation at validation uses the training positives as history; at test the validation item joins it (and is
 excluded from the ranking, like the training items). Loaders come from
-:meth:`~lightning_rec.data.base.RecDataModule.loader`: every rank runs the same number of batches and every row is
+:meth:`~lightning_rec.data.base.RecDataModule.dataloader`: every rank runs the same number of batches and every row is
 used exactly once, so ranking metrics summed over ranks equal the single-process ones.
 """
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -46,8 +45,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.config import SparseFeature
-from lightning_rec.data.base import Jagged, RecDataModule
-from lightning_rec.data.movielens import Interactions, load_interactions, prepare_movielens
+from lightning_rec.data.base import Jagged
+from lightning_rec.data.movielens import Interactions, _MovieLensBase
 from lightning_rec.metrics import RankingMetrics, target_rank
 
 __all__ = [
@@ -56,14 +55,14 @@ __all__ = [
     "MovieLensRetrievalDataModule",
     "RetrievalRows",
     "RetrievalSplits",
-    "leave_one_out",
     "popularity_baseline",
+    "retrieval_splits",
 ]
 
-USER_FEATURES = ("user_id", "age", "gender", "occupation", "zip")
-QUERY_FEATURES = USER_FEATURES + ("history", "last_item")
+_USER_FEATURES = ("user_id", "age", "gender", "occupation", "zip")
+QUERY_FEATURES = _USER_FEATURES + ("history", "last_item")
 CANDIDATE_FEATURES = ("item_id", "genres")
-HistoryWeights = Literal["rating", "recency"]
+_HistoryWeights = Literal["rating", "recency"]
 
 
 def _jagged(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> Jagged:
@@ -113,10 +112,10 @@ class RetrievalRows:
         ends = torch.cumsum(hist_len, 0) - 1
         last = hist[ends[hist_len > 0]]
         feats = self.interactions.user_features
-        values = [users] + [feats[name][users] for name in USER_FEATURES[1:]] + [hist, last]
+        values = [users] + [feats[name][users] for name in _USER_FEATURES[1:]] + [hist, last]
         ones = torch.ones(n, dtype=torch.float)
-        weights = [ones] * len(USER_FEATURES) + [hist_w, torch.ones(last.numel(), dtype=torch.float)]
-        lengths = [torch.ones(n, dtype=torch.long)] * len(USER_FEATURES) + [hist_len, last_len]
+        weights = [ones] * len(_USER_FEATURES) + [hist_w, torch.ones(last.numel(), dtype=torch.float)]
+        lengths = [torch.ones(n, dtype=torch.long)] * len(_USER_FEATURES) + [hist_len, last_len]
         return KeyedJaggedTensor.from_lengths_sync(
             keys=list(QUERY_FEATURES),
             values=torch.cat(values).long(),
@@ -162,7 +161,7 @@ class RetrievalSplits:
 
     Example::
 
-        splits = leave_one_out(load_interactions("data/ml-100k"))
+        splits = retrieval_splits(load_interactions("data/ml-100k"))
         splits.test.item[:3], splits.sequences[1][-1]      # test targets; user 1's last positive is its target
     """
 
@@ -176,25 +175,25 @@ class RetrievalSplits:
 def _check_split_args(min_positives: int, history_length: int, history_weights: str, history_decay: float) -> None:
     if min_positives < 3:
         raise ValueError(
-            f"leave_one_out: min_positives must be >= 3 (one train, one val, one test), got {min_positives}. "
+            f"retrieval_splits: min_positives must be >= 3 (one train, one val, one test), got {min_positives}. "
             "HINT: use 3 (the default)."
         )
     if history_length < 1:
-        raise ValueError(f"leave_one_out: history_length must be >= 1, got {history_length}. HINT: e.g. 20.")
+        raise ValueError(f"retrieval_splits: history_length must be >= 1, got {history_length}. HINT: e.g. 20.")
     if history_weights not in ("rating", "recency"):
         raise ValueError(
-            f"leave_one_out: history_weights must be 'rating' or 'recency', got {history_weights!r}. HINT: 'rating'."
+            f"retrieval_splits: history_weights must be 'rating' or 'recency', got {history_weights!r}. HINT: 'rating'."
         )
     if not 0.0 < history_decay <= 1.0:
-        raise ValueError(f"leave_one_out: history_decay must be in (0, 1], got {history_decay}. HINT: e.g. 0.9.")
+        raise ValueError(f"retrieval_splits: history_decay must be in (0, 1], got {history_decay}. HINT: e.g. 0.9.")
 
 
-def leave_one_out(
+def retrieval_splits(
     interactions: Interactions,
     positive_threshold: float = 4.0,
     min_positives: int = 3,
     history_length: int = 20,
-    history_weights: HistoryWeights = "rating",
+    history_weights: _HistoryWeights = "rating",
     history_decay: float = 0.9,
 ) -> RetrievalSplits:
     """Split the positives per user, by time: last -> test, second last -> validation, the rest -> training.
@@ -213,7 +212,7 @@ def leave_one_out(
 
     Example::
 
-        >>> splits = leave_one_out(load_interactions("data/ml-100k"))                  # doctest: +SKIP
+        >>> splits = retrieval_splits(load_interactions("data/ml-100k"))                  # doctest: +SKIP
         >>> len(splits.train), len(splits.val), len(splits.test)                        # doctest: +SKIP
         (53491, 942, 942)
     """
@@ -299,7 +298,7 @@ def popularity_baseline(splits: RetrievalSplits, split: str = "test", ks: Sequen
     return {k: float(v) for k, v in metrics.compute().items()}
 
 
-class MovieLensRetrievalDataModule(RecDataModule):
+class MovieLensRetrievalDataModule(_MovieLensBase):
     """MovieLens-100K positives (rating >= 4) for retrieval, leave-one-out split (see the module docstring).
 
     Publishes ``sparse_features`` (the CLI links them into the model): user features, ``history`` and ``last_item``
@@ -309,7 +308,7 @@ class MovieLensRetrievalDataModule(RecDataModule):
         data_dir: a directory with MovieLens-100K (either layout); fetched there if absent and ``download``.
         download: fetch the data when ``data_dir`` lacks it.
         positive_threshold, min_positives, history_length, history_weights, history_decay: see
-            :func:`leave_one_out`.
+            :func:`retrieval_splits`.
         eval_batch_size: queries per evaluation batch (each is ranked against the whole catalogue); default
             ``batch_size``.
         batch_size, num_workers, seed: see :class:`~lightning_rec.data.base.RecDataModule`.
@@ -329,16 +328,14 @@ class MovieLensRetrievalDataModule(RecDataModule):
         positive_threshold: float = 4.0,
         min_positives: int = 3,
         history_length: int = 20,
-        history_weights: HistoryWeights = "rating",
+        history_weights: _HistoryWeights = "rating",
         history_decay: float = 0.9,
         eval_batch_size: int | None = None,
         batch_size: int = 512,
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
-        self.data_dir = Path(data_dir)
-        self.download = download
+        super().__init__(data_dir, download, batch_size=batch_size, num_workers=num_workers, seed=seed)
         self.split_args: dict[str, Any] = dict(
             positive_threshold=positive_threshold,
             min_positives=min_positives,
@@ -349,31 +346,20 @@ class MovieLensRetrievalDataModule(RecDataModule):
         _check_split_args(min_positives, history_length, history_weights, history_decay)
         self.eval_batch_size = eval_batch_size or batch_size
         self._splits: RetrievalSplits | None = None
-        self._interactions: Interactions | None = None
-
-    def prepare_data(self) -> None:
-        if self.download:
-            prepare_movielens(self.data_dir)
-
-    def _load(self) -> Interactions:
-        if self._interactions is None:
-            self.prepare_data()
-            self._interactions = load_interactions(self.data_dir)
-        return self._interactions
 
     @property
     def splits(self) -> RetrievalSplits:
         """The leave-one-out split (built on first use)."""
         if self._splits is None:
-            self._splits = leave_one_out(self._load(), **self.split_args)
+            self._splits = retrieval_splits(self.interactions, **self.split_args)
         return self._splits
 
     @property
     def sparse_features(self) -> list[SparseFeature]:
-        it = self._load()
+        it = self.interactions
         sizes = {f.name: f for f in it.features}
         return [
-            *(sizes[name] for name in USER_FEATURES),
+            *(sizes[name] for name in _USER_FEATURES),
             SparseFeature("history", it.num_items, multi_hot=True),
             SparseFeature("last_item", it.num_items, multi_hot=True),
             sizes["item_id"],
@@ -384,19 +370,8 @@ class MovieLensRetrievalDataModule(RecDataModule):
     def num_dense_features(self) -> int:
         return 0
 
-    def setup(self, stage: str) -> None:
-        self.splits  # noqa: B018 (builds them once)
-
     def split(self, name: str) -> RetrievalRows:
-        """The rows of split ``name``; ``predict`` runs over the test queries."""
+        """The rows of split ``name`` (the split is built on first use); ``predict`` runs over the test queries."""
         if name not in ("train", "val", "test", "predict"):
             raise ValueError(f"{type(self).__name__}: unknown split {name!r}. HINT: train, val, test or predict.")
         return getattr(self.splits, "test" if name == "predict" else name)
-
-    def dataloader(self, name: str) -> torch.utils.data.DataLoader:
-        train = name == "train"
-        return self.loader(self.split(name), shuffle=train, batch_size=None if train else self.eval_batch_size)
-
-    def popularity_baseline(self, split: str = "test", ks: Sequence[int] = (10, 50)) -> dict[str, float]:
-        """:func:`popularity_baseline` on this module's split."""
-        return popularity_baseline(self.splits, split, ks)

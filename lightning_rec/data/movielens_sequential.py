@@ -14,7 +14,8 @@ the held-out item, and every item the user has seen before it (excluded from the
 
 A batch is a dict::
 
-    features      KeyedJaggedTensor, keys FEATURES, all read by ONE item table (EmbeddingCollection):
+    features      KeyedJaggedTensor, keys SEQUENCE_FEATURES (lightning_rec.config), all read by ONE item
+                  table (EmbeddingCollection):
                     history    the input sequence (jagged: one length per user)
                     target     train: the next item of each position (same lengths as history); eval: the
                                held-out item (length 1)
@@ -30,32 +31,26 @@ ranked).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec.config import SparseFeature
-from lightning_rec.data.base import DistributedBatchSampler, Jagged, RecDataModule, identity
-from lightning_rec.data.movielens import load_interactions, prepare_movielens
-from lightning_rec.metrics import target_rank
+from lightning_rec.config import SEQUENCE_FEATURES, SparseFeature
+from lightning_rec.data.base import Jagged
+from lightning_rec.data.movielens import _MovieLensBase
+from lightning_rec.metrics import RankingMetrics, exclusion_mask, target_rank
 
 __all__ = [
-    "FEATURES",
-    "LeaveOneOut",
     "MovieLensSequenceDataModule",
     "SequenceDataset",
-    "exclusion_mask",
-    "leave_one_out",
+    "SequenceSplits",
     "popularity_baseline",
     "popularity_ranks",
+    "sequence_splits",
 ]
-
-FEATURES = ("history", "target", "negatives", "catalog")
-"""The KJT keys of a sequence batch, all read by the one item table."""
 
 
 def _jagged(values: torch.Tensor, lengths: torch.Tensor) -> Jagged:
@@ -69,7 +64,7 @@ def _rows(j: Jagged) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class LeaveOneOut:
+class SequenceSplits:
     """Each user's time-ordered items, split leave-one-out.
 
     Attributes:
@@ -77,10 +72,11 @@ class LeaveOneOut:
         train: per user, the training items in time order (all but the last two; all for users with < 3 items).
         val: ``(U,)`` the second-last item, or -1 for users with < 3 items.
         test: ``(U,)`` the last item, or -1 for users with < 3 items.
+        num_items: rows of the item table (ids ``0..num_items-1``; the catalog ranked at evaluation).
 
     Example::
 
-        >>> s = leave_one_out(torch.tensor([1, 1, 1, 1]), torch.tensor([5, 6, 7, 8]), torch.tensor([3, 1, 2, 2]))
+        >>> s = sequence_splits(torch.tensor([1, 1, 1, 1]), torch.tensor([5, 6, 7, 8]), torch.tensor([3, 1, 2, 2]), 9)
         >>> s.train.values.tolist(), s.val.tolist(), s.test.tolist()   # times 1, 2, 2 (file order), 3
         ([6, 7], [8], [5])
     """
@@ -89,30 +85,32 @@ class LeaveOneOut:
     train: Jagged
     val: torch.Tensor
     test: torch.Tensor
+    num_items: int
 
     def evaluated(self) -> torch.Tensor:
         """Indices (into :attr:`users`) of the users with a validation and a test item."""
         return (self.test >= 0).nonzero().squeeze(1)
 
 
-def leave_one_out(user: torch.Tensor, item: torch.Tensor, timestamp: torch.Tensor) -> LeaveOneOut:
-    """Order each user's interactions by time (ties: the order given) and hold out the last two.
+def sequence_splits(user: torch.Tensor, item: torch.Tensor, timestamp: torch.Tensor, num_items: int) -> SequenceSplits:
+    """Order each user's interactions by time (ties: the order given) and hold out the last two (leave-one-out).
 
     Args:
         user, item, timestamp: ``(N,)`` one interaction each, e.g. :class:`~lightning_rec.data.movielens.Interactions`.
+        num_items: rows of the item table (every item id is below it).
 
     Returns:
-        the :class:`LeaveOneOut` split.
+        the :class:`SequenceSplits`.
 
     Example::
 
-        >>> s = leave_one_out(torch.tensor([2, 1, 2, 2]), torch.tensor([9, 4, 8, 7]), torch.tensor([0, 5, 1, 2]))
+        >>> s = sequence_splits(torch.tensor([2, 1, 2, 2]), torch.tensor([9, 4, 8, 7]), torch.tensor([0, 5, 1, 2]), 10)
         >>> s.users.tolist(), s.train.values.tolist(), s.val.tolist(), s.test.tolist()
         ([1, 2], [4, 9], [-1, 8], [-1, 7])
     """
     if not (user.shape == item.shape == timestamp.shape) or user.dim() != 1:
         raise ValueError(
-            f"leave_one_out: user, item and timestamp must be 1-D of one length, got {tuple(user.shape)}, "
+            f"sequence_splits: user, item and timestamp must be 1-D of one length, got {tuple(user.shape)}, "
             f"{tuple(item.shape)}, {tuple(timestamp.shape)}. HINT: pass Interactions' columns."
         )
     by_time = torch.sort(timestamp, stable=True).indices
@@ -126,7 +124,7 @@ def leave_one_out(user: torch.Tensor, item: torch.Tensor, timestamp: torch.Tenso
     train_len = torch.where(evaluated, counts - 2, counts)
     position = torch.arange(items.numel()) - torch.repeat_interleave(ends - counts, counts)
     keep = position < torch.repeat_interleave(train_len, counts)
-    return LeaveOneOut(users, _jagged(items[keep], train_len), val, test)
+    return SequenceSplits(users, _jagged(items[keep], train_len), val, test, num_items)
 
 
 def _from_rows(rows: list[torch.Tensor], max_len: int | None = None) -> Jagged:
@@ -139,6 +137,9 @@ def _from_rows(rows: list[torch.Tensor], max_len: int | None = None) -> Jagged:
 class SequenceDataset:
     """One split's rows (see the module docstring), indexed a batch at a time: ``dataset[indices]`` or
     ``dataset[(epoch, indices)]`` (training: the epoch picks the negatives) returns a batch dict.
+
+    Its loaders yield ``(epoch, indices)`` (``indexed_by_epoch``), so the negatives depend on the epoch and the row,
+    not on the rank or the DataLoader worker.
 
     Args:
         users: ``(R,)`` user id of each row.
@@ -158,6 +159,8 @@ class SequenceDataset:
         (['history', 'target', 'negatives', 'catalog'], [2, 2, 2, 0])
     """
 
+    indexed_by_epoch = True
+
     def __init__(
         self,
         users: torch.Tensor,
@@ -172,7 +175,7 @@ class SequenceDataset:
             raise ValueError(
                 f"SequenceDataset: users ({users.numel()}), history ({len(history)}), target ({len(target)})"
                 f"{'' if seen is None else f' and seen ({len(seen)})'} must have one row per user. HINT: build them "
-                "from one leave_one_out() split."
+                "from one sequence_splits() split."
             )
         if num_negatives < 0 or (num_negatives and num_items < 2):
             raise ValueError(
@@ -213,72 +216,60 @@ class SequenceDataset:
             cat_v = torch.zeros(0, dtype=torch.long)
             seen_v, seen_l = torch.zeros(0, dtype=torch.long), torch.zeros(b, dtype=torch.long)
         kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=list(FEATURES),
+            keys=list(SEQUENCE_FEATURES),
             values=torch.cat([hist_v, tgt_v, neg_v, cat_v]),
             lengths=torch.cat([hist_l, tgt_l, neg_l, cat_l]).int(),
         )
         return {"features": kjt, "users": self.users[index], "seen_values": seen_v, "seen_lengths": seen_l}
 
 
-class _EpochBatchSampler(DistributedBatchSampler):
-    """:class:`DistributedBatchSampler` that yields ``(epoch, indices)``, so the dataset can seed by epoch."""
-
-    def __iter__(self):
-        return ((self.epoch, b) for b in self._batches())
-
-
-def popularity_ranks(split: LeaveOneOut, num_items: int, stage: str = "test") -> torch.Tensor:
+def popularity_ranks(splits: SequenceSplits, split: str = "test") -> torch.Tensor:
     """The popularity baseline: the 0-based rank of each evaluated user's held-out item when all items are ranked
     by their number of training interactions, with the same exclusions and tie-breaking as the models (items the
     user has seen before, and id 0, are not ranked; ties go to the lower item id).
 
     Args:
-        split: a :func:`leave_one_out` split.
-        num_items: rows of the item table.
-        stage: ``"val"`` (history: train items) or ``"test"`` (history: train items and the validation item).
+        splits: a :func:`sequence_splits` split.
+        split: ``"val"`` (history: train items) or ``"test"`` (history: train items and the validation item).
 
     Returns:
         ``(users evaluated,)`` long ranks (feed them to :class:`~lightning_rec.metrics.RankingMetrics`; :func:`~lightning_rec.metrics.target_rank`).
 
     Example::
 
-        >>> s = leave_one_out(torch.tensor([1, 1, 1, 1, 2, 2, 2]), torch.tensor([1, 2, 4, 3, 1, 4, 5]), torch.arange(7))
-        >>> popularity_ranks(s, num_items=6, stage="test").tolist()  # train counts 1: 2, 2: 1; user 2: 2, 3 before 5
+        >>> s = sequence_splits(torch.tensor([1, 1, 1, 1, 2, 2, 2]), torch.tensor([1, 2, 4, 3, 1, 4, 5]), torch.arange(7), 6)
+        >>> popularity_ranks(s, "test").tolist()  # train counts 1: 2, 2: 1; user 2: 2, 3 before 5
         [0, 2]
     """
-    if stage not in ("val", "test"):
-        raise ValueError(f"popularity_ranks: stage must be 'val' or 'test', got {stage!r}. HINT: 'val' or 'test'.")
-    counts = torch.bincount(split.train.values, minlength=num_items).double()
-    rows = split.evaluated()
-    train_rows = _rows(split.train)
+    if split not in ("val", "test"):
+        raise ValueError(f"popularity_ranks: split must be 'val' or 'test', got {split!r}. HINT: 'val' or 'test'.")
+    num_items = splits.num_items
+    counts = torch.bincount(splits.train.values, minlength=num_items).double()
+    rows = splits.evaluated()
+    train_rows = _rows(splits.train)
     seen = _from_rows(
-        [torch.cat([train_rows[i], split.val[i : i + 1]]) if stage == "test" else train_rows[i] for i in rows.tolist()]
+        [torch.cat([train_rows[i], splits.val[i : i + 1]]) if split == "test" else train_rows[i] for i in rows.tolist()]
     )
-    target = (split.test if stage == "test" else split.val)[rows]
+    target = (splits.test if split == "test" else splits.val)[rows]
     scores = counts.expand(rows.numel(), num_items)
     return target_rank(scores, target, exclusion_mask(seen.values, seen.offsets.diff(), target, num_items))
 
 
-def exclusion_mask(
-    seen_values: torch.Tensor, seen_lengths: torch.Tensor, target: torch.Tensor, num_items: int
-) -> torch.Tensor:
-    """``(B, num_items)`` bool: the items each row does not rank (those it has seen, and id 0), never its target.
+def popularity_baseline(splits: SequenceSplits, split: str = "test", ks: Sequence[int] = (10, 50)) -> dict[str, float]:
+    """HR@k and NDCG@k of :func:`popularity_ranks` on ``split`` (``"val"`` or ``"test"``).
 
     Example::
 
-        >>> exclusion_mask(torch.tensor([2, 1, 3]), torch.tensor([2, 1]), torch.tensor([3, 1]), 4).int().tolist()
-        [[1, 1, 1, 0], [1, 0, 0, 1]]
+        >>> dm = MovieLensSequenceDataModule("data/ml-100k")                            # doctest: +SKIP
+        >>> popularity_baseline(dm.splits, "test", ks=(10,))                              # doctest: +SKIP
+        {'test/hr@10': 0.0859..., 'test/ndcg@10': 0.0449...}
     """
-    b = seen_lengths.numel()
-    mask = torch.zeros(b, num_items, dtype=torch.bool, device=target.device)
-    rows = torch.repeat_interleave(torch.arange(b, device=target.device), seen_lengths.to(target.device))
-    mask[rows, seen_values.to(target.device)] = True
-    mask[:, 0] = True
-    mask[torch.arange(b, device=target.device), target] = False
-    return mask
+    metrics = RankingMetrics(ks, prefix=f"{split}/", hit_name="hr")
+    metrics.update(popularity_ranks(splits, split))
+    return {k: float(v) for k, v in metrics.compute().items()}
 
 
-class MovieLensSequenceDataModule(RecDataModule):
+class MovieLensSequenceDataModule(_MovieLensBase):
     """MovieLens-100K next-item prediction (see the module docstring): leave-one-out splits, one item table
     shared by the features ``history``, ``target``, ``negatives`` and ``catalog``.
 
@@ -298,6 +289,7 @@ class MovieLensSequenceDataModule(RecDataModule):
         dm = MovieLensSequenceDataModule("data/ml-100k", max_len=50, batch_size=128)
         model = SequentialRecModule(dm.sparse_features, max_len=50)
         L.Trainer(strategy="recshard", devices=2, max_epochs=20).fit(model, dm)
+        popularity_baseline(dm.splits, "test")      # what the model must beat
     """
 
     def __init__(
@@ -310,39 +302,30 @@ class MovieLensSequenceDataModule(RecDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        super().__init__(data_dir, download, batch_size=batch_size, num_workers=num_workers, seed=seed)
         if max_len < 1:
             raise ValueError(f"MovieLensSequenceDataModule: max_len must be >= 1, got {max_len}. HINT: e.g. 50.")
         if num_negatives < 1:
             raise ValueError(
                 f"MovieLensSequenceDataModule: num_negatives must be >= 1, got {num_negatives}. HINT: e.g. 100."
             )
-        self.data_dir = Path(data_dir)
-        self.download = download
         self.max_len = max_len
         self.num_negatives = num_negatives
-        self._split: LeaveOneOut | None = None
-        self._num_items = 0
+        self._splits: SequenceSplits | None = None
         self._datasets: dict[str, SequenceDataset] = {}
 
-    def prepare_data(self) -> None:
-        if self.download:
-            prepare_movielens(self.data_dir)
-
     @property
-    def leave_one_out(self) -> LeaveOneOut:
-        """The split (loaded on first use)."""
-        if self._split is None:
-            self.prepare_data()
-            it = load_interactions(self.data_dir)
-            self._split, self._num_items = leave_one_out(it.user, it.item, it.timestamp), it.num_items
-        return self._split
+    def splits(self) -> SequenceSplits:
+        """The leave-one-out split (built on first use)."""
+        if self._splits is None:
+            it = self.interactions
+            self._splits = sequence_splits(it.user, it.item, it.timestamp, it.num_items)
+        return self._splits
 
     @property
     def num_items(self) -> int:
         """Rows of the item table (the largest item id + 1)."""
-        self.leave_one_out  # noqa: B018 (computed on first access; it sets _num_items)
-        return self._num_items
+        return self.interactions.num_items
 
     @property
     def sparse_features(self) -> list[SparseFeature]:
@@ -352,13 +335,15 @@ class MovieLensSequenceDataModule(RecDataModule):
     def num_dense_features(self) -> int:
         return 0
 
-    def setup(self, stage: str | None = None) -> None:
+    def split(self, name: str) -> SequenceDataset:
+        """The rows of split ``name`` (built on first use); ``predict`` runs over the test rows."""
         if not self._datasets:
-            self._datasets = self.datasets()
+            self._datasets = self._build()
+        return self._datasets["test" if name == "predict" else name]
 
-    def datasets(self) -> dict[str, SequenceDataset]:
-        """The ``train``, ``val`` and ``test`` datasets (``predict`` is ``test``)."""
-        s, n = self.leave_one_out, self.num_items
+    def _build(self) -> dict[str, SequenceDataset]:
+        """The ``train``, ``val`` and ``test`` datasets."""
+        s, n = self.splits, self.num_items
         train = _rows(s.train)
         trainable = [i for i, r in enumerate(train) if r.numel() >= 2]
         out = {
@@ -383,44 +368,3 @@ class MovieLensSequenceDataModule(RecDataModule):
                 n,
             )
         return out
-
-    def split(self, name: str) -> SequenceDataset:
-        self.setup()
-        return self._datasets["test" if name == "predict" else name]
-
-    def loader(self, dataset: Any, shuffle: bool, batch_size: int | None = None) -> DataLoader:
-        """Like :meth:`RecDataModule.loader` (every rank the same number of batches, every row once), but the
-        sampler yields ``(epoch, indices)``: training negatives depend on the epoch, not on the rank."""
-        rank, world_size = self.rank_and_world_size
-        sampler = _EpochBatchSampler(
-            dataset, batch_size or self.batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=self.seed
-        )
-        return DataLoader(
-            dataset,
-            sampler=sampler,
-            batch_size=None,
-            collate_fn=identity,
-            num_workers=self.num_workers,
-            multiprocessing_context="spawn" if self.num_workers > 0 else None,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=self.pin_memory,
-        )
-
-
-def popularity_baseline(data_dir: str = "data/ml-100k", ks: tuple[int, ...] = (10,)) -> dict[str, float]:
-    """HR@k and NDCG@k of :func:`popularity_ranks` on the validation and test splits of MovieLens-100K.
-
-    Example::
-
-        >>> popularity_baseline("data/ml-100k")      # doctest: +SKIP
-        {'val/hr@10': 0.0742, 'val/ndcg@10': 0.0345, 'test/hr@10': 0.0859, 'test/ndcg@10': 0.0449}
-    """
-    from lightning_rec.metrics import RankingMetrics
-
-    dm = MovieLensSequenceDataModule(data_dir)
-    out: dict[str, float] = {}
-    for stage in ("val", "test"):
-        metrics = RankingMetrics(ks, prefix=f"{stage}/", hit_name="hr")
-        metrics.update(popularity_ranks(dm.leave_one_out, dm.num_items, stage))
-        out.update({k: round(float(v), 4) for k, v in metrics.compute().items()})
-    return out

@@ -40,6 +40,8 @@ from lightning_rec.config import SparseFeature
 __all__ = [
     "DataError",
     "DenseColumn",
+    "DenseTransform",
+    "IdMapping",
     "LabelColumn",
     "Schema",
     "SparseColumn",

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-__all__ = ["StreamLoader", "TableStream", "Unit", "list_units"]
+__all__ = ["StreamLoader", "TableStream", "Unit", "list_units", "read_unit"]
 
 
 @dataclass(frozen=True)
@@ -288,13 +288,13 @@ class StreamLoader:
     """
 
     def __init__(self, stream: TableStream, num_workers: int = 0, pin_memory: bool = False) -> None:
-        from lightning_rec.data.base import identity
+        from lightning_rec.data.base import _identity
 
         self.stream = stream
         self.dataloader = DataLoader(
             stream,
             batch_size=None,
-            collate_fn=identity,
+            collate_fn=_identity,
             num_workers=num_workers,
             multiprocessing_context="spawn" if num_workers > 0 else None,
             pin_memory=pin_memory,

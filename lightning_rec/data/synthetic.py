@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from lightning_rec.config import SparseFeature, checkpoint_safe
-from lightning_rec.data.base import Column, Jagged, RecDataModule, RecDataset
+from lightning_rec.data.base import Jagged, RecDataModule, RecDataset, _Column
 
 __all__ = ["SyntheticDataModule", "SyntheticTable", "make_synthetic_dataset"]
 
@@ -111,7 +111,7 @@ def _ids(table: SyntheticTable, truth: _Truth, n: int, g: torch.Generator) -> to
     return truth.hot_order[table.name][ranks]
 
 
-def draw(
+def _draw(
     tables: Sequence[SyntheticTable], num_dense_features: int, rows: int, seed: int
 ) -> tuple[RecDataset, torch.Tensor]:
     """The dataset of ``rows`` synthetic rows drawn from ``seed``, and the hidden logit of each row (what an ideal
@@ -125,7 +125,7 @@ def draw(
     g = torch.Generator().manual_seed(seed * 1_000_003 + rows)
     dense = torch.randn(rows, num_dense_features, generator=g)
     logit = dense @ truth.dense_weights + truth.bias
-    sparse: dict[str, Column] = {}
+    sparse: dict[str, _Column] = {}
     for t in tables:
         scores = truth.scores[t.name]
         if t.multi_hot:
@@ -166,7 +166,7 @@ def make_synthetic_dataset(
         >>> len(ds), ds[torch.arange(2)].sparse_features.keys()
         (1000, ['user', 'tags'])
     """
-    return draw(tables, num_dense_features, rows, seed)[0]
+    return _draw(tables, num_dense_features, rows, seed)[0]
 
 
 class SyntheticDataModule(RecDataModule):

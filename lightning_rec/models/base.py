@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MetricCollection
+from torchrec.datasets.utils import Batch
 
-from lightning_rec._batch import Batch
 from lightning_rec._module import RecLightningModule
 from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.errors import ExportError

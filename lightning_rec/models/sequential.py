@@ -22,9 +22,8 @@ from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from lightning_rec.config import EmbeddingOptimizer, SparseFeature
-from lightning_rec.data.movielens_sequential import FEATURES, exclusion_mask
-from lightning_rec.metrics import RankingMetrics, target_rank
+from lightning_rec.config import SEQUENCE_FEATURES, EmbeddingOptimizer, SparseFeature
+from lightning_rec.metrics import RankingMetrics, exclusion_mask, target_rank
 from lightning_rec.models.base import DenseOptimizerName, TwoOptimizerModule
 
 __all__ = ["CausalEncoder", "SASRec", "SequentialRecModule", "catalog_scores", "sampled_softmax_loss"]
@@ -124,7 +123,7 @@ class SASRec(nn.Module):
         num_items: rows of the item table (ids ``0..num_items-1``).
         embedding_dim, max_len, num_blocks, num_heads, dropout: see :class:`CausalEncoder`.
         table_name: the item table's name (what sharding constraints refer to).
-        features: the KJT keys the table reads (default :data:`~lightning_rec.data.movielens_sequential.FEATURES`).
+        features: the KJT keys the table reads (default :data:`~lightning_rec.config.SEQUENCE_FEATURES`).
 
     Example::
 
@@ -142,7 +141,7 @@ class SASRec(nn.Module):
         num_heads: int = 2,
         dropout: float = 0.1,
         table_name: str = "t_item",
-        features: Sequence[str] = FEATURES,
+        features: Sequence[str] = SEQUENCE_FEATURES,
     ) -> None:
         super().__init__()
         if num_items < 2:

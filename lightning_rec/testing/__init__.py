@@ -14,10 +14,23 @@
 * :data:`~lightning_rec.testing.trainer.QUIET_TRAINER`: the ``Trainer`` arguments of a measured or compared run.
 * :class:`~lightning_rec.testing.syncs.SyncCounter`: count the host-device synchronisations a piece of code makes,
   and which Python frame asked for each.
+* :func:`~lightning_rec.testing.instruments.cpu_lookup`, :func:`~lightning_rec.testing.instruments.cpu_lookups`,
+  :class:`~lightning_rec.testing.instruments.StepInputChecks`,
+  :class:`~lightning_rec.testing.instruments.OutputReordering`,
+  :func:`~lightning_rec.testing.instruments.close_process_group_at_exit`: the strategy's CPU lookup, input checks,
+  output reordering and clean exit, on their own (on a model sharded by hand, a bare FBGEMM kernel, a plain process
+  group), to measure each apart from the step it is part of (``benchmarks/``).
 """
 
 from lightning_rec.testing.failures import FailAt, failure_time
 from lightning_rec.testing.init import deterministic_init, pattern
+from lightning_rec.testing.instruments import (
+    OutputReordering,
+    StepInputChecks,
+    close_process_group_at_exit,
+    cpu_lookup,
+    cpu_lookups,
+)
 from lightning_rec.testing.ports import free_port, shell_env
 from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 from lightning_rec.testing.syncs import SyncCounter
@@ -25,8 +38,13 @@ from lightning_rec.testing.trainer import QUIET_TRAINER
 
 __all__ = [
     "FailAt",
+    "OutputReordering",
     "QUIET_TRAINER",
+    "StepInputChecks",
     "SyncCounter",
+    "close_process_group_at_exit",
+    "cpu_lookup",
+    "cpu_lookups",
     "deterministic_init",
     "failure_time",
     "free_port",

@@ -10,6 +10,8 @@ from typing import Any
 
 import lightning as L
 
+__all__ = ["FailAt", "failure_time"]
+
 
 class FailAt(L.Callback):
     """On rank ``rank``, at the start of training step ``step``, fail in the way ``how`` says.

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+__all__ = ["deterministic_init", "pattern"]
+
 
 def pattern(
     name: str,

@@ -26,6 +26,8 @@ from typing import Any
 
 from lightning_rec.testing.ports import free_port, shell_env
 
+__all__ = ["LAUNCHERS", "Launch", "Process", "launch", "run_ranks", "scenario_name"]
+
 LAUNCHERS = ("env", "slurm", "torchrun")
 
 

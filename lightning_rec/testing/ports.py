@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import socket
 
+__all__ = ["RENDEZVOUS_VARS", "free_port", "rank_env", "shell_env"]
+
 # What torchrun (or an earlier in-process run) leaves in the environment: a fresh shell has none of them.
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 

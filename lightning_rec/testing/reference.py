@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+__all__ = ["reference_dmp", "reference_optimizer"]
+
 
 def reference_dmp(
     model: nn.Module,

@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+__all__ = ["main"]
+
 
 def main() -> None:
     """Run one rank's scenario and write its result to ``OUT_DIR/<SCENARIO>.rank<R>.json``."""

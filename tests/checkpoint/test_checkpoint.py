@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import pickle
 import shutil
@@ -18,9 +19,9 @@ from lightning_rec.checkpoint import (
     UnsafeCheckpointError,
     export,
     is_checkpoint,
-    layout,
     load_exported,
 )
+from lightning_rec.checkpoint import _layout as layout
 from tests.helpers import checkpoint_scenarios
 from tests.helpers.checkpoint_scenarios import fixed_batch
 from tests.helpers.dist import run_ranks
@@ -201,12 +202,11 @@ def test_layout_and_contents(saved):
 def test_crash_mid_save_leaves_the_previous_checkpoint(saved, monkeypatch):
     trainer, model, path = saved
     before = layout.read_manifest(path)
-    import lightning_rec.checkpoint as ckpt
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.layout, "mark_complete", crash)
+    monkeypatch.setattr(layout, "mark_complete", crash)
     with pytest.raises(OSError, match="disk full"):
         trainer.save_checkpoint(path)  # overwrite: the old checkpoint must survive
     with pytest.raises(OSError, match="disk full"):
@@ -337,3 +337,25 @@ def test_model_checkpoint_top_k_pruning_and_last(tmp_path):
     resumed = make_trainer(1, 10, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck")])
     resumed.fit(RecModel(), make_loader(0, 10, 8, {}), ckpt_path="last")
     assert resumed.global_step == 10
+
+
+def test_checkpoint_never_imports_the_strategy():
+    """The layers run one way: the strategy saves and loads through ``checkpoint/``, which works on what it is handed
+    (its own ``ComposedOptimizer`` interface, a ``ShardingRecord``) and imports nothing of ``_strategy``."""
+    package = Path(__file__).resolve().parents[2] / "lightning_rec" / "checkpoint"
+    imports = {
+        (file.name, name)
+        for file in package.glob("*.py")
+        for node in ast.walk(ast.parse(file.read_text()))
+        for name in (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
+    }
+    assert {name for _, name in imports} >= {"lightning_rec.checkpoint._optimizer_state"}  # the walk sees imports
+    assert not [
+        (file, name) for file, name in imports if name.startswith(("lightning_rec._strategy", "lightning_rec._inputs"))
+    ]

@@ -11,9 +11,9 @@ import torch
 from lightning_rec.data import movielens
 from lightning_rec.data.base import rank_batches
 from lightning_rec.data.movielens import (
-    GROUPLENS_GENRES,
+    _GROUPLENS_GENRES,
     MovieLensDataModule,
-    holdout_split,
+    _holdout_split,
     load_movielens,
     prepare_movielens,
 )
@@ -26,7 +26,7 @@ def ml_dir() -> Path:
 
 
 def test_prepare_fetches_checked_files_once(ml_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, sha in movielens.ATOMIC_FILES.items():
+    for name, sha in movielens._ATOMIC_FILES.items():
         assert movielens._sha256(ml_dir / name) == sha
     # Present data is never fetched again.
     monkeypatch.setattr(movielens, "_download_wheel", lambda dest: pytest.fail("downloaded data already present"))
@@ -34,9 +34,9 @@ def test_prepare_fetches_checked_files_once(ml_dir: Path, monkeypatch: pytest.Mo
 
 
 def test_prepare_refuses_a_wheel_with_the_wrong_checksum(tmp_path: Path) -> None:
-    fake = tmp_path / movielens.RECBOLE_WHEEL
+    fake = tmp_path / movielens._RECBOLE_WHEEL
     with zipfile.ZipFile(fake, "w") as zf:
-        for name in movielens.ATOMIC_FILES:
+        for name in movielens._ATOMIC_FILES:
             zf.writestr(movielens._WHEEL_DIR + name, "user_id:token\n1\n")
     target = tmp_path / "ml"
     with pytest.raises(RuntimeError, match="SHA-256"):
@@ -58,7 +58,7 @@ def _write_grouplens(src: Path, dst: Path) -> None:
     lines = []
     for item, title, year, genres in rows("ml-100k.item"):
         date = f"01-Jan-{year}" if year else ""
-        flags = ["1" if g in genres.split() else "0" for g in GROUPLENS_GENRES]
+        flags = ["1" if g in genres.split() else "0" for g in _GROUPLENS_GENRES]
         lines.append("|".join([item, title, date, "", "http://example"] + flags))
     (dst / "u.item").write_bytes("\n".join(lines).encode("latin-1", errors="replace") + b"\n")
 
@@ -93,26 +93,26 @@ def test_features_of_real_data(ml_dir: Path) -> None:
     first = ds[0]
     assert first.labels.item() == 0.0
     assert torch.allclose(first.dense_features, torch.tensor([[(1996 - 1990) / 10, 0.0]]))
-    genre_names = sorted({g for g in GROUPLENS_GENRES if g != "unknown"} | {"unknown"})
+    genre_names = sorted({g for g in _GROUPLENS_GENRES if g != "unknown"} | {"unknown"})
     assert first.sparse_features["genres"].values().tolist() == [genre_names.index("Comedy") + 1]
 
 
 def test_holdout_is_seeded_disjoint_and_complete() -> None:
-    keep, held = holdout_split(100_000, 0.1, seed=42)
+    keep, held = _holdout_split(100_000, 0.1, seed=42)
     assert len(held) == 10_000 and len(keep) == 90_000
     assert torch.equal(torch.sort(torch.cat([keep, held])).values, torch.arange(100_000))
-    assert torch.equal(held, holdout_split(100_000, 0.1, seed=42)[1])
-    assert not torch.equal(held, holdout_split(100_000, 0.1, seed=43)[1])
+    assert torch.equal(held, _holdout_split(100_000, 0.1, seed=42)[1])
+    assert not torch.equal(held, _holdout_split(100_000, 0.1, seed=43)[1])
 
 
 def test_datamodule_splits_and_rank_loaders(ml_dir: Path) -> None:
     dm = MovieLensDataModule(str(ml_dir), batch_size=1000)
     dm.setup("fit")
-    assert len(dm._splits["train"]) == 90_000 and len(dm._splits["val"]) == 10_000
-    assert dm._splits["test"] is dm._splits["val"]
+    assert len(dm.split("train")) == 90_000 and len(dm.split("val")) == 10_000
+    assert dm.split("test") is dm.split("val")
     dm_test = MovieLensDataModule(str(ml_dir), val_fraction=0.1, test_fraction=0.1)
     dm_test.setup("test")
-    assert [len(dm_test._splits[s]) for s in ("train", "val", "test")] == [80_000, 10_000, 10_000]
+    assert [len(dm_test.split(s)) for s in ("train", "val", "test")] == [80_000, 10_000, 10_000]
     # Two ranks' validation batches: equal counts, every row once.
     per_rank = [rank_batches(10_000, 1000, rank=r, world_size=2) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1])

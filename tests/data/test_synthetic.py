@@ -10,7 +10,7 @@ from jsonargparse import ArgumentParser
 from torchmetrics.functional.classification import binary_auroc
 
 from lightning_rec.data import SyntheticDataModule, SyntheticTable, make_synthetic_dataset
-from lightning_rec.data.synthetic import draw
+from lightning_rec.data.synthetic import _draw
 
 TABLES = [
     SyntheticTable("hot", 10_000, distribution="power_law", alpha=1.1),
@@ -66,7 +66,7 @@ def test_pooling_factor_is_the_mean_length() -> None:
 
 
 def test_labels_follow_the_hidden_truth() -> None:
-    ds, logit = draw(TABLES, 4, 20_000, seed=0)
+    ds, logit = _draw(TABLES, 4, 20_000, seed=0)
     assert 0.3 < ds.labels.mean().item() < 0.7
     assert set(ds.labels.unique().tolist()) == {0.0, 1.0}
     assert binary_auroc(logit, ds.labels.long()).item() > 0.75

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_rec._compat import ShardedTensor
-from lightning_rec.checkpoint import canonical_state
+from lightning_rec.checkpoint._optimizer_state import canonical_state
 from tests.helpers.models import RecModel, make_batches, save_weights
 from tests.helpers.scenarios import make_loader, make_trainer
 
@@ -86,8 +86,8 @@ def fit_epochs(
     strategy: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fit ``epochs`` epochs (resuming from ``ckpt_path`` if given) with ModelCheckpoint(save_last, every epoch).
-    ``fail``: arguments of a :class:`~tests.helpers.fault_scenarios.FailAt` callback (a rank fails mid-fit)."""
-    from tests.helpers.fault_scenarios import FailAt
+    ``fail``: arguments of a :class:`~lightning_rec.testing.FailAt` callback (a rank fails mid-fit)."""
+    from lightning_rec.testing import FailAt
 
     L.seed_everything(0)
     model = RecModel(optimizer=optimizer, scheduler=SCHEDULER, emb_optimizer=emb_optimizer)

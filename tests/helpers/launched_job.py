@@ -2,7 +2,7 @@
 starts rank 1 as a child process (re-running this module), as `Trainer(devices=2)` does for users.
 
     --out DIR          where the failure time and, on success, ``finished`` are written
-    --fail R:STEP:HOW  make rank R fail at training step STEP (see tests.helpers.fault_scenarios.FailAt)
+    --fail R:STEP:HOW  make rank R fail at training step STEP (see lightning_rec.testing.FailAt)
 """
 
 import argparse
@@ -12,8 +12,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
-from lightning_rec.testing import QUIET_TRAINER
-from tests.helpers.fault_scenarios import FailAt
+from lightning_rec.testing import QUIET_TRAINER, FailAt
 from tests.helpers.models import RecModel, make_batches
 
 

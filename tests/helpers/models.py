@@ -15,7 +15,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import lightning_rec
 from lightning_rec import Batch
 from lightning_rec._compat import ShardedTensor
-from lightning_rec.testing.init import deterministic_init  # noqa: F401  (re-exported: the tests' name for it)
 
 USERS, ITEMS, GENRES, TAGS = 60, 80, 12, 20
 FEATURES = ["user", "item", "genre"]

@@ -31,7 +31,7 @@ MAX_LEN = 10
 @lru_cache(maxsize=1)
 def _data() -> dict[str, SequenceDataset]:
     dm = MovieLensSequenceDataModule(str(movielens_dir()), download=False, max_len=MAX_LEN, num_negatives=8, seed=0)
-    return dm.datasets()
+    return {s: dm.split(s) for s in ("train", "val", "test")}
 
 
 class _Module(SequentialRecModule):

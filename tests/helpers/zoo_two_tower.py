@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_rec.data.movielens import load_interactions
-from lightning_rec.data.movielens_retrieval import RetrievalSplits, leave_one_out
+from lightning_rec.data.movielens_retrieval import RetrievalSplits, retrieval_splits
 from lightning_rec.models.two_tower import TwoTowerModule
 from tests.helpers.data import movielens_dir
 from tests.helpers.zoo import ZooCase, adam_and_rowwise_adagrad, share_rows
@@ -21,7 +21,7 @@ BATCH = 64
 
 @functools.lru_cache(maxsize=1)
 def _splits() -> RetrievalSplits:
-    return leave_one_out(load_interactions(movielens_dir()))
+    return retrieval_splits(load_interactions(movielens_dir()))
 
 
 def _features():
@@ -60,7 +60,7 @@ CASE = ZooCase(
     loss=_loss,
     optimizers=_optimizers,
     # No column-wise table on 2 ranks: row-wise Adagrad keeps one accumulator per row *and column shard*, which is not
-    # plain RowWiseAdagrad once a row is updated twice (README, "Reshard"); tests/helpers/two_tower_scenarios.py
+    # plain RowWiseAdagrad once a row is updated twice (README, "Reshard"); tests/models/test_two_tower.py
     # evaluates with column-wise tables instead.
     constraints={
         1: {"t_user_id": {"sharding_types": ["column_wise"]}},

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
 
+from lightning_rec import RecShardStrategy
 from lightning_rec.data import RecDataset, SparseFeature
 from lightning_rec.data.base import Jagged
+from lightning_rec.data.movielens import MovieLensDataModule
 from lightning_rec.models import DLRMModule, build_dlrm
-from tests.helpers import model_scenarios, zoo_dlrm
+from lightning_rec.testing import deterministic_init
+from tests.helpers import zoo_dlrm
 from tests.helpers.data import movielens_dir
 from tests.helpers.dist import run_ranks
 from tests.helpers.zoo import check_case
@@ -53,8 +58,8 @@ def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path: Path) -> None:
     """The same weights and the same validation rows give the same AUROC/NE/log loss/accuracy whether the rows
     are split over 2 processes (sharded tables, metric states synced) or seen by one."""
     data_dir = str(movielens_dir())
-    one = run_ranks(model_scenarios.validate_movielens, 1, tmp_path / "one", data_dir=data_dir)[0]
-    two = run_ranks(model_scenarios.validate_movielens, 2, tmp_path / "two", data_dir=data_dir)
+    one = run_ranks(validate_movielens, 1, tmp_path / "one", data_dir=data_dir)[0]
+    two = run_ranks(validate_movielens, 2, tmp_path / "two", data_dir=data_dir)
     assert two[0] == pytest.approx(two[1], abs=1e-7), "ranks must report the same synced metrics"
     assert set(one) >= {"val/auroc", "val/ne", "val/log_loss", "val/accuracy"}
     assert one == pytest.approx(two[0], abs=1e-5)
@@ -65,3 +70,42 @@ def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path: Path) -> None:
 def test_dlrm_dcn_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> None:
     """The zoo harness (tests/helpers/zoo.py): 1 and 2 processes vs plain PyTorch, pipelined, 2 <-> 1, loaded."""
     check_case(tmp_path, zoo_dlrm)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What each rank runs (run_ranks imports it from this module).
+# ------------------------------------------------------------------------------------------------------------
+
+# Real sharding on 2 ranks: one column-wise, one table-wise table; the planner decides the rest.
+MOVIELENS_PLAN = {"t_user_id": {"sharding_types": ["column_wise"]}, "t_item_id": {"sharding_types": ["table_wise"]}}
+
+
+class _InitBeforeValidation(L.Callback):
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        deterministic_init(pl_module)
+
+
+def validate_movielens(
+    rank: int, world_size: int, out_dir: Path, data_dir: str, interaction: str = "dcn"
+) -> dict[str, Any]:
+    """Validate a DLRM with plan-independent weights on MovieLens; report the epoch metrics."""
+    dm = MovieLensDataModule(data_dir, download=False, batch_size=700)
+    model = DLRMModule(
+        dm.sparse_features,
+        dm.num_dense_features,
+        embedding_dim=8,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+        interaction=interaction,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=RecShardStrategy(constraints=MOVIELENS_PLAN),
+        callbacks=[_InitBeforeValidation()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(model, dm)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -5,24 +5,22 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torchrec import EmbeddingCollection
 
+from lightning_rec import RecShardStrategy
+from lightning_rec.config import SEQUENCE_FEATURES, SparseFeature
+from lightning_rec.data.base import DistributedBatchSampler
 from lightning_rec.data.movielens import load_interactions
-from lightning_rec.data.movielens_sequential import (
-    FEATURES,
-    MovieLensSequenceDataModule,
-    _EpochBatchSampler,
-    exclusion_mask,
-    leave_one_out,
-    popularity_ranks,
-)
-from lightning_rec.metrics import RankingMetrics, target_rank
+from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule, popularity_ranks, sequence_splits
+from lightning_rec.metrics import RankingMetrics, exclusion_mask, target_rank
 from lightning_rec.models.sequential import SASRec, SequentialRecModule, sampled_softmax_loss
-from tests.helpers import sequential_scenarios, zoo_sequential
-from tests.helpers.data import REPO, movielens_dir
+from tests.helpers import zoo_sequential
+from tests.helpers.data import MOVIELENS_DIR, REPO, movielens_dir
 from tests.helpers.dist import run_ranks
 from tests.helpers.zoo import check_case
 
@@ -43,7 +41,7 @@ def _user_histories(it) -> dict:
 
 def test_leave_one_out_on_movielens(dm: MovieLensSequenceDataModule) -> None:
     it = load_interactions(dm.data_dir)
-    split = dm.leave_one_out
+    split = dm.splits
     truth = _user_histories(it)
     assert split.users.tolist() == sorted(truth) and len(truth) == 943
     assert split.train.values.numel() == 100_000 - 2 * 943  # exactly one val and one test item per user
@@ -67,23 +65,23 @@ def test_leave_one_out_on_movielens(dm: MovieLensSequenceDataModule) -> None:
 
 def test_leave_one_out_ties_and_short_users() -> None:
     # user 5: two items at time 1 (file order decides), user 6: only two items (train only, no evaluation)
-    s = leave_one_out(
-        torch.tensor([5, 6, 5, 5, 6, 5]), torch.tensor([10, 20, 11, 12, 21, 13]), torch.tensor([1, 0, 1, 0, 1, 2])
+    s = sequence_splits(
+        torch.tensor([5, 6, 5, 5, 6, 5]), torch.tensor([10, 20, 11, 12, 21, 13]), torch.tensor([1, 0, 1, 0, 1, 2]), 22
     )
     assert s.users.tolist() == [5, 6]
     assert s.train.values.tolist() == [12, 10, 20, 21] and s.train.offsets.tolist() == [0, 2, 4]
     assert s.val.tolist() == [11, -1] and s.test.tolist() == [13, -1]
     assert s.evaluated().tolist() == [0]
     with pytest.raises(ValueError, match="HINT"):
-        leave_one_out(torch.tensor([1]), torch.tensor([1, 2]), torch.tensor([0]))
+        sequence_splits(torch.tensor([1]), torch.tensor([1, 2]), torch.tensor([0]), 3)
 
 
 def test_rows_and_batches(dm: MovieLensSequenceDataModule) -> None:
-    split, ds = dm.leave_one_out, dm.datasets()
+    split, ds = dm.splits, {s: dm.split(s) for s in ("train", "val", "test")}
     train_rows = [split.train.values[split.train.offsets[i] : split.train.offsets[i + 1]] for i in range(943)]
     b = ds["train"][(0, torch.arange(943))]
     kjt = b["features"]
-    assert kjt.keys() == list(FEATURES)
+    assert kjt.keys() == list(SEQUENCE_FEATURES)
     hist, tgt = kjt["history"], kjt["target"]
     for i in (0, 1, 500, 942):
         full = train_rows[i]
@@ -114,8 +112,11 @@ def test_rows_and_batches(dm: MovieLensSequenceDataModule) -> None:
 
 
 def test_rank_aware_batches_cover_rows_once(dm: MovieLensSequenceDataModule) -> None:
-    ds = dm.datasets()["val"]
-    per_rank = [list(_EpochBatchSampler(ds, 100, num_replicas=2, rank=r, shuffle=True, seed=1)) for r in (0, 1)]
+    ds = dm.split("val")
+    samplers = [
+        DistributedBatchSampler(ds, 100, num_replicas=2, rank=r, shuffle=True, seed=1, with_epoch=True) for r in (0, 1)
+    ]
+    per_rank = [list(sampler) for sampler in samplers]
     assert len(per_rank[0]) == len(per_rank[1]) == 5
     assert all(epoch == 0 for r in per_rank for epoch, _ in r)
     rows = torch.cat([idx for r in per_rank for _, idx in r]).sort().values
@@ -153,9 +154,9 @@ def test_ranks_and_metrics_against_brute_force() -> None:
 
 
 def test_popularity_baseline(dm: MovieLensSequenceDataModule) -> None:
-    split = dm.leave_one_out
+    split = dm.splits
     counts = torch.bincount(split.train.values, minlength=dm.num_items).tolist()
-    ranks = popularity_ranks(split, dm.num_items, "test")
+    ranks = popularity_ranks(split, "test")
     for row in range(0, 943, 47):  # brute force on a sample of users
         train = set(split.train.values[split.train.offsets[row] : split.train.offsets[row + 1]].tolist())
         excluded = train | {int(split.val[row]), 0}
@@ -165,7 +166,7 @@ def test_popularity_baseline(dm: MovieLensSequenceDataModule) -> None:
     hits = int(round(m.compute()["hr@10"].item() * 943))
     assert hits == 81  # BENCHMARKS.md: test HR@10 0.0859
     m = RankingMetrics(ks=(10,), hit_name="hr")
-    m.update(popularity_ranks(split, dm.num_items, "val"))
+    m.update(popularity_ranks(split, "val"))
     assert int(round(m.compute()["hr@10"].item() * 943)) == 70  # val HR@10 0.0742
 
 
@@ -178,7 +179,7 @@ def _unsharded(num_items: int, **kwargs) -> SASRec:
 
 def test_forward_shapes_causality_and_loss(dm: MovieLensSequenceDataModule) -> None:
     net = _unsharded(dm.num_items, embedding_dim=16, max_len=20, num_blocks=2, num_heads=2, dropout=0.0).eval()
-    ds = dm.datasets()
+    ds = {s: dm.split(s) for s in ("train", "val", "test")}
     batch = ds["train"][(0, torch.arange(6))]
     out = net(batch["features"])
     assert out["hidden"].shape == (6, 20, 16) and out["last"].shape == (6, 16)
@@ -242,14 +243,12 @@ def test_errors_name_the_bad_value() -> None:
 @pytest.mark.dist
 def test_hr_ndcg_on_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     """2 processes (item table split column-wise over both) vs the same weights unsharded in this one process."""
-    from tests.helpers.sequential_scenarios import seeded_model
-
-    two = run_ranks(sequential_scenarios.rank_metrics, 2, tmp_path, max_len=20, batch_size=100)
+    two = run_ranks(rank_metrics, 2, tmp_path, max_len=20, batch_size=100)
     assert two[0]["sharding"] == {"t_item": "column_wise"} and two[0]["shard_ranks"] == {"t_item": [0, 1]}
     assert two[0]["metrics"] == two[1]["metrics"]  # every rank logs the global value
     dm = MovieLensSequenceDataModule(str(movielens_dir()), download=False, max_len=20)
     model = seeded_model(dm, train_steps=16).eval()
-    ds = dm.datasets()
+    ds = {s: dm.split(s) for s in ("train", "val", "test")}
     one = {}
     with torch.no_grad():
         for stage in ("val", "test"):
@@ -296,3 +295,71 @@ def test_trains_like_plain_pytorch_pipelined_and_resharded(tmp_path: Path) -> No
     """The zoo harness (tests/helpers/zoo.py): 1 and 2 processes vs plain PyTorch, pipelined, 2 <-> 1, loaded."""
     movielens_dir()
     check_case(tmp_path, zoo_sequential)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What each rank runs (run_ranks imports it from this module), and the model it validates.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def seeded_model(dm: MovieLensSequenceDataModule, seed: int = 0, train_steps: int = 0) -> SequentialRecModule:
+    """A small SASRec module whose every weight is a function of ``seed`` and the data: the item table on CPU (the
+    strategy keeps its rows), then ``train_steps`` plain-PyTorch Adam steps on the training split (unsharded,
+    deterministic, identical on every rank), so that its rankings have hits to compare."""
+    torch.manual_seed(seed)
+    model = SequentialRecModule(
+        [SparseFeature("item", dm.num_items)],
+        embedding_dim=16,
+        max_len=dm.max_len,
+        num_blocks=1,
+        num_heads=2,
+        dropout=0.0,
+    )
+    configs = model.model.item_ec.embedding_configs()
+    model.model.item_ec = EmbeddingCollection(tables=configs, device=torch.device("cpu"))
+    weight = model.model.item_ec.embeddings[configs[0].name].weight
+    with torch.no_grad():
+        weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.1)
+    if train_steps:
+        train = dm.split("train")
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        batches = torch.arange(len(train)).split(128)
+        for step in range(train_steps):
+            batch = train[(step // len(batches), batches[step % len(batches)])]
+            optimizer.zero_grad()
+            model.loss(batch, model(batch)).backward()
+            optimizer.step()
+    return model
+
+
+def rank_metrics(
+    rank: int,
+    world_size: int,
+    out_dir: Path,
+    max_len: int = 20,
+    batch_size: int = 100,
+    train_steps: int = 16,
+) -> dict[str, Any]:
+    """Validate and predict (test split) one seeded model with the item table column-wise: the logged HR/NDCG and
+    every user's rank, on this rank."""
+    dm = MovieLensSequenceDataModule(str(MOVIELENS_DIR), download=False, max_len=max_len, batch_size=batch_size)
+    model = seeded_model(dm, train_steps=train_steps)
+    trainer = L.Trainer(
+        strategy=RecShardStrategy(constraints={"t_item": {"sharding_types": ["column_wise"], "min_partition": 8}}),
+        accelerator="cpu",
+        devices=world_size,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    metrics = trainer.validate(model, dm, verbose=False)[0]
+    predictions = trainer.predict(model, dm)
+    plan = trainer.strategy.sharding_plan.get_plan_for_module("model.item_ec")
+    return {
+        "metrics": metrics,
+        "users": torch.cat([p["users"] for p in predictions]).tolist(),
+        "ranks": torch.cat([p["rank"] for p in predictions]).tolist(),
+        "sharding": {name: str(p.sharding_type) for name, p in plan.items()},
+        "shard_ranks": {name: list(p.ranks or []) for name, p in plan.items()},
+    }

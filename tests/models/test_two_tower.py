@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_rec import RecShardStrategy
 from lightning_rec._cli import run
 from lightning_rec.data.movielens import load_interactions
 from lightning_rec.data.movielens_retrieval import (
@@ -19,16 +23,15 @@ from lightning_rec.data.movielens_retrieval import (
     QUERY_FEATURES,
     MovieLensRetrievalDataModule,
     RetrievalSplits,
-    leave_one_out,
     popularity_baseline,
+    retrieval_splits,
 )
 from lightning_rec.metrics import RankingMetrics, target_rank
 from lightning_rec.models import TwoTowerModule
 from lightning_rec.models.two_tower import build_two_tower, in_batch_softmax_loss
-from tests.helpers import two_tower_scenarios, zoo_two_tower
+from tests.helpers import zoo_two_tower
 from tests.helpers.data import REPO, movielens_dir
 from tests.helpers.dist import run_ranks
-from tests.helpers.two_tower_scenarios import rank_rows, softmax_inputs
 from tests.helpers.zoo import check_case, seeded_module
 from tests.helpers.zoo_two_tower import CASE
 
@@ -40,7 +43,7 @@ def interactions():
 
 @pytest.fixture(scope="module")
 def splits(interactions) -> RetrievalSplits:
-    return leave_one_out(interactions, history_length=5)
+    return retrieval_splits(interactions, history_length=5)
 
 
 def _brute_sequences(it, threshold: float = 4.0) -> dict[int, list[int]]:
@@ -131,7 +134,7 @@ def test_datamodule_publishes_features_and_refuses_bad_arguments() -> None:
 
 
 def test_recency_weights(interactions) -> None:
-    s = leave_one_out(interactions, history_length=3, history_weights="recency", history_decay=0.5)
+    s = retrieval_splits(interactions, history_length=3, history_weights="recency", history_decay=0.5)
     w = _jagged_rows(s.train.history_weight)
     assert w[:4] == [[], [1.0], [0.5, 1.0], [0.25, 0.5, 1.0]]
 
@@ -239,12 +242,12 @@ def test_two_tower_tables_weighted_shared_and_towers_alone(splits) -> None:
 
 @pytest.mark.dist
 def test_metrics_on_two_ranks_equal_one_process_and_towers_work_alone_after_loading(tmp_path: Path, splits) -> None:
-    two = run_ranks(two_tower_scenarios.evaluate, 2, tmp_path, data_dir=str(movielens_dir()))
+    two = run_ranks(evaluate, 2, tmp_path, data_dir=str(movielens_dir()))
     assert two[0]["world_size"] == 2 and two[0]["plan"]["t_user_id"] == two[0]["plan"]["t_history"] == "column_wise"
     assert two[0]["plan"]["t_item_id"] == "table_wise"
     # one process, plain PyTorch: the same seeded weights, unsharded, every query at once
     module = seeded_module(CASE).eval()
-    full = leave_one_out(load_interactions(movielens_dir()))
+    full = retrieval_splits(load_interactions(movielens_dir()))
     expected: dict[str, float] = {}
     with torch.no_grad():
         for name, rows in (("val", full.val), ("test", full.test)):
@@ -312,5 +315,75 @@ def test_shipped_config_trains_through_the_cli(tmp_path: Path) -> None:
     assert {"val/recall@10", "val/ndcg@10", "val/recall@50", "val/ndcg@50", "train/loss"} <= set(
         cli.trainer.callback_metrics
     )
-    constraints = cli.trainer.strategy.constraints
+    constraints = cli.trainer.strategy.sharding.constraints
     assert constraints["t_user_id"].sharding_types == ["column_wise"] and "t_history" in constraints
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What each rank runs (run_ranks imports it from this module), and the softmax inputs the tests share with it.
+# ------------------------------------------------------------------------------------------------------------
+
+# Real sharding on 2 ranks, column-wise included (evaluation only: no optimizer state to differ).
+EVAL_PLAN = {
+    "t_user_id": {"sharding_types": ["column_wise"]},
+    "t_history": {"sharding_types": ["column_wise"]},
+    "t_item_id": {"sharding_types": ["table_wise"]},
+    "t_genres": {"sharding_types": ["data_parallel"]},
+}
+
+
+def softmax_inputs(total: int = 7, dim: int = 4) -> dict[str, torch.Tensor]:
+    """A fixed global batch for the gathered softmax: queries, candidates, item ids (with repeats), log q."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "q": torch.nn.functional.normalize(torch.randn(total, dim, generator=g), dim=1),
+        "c": torch.nn.functional.normalize(torch.randn(total, dim, generator=g), dim=1),
+        "ids": torch.tensor([5, 2, 5, 9, 2, 1, 7])[:total],
+        "log_q": -torch.rand(total, generator=g) * 3,
+    }
+
+
+def rank_rows(total: int, rank: int, world_size: int) -> slice:
+    """Rank 0 takes one row more than rank 1 (batches of unequal sizes)."""
+    if world_size == 1:
+        return slice(0, total)
+    first = total // 2 + 1
+    return slice(0, first) if rank == 0 else slice(first, total)
+
+
+def evaluate(rank: int, world_size: int, out_dir: Path, data_dir: str) -> dict[str, Any]:
+    """Validate and test the zoo case's seeded two-tower model with real sharding; report the metrics, every test
+    query's rank and embedding (predict), save a checkpoint; then the gathered softmax on batches of unequal sizes."""
+    dm = MovieLensRetrievalDataModule(data_dir, download=False, eval_batch_size=300)
+    module = seeded_module(CASE)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=RecShardStrategy(constraints=EVAL_PLAN),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    result: dict[str, Any] = {}
+    trainer.validate(module, dm)
+    result.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+    trainer.test(module, dm)
+    result.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+    predictions = trainer.predict(module, dm)
+    result["target"] = torch.cat([p["target"] for p in predictions]).tolist()
+    result["rank"] = torch.cat([p["rank"] for p in predictions]).tolist()
+    result["query"] = torch.cat([p["query"] for p in predictions]).tolist()
+    trainer.save_checkpoint(out_dir / "ckpt")
+
+    x = softmax_inputs()
+    mine = rank_rows(x["q"].shape[0], rank, world_size)
+    q = x["q"][mine].clone().requires_grad_(True)
+    c = x["c"][mine].clone().requires_grad_(True)
+    loss = in_batch_softmax_loss(q, c, x["ids"][mine], temperature=0.5, log_q=x["log_q"][mine])
+    loss.backward()
+    result["softmax"] = {"loss": float(loss), "q_grad": q.grad.tolist(), "c_grad": c.grad.tolist()}
+    result["world_size"] = dist.get_world_size()
+    result["plan"] = {
+        table: str(p.sharding_type) for m in trainer.strategy.sharding_plan.plan.values() for table, p in m.items()
+    }
+    return result

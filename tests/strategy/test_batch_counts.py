@@ -3,18 +3,24 @@ before the first batch, with a bare iterable after the shorter rank's last step.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
+from torch.utils.data import DataLoader, IterableDataset
 
-from tests.helpers import batch_count_scenarios
+import lightning_rec
+from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.dist import run_ranks
+from tests.helpers.models import RecModel, make_batches
 
 
 @pytest.mark.dist
 def test_an_iterable_that_gives_rank_1_fewer_batches_stops_both_ranks_naming_it(tmp_path: Path) -> None:
-    res = run_ranks(batch_count_scenarios.uneven, 2, tmp_path, counts=[5, 4], sized=False)
+    res = run_ranks(uneven, 2, tmp_path, counts=[5, 4], sized=False)
     short, long = res[1], res[0]
     assert short["error"].startswith("UnequalBatchesError: RecShardStrategy: the ranks ran different numbers")
     assert "rank 1 after 4 batches ran out; rank(s) 0 had not run out" in short["error"]
@@ -29,7 +35,7 @@ def test_an_iterable_that_gives_rank_1_fewer_batches_stops_both_ranks_naming_it(
 def test_sized_loaders_of_different_lengths_are_refused_before_the_first_batch_equal_ones_train(
     tmp_path: Path,
 ) -> None:
-    res = run_ranks(batch_count_scenarios.equal_then_sized, 2, tmp_path)
+    res = run_ranks(equal_then_sized, 2, tmp_path)
     assert [(r["equal"]["error"], r["equal"]["batches"]) for r in res] == [(None, 12), (None, 12)], "no false alarm"
     for r in res:
         assert (
@@ -66,3 +72,50 @@ def test_unequal_lengths_that_training_never_reaches_are_not_refused(
             counts.wrap(loader, limit, max_steps)
     else:  # limit_train_batches=4 (or 80%), or max_steps=3: both ranks run the same batches, as TorchRec would
         assert list(counts.wrap(loader, limit, max_steps)) == loader
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What each rank runs (run_ranks imports them from this module): training loaders that give the ranks different
+# numbers of batches.
+# ------------------------------------------------------------------------------------------------------------
+
+
+class RankShard(IterableDataset):
+    """A user's own IterableDataset sharded by rank, without a length: ``counts[rank]`` batches an epoch."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.batches)
+
+
+def uneven(rank: int, world_size: int, out_dir: Path, counts: list[int], sized: bool, epochs: int = 2) -> dict:
+    """Fit ``epochs`` epochs with ``counts[rank]`` batches on this rank (a sized DataLoader or a bare iterable);
+    report the error each rank stops with, the batches it trained and how long it took."""
+    return _fit(rank, world_size, counts, sized, epochs)
+
+
+def equal_then_sized(rank: int, world_size: int, out_dir: Path) -> dict:
+    """Two fits in one job: equal bare iterables (4 batches, 3 epochs), then sized loaders of 5 and 4 batches."""
+    return {"equal": _fit(rank, world_size, [4, 4], False, 3), "sized": _fit(rank, world_size, [5, 4], True, 2)}
+
+
+def _fit(rank: int, world_size: int, counts: list[int], sized: bool, epochs: int) -> dict:
+    batches = make_batches(counts[rank], 16, seed=100 + rank)
+    data: Any = DataLoader(batches, batch_size=None) if sized else DataLoader(RankShard(batches), batch_size=None)
+    model = RecModel()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=lightning_rec.RecShardStrategy(timeout=60),
+        max_epochs=epochs,
+        **QUIET_TRAINER,
+    )
+    start = time.monotonic()
+    try:
+        trainer.fit(model, data)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        error = f"{type(e).__name__}: {e}" + "".join(f"\n{n}" for n in getattr(e, "__notes__", []))
+    return {"error": error, "batches": len(model.losses), "seconds": time.monotonic() - start}

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from lightning_rec._strategy.faults import FailureBoard, describe_position, explain, is_communication_error
+from lightning_rec.testing import failure_time
 from tests.helpers import checkpoint_scenarios
 from tests.helpers.dist import REPO, launch, run_ranks
-from tests.helpers.fault_scenarios import failure_time
 from tests.helpers.models import saved_weights
 
 # Far below the 5-minute default timeout: a dead or raising peer is noticed through its closed connections.

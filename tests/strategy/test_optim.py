@@ -1,19 +1,33 @@
-"""Unit tests: embedding optimizer derivation, parameter stripping, and RecOptimizer's step contract."""
+"""Unit tests: embedding optimizer derivation, parameter stripping, and RecOptimizer's step contract; and what
+Lightning's ``LearningRateMonitor`` reports of it (one rank, a real fit)."""
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.keyed import KeyedOptimizer
 
+from lightning_rec import RecShardStrategy
 from lightning_rec._strategy.optim import (
     RecOptimizer,
     embedding_optimizer_from_torch,
     find_embedding_group,
     strip_params,
 )
+from lightning_rec.checkpoint._optimizer_state import ComposedOptimizer
 from lightning_rec.config import EmbeddingOptimizer, supported_optimizers
+from lightning_rec.testing import QUIET_TRAINER
+from tests.helpers.dist import run_ranks
+from tests.helpers.user_models import ValuesModel, global_batches, to_batch
 
 
 def _derive(opt):
@@ -115,3 +129,79 @@ def test_step_runs_the_closure_exactly_once_and_tables_follow_the_lr():
     opt.step(closure)
     assert len(calls) == 2 and fused.kernel_lr == 0.01 and opt.embedding_lrs == [0.01]
     assert set(opt.params) == {"w"}  # keyed by parameter name, as in the model's state_dict
+    # Checkpoints read it through the interface they define; LearningRateMonitor reports the user's optimizer.
+    assert isinstance(opt, ComposedOptimizer) and opt.optimizer is dense
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LearningRateMonitor: the user's optimizer and param groups, as without sharding.
+# ---------------------------------------------------------------------------------------------------------------
+
+LR_CASES = ("single", "scheduler", "groups")
+
+
+class _LrModel(ValuesModel):
+    """One ``Adagrad`` as users write it: over every parameter, under a per-step ``StepLR`` (``"scheduler"``), or
+    in two param groups, the tables' named (``"groups"``)."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__(lr=0.05)
+        self.case = case
+
+    def configure_optimizers(self) -> Any:
+        if self.case == "groups":
+            dense = [p for n, p in self.named_parameters() if not n.startswith("ebc.")]
+            opt = torch.optim.Adagrad(
+                [{"params": list(self.ebc.parameters()), "lr": 0.05, "name": "tables"}, {"params": dense, "lr": 0.02}]
+            )
+        else:
+            opt = torch.optim.Adagrad(self.parameters(), lr=0.05)
+        if self.case != "scheduler":
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def lr_monitor_logs(rank: int, world_size: int, out_dir: Path, steps: int = 5) -> dict[str, Any]:
+    """Per case and strategy (plain Lightning, recshard): the rows a ``CSVLogger`` got from ``LearningRateMonitor``,
+    each ``{"step": ..., "lr-...": ...}``."""
+    quiet = {k: v for k, v in QUIET_TRAINER.items() if k != "logger"}
+    logged: dict[str, Any] = {}
+    for case in LR_CASES:
+        for name in ("plain", "recshard"):
+            logger = CSVLogger(out_dir / "lr", name=case, version=name)
+            trainer = L.Trainer(
+                strategy=RecShardStrategy() if name == "recshard" else "auto",
+                accelerator="cpu",
+                devices=1,
+                max_steps=steps,
+                logger=logger,
+                callbacks=[LearningRateMonitor()],
+                log_every_n_steps=1,
+                **quiet,
+            )
+            batches = [to_batch(b) for b in global_batches(steps, 8)]
+            trainer.fit(_LrModel(case), DataLoader(batches, batch_size=None))
+            with open(Path(logger.log_dir) / "metrics.csv") as f:
+                rows = list(csv.DictReader(f))
+            logged[f"{case}/{name}"] = [
+                {"step": int(row["step"]), **lrs}
+                for row in rows
+                if (lrs := {k: float(v) for k, v in row.items() if v and k.startswith("lr-")})
+            ]
+    return logged
+
+
+@pytest.mark.dist
+def test_learning_rate_monitor_logs_the_users_optimizer_names_and_groups(tmp_path):
+    """Dashboards see the optimizer and param groups the user wrote (``lr-Adagrad``, ``lr-Adagrad/tables``), with
+    the same values at the same steps as plain Lightning, from step 0 to the end; not the strategy's RecOptimizer."""
+    steps = 5
+    logged = run_ranks(lr_monitor_logs, 1, tmp_path, steps=steps)[0]
+    names = {"single": {"lr-Adagrad"}, "scheduler": {"lr-Adagrad"}, "groups": {"lr-Adagrad/tables", "lr-Adagrad/pg2"}}
+    for case in LR_CASES:
+        plain, ours = logged[f"{case}/plain"], logged[f"{case}/recshard"]
+        assert {r["step"] for r in plain} == set(range(steps)), plain
+        assert all(set(r) == {"step"} | names[case] for r in plain), plain
+        assert ours == plain, case
+    assert [r["lr-Adagrad"] for r in logged["scheduler/plain"]] == [0.05, 0.05, 0.025, 0.025, 0.0125]

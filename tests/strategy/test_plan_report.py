@@ -3,14 +3,22 @@ rank 0 only, next to the logs, at fit start."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import doctest
 import json
+import logging
 import struct
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger, Logger
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_rec import _compat
@@ -18,9 +26,9 @@ from lightning_rec._strategy import plan_report
 from lightning_rec._strategy.plan_report import PlanReport, imbalance, plan_rows, write_plan_report
 from lightning_rec._strategy.sharding import make_planner, make_sharders
 from lightning_rec.config import TableConstraints
-from tests.helpers import report_scenarios
 from tests.helpers.dist import run_ranks
-from tests.helpers.scenarios import MIXED_PLAN
+from tests.helpers.models import RecModel
+from tests.helpers.scenarios import MIXED_PLAN, make_loader, make_trainer
 
 # matplotlib's tab:blue and tab:orange, the memory and cost bars
 BLUE, ORANGE = (31, 119, 180), (255, 127, 14)
@@ -171,7 +179,7 @@ def test_write_creates_the_directory_and_survives_failures(tmp_path: Path, monke
 
 @pytest.mark.dist
 def test_two_process_fit_writes_once_on_rank_zero_into_the_log_dir(tmp_path: Path) -> None:
-    res = run_ranks(report_scenarios.fit_report, 2, tmp_path)
+    res = run_ranks(fit_report, 2, tmp_path)
     log_dir = Path(res[0]["log_dir"])
     assert res[1]["log_dir"] == res[0]["log_dir"] and log_dir == tmp_path / "logs" / "version_0"
     assert res[0]["writes"] == [str(log_dir)] and res[1]["writes"] == []  # rank 0 alone writes
@@ -202,20 +210,21 @@ def test_two_process_fit_writes_once_on_rank_zero_into_the_log_dir(tmp_path: Pat
     mem = [r["memory_bytes"] for r in doc["ranks"]]
     assert doc["imbalance"]["memory"] == pytest.approx(max(mem) / (sum(mem) / 2))
     assert (log_dir / "sharding_plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    log = (tmp_path / "tests.helpers.report_scenarios:fit_report.rank0.log").read_text()
+    log = (tmp_path / "tests.strategy.test_plan_report:fit_report.rank0.log").read_text()
     assert "imbalance (max/mean over ranks)" in log, "rank 0 logs the table with the estimates"
 
 
 @pytest.mark.dist
 def test_report_without_logger_with_fixed_plan_disabled_and_unwritable(tmp_path: Path) -> None:
-    res = run_ranks(report_scenarios.report_variants, 1, tmp_path)[0]
+    res = run_ranks(report_variants, 1, tmp_path)[0]
     # logger=False: the plan is logged, no file is written (not in default_root_dir, not in the working directory).
     assert res["no_logger"]["writes"] == [] and res["no_logger"]["global_step"] == 2
     assert not (tmp_path / "no_logger").exists()
     written = sorted(p.relative_to(tmp_path).parts[0] for p in tmp_path.rglob("sharding_plan.*"))
     assert written == ["fixed_plan", "fixed_plan"], written
-    log = (tmp_path / "tests.helpers.report_scenarios:report_variants.rank0.log").read_text()
-    assert log.count("sharding plan over 1 rank(s)") == 4, "the table is logged with or without a logger"
+    assert "\n".join(res["log"]).count("sharding plan over 1 rank(s)") == 4, (
+        "the table is logged with or without a logger"
+    )
 
     fixed = json.loads((tmp_path / "fixed_plan" / "sharding_plan.json").read_text())
     assert fixed["estimates_available"] is False and fixed["ranks"][0]["memory_bytes"] is None
@@ -225,3 +234,120 @@ def test_report_without_logger_with_fixed_plan_disabled_and_unwritable(tmp_path:
 
     assert res["unwritable"]["global_step"] == 2, "a report failure must not stop training"
     assert len(res["unwritable"]["warnings"]) == 1 and "HINT" in res["unwritable"]["warnings"][0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What each rank runs (run_ranks imports them from this module).
+# ------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _recorded_writes() -> Iterator[list[str]]:
+    """Record every directory the report is written to (every write goes through
+    ``plan_report.write_plan_report``), so a test can tell which rank wrote; put the function back afterwards (one
+    rank runs in the test's own process)."""
+    calls: list[str] = []
+    original = plan_report.write_plan_report
+
+    def recording(report: PlanReport, directory: Any) -> Any:
+        calls.append(str(directory))
+        return original(report, directory)
+
+    plan_report.write_plan_report = recording
+    try:
+        yield calls
+    finally:
+        plan_report.write_plan_report = original
+
+
+def fit_report(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> dict[str, Any]:
+    """Fit with a CSV logger (MIXED_PLAN constraints); report where this rank wrote and the plan it sharded with."""
+    with _recorded_writes() as calls:
+        L.seed_everything(0)
+        tr = make_trainer(
+            world_size, steps, logger=CSVLogger(out_dir, name="logs"), default_root_dir=str(out_dir / "root")
+        )
+        tr.fit(RecModel(), make_loader(rank, steps, 16, {}))
+    return {
+        "writes": calls,
+        "log_dir": tr.log_dir,
+        "plan": [dataclasses.asdict(r) for r in plan_rows(tr.strategy.sharding_plan)],
+        "global_step": tr.global_step,
+    }
+
+
+class _SilentLogger(Logger):
+    """A logger that writes nothing itself, with a directory that cannot be created (only the report tries)."""
+
+    def __init__(self, save_dir: Path) -> None:
+        super().__init__()
+        self._save_dir = str(save_dir)
+
+    @property
+    def name(self) -> str:
+        return "silent"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    def log_metrics(self, metrics: dict[str, float], step: Any = None) -> None:
+        pass
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class _Messages(logging.Handler):
+    """Every message Lightning's loggers emit (``rank_zero_info`` included), as it formats them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def report_variants(rank: int, world_size: int, out_dir: Path, steps: int = 2) -> dict[str, Any]:
+    """Three fits: no logger (nothing written, anywhere), a fixed ``plan=`` (no estimates), ``report_plan=False``;
+    then one whose report directory cannot be created (warns, trains). All but the first log to a CSV logger in
+    ``root``. Also reports what Lightning's loggers said (``log``)."""
+    results: dict[str, Any] = {}
+    messages = _Messages()
+    lightning_log = logging.getLogger("lightning.pytorch")
+    lightning_log.addHandler(messages)
+    with _recorded_writes() as calls:
+
+        def fit(tag: str, strategy: dict[str, Any], root: Path, logger: Any = True) -> L.Trainer:
+            L.seed_everything(0)
+            tr = make_trainer(
+                world_size,
+                steps,
+                strategy=strategy,
+                default_root_dir=str(root),
+                logger=CSVLogger(root, name="", version="") if logger is True else logger,
+            )
+            tr.fit(RecModel(), make_loader(rank, steps, 16, {}))
+            results[tag] = {"global_step": tr.global_step, "writes": list(calls)}
+            calls.clear()
+            return tr
+
+        try:
+            planned = fit("no_logger", {}, out_dir / "no_logger", logger=False)
+            fit("fixed_plan", {"plan": planned.strategy.sharding_plan}, out_dir / "fixed_plan")
+            fit("disabled", {"report_plan": False}, out_dir / "disabled")
+            blocked = out_dir / "blocked"
+            blocked.write_text("a file where the report directory should go")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fit("unwritable", {}, blocked / "root", logger=_SilentLogger(blocked / "root"))
+        finally:
+            lightning_log.removeHandler(messages)
+    results["unwritable"]["warnings"] = [str(w.message) for w in caught if "sharding-plan report" in str(w.message)]
+    results["log"] = messages.messages
+    return results

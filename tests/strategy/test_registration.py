@@ -9,7 +9,9 @@ import pytest
 from torch.utils.data import DataLoader
 
 import lightning_rec
-from lightning_rec import RecShardStrategy, TableConstraints
+from lightning_rec import EmbeddingOptimizer, RecShardStrategy, TableConstraints
+from lightning_rec._strategy.dmp import ShardedState
+from lightning_rec._strategy.hook_state import HookState
 from tests.helpers.models import RecModel, make_batches
 
 
@@ -29,9 +31,13 @@ def test_strategy_object_takes_yaml_shaped_arguments():
         embedding_optimizer={"name": "rowwise_adagrad", "lr": 0.05},
         bounds_check="error",
     )
-    assert s.constraints["t_user"] == TableConstraints(sharding_types=["column_wise"])
-    assert s.topology.batch_size == 512 and s.embedding_optimizer.lr == 0.05
-    assert s.fused_params["bounds_check_mode"].name == "FATAL"
+    assert s.sharding.constraints["t_user"] == TableConstraints(sharding_types=["column_wise"])
+    assert s.sharding.topology.batch_size == 512 and s.sharding.embedding_optimizer.lr == 0.05
+    assert s.sharding.fused_params["bounds_check_mode"].name == "FATAL"
+    # The configuration is built once and read from there; the strategy does not forward its fields.
+    assert not any(
+        hasattr(s, name) for name in ("sharder", "constraints", "topology", "embedding_optimizer", "fused_params")
+    )
     with pytest.raises(ValueError, match="bounds_check must be one of"):
         RecShardStrategy(bounds_check="sometimes")
 
@@ -75,3 +81,28 @@ def test_16_mixed_is_refused_with_a_reason():
     with pytest.raises(ValueError, match="16-mixed.*skipped steps would silently half-apply.*bf16-mixed"):
         strategy.setup_environment()
     assert not dist.is_initialized()
+
+
+def test_a_model_sharded_with_another_fused_optimizer_is_refused():
+    sgd = EmbeddingOptimizer("sgd", lr=0.1)
+    state = ShardedState(dmp=None, plan=None, embedding_optimizer=sgd)  # what a first `validate` or `fit` left
+    sharding = RecShardStrategy().sharding
+    sharding.check_sharded_with(state, EmbeddingOptimizer("sgd", lr=0.1), None)  # the same one: trains on
+    with pytest.raises(RuntimeError, match="RecShardStrategy: the model was sharded earlier with embedding optimizer"):
+        sharding.check_sharded_with(state, EmbeddingOptimizer("adagrad", lr=0.1), None)
+    with pytest.raises(RuntimeError, match="HINT: declare it with `configure_embedding_optimizer"):
+        sharding.check_sharded_with(state, sgd, {"t_user": (EmbeddingOptimizer("sgd", lr=0.2), None)})
+
+
+def test_a_backward_without_a_step_is_refused_when_the_next_batch_starts():
+    steps = HookState()
+    steps.fit_started(check_steps=True)  # setup: fitting a model with tables
+    steps.backward_ran()  # pre_backward
+    steps.optimizer_stepped()  # optimizer_step
+    steps.check_batch_start(1)  # on_train_batch_start: stepped, fine
+    steps.backward_ran()
+    with pytest.raises(RuntimeError, match="RecShardStrategy: the training batch before batch 2 ran a backward pass"):
+        steps.check_batch_start(2)
+    steps.fit_started(check_steps=False)  # a new fit, without tables: nothing pending, nothing checked
+    steps.backward_ran()
+    steps.check_batch_start(3)

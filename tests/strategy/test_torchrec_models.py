@@ -415,7 +415,7 @@ def test_quantized_comms_halve_what_the_tables_send_and_stay_near_full_precision
 def test_quantized_comms_that_cannot_run_on_cpu_are_refused_naming_why():
     from torchrec import EmbeddingConfig
 
-    from lightning_rec._strategy.sharding import check_qcomms
+    from lightning_rec._strategy.device_support import check_qcomms
     from lightning_rec.config import QuantizedComms, TableConstraints
 
     tables = {c.name: c for c in _tables()[0]}
@@ -433,7 +433,7 @@ def test_quantized_comms_that_cannot_run_on_cpu_are_refused_naming_why():
     # Wired into the strategy: refused when the model is connected, before anything is sharded.
     strategy = RecShardStrategy(qcomms={"forward": "fp8"})
     with pytest.raises(ValueError, match="fp8 cannot run on CPU"):
-        strategy.sharder.check_model(TorchRecModel(_model(0)), "cpu")
+        strategy.sharding.check_model(TorchRecModel(_model(0)), "cpu")
 
 
 @pytest.mark.dist

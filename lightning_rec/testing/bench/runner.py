@@ -15,6 +15,16 @@ from lightning_rec.testing.bench.worker import RESULT_PREFIX, run_worker
 from lightning_rec.testing.bench.workload import EXTRA_VARIANTS, GPU_SIZES, OPTIMIZERS, SIZES, VARIANTS, Size
 from lightning_rec.testing.ports import free_port
 
+__all__ = [
+    "check_identical",
+    "final_record",
+    "main",
+    "measure",
+    "plot_batch_sweep",
+    "reexec_with_steady_malloc",
+    "run_variant",
+]
+
 # Sharding types the bench can ask of every table (all on the fused kernel; every one runs on CPU too).
 SHARDINGS = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise")
 

@@ -34,6 +34,8 @@ from lightning_rec.testing.bench.workload import (
 )
 from lightning_rec.testing.trainer import QUIET_TRAINER
 
+__all__ = ["RESULT_PREFIX", "copy_bandwidth", "lightning_module", "raw_torchrec", "run_worker"]
+
 RESULT_PREFIX = "BENCH_RESULT "
 # Passes over every looked-up row per step in the bandwidth model above: forward read, backward read + write.
 EMB_PASSES = 3

@@ -5,6 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+__all__ = [
+    "BenchModel",
+    "EXTRA_VARIANTS",
+    "GPU_SIZES",
+    "OPTIMIZERS",
+    "SIZES",
+    "Size",
+    "VARIANTS",
+    "fused_params",
+    "init_weights",
+    "make_batches",
+    "table_constraints",
+    "torch_optimizer",
+]
+
 VARIANTS = ("raw", "raw_pipeline", "recshard", "recshard_pipelined", "lightning_ddp", "lightning_sparse")
 # Measured only when asked for (``--variants``): recshard without any input check (bounds_check="none",
 # nonfinite="ignore"), to price them; recshard reading the loss before its backward pass (nonfinite="strict");

@@ -1,14 +1,16 @@
 """What the user asked of the sharding (tables' constraints, the machine's topology, extra sharders, a fixed plan,
 the fused optimizer, FBGEMM's arguments), normalised once, and the steps that use it: check a model against it,
-settle the fused embedding optimizer, plan on rank 0 and shard. :class:`~lightning_rec.RecShardStrategy` owns one
-and calls it from its hooks; it knows nothing of Lightning's loop.
+settle the fused embedding optimizer, plan on rank 0 and shard. :class:`~lightning_rec.RecShardStrategy` builds one
+from its arguments (``strategy.sharding``) and calls it from its hooks; it knows nothing of Lightning's loop.
+
+Not to be confused with TorchRec's ``ModuleSharder`` objects: those are one of its fields (``sharders``).
 
 Example::
 
-    sharder = TableSharder.from_arguments(constraints={"t_item": {"sharding_types": ["column_wise"]}})
-    sharder.check_model(model, device_type="cpu")                  # before any distributed work
-    emb_opt, lr_source, per_table = sharder.embedding_optimizer_for(model, optimizers, is_embedding, "cpu")
-    state = sharder.shard(model, emb_opt, world_size=2, num_processes=2, device=torch.device("cpu"), per_table=per_table)
+    sharding = ShardingConfig.from_arguments(constraints={"t_item": {"sharding_types": ["column_wise"]}})
+    sharding.check_model(model, device_type="cpu")                  # before any distributed work
+    emb_opt, lr_source, per_table = sharding.embedding_optimizer_for(model, optimizers, is_embedding, "cpu")
+    state = sharding.shard(model, emb_opt, world_size=2, num_processes=2, device=torch.device("cpu"), per_table=per_table)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from lightning_rec import _compat
 from lightning_rec._inputs.specs import input_specs
+from lightning_rec._strategy.device_support import check_managed_collision, check_qcomms, validate_constraints
 from lightning_rec._strategy.dmp import ShardedState, shard_module
 from lightning_rec._strategy.optim import (
     TableOptimizers,
@@ -40,22 +43,16 @@ from lightning_rec._strategy.optim import (
 from lightning_rec._strategy.plan_file import check_plan, read_plan, to_sharding_plan
 from lightning_rec._strategy.plan_report import PlanReport, table_shapes
 from lightning_rec._strategy.quiet import torchrec_noise_silenced
-from lightning_rec._strategy.sharding import (
-    check_managed_collision,
-    check_qcomms,
-    make_sharders,
-    plan_module,
-    validate_constraints,
-)
+from lightning_rec._strategy.sharding import make_sharders, plan_module
 from lightning_rec._strategy.topology import DevicePreset, default_preset
 from lightning_rec._tables import embedding_tables, sharded_module_types, table_weights
 from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig
 
-__all__ = ["TableSharder"]
+__all__ = ["ShardingConfig"]
 
 
 @dataclass
-class TableSharder:
+class ShardingConfig:
     """The strategy's sharding configuration (see :class:`~lightning_rec.RecShardStrategy`'s arguments of the same
     names) and the steps it drives. Build it with :meth:`from_arguments`, which accepts YAML-shaped dicts."""
 
@@ -88,7 +85,7 @@ class TableSharder:
         qcomms: QuantizedComms | str | Mapping[str, Any] | Any | None = None,
         fast_cpu_lookup: bool = True,
         owner: str = "RecShardStrategy",
-    ) -> TableSharder:
+    ) -> ShardingConfig:
         """The configuration from the strategy's arguments: dicts become the typed configs, ``bounds_check``
         becomes FBGEMM's ``bounds_check_mode`` (under any ``fused_params`` the user gave), a ``plan`` path is read
         (see :func:`~lightning_rec._strategy.plan_file.read_plan`)."""
@@ -195,6 +192,26 @@ class TableSharder:
             )
         state.table_optimizers = {t: opt for t, (opt, _) in (per_table or {}).items()}
         return state
+
+    def check_sharded_with(
+        self, state: ShardedState, embedding_optimizer: EmbeddingOptimizer, per_table: TableOptimizers | None
+    ) -> None:
+        """Refuse to train a module sharded earlier (a second ``fit``, or ``validate`` first) with another fused
+        optimizer than ``embedding_optimizer``/``per_table`` (as :meth:`embedding_optimizer_for` gives them): the fused
+        optimizer is part of the sharded kernels.
+
+        Raises:
+            RuntimeError: naming both, with the fix.
+        """
+        rules = {table: opt for table, (opt, _) in (per_table or {}).items()}
+        if (embedding_optimizer, rules) != (state.embedding_optimizer, state.table_optimizers):
+            raise RuntimeError(
+                f"{self.owner}: the model was sharded earlier with embedding optimizer "
+                f"{state.table_optimizers or state.embedding_optimizer}, but now asks for "
+                f"{rules or embedding_optimizer}. The fused optimizer is part of the "
+                "sharded kernels. HINT: declare it with `configure_embedding_optimizer()` so that every run "
+                "uses the same one, or build a fresh model."
+            )
 
     def plan_for(
         self,

@@ -1,0 +1,349 @@
+"""Reading the tables of :class:`~lightning_rec.data.tabular.TabularDataModule`: Parquet and CSV files to checked
+columns (:func:`read_table`, :func:`decode`: bad data refused naming file, row group or line, column and value), and
+decoded columns to a :class:`~lightning_rec.data.base.RecDataset` (:class:`Mapper`: ids mapped, dense transformed).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_rec.data.base import Jagged, RecDataset, _Column
+from lightning_rec.data.schema import DataError, DenseColumn, Schema, SparseColumn, Vocabulary, hash_arrow
+from lightning_rec.data.stream import Unit, read_unit
+
+_PARQUET = (".parquet", ".pq")
+_TABLE_SUFFIXES = _PARQUET + (".csv", ".tsv", ".txt", ".csv.gz", ".tsv.gz", ".txt.gz")
+
+
+def _pa() -> Any:
+    try:
+        import pyarrow  # noqa: F401
+        import pyarrow.compute  # noqa: F401
+        import pyarrow.csv  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as err:  # pragma: no cover - pyarrow is a dependency
+        raise ImportError("TabularDataModule reads files with pyarrow: `pip install pyarrow`.") from err
+    return pyarrow
+
+
+def expand(patterns: str | Sequence[str], what: str) -> list[str]:
+    """The table files ``patterns`` (paths, globs or directories) name, in sorted order per pattern.
+
+    Raises:
+        FileNotFoundError: naming a pattern that matches nothing.
+    """
+    files: list[str] = []
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        pattern = os.path.expanduser(str(pattern))
+        if os.path.isdir(pattern):  # a directory: its tables
+            pattern = os.path.join(pattern, "*")
+        found = sorted(f for f in glob.glob(pattern) if os.path.isfile(f) and f.endswith(_TABLE_SUFFIXES))
+        if not found:
+            raise FileNotFoundError(f"TabularDataModule: {what}: {pattern!r} matches no file.")
+        files.extend(found)
+    return files
+
+
+@dataclass
+class Part:
+    """Columns of some rows of one file, with where they came from (for messages)."""
+
+    table: Any  # pyarrow.Table
+    file: str
+    where: str  # "row group 3" or "lines 2-1001"
+    first_line: int | None  # CSV: the line of the first row (1-based), for messages
+
+
+def read_table(
+    path: str, columns: Sequence[str], csv_columns: Sequence[str] | None = None, delimiter: str | None = None
+) -> list[Part]:
+    """The ``columns`` of file ``path``: Parquet one part per row group, CSV one part.
+
+    Raises:
+        DataError: naming the file and the columns it lacks.
+    """
+    pa = _pa()
+    if path.endswith(_PARQUET):
+        pf = pa.parquet.ParquetFile(path)
+        have = set(pf.schema_arrow.names)
+        missing = [c for c in columns if c not in have]
+        if missing:
+            raise DataError(f"{path}: no column {', '.join(map(repr, missing))} (it has {sorted(have)}).")
+        return [
+            Part(pf.read_row_group(g, columns=list(columns)), path, f"row group {g}", None)
+            for g in range(pf.num_row_groups)
+        ]
+    tsv = any(path.endswith(s) for s in (".tsv", ".tsv.gz"))
+    read = pa.csv.ReadOptions(column_names=list(csv_columns) if csv_columns else None)
+    parse = pa.csv.ParseOptions(delimiter=delimiter or ("\t" if tsv else ","))
+    try:
+        table = pa.csv.read_csv(path, read_options=read, parse_options=parse)
+    except pa.ArrowInvalid as err:
+        raise DataError(f"{path}: not a readable CSV file: {err}") from None
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise DataError(f"{path}: no column {', '.join(map(repr, missing))} (it has {table.column_names}).")
+    return [Part(table.select(list(columns)), path, "", 1 if csv_columns else 2)]
+
+
+def _at(part: Part, row: int) -> str:
+    if part.first_line is not None:
+        return f"{part.file}, line {part.first_line + row}"
+    return f"{part.file}, {part.where}, row {row}"
+
+
+class _Bad:
+    """Rows found bad while decoding a part: an error (``bad_rows: error``) or a mask (``drop``)."""
+
+    def __init__(self, part: Part, drop: bool) -> None:
+        self.part, self.drop = part, drop
+        self.mask = np.zeros(part.table.num_rows, dtype=bool)
+
+    def found(self, rows: np.ndarray, column: str, problem: str, values: Sequence[Any]) -> None:
+        if not len(rows):
+            return
+        if not self.drop:
+            raise DataError(
+                f"{_at(self.part, int(rows[0]))}: column {column!r}: {problem} (value {values[0]!r}"
+                f"{f'; {len(rows)} such rows in this part' if len(rows) > 1 else ''}). HINT: fix the data, or set "
+                "`bad_rows: drop` to drop such rows (they are counted)."
+            )
+        self.mask[rows] = True
+
+
+def _numbers(part: Part, column: str, bad: _Bad, kind: str) -> np.ndarray:
+    pa = _pa()
+    col = part.table.column(column)
+    if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
+        raise DataError(f"{part.file}: column {column!r} is {col.type}, a number was expected ({kind}).")
+    values = col.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls become NaN
+    nulls = np.flatnonzero(~np.isfinite(values))
+    bad.found(nulls, column, "null, NaN or inf", [col[int(i)].as_py() for i in nulls[:1]])
+    return np.where(np.isfinite(values), values, 0.0)
+
+
+def _ids(values: Any, column: str, kind: str, file: str, hash_rows: int | None = None) -> np.ndarray:
+    """A pyarrow array of ids (integers or text) as numpy for the mapping; with ``hash_rows``, already hashed into
+    that many rows (from the array's buffers: no Python object per value)."""
+    pa = _pa()
+    if hash_rows is not None and (
+        pa.types.is_integer(values.type) or pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+    ):
+        return hash_arrow(values, hash_rows)
+    if pa.types.is_integer(values.type):
+        return values.to_numpy(zero_copy_only=False).astype(np.int64)
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return values.to_numpy(zero_copy_only=False).astype(str)
+    raise DataError(f"{file}: column {column!r} holds {values.type}, integer or text ids were expected ({kind}).")
+
+
+def _decode_sparse(part: Part, spec: SparseColumn, bad: _Bad) -> tuple[Any, np.ndarray, np.ndarray | None]:
+    """``(ids, lengths, weights)`` of one sparse column: ids still raw (numpy), per-row lengths, flat weights."""
+    pa = _pa()
+    col = part.table.column(spec.column).combine_chunks()
+    n = len(col)
+    if not spec.list:
+        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            raise DataError(f"{part.file}: column {spec.column!r} is {col.type}; declare it `list: true`.")
+        nulls = np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))
+        bad.found(nulls, spec.column, "null id", [None] * len(nulls))
+        filled = col.fill_null(0) if pa.types.is_integer(col.type) else col.fill_null("")
+        ids = _ids(filled, spec.column, "ids", part.file, _hashed(spec))
+        return ids, np.ones(n, dtype=np.int64), None
+    csv = part.first_line is not None
+    if csv and (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):  # delimited text
+        col = pa.compute.split_pattern(col.fill_null(""), spec.delimiter)
+    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+        raise DataError(
+            f"{part.file}: column {spec.column!r} is {col.type}, a list was declared (`list: true`): a row holds "
+            "one value where a list was expected."
+        )
+    null_rows = np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))
+    bad.found(null_rows, spec.column, "null list", [None] * len(null_rows))
+    col = col.fill_null(pa.scalar([], type=col.type))
+    lengths = pa.compute.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = col.flatten()
+    if pa.types.is_string(flat.type) and csv:  # "a||b" or "" give empty values
+        empty = pa.compute.equal(flat, "").to_numpy(zero_copy_only=False)
+        if empty.any():
+            row_of = np.repeat(np.arange(n), lengths)
+            keep = ~empty
+            lengths = np.bincount(row_of[keep], minlength=n).astype(np.int64)
+            flat = flat.filter(pa.array(keep))
+    value_nulls = flat.is_null().to_numpy(zero_copy_only=False)
+    if value_nulls.any():
+        rows = np.unique(np.repeat(np.arange(n), lengths)[value_nulls])
+        bad.found(rows, spec.column, "null id in a list", [None] * len(rows))
+        flat = flat.fill_null(0 if pa.types.is_integer(flat.type) else "")
+    ids = _ids(flat, spec.column, "list ids", part.file, _hashed(spec))
+    weights = None
+    if spec.weights:
+        wcol = part.table.column(spec.weights).combine_chunks()
+        if csv and pa.types.is_string(wcol.type):
+            wcol = pa.compute.split_pattern(wcol.fill_null(""), spec.delimiter)
+        if not (pa.types.is_list(wcol.type) or pa.types.is_large_list(wcol.type)):
+            raise DataError(f"{part.file}: column {spec.weights!r} is {wcol.type}, a list of weights was expected.")
+        wlen = pa.compute.list_value_length(wcol.fill_null(pa.scalar([], type=wcol.type)))
+        wlen = wlen.to_numpy(zero_copy_only=False).astype(np.int64)
+        rows = np.flatnonzero(wlen != lengths)
+        bad.found(
+            rows,
+            spec.weights,
+            f"weight list length differs from {spec.column!r}'s",
+            [f"{int(wlen[r])} weights for {int(lengths[r])} ids" for r in rows[:1]],
+        )
+        wflat = wcol.flatten()
+        if pa.types.is_string(wflat.type):
+            wflat = pa.compute.cast(wflat, pa.float64())
+        weights = wflat.to_numpy(zero_copy_only=False).astype(np.float32)
+        if len(rows):  # dropped rows: keep weights aligned with the ids
+            weights = _per_row_take(weights, wlen, lengths)
+    return ids, lengths, weights
+
+
+def _hashed(spec: SparseColumn) -> int | None:
+    """The rows ``hash`` ids go to (they are hashed as they are decoded), else ``None``."""
+    if spec.ids != "hash":
+        return None
+    assert spec.num_embeddings is not None  # SparseColumn requires it of hash ids
+    return int(spec.num_embeddings)
+
+
+def _per_row_take(values: np.ndarray, have: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """The first ``min(have, want)`` values of each row, padded with 1.0 to ``want`` (rows that will be dropped)."""
+    out = []
+    start = 0
+    for h, w in zip(have.tolist(), want.tolist()):
+        row = values[start : start + min(h, w)]
+        out.append(np.concatenate([row, np.ones(w - len(row), dtype=np.float32)]))
+        start += h
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+
+@dataclass
+class Decoded:
+    """One part's rows as columns, ids not yet mapped."""
+
+    labels: np.ndarray  # (N, L) float
+    dense: np.ndarray  # (N, D) float, not transformed
+    sparse: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]  # feature -> (raw ids, lengths, weights)
+    timestamps: np.ndarray | None
+    keep: np.ndarray  # rows that are good
+
+
+def decode(part: Part, schema: Schema, drop: bool, timestamp: str | None) -> Decoded:
+    """The schema's columns of ``part`` (and the ``timestamp`` column), checked; bad rows raise, or with ``drop``
+    are marked in ``keep``."""
+    bad = _Bad(part, drop)
+    labels = np.stack([c.apply(_numbers(part, c.column, bad, "label")) for c in schema.labels], axis=1)
+    dense = (
+        np.stack([_numbers(part, c.column, bad, "dense") for c in schema.dense], axis=1)
+        if schema.dense
+        else np.zeros((part.table.num_rows, 0))
+    )
+    sparse = {c.feature: _decode_sparse(part, c, bad) for c in schema.sparse}
+    stamps = _numbers(part, timestamp, bad, "timestamp") if timestamp else None
+    return Decoded(labels, dense, sparse, stamps, ~bad.mask)
+
+
+def concat_jagged(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> tuple[Any, ...]:
+    """One sparse column's ``(ids, lengths, weights)`` of several parts, concatenated."""
+    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+    lengths = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+    weights = None if not parts or parts[0][2] is None else np.concatenate([p[2] for p in parts])
+    return ids, lengths, weights
+
+
+def rows_of(lengths: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Mask of the values whose row is kept."""
+    return np.repeat(keep, lengths)
+
+
+def take(d: Decoded, mask: np.ndarray) -> Decoded:
+    """The rows ``mask`` of ``d`` (all of them good)."""
+    sparse = {}
+    for feature, (ids, lengths, weights) in d.sparse.items():
+        values = rows_of(lengths, mask)
+        sparse[feature] = (ids[values], lengths[mask], None if weights is None else weights[values])
+    stamps = None if d.timestamps is None else d.timestamps[mask]
+    return Decoded(d.labels[mask], d.dense[mask], sparse, stamps, np.ones(int(mask.sum()), dtype=bool))
+
+
+class Mapper:
+    """Decoded columns to a :class:`~lightning_rec.data.base.RecDataset`: ids mapped, dense transformed. Holds only
+    the schema and what the training split taught, so DataLoader workers get a small copy."""
+
+    def __init__(
+        self, schema: Schema, vocabularies: dict[str, Vocabulary], dense_stats: dict[str, tuple[float, float]]
+    ):
+        self.schema, self.vocabularies, self.dense_stats = schema, vocabularies, dense_stats
+
+    def dataset(self, d: Decoded) -> RecDataset:
+        """The rows of ``d`` as a dataset: ids mapped, dense columns transformed."""
+        sparse: dict[str, _Column] = {}
+        weights: dict[str, Jagged] = {}
+        for c in self.schema.sparse:
+            ids, lengths, w = d.sparse[c.feature]
+            rows = self._map(c, ids)
+            if c.list:
+                offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+                sparse[c.feature] = Jagged(torch.from_numpy(rows), offsets)
+                if w is not None:
+                    weights[c.feature] = Jagged(torch.from_numpy(w), offsets)
+            else:
+                sparse[c.feature] = torch.from_numpy(rows)
+        dense = (
+            np.stack([self._dense(c).apply(d.dense[:, i]) for i, c in enumerate(self.schema.dense)], axis=1)
+            if self.schema.dense
+            else np.zeros((len(d.labels), 0), dtype=np.float32)
+        )
+        labels = d.labels[:, 0] if d.labels.shape[1] == 1 else d.labels
+        return RecDataset(
+            torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(labels.astype(np.float32)), sparse, weights
+        )
+
+    def _dense(self, c: DenseColumn) -> DenseColumn:
+        if c.transform != "standardize" or (c.mean is not None and c.std is not None):
+            return c
+        mean, std = self.dense_stats[c.column]
+        return DenseColumn(c.column, c.transform, mean, std)
+
+    def _map(self, c: SparseColumn, ids: np.ndarray) -> np.ndarray:
+        if c.ids == "hash":
+            return ids  # hashed as decoded (_decode_sparse)
+        if c.ids == "vocab":
+            return self.vocabularies[c.table or c.feature].rows(ids)
+        return ids.astype(np.int64)
+
+
+def where(unit: Unit) -> str:
+    """Where a unit's rows come from, for messages (``row group N``; empty for CSV)."""
+    return f"row group {unit.row_group}" if unit.row_group is not None else ""
+
+
+class UnitReader:
+    """Rows ``[a, b)`` of a unit as a dataset (what :class:`~lightning_rec.data.stream.TableStream` reads), keeping
+    the last unit read: consecutive windows of a worker usually fall in the same unit."""
+
+    def __init__(self, mapper: Mapper, columns: list[str], csv_columns: Any, delimiter: Any, bad_rows: str) -> None:
+        self.mapper, self.columns, self.csv_columns, self.delimiter = mapper, columns, csv_columns, delimiter
+        self.drop = bad_rows == "drop"
+        self._last: tuple[Unit, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_last": None}
+
+    def __call__(self, unit: Unit, a: int, b: int) -> RecDataset:
+        if self._last is None or self._last[0] != unit:
+            self._last = (unit, read_unit(unit, self.columns, self.csv_columns, self.delimiter))
+        table = self._last[1].slice(a, b - a)
+        first = None if unit.first_line is None else unit.first_line + a
+        part = Part(table, unit.file, f"{where(unit)} from row {a}" if unit.row_group is not None else "", first)
+        return self.mapper.dataset(decode(part, self.mapper.schema, self.drop, None))
