@@ -4,7 +4,6 @@ classes can be admitted into checkpoints. The public/private line itself: ``test
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import lightning_rec
 from lightning_rec.checkpoint._safe_io import dumps_meta, load_meta
 from lightning_rec.config import checkpoint_safe
 from lightning_rec.errors import UnsafeCheckpointError
+from tests.helpers.source import imports as _imports
 
 PACKAGE = Path(lightning_rec.__file__).parent
 REPO = PACKAGE.parent
@@ -32,16 +32,6 @@ USER_FACING = [
 ]
 USER_FACING_DIRS = ["models", "data", "serving"]
 MECHANICS = ("lightning_rec._strategy", "lightning_rec._inputs", "lightning_rec.testing.bench", "lightning_rec.testing")
-
-
-def _imports(path: Path):
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.lineno, node.module, [a.name for a in node.names]
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name, []
 
 
 def test_public_api_is_importable_from_the_package_root():

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 import lightning_rec
+from tests.helpers.source import imports as _imports
 
 PACKAGE = Path(lightning_rec.__file__).parent
 REPO = PACKAGE.parent
@@ -85,16 +86,6 @@ def test_public_modules_declare_what_they_export(name):
             if getattr(getattr(module, n), "__module__", name) != name
         ]
         assert not foreign, f"{name}.__all__ re-exports {foreign}: import them from where they are defined"
-
-
-def _imports(path: Path):
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.lineno, node.module, [a.name for a in node.names]
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name, []
 
 
 def _defined_at_top(module_name: str) -> set[str] | None:
