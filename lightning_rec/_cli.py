@@ -74,7 +74,7 @@ def _prepare(argv: list[str]) -> None:
     )
     parser.add_argument("--output", default=None, help="parquet: the table's path (default: DATA_DIR/ml-100k.parquet)")
     args = parser.parse_args(argv)
-    from lightning_rec.data.movielens import export_parquet, prepare_movielens
+    from lightning_rec.data._movielens_files import export_parquet, prepare_movielens
 
     if args.format == "parquet":
         print(f"MovieLens-100K written to {export_parquet(args.data_dir, args.output)} (and vocab_*.txt beside it)")

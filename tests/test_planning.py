@@ -18,7 +18,8 @@ import lightning_rec
 from lightning_rec._cli import run
 from lightning_rec._planning import Cluster, DoesNotFit, plan_cluster, sweep
 from lightning_rec._strategy.plan_file import check_plan, read_plan, to_sharding_plan
-from lightning_rec._strategy.plan_report import PlanReport, plan_rows
+from lightning_rec._strategy.plan_report import PlanReport
+from lightning_rec._strategy.plan_table import plan_rows
 from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec._strategy.topology import DEVICE_PRESETS, make_topology
 from lightning_rec.config import EmbeddingOptimizer, TopologyConfig

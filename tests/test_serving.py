@@ -1,6 +1,8 @@
-"""Serving export (``lightning_rec.serving``): a sharded checkpoint becomes a TorchScript artifact with quantized
-tables that predicts in a fresh process without torchrec, lightning or lightning_rec, exactly like the trained
-module for fp32 tables; models that cannot be exported are refused with the part and the reason, writing nothing.
+"""Serving export (``lightning_rec.serving``), the artifact side: a sharded checkpoint becomes a TorchScript artifact
+with quantized tables that predicts in a fresh process without torchrec, lightning or lightning_rec (and from C++),
+exactly like the trained module for fp32 tables: zoo models, tutorial-style and script-trained user models, a model
+trained on 2 ranks against plain PyTorch; the dense width export reads; the artifact's own checks of ids and
+lengths. What export refuses (naming the part and the reason, writing nothing) is in ``test_serving_refusals.py``.
 The main job's artifact against ``lightning-rec predict`` is in ``tests/test_main_job.py``."""
 
 from __future__ import annotations
@@ -25,14 +27,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec import RecLightningModule, RecShardStrategy
 from lightning_rec._pretrained import table_holders
-from lightning_rec.checkpoint._safe_io import dumps_meta, load_meta
 from lightning_rec.config import EmbeddingOptimizer
-from lightning_rec.errors import CheckpointError, ExportError
+from lightning_rec.errors import ExportError
 from lightning_rec.models import DLRMModule
 from lightning_rec.models.base import CTRModule
 from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
 from lightning_rec.testing import QUIET_TRAINER, shell_env
-from tests.helpers import user_scenarios, zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
+from tests.helpers import user_scenarios, zoo_deepfm, zoo_dlrm, zoo_two_tower
 from tests.helpers.data import REPO
 from tests.helpers.dist import run_ranks
 from tests.helpers.serving import serve_fresh
@@ -40,7 +41,7 @@ from tests.helpers.user_models import REORDERING_PLAN, ValuesModel, samples, to_
 from tests.helpers.zoo import ZooCase, seeded_module
 
 
-def _checkpoint(module: nn.Module, batches: list[Any], path: Path) -> Path:
+def trained_checkpoint(module: nn.Module, batches: list[Any], path: Path) -> Path:
     """``module`` trained for ``len(batches)`` steps on one process, saved as a sharded checkpoint directory."""
     trainer = L.Trainer(
         strategy=RecShardStrategy(), accelerator="cpu", devices=1, max_steps=len(batches), **QUIET_TRAINER
@@ -48,13 +49,6 @@ def _checkpoint(module: nn.Module, batches: list[Any], path: Path) -> Path:
     trainer.fit(module, DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
     trainer.save_checkpoint(path)
     return path
-
-
-def _assert_refused(ckpt: Path, work: Path, match: str, error: type = ExportError, **kwargs: Any) -> None:
-    """``export_inference(ckpt, ...)`` raises ``error`` matching ``match``, and writes nothing."""
-    with pytest.raises(error, match=match):
-        export_inference(ckpt, work / "model.pt", **kwargs)
-    assert not (work / "model.pt").exists() and not list(work.glob(".*partial"))
 
 
 def _dlrm_dot() -> DLRMModule:
@@ -143,7 +137,7 @@ def test_zoo_model_serves_without_lightning_rec_like_the_trained_module(tmp_path
     case, build, parts = MODELS[name]
     case = case if build is None else ZooCase(**{**case.__dict__, "build": build})
     module = seeded_module(case)
-    ckpt = _checkpoint(module, case.batches(2 if build is None else 4), tmp_path / "ckpt")
+    ckpt = trained_checkpoint(module, case.batches(2 if build is None else 4), tmp_path / "ckpt")
     loaded = type(module).load_from_checkpoint(ckpt).eval()
     heldout = case.heldout()
     jobs, expected = [], []
@@ -173,7 +167,7 @@ def test_zoo_model_serves_without_lightning_rec_like_the_trained_module(tmp_path
             )
 
 
-class _TutorialModel(RecLightningModule):
+class TutorialModel(RecLightningModule):
     """Written as TorchRec's tutorials write it: tables built on CPU with their own weights, ``kt.values()``, dict
     batches, its own ``forward(dense, kjt)``, no ``inference_module`` and no hyperparameters."""
 
@@ -202,7 +196,8 @@ class _TutorialModel(RecLightningModule):
         return torch.optim.Adagrad(self.parameters(), lr=0.1)
 
 
-def _tutorial_batch(seed: int, rows: int = 8) -> dict[str, Any]:
+def tutorial_batch(seed: int, rows: int = 8) -> dict[str, Any]:
+    """A seeded dict batch of ``rows`` samples for :class:`TutorialModel`: dense values, ids and labels."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 3, (3 * rows,), generator=g)
     limits = torch.tensor([30, 50, 50]).repeat_interleave(rows).repeat_interleave(lengths)
@@ -218,77 +213,15 @@ def _tutorial_batch(seed: int, rows: int = 8) -> dict[str, Any]:
 def test_a_tutorial_style_model_serves_its_own_forward(tmp_path):
     """No ``inference_module``, no ``num_dense_features``: its ``forward(dense, kjt)`` serves, the dense width is
     read from the Linear that takes it, and a shared table (``item``/``seen``) keeps both features."""
-    ckpt = _checkpoint(_TutorialModel(), [_tutorial_batch(i) for i in range(3)], tmp_path / "ckpt")
+    ckpt = trained_checkpoint(TutorialModel(), [tutorial_batch(i) for i in range(3)], tmp_path / "ckpt")
     spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="fp32")  # the class the checkpoint names
     assert spec.features == ["user", "item", "seen"] and spec.num_dense_features == 3 and not spec.weighted
-    loaded = _TutorialModel.load_from_checkpoint(ckpt).eval()
-    batch = _tutorial_batch(99, rows=5)
+    loaded = TutorialModel.load_from_checkpoint(ckpt).eval()
+    batch = tutorial_batch(99, rows=5)
     with torch.no_grad():
         want = loaded(batch["dense"], batch["sparse"])
     (got,) = serve_fresh([(tmp_path / "model.pt", [serving_inputs(spec, batch["sparse"], batch["dense"])])], tmp_path)
     assert torch.equal(got, want), (got - want).abs().max()
-
-
-# ---- refusals: the part that cannot be exported, and why; nothing written ---------------------------------
-
-
-class _Branchy(nn.Module):
-    """A network whose output depends on a branch on tensor values: torch.fx cannot trace it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name="t_user", embedding_dim=4, num_embeddings=10, feature_names=["user"])],
-            device=torch.device("cpu"),
-        )
-
-    def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
-        x = self.ebc(sparse_features).values().sum(1)
-        if x.sum() > 0:
-            return x
-        return -x
-
-
-class _BranchyModule(RecLightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = _Branchy()
-
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        return self.net(batch["sparse"]).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def inference_module(self, part: str | None = None) -> nn.Module:
-        return self.net
-
-
-def _branchy_checkpoint(path: Path) -> Path:
-    kjt = KeyedJaggedTensor.from_lengths_sync(["user"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
-    return _checkpoint(_BranchyModule(), [{"sparse": kjt}], path)
-
-
-def test_untraceable_network_is_refused_naming_it_and_the_existing_file_is_kept(tmp_path):
-    ckpt = _branchy_checkpoint(tmp_path / "ckpt")
-    output = tmp_path / "model.pt"
-    output.write_bytes(b"the user's earlier artifact")
-    with pytest.raises(ExportError, match=r"_Branchy cannot be traced for serving .*control flow"):
-        export_inference(ckpt, output, table_dtype="fp32")
-    assert output.read_bytes() == b"the user's earlier artifact"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.pt"], "no partial file left behind"
-
-
-def test_modules_without_a_serving_network_and_wrong_arguments_are_refused(tmp_path):
-    sequential = _checkpoint(seeded_module(zoo_sequential.CASE), zoo_sequential.CASE.batches(1), tmp_path / "seq")
-    with pytest.raises(ExportError, match=r"cannot be exported for serving: it does not override `inference_module"):
-        export_inference(sequential, tmp_path / "seq.pt")
-    two_tower = _checkpoint(seeded_module(zoo_two_tower.CASE), zoo_two_tower.CASE.batches(1), tmp_path / "tt")
-    with pytest.raises(ExportError, match=r"serves two towers; choose one with part='query' or part='candidate'"):
-        export_inference(two_tower, tmp_path / "tt.pt")
-    with pytest.raises(ExportError, match=r"table_dtype must be one of .*'int4'.*got 'int3'"):
-        export_inference(two_tower, tmp_path / "tt.pt", part="query", table_dtype="int3")
-    assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob(".*partial"))
 
 
 @pytest.mark.dist
@@ -300,7 +233,7 @@ def test_cpp_example_serves_the_artifact_like_python(tmp_path):
     row lookup and the samples' layout all show in the outputs."""
     case, fast, _ = MODELS["dcnv2"]
     case = ZooCase(**{**case.__dict__, "build": fast})
-    ckpt = _checkpoint(seeded_module(case), case.batches(4), tmp_path / "ckpt")
+    ckpt = trained_checkpoint(seeded_module(case), case.batches(4), tmp_path / "ckpt")
     spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
     build = tmp_path / "build"
     prefix = torch.utils.cmake_prefix_path
@@ -327,22 +260,6 @@ def test_cpp_example_serves_the_artifact_like_python(tmp_path):
         want = load_inference(tmp_path / "model.pt")(dense, values, lengths)
     assert want.max() - want.min() > 0.1, "the samples' outputs must differ for their order to show"
     assert cpp.shape == want.shape and torch.allclose(cpp, want, rtol=0, atol=1e-6), (cpp - want).abs().max()
-
-
-def test_a_checkpoint_that_does_not_name_its_class_needs_model_class(tmp_path):
-    """Checkpoints written before the module class was recorded: a hint to pass it (checked before anything is
-    loaded); a class given explicitly is the one exported."""
-    ckpt = _branchy_checkpoint(tmp_path / "ckpt")
-    old = tmp_path / "old.ckpt"
-    shutil.copytree(ckpt, old)
-    meta = load_meta(old / "meta.pt")
-    del meta["lightning_rec"]["module_class"]
-    (old / "meta.pt").write_bytes(dumps_meta(meta))
-    with pytest.raises(ExportError, match=r"does not name the LightningModule .*--model-class package.module.Class"):
-        export_inference(old, tmp_path / "model.pt")
-    with pytest.raises(ExportError, match=r"_Branchy cannot be traced"):  # got past the class: the network is refused
-        export_inference(ckpt, tmp_path / "model.pt", model_class=f"{__name__}._BranchyModule")
-    assert not (tmp_path / "model.pt").exists()
 
 
 # ---- a user's model, trained sharded on 2 ranks, against plain PyTorch ------------------------------------------
@@ -392,73 +309,7 @@ def test_a_users_model_trained_on_two_ranks_serves_like_plain_pytorch(tmp_path):
     assert 0 < (int8 - fp32).abs().max() <= 2e-2
 
 
-class _NoHyperparameters(_TutorialModel):
-    """A module whose ``__init__`` takes an argument it does not save (no ``save_hyperparameters()``)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.width = width
-
-
-def test_a_module_that_did_not_save_its_arguments_gets_a_hint_and_init_args(tmp_path):
-    ckpt = _checkpoint(_NoHyperparameters(3), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
-    _assert_refused(ckpt, tmp_path, r"cannot build _NoHyperparameters .*'width'.*save_hyperparameters", CheckpointError)
-    spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="fp32", init_args={"width": 3})
-    assert spec.num_dense_features == 3 and inference_spec(tmp_path / "model.pt") == spec
-
-
-class _NarrowModel(RecLightningModule):
-    """Tables 6 and 2 columns wide, read as ``kt.values()``: int8 fits them, int4 (4-column units) does not. Its
-    ``forward(kjt)`` is not annotated: served all the same."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        tables = [
-            EmbeddingBagConfig(name="t_wide", embedding_dim=6, num_embeddings=30, feature_names=["user"]),
-            EmbeddingBagConfig(name="t_narrow", embedding_dim=2, num_embeddings=50, feature_names=["item", "seen"]),
-        ]
-        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-        self.top = nn.Linear(10, 1)
-
-    def forward(self, kjt):  # not annotated, as users often write it: the export finds it takes a KJT
-        return self.top(self.ebc(kjt).values()).squeeze(1)
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.binary_cross_entropy_with_logits(self(batch["sparse"]), batch["label"])
-
-    def configure_optimizers(self):
-        return torch.optim.Adagrad(self.parameters(), lr=0.1)
-
-
-def test_tables_too_narrow_for_the_quantized_dtype_are_named_before_anything_is_written(tmp_path):
-    """FBGEMM packs quantized rows in 2-byte units: int4 needs widths that are multiples of 4, int8 of 2. A table
-    that does not fit is named, with the dtypes that would, before anything is written."""
-    ckpt = _checkpoint(_NarrowModel(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
-    match = r"t_wide \(embedding_dim 6\), t_narrow \(embedding_dim 2\) cannot be stored as int4: .*multiple of 4\. "
-    _assert_refused(ckpt, tmp_path, match + r"HINT: --table-dtype int8 or fp16 or fp32", table_dtype="int4")
-    spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
-    assert spec.tables == {"t_wide": [30, 6], "t_narrow": [50, 2]} and spec.num_dense_features == 0
-
-
-class _DictForward(_NarrowModel):
-    """``forward(batch)`` on a dict batch, not annotated: only calling it on a KeyedJaggedTensor tells."""
-
-    def forward(self, batch):
-        return self.top(self.ebc(batch["sparse"]).values()).squeeze(1)
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.binary_cross_entropy_with_logits(self(batch), batch["label"])
-
-
-def test_a_forward_that_takes_a_training_batch_is_refused_with_the_hint(tmp_path):
-    ckpt = _checkpoint(_DictForward(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
-    match = r"_DictForward cannot be served as forward\(sparse_features\): calling it on a KeyedJaggedTensor of two "
-    _assert_refused(
-        ckpt, tmp_path, match + r"samples raised KeyError: 'sparse'\. HINT: override `_DictForward.inference"
-    )
-
-
-class _DensePath(_TutorialModel):
+class _DensePath(TutorialModel):
     """The dense input normalised first (``BatchNorm1d``/``LayerNorm``), or concatenated with ``kt.values()``."""
 
     def __init__(self, path: str = "batchnorm") -> None:
@@ -479,43 +330,15 @@ class _DensePath(_TutorialModel):
 
 @pytest.mark.parametrize("path", ["batchnorm", "layernorm", "concatenated"])
 def test_the_dense_width_is_read_from_the_first_layer_the_dense_input_reaches(tmp_path, path):
-    ckpt = _checkpoint(_DensePath(path), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
+    ckpt = trained_checkpoint(_DensePath(path), [tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
     spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="fp32", init_args={"path": path})
     assert spec.num_dense_features == 3
     loaded = _DensePath.load_from_checkpoint(ckpt, path=path).eval()
-    batch = _tutorial_batch(5)
+    batch = tutorial_batch(5)
     with torch.no_grad():
         want = loaded(batch["dense"], batch["sparse"])
         got = load_inference(tmp_path / "model.pt")(*serving_inputs(spec, batch["sparse"], batch["dense"]))
     assert torch.equal(got, want)
-
-
-class _SparseFirst(_TutorialModel):
-    """``forward(kjt, dense)``: the artifact calls ``(dense_features, sparse_features)``."""
-
-    def forward(self, kjt, dense):
-        return super().forward(dense, kjt)
-
-    def training_step(self, batch, batch_idx):
-        logits = self(batch["sparse"], batch["dense"])
-        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch["label"])
-
-
-class _SparseFirstAnnotated(_SparseFirst):
-    def forward(self, kjt: KeyedJaggedTensor, dense: torch.Tensor) -> torch.Tensor:
-        return super().forward(kjt, dense)
-
-
-@pytest.mark.parametrize(
-    "cls, message",
-    [
-        (_SparseFirstAnnotated, r"forward\(kjt, dense\) takes the KeyedJaggedTensor first; the artifact calls "),
-        (_SparseFirst, r"if its forward takes the KeyedJaggedTensor first, swap the arguments"),
-    ],
-)
-def test_a_forward_that_takes_the_sparse_features_first_is_refused_naming_the_order(tmp_path, cls, message):
-    ckpt = _checkpoint(cls(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
-    _assert_refused(ckpt, tmp_path, message, table_dtype="fp32")
 
 
 _SCRIPT = """
@@ -595,7 +418,7 @@ def test_the_artifact_refuses_ids_outside_their_tables_and_malformed_lengths(tmp
     """``bounds_check="error"`` (the default, as in training): an id outside its table raises, naming the feature,
     the id and the table's rows; lengths that do not fit the features or the values are refused. ``"warn"`` keeps
     FBGEMM's serving default: a too large id reads row 0."""
-    ckpt = _checkpoint(_TutorialModel(), [_tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
+    ckpt = trained_checkpoint(TutorialModel(), [tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
     spec = export_inference(ckpt, tmp_path / "strict.pt", table_dtype="fp32")
     lenient = export_inference(ckpt, tmp_path / "lenient.pt", table_dtype="fp32", bounds_check="warn")
     assert (spec.bounds_check, lenient.bounds_check) == ("error", "warn")

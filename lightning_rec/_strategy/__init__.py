@@ -2,6 +2,8 @@
 
 * :mod:`~lightning_rec._strategy.recshard`: :class:`RecShardStrategy`, the list of Lightning's hooks; each hook hands
   its work to one module beside it:
+* :mod:`~lightning_rec._strategy.lifecycle`: the work of ``setup_environment``, ``setup`` and ``batch_to_device``
+  (the process group, sharding with the optimizers, a batch's transfer);
 * :mod:`~lightning_rec._strategy.hook_state`: what one hook leaves for another (a backward without a step, ...);
 * :mod:`~lightning_rec._strategy.settings`: which Trainer flags and callbacks a sharded run can honour;
 * :mod:`~lightning_rec._strategy.sharding_config`: the sharding configuration, built once from the strategy's
@@ -12,7 +14,9 @@
 * :mod:`~lightning_rec._strategy.unsharded`: the sharded outputs put back in the unsharded module's order;
 * :mod:`~lightning_rec._strategy.optim`: the fused embedding optimizer and :class:`RecOptimizer`;
 * :mod:`~lightning_rec._strategy.pipeline`: the pipelined input distribution inside Lightning's loop;
-* :mod:`~lightning_rec._strategy.plan_report`: the plan as a table, JSON and picture;
+* :mod:`~lightning_rec._strategy.plan_report`: the plan with the planner's estimates, as JSON and a log table; the
+  rows and text table in :mod:`~lightning_rec._strategy.plan_table`, the estimates in
+  :mod:`~lightning_rec._strategy.plan_estimates`, the picture in :mod:`~lightning_rec._strategy.plan_chart`;
 * :mod:`~lightning_rec._strategy.faults`: one rank's failure told to the others.
 
 Example::

@@ -31,7 +31,8 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
 from lightning_rec._strategy.device_support import supported_kernels, supported_sharding_types
-from lightning_rec._strategy.plan_report import PlanReport, PlanRow
+from lightning_rec._strategy.plan_report import PlanReport
+from lightning_rec._strategy.plan_table import PlanRow
 from lightning_rec._tables import embedding_modules, table_configs
 
 __all__ = ["check_plan", "read_plan", "to_sharding_plan"]
@@ -181,7 +182,7 @@ def _covered_shape(row: PlanRow) -> list[int] | None:
 
 
 def _decode_extras(extras: Mapping[str, Any]) -> dict[str, Any]:
-    """``ParameterSharding`` keyword arguments from the report's JSON ``extras`` (see ``plan_report.plan_extras``)."""
+    """``ParameterSharding`` keyword arguments from the report's JSON ``extras`` (see ``plan_table.plan_extras``)."""
     out: dict[str, Any] = {}
     for name, value in extras.items():
         if name == "bounds_check_mode":

@@ -17,7 +17,8 @@ are split across ranks:
 5. ``teardown``: leaves the sharded module where it is, so later ``validate``/``test``/``predict`` calls reuse
    it.
 
-The mechanics live in :mod:`lightning_rec._strategy.sharding_config` (the sharding configuration, built once from the
+The mechanics live in :mod:`lightning_rec._strategy.lifecycle` (the work of ``setup_environment``, ``setup`` and
+``batch_to_device``), :mod:`lightning_rec._strategy.sharding_config` (the sharding configuration, built once from the
 arguments: ``strategy.sharding``), :mod:`lightning_rec._strategy.dmp`, :mod:`lightning_rec._strategy.optim`,
 :mod:`lightning_rec._strategy.plan_report` and :mod:`lightning_rec.checkpoint`; what one hook leaves for another is in
 :mod:`lightning_rec._strategy.hook_state`; this file is the list of Lightning hooks.
@@ -40,7 +41,6 @@ from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -50,31 +50,23 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from typing_extensions import override
 
 from lightning_rec import _compat
-from lightning_rec._batch import custom_batch_hooks, to_device
+from lightning_rec._batch import custom_batch_hooks
 from lightning_rec._inputs.checks import InputChecks
 from lightning_rec._strategy.batch_counts import BatchCounts
-from lightning_rec._strategy.device_support import vbe_refusals
-from lightning_rec._strategy.dmp import (
-    ManualOptimizationRedirection,
-    dense_ddp,
-    prepare_for_optimizers,
-    sharded_state,
-    unfused_table_parameters,
-)
-from lightning_rec._strategy.faults import FailureBoard, close_process_group_at_exit, describe_position, note_failure
+from lightning_rec._strategy.dmp import ManualOptimizationRedirection, dense_ddp, sharded_state
+from lightning_rec._strategy.faults import FailureBoard, describe_position, note_failure
 from lightning_rec._strategy.hook_state import HookState
-from lightning_rec._strategy.optim import (
-    RecOptimizer,
-    combine_optimizers,
+from lightning_rec._strategy.lifecycle import (
+    input_refusals,
+    rank_boards,
+    shard_with_optimizers,
+    start_process_group,
+    transfer_batch,
 )
+from lightning_rec._strategy.optim import RecOptimizer
 from lightning_rec._strategy.pipeline import SparseDistPipeline, check_pipelinable
 from lightning_rec._strategy.plan_report import PlanReport, write_for_trainer
-from lightning_rec._strategy.settings import (
-    check_fit,
-    check_precision,
-    raised_in,
-    toggle_optimizer_error,
-)
+from lightning_rec._strategy.settings import check_fit, check_precision, raised_in, toggle_optimizer_error
 from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec.checkpoint._io import load, remove, save
 from lightning_rec.checkpoint._optimizer_state import canonical_state
@@ -230,9 +222,7 @@ class RecShardStrategy(ParallelStrategy):
         self._rec_optimizer: RecOptimizer | None = None
         self._forward_redirection = ManualOptimizationRedirection()
 
-    # ---------------------------------------------------------------------------------------------------
-    # Properties Lightning asks for
-    # ---------------------------------------------------------------------------------------------------
+    # --- Properties Lightning asks for ---
 
     @property
     @override
@@ -314,9 +304,7 @@ class RecShardStrategy(ParallelStrategy):
         assert module is not None
         return module
 
-    # ---------------------------------------------------------------------------------------------------
-    # Lifecycle, in Lightning's order
-    # ---------------------------------------------------------------------------------------------------
+    # --- Lifecycle, in Lightning's order ---
 
     @override
     def _configure_launcher(self) -> None:
@@ -343,16 +331,16 @@ class RecShardStrategy(ParallelStrategy):
         super().setup_environment()
         # As the launching process already did (and torchrun does): one share of the host's cores per local rank.
         _compat._set_num_threads_if_needed(self.num_processes)
-        self._setup_distributed()
-        close_process_group_at_exit(self._timeout)  # a finished job must exit 0, not abort in gloo's threads
-        # A prefix shared by every rank of this run, under which a failing rank leaves its error for the others.
+        _compat.reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self._process_group_backend = start_process_group(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
+        )
+        # A prefix shared by every rank of this run, under which the ranks leave their errors and batch counts.
         token = self.broadcast(uuid.uuid4().hex)
-        self._failures = FailureBoard.for_default_group(token, self.global_rank)
-        # Ranks that run out of training batches at different counts are named (batch_counts), not left to pair
-        # their next collectives with the others' remaining batches.
-        wait = min(self._timeout, timedelta(seconds=10)) if self._timeout is not None else timedelta(seconds=10)
-        self._batch_counts = BatchCounts.for_default_group(
-            token, self.global_rank, self.world_size, wait, type(self).__name__
+        self._failures, self._batch_counts = rank_boards(
+            token, self.global_rank, self.world_size, self._timeout, type(self).__name__
         )
 
     @override
@@ -365,58 +353,21 @@ class RecShardStrategy(ParallelStrategy):
         if fitting:
             self._steps.fit_started(check_fit(trainer, module, self.sharding.module_types, type(self).__name__))
 
-        state = sharded_state(module)
-        if fitting and state is None and self._layer_sync is not None:
-            # Trainer(sync_batchnorm=True), as Lightning's ddp applies it: before the optimizers see the parameters.
-            self._layer_sync.apply(module)  # converts the BatchNorm layers in place (the root is no BatchNorm)
-        is_embedding = prepare_for_optimizers(module, self.sharding.module_types, self.root_device, state)
-        optimizers: list[Optimizer] = []
-        lr_scheduler_configs: list[Any] = []
-        # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
-        if fitting or (state is None and is_overridden("configure_optimizers", module)):
-            optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
-        emb_opt, lr_source, per_table = self.sharding.embedding_optimizer_for(
-            module, optimizers, is_embedding, self.root_device.type
+        done = shard_with_optimizers(
+            module, self.sharding, fitting, self.root_device, self.world_size, self.num_processes, self._layer_sync
         )
-
-        if state is None:
-            state = self.sharding.shard(
-                module,
-                emb_opt,
-                world_size=self.world_size,
-                num_processes=self.num_processes,
-                device=self.root_device,
-                per_table=per_table,
-            )
-        elif fitting:
-            self.sharding.check_sharded_with(state, emb_opt, per_table)  # the fused optimizer is in the kernels
+        state = done.state
         self.model = state.dmp
         self._input_checks.install(
-            state.dmp.module,
-            state.inputs,
-            vbe_refusals(
-                state.plan,
-                sorted({o.name for o in [state.embedding_optimizer, *state.table_optimizers.values()]}),
-                self.root_device.type,
-                self.world_size,
-            ),
+            state.dmp.module, state.inputs, input_refusals(state, self.root_device.type, self.world_size)
         )
         # (Lightning's data connector sets `Trainer.datamodule`; the Trainer class does not declare it.)
         self._steps.batch_hooks = custom_batch_hooks(module, trainer.datamodule)  # type: ignore[attr-defined]
         self._steps.redirect_steps = dense_ddp(state.dmp) is not None
 
         if fitting:
-            self._rec_optimizer, self.optimizers = combine_optimizers(
-                state.dmp.fused_optimizer,
-                optimizers,
-                named_parameters=dict(module.named_parameters()),
-                is_embedding=is_embedding,
-                lr_source=lr_source,
-                table_params=unfused_table_parameters(module, state),
-                embedding_optimizer=state.embedding_optimizer,
-                per_table=per_table,
-            )
-            self.lr_scheduler_configs = lr_scheduler_configs
+            self._rec_optimizer, self.optimizers = done.rec_optimizer, done.optimizers
+            self.lr_scheduler_configs = done.lr_scheduler_configs
             if self._report_plan and state.report is not None:
                 write_for_trainer(state.report, trainer, self.global_rank)  # every rank: it may broadcast
             self._sparse_dist = (
@@ -448,18 +399,8 @@ class RecShardStrategy(ParallelStrategy):
         if self._sparse_dist is not None and self._attached_module.trainer.training:
             batch = self._sparse_dist.begin_step()  # already on the device, checked on the host and distributed
         else:
-            checked = self._input_checks.check_host(batch)
-            custom_transfer, custom_after = self._steps.batch_hooks
-            device = device or self.root_device
-            if custom_transfer:
-                batch = _compat.call_batch_hook(
-                    self._attached_module, "transfer_batch_to_device", batch, device, dataloader_idx
-                )
-            else:
-                batch = to_device(batch, device)
-            self._input_checks.trust(checked, batch)
-            if custom_after:
-                batch = _compat.call_batch_hook(self._attached_module, "on_after_batch_transfer", batch, dataloader_idx)
+            module, checks, hooks = self._attached_module, self._input_checks, self._steps.batch_hooks
+            batch = transfer_batch(module, batch, device or self.root_device, dataloader_idx, checks, hooks)
         self._steps.transferring = False
         return batch
 
@@ -545,9 +486,7 @@ class RecShardStrategy(ParallelStrategy):
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
 
-    # ---------------------------------------------------------------------------------------------------
-    # Collectives
-    # ---------------------------------------------------------------------------------------------------
+    # --- Collectives ---
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -579,9 +518,7 @@ class RecShardStrategy(ParallelStrategy):
             return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # ---------------------------------------------------------------------------------------------------
-    # Checkpoints (torch.distributed.checkpoint; see lightning_rec.checkpoint)
-    # ---------------------------------------------------------------------------------------------------
+    # --- Checkpoints (torch.distributed.checkpoint; see lightning_rec.checkpoint) ---
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -632,9 +569,7 @@ class RecShardStrategy(ParallelStrategy):
         if self.is_global_zero:
             remove(Path(filepath))
 
-    # ---------------------------------------------------------------------------------------------------
-    # Registration
-    # ---------------------------------------------------------------------------------------------------
+    # --- Registration ---
 
     @classmethod
     @override
@@ -646,20 +581,7 @@ class RecShardStrategy(ParallelStrategy):
             override=True,
         )
 
-    # ---------------------------------------------------------------------------------------------------
-    # Private helpers
-    # ---------------------------------------------------------------------------------------------------
-
-    def _setup_distributed(self) -> None:
-        _compat.reset_seed()
-        self.set_world_ranks()
-        if self._process_group_backend is None:
-            self._process_group_backend = _compat._get_default_process_group_backend_for_device(self.root_device)
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+    # --- Private helpers ---
 
     def _describe_position(self, ahead: int, batch: int | None = None) -> str:
         module = self.lightning_module

@@ -41,7 +41,8 @@ from lightning_rec._strategy.optim import (
     resolve_embedding_optimizer,
 )
 from lightning_rec._strategy.plan_file import check_plan, read_plan, to_sharding_plan
-from lightning_rec._strategy.plan_report import PlanReport, table_shapes
+from lightning_rec._strategy.plan_report import PlanReport
+from lightning_rec._strategy.plan_table import table_shapes
 from lightning_rec._strategy.quiet import torchrec_noise_silenced
 from lightning_rec._strategy.sharding import make_sharders, plan_module
 from lightning_rec._strategy.topology import DevicePreset, default_preset

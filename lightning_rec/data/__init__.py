@@ -2,6 +2,7 @@
 schema; and what they share."""
 
 from lightning_rec.config import SparseFeature
+from lightning_rec.data._movielens_files import export_parquet, prepare_movielens
 from lightning_rec.data.base import (
     DistributedBatchSampler,
     Jagged,
@@ -11,14 +12,7 @@ from lightning_rec.data.base import (
     rank_batches,
 )
 from lightning_rec.data.criteo import CriteoDataModule, write_criteo_tsv
-from lightning_rec.data.movielens import (
-    Interactions,
-    MovieLensDataModule,
-    export_parquet,
-    load_interactions,
-    load_movielens,
-    prepare_movielens,
-)
+from lightning_rec.data.movielens import Interactions, MovieLensDataModule, load_interactions, load_movielens
 from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule, RetrievalSplits, retrieval_splits
 from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule, SequenceSplits, sequence_splits
 from lightning_rec.data.schema import DataError, DenseColumn, LabelColumn, Schema, SparseColumn

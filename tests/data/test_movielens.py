@@ -8,15 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_rec.data import movielens
+from lightning_rec.data import _movielens_files
+from lightning_rec.data._movielens_files import _GROUPLENS_GENRES, prepare_movielens
 from lightning_rec.data.base import rank_batches
-from lightning_rec.data.movielens import (
-    _GROUPLENS_GENRES,
-    MovieLensDataModule,
-    _holdout_split,
-    load_movielens,
-    prepare_movielens,
-)
+from lightning_rec.data.movielens import MovieLensDataModule, _holdout_split, load_movielens
 from tests.helpers.data import movielens_dir
 
 
@@ -26,18 +21,20 @@ def ml_dir() -> Path:
 
 
 def test_prepare_fetches_checked_files_once(ml_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, sha in movielens._ATOMIC_FILES.items():
-        assert movielens._sha256(ml_dir / name) == sha
+    for name, sha in _movielens_files._ATOMIC_FILES.items():
+        assert _movielens_files._sha256(ml_dir / name) == sha
     # Present data is never fetched again.
-    monkeypatch.setattr(movielens, "_download_wheel", lambda dest: pytest.fail("downloaded data already present"))
+    monkeypatch.setattr(
+        _movielens_files, "_download_wheel", lambda dest: pytest.fail("downloaded data already present")
+    )
     assert prepare_movielens(ml_dir) == ml_dir
 
 
 def test_prepare_refuses_a_wheel_with_the_wrong_checksum(tmp_path: Path) -> None:
-    fake = tmp_path / movielens._RECBOLE_WHEEL
+    fake = tmp_path / _movielens_files._RECBOLE_WHEEL
     with zipfile.ZipFile(fake, "w") as zf:
-        for name in movielens._ATOMIC_FILES:
-            zf.writestr(movielens._WHEEL_DIR + name, "user_id:token\n1\n")
+        for name in _movielens_files._ATOMIC_FILES:
+            zf.writestr(_movielens_files._WHEEL_DIR + name, "user_id:token\n1\n")
     target = tmp_path / "ml"
     with pytest.raises(RuntimeError, match="SHA-256"):
         prepare_movielens(target, wheel=fake)

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from lightning_rec.data import DataError, MovieLensDataModule, TabularDataModule
-from lightning_rec.data.movielens import export_parquet
+from lightning_rec.data._movielens_files import export_parquet
 from lightning_rec.data.schema import Vocabulary, hash_ids
 from lightning_rec.models.dlrm import table_configs
 from tests.helpers.data import movielens_dir

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_rec.data.movielens import prepare_movielens
+from lightning_rec.data._movielens_files import prepare_movielens
 
 REPO = Path(__file__).resolve().parents[2]
 MOVIELENS_DIR = REPO / "data" / "ml-100k"

@@ -22,8 +22,10 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_rec import _compat
-from lightning_rec._strategy import plan_report
-from lightning_rec._strategy.plan_report import PlanReport, imbalance, plan_rows, write_plan_report
+from lightning_rec._strategy import plan_estimates, plan_report
+from lightning_rec._strategy.plan_estimates import imbalance
+from lightning_rec._strategy.plan_report import PlanReport, write_plan_report
+from lightning_rec._strategy.plan_table import plan_rows
 from lightning_rec._strategy.sharding import make_planner, make_sharders
 from lightning_rec.config import TableConstraints
 from tests.helpers.dist import run_ranks
@@ -107,7 +109,7 @@ def test_imbalance_definition_and_docstring_examples() -> None:
     assert imbalance([4.0, 0.0]) == 2.0  # one of two ranks carries everything
     assert imbalance([3, 1, 2]) == pytest.approx(1.5)
     assert imbalance([0, 0]) is None and imbalance([1.0, None]) is None and imbalance([]) is None
-    result = doctest.testmod(plan_report, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(plan_estimates, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 3 and result.failed == 0
 
 
