@@ -4,7 +4,7 @@ Each mutation replaces one exact snippet of the code (it must occur exactly once
 and restores the file, whatever happens. A mutation that no test catches is the finding.
 
     .venv/bin/python scripts/mutations.py --list
-    .venv/bin/python scripts/mutations.py                    # all of them (~15 min on 2 cores)
+    .venv/bin/python scripts/mutations.py                    # all of them (~4 min on 2 cores)
     .venv/bin/python scripts/mutations.py loss_item cpu_lookup_group
 
 Exit status 1 when a mutation survives (every test passed with it).
