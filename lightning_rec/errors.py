@@ -1,7 +1,7 @@
 """Every exception a user of this package can catch, in one place.
 
 This module imports nothing from ``lightning_rec``: every other module may raise these without import cycles.
-Each class is also importable from the module that raises it (``lightning_rec._inputs.InputError``,
+Each class is also importable from the module that raises it (``lightning_rec.errors.InputError``,
 ``lightning_rec.checkpoint.CheckpointError``, ...), and the input errors from ``lightning_rec`` itself.
 
 Example::
@@ -23,7 +23,7 @@ class InputError(ValueError):
     and what was expected, and where in training it happened; nothing was updated with the batch.
 
     Raised by :func:`~lightning_rec._inputs.kjt.check_on_host` and :func:`~lightning_rec._inputs.kjt.check_features`,
-    which :class:`~lightning_rec._inputs.InputChecks` runs on every batch (``bounds_check="error"``, the default of
+    which :class:`~lightning_rec._inputs.checks.InputChecks` runs on every batch (``bounds_check="error"``, the default of
     :class:`~lightning_rec.RecShardStrategy`): a missing or extra feature, a wrong dtype or shape, lengths that do
     not add up, or an id outside its table.
     """
@@ -33,7 +33,7 @@ class NonFiniteError(ValueError):
     """NaN or infinity in a dense input (refused before the step) or in the loss (see ``nonfinite`` of
     :class:`~lightning_rec.RecShardStrategy`).
 
-    Raised by :class:`~lightning_rec._inputs.InputChecks` with ``nonfinite="error"`` (the default) or ``"strict"``.
+    Raised by :class:`~lightning_rec._inputs.checks.InputChecks` with ``nonfinite="error"`` (the default) or ``"strict"``.
     """
 
 

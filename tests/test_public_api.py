@@ -166,28 +166,54 @@ def test_the_shipped_configs_name_only_public_classes():
     assert not found, "\n".join(found)
 
 
+_FILE_SUFFIXES = ("json", "py", "ckpt", "pt")  # lightning_rec.json is a file inside an artifact, not a module
+
+
+def _dotted_names(text: str) -> set[str]:
+    """The dotted ``lightning_rec...`` names in ``text``, less versioned document names (``lightning_rec.x/1``)."""
+    return {m.group(0) for m in re.finditer(r"lightning_rec(?:\.\w+)+(?!\w|/)", text)}
+
+
+def _resolves(name: str) -> bool:
+    """``name`` is a module, or an attribute path on one."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if attr in _FILE_SUFFIXES:
+                return True
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                return False
+        return True
+    return False
+
+
 def test_the_readme_names_only_public_modules():
-    """Every dotted ``lightning_rec...`` name in the README (imports, ``python -m``, class paths, prose) is public;
-    file paths (``lightning_rec/_strategy/...``) point a reader at the source and may be private."""
-    text = (REPO / "README.md").read_text()
-    dotted = set(re.findall(r"lightning_rec(?:\.\w+)+", text))
+    """Every dotted ``lightning_rec...`` name in the README (imports, ``python -m``, class paths, prose) is public
+    and resolves; file paths (``lightning_rec/_strategy/...``) point a reader at the source and may be private."""
+    dotted = _dotted_names((REPO / "README.md").read_text())
     assert dotted
     private = sorted(d for d in dotted if _is_private(d))
     assert not private, f"the README names private modules: {private}"
-    # ... and the names it shows resolve (a module, or an attribute of one).
-    for name in sorted(dotted):
-        parts = name.split(".")
-        for cut in range(len(parts), 0, -1):
-            try:
-                obj = importlib.import_module(".".join(parts[:cut]))
-            except ImportError:
-                continue
-            for attr in parts[cut:]:
-                obj = getattr(obj, attr, None)
-                if obj is None and attr in ("json", "py", "ckpt", "pt"):  # a file name such as lightning_rec.json
-                    break
-                assert obj is not None, f"the README names {name}, which does not resolve"
-            break
+    unresolved = sorted(d for d in dotted if not _resolves(d))
+    assert not unresolved, f"the README names what does not exist: {unresolved}"
+
+
+def test_the_names_docstrings_and_docs_point_to_exist():
+    """A docstring's or a doc's ``lightning_rec.x.Y`` names a module or attribute that exists, private or not (a
+    reference left behind by a move is a dead end for the reader)."""
+    files = [*sorted(PACKAGE.rglob("*.py")), REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
+    unresolved = sorted(
+        f"{path.relative_to(REPO)}: {name}"
+        for path in files
+        for name in _dotted_names(path.read_text())
+        if not _resolves(name)
+    )
+    assert not unresolved, "\n".join(unresolved)
 
 
 def test_the_console_script_and_python_m_run_the_same_cli():

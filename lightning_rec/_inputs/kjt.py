@@ -10,7 +10,7 @@ Two halves, so that checking costs a GPU nothing:
   features, dtypes and shapes, and, with ``data=True`` (a KJT nobody checked on the host, e.g. one built inside
   ``forward``), its contents too, which on a device means one host-device sync.
 
-:class:`~lightning_rec._inputs.InputChecks` wires both into training; both are plain functions, usable on their own
+:class:`~lightning_rec._inputs.checks.InputChecks` wires both into training; both are plain functions, usable on their own
 (e.g. to validate a data pipeline offline).
 
 Example::
@@ -84,7 +84,7 @@ def check_features(
         ``kjt``, or a permuted copy holding the module's features in its order.
 
     Reading the contents of a device tensor makes the host wait for the device (one wait per call, all
-    contents fetched at once); :class:`~lightning_rec._inputs.InputChecks` therefore checks contents on the host
+    contents fetched at once); :class:`~lightning_rec._inputs.checks.InputChecks` therefore checks contents on the host
     copy of each batch and calls this with ``data=False`` at the module's door.
 
     Example::

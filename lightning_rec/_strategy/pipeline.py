@@ -8,7 +8,7 @@ queue, contexts, streams and model rewrite) is driven from Lightning's hooks ins
 Lightning's:
 
 * the train DataLoader is wrapped (:class:`PipelinedLoader`): batches are checked on the host
-  (:meth:`~lightning_rec._inputs.InputChecks.check_host`), copied to the device on TorchRec's copy stream and
+  (:meth:`~lightning_rec._inputs.checks.InputChecks.check_host`), copied to the device on TorchRec's copy stream and
   queued with their contexts one batch ahead of what Lightning has taken, so while batch *i* runs, batch *i+1* is
   already queued (a bad batch is therefore refused a step or two before its own step, naming that step);
 * at the start of step *i* (:meth:`SparseDistPipeline.begin_step`): the finished batch *i-1* leaves the queue,

@@ -103,13 +103,13 @@ class RecShardStrategy(ParallelStrategy):
             ``configure_embedding_optimizer()``. ``None`` (default): derive it from ``configure_optimizers``.
         fused_params: extra FBGEMM table-batched-embedding arguments for every table (e.g.
             ``{"stochastic_rounding": False}``).
-        bounds_check: what to do with ids outside a table: ``"error"`` (default: an :class:`~lightning_rec._inputs.InputError`
+        bounds_check: what to do with ids outside a table: ``"error"`` (default: an :class:`~lightning_rec.errors.InputError`
             naming the feature, table, id and table size, raised before anything is updated), ``"warn"`` (TorchRec's
             default: warn and read row 0 instead), ``"ignore"`` (silently read row 0) or ``"none"`` (no check at all,
             not even of the features, lengths and dtypes that the other modes check: undefined on bad input; for
             benchmarks). See :mod:`lightning_rec._inputs`.
         nonfinite: NaN or infinity in a dense input or in the loss. ``"error"`` (default): a
-            :class:`~lightning_rec._inputs.NonFiniteError` naming the step; a dense input is refused before its step
+            :class:`~lightning_rec.errors.NonFiniteError` naming the step; a dense input is refused before its step
             (checked on the host), a loss is read one step late without making the GPU wait (reported before the
             next update, any checkpoint and the end of fitting; that step's own update has happened).
             ``"strict"``: the loss too is refused before its backward pass, at one host sync per step. ``"warn"``
