@@ -11,6 +11,7 @@ benchmarks, the shipped configs, the README) imports public modules only.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -88,6 +89,7 @@ def test_public_modules_declare_what_they_export(name):
         assert not foreign, f"{name}.__all__ re-exports {foreign}: import them from where they are defined"
 
 
+@functools.cache  # every import of a module asks again
 def _defined_at_top(module_name: str) -> set[str] | None:
     """Names a module binds itself (defs, classes, assignments), not those it imports; None for packages."""
     module = importlib.import_module(module_name)
