@@ -20,6 +20,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.config import SparseFeature
+from lightning_rec.data.resume import ResumableLoader
 from lightning_rec.data.stream import StreamLoader, TableStream
 
 __all__ = [
@@ -201,7 +202,9 @@ class DistributedBatchSampler(DistributedSampler):
     """Yields this rank's batches of row indices (see :func:`rank_batches`); use with ``batch_size=None``.
 
     It is a ``DistributedSampler`` so that Lightning keeps it (instead of injecting its own, which would pad
-    with repeated rows) and calls :meth:`set_epoch` on it, which reshuffles each epoch. With ``with_epoch`` it
+    with repeated rows) and calls :meth:`set_epoch` on it, which reshuffles each epoch. A pass skips the epoch's
+    first ``start_batch`` batches (a resumed epoch: :class:`~lightning_rec.data.resume.ResumableLoader` sets it;
+    ``len()`` stays the epoch's). With ``with_epoch`` it
     yields ``(epoch, indices)``, for a dataset whose rows depend on the epoch (e.g. sampled negatives) whatever the
     rank and the DataLoader worker that reads them.
 
@@ -225,6 +228,7 @@ class DistributedBatchSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.batch_size = batch_size
         self.with_epoch = with_epoch
+        self.start_batch = 0  # batches of the epoch the next pass skips (a resumed epoch, see ResumableLoader)
         self._num_batches = len(self._batches())
 
     def _batches(self) -> list[torch.Tensor]:
@@ -239,9 +243,10 @@ class DistributedBatchSampler(DistributedSampler):
         )
 
     def __iter__(self) -> Iterator[Any]:
+        batches = self._batches()[self.start_batch :]
         if self.with_epoch:
-            return ((self.epoch, b) for b in self._batches())
-        return iter(self._batches())
+            return ((self.epoch, b) for b in batches)
+        return iter(batches)
 
     def __len__(self) -> int:
         return self._num_batches
@@ -301,10 +306,14 @@ class RecDataModule(pl.LightningDataModule):
       :func:`batch_loader` for this rank, shuffled for training only; ``batch_size`` rows per training batch,
       :attr:`eval_batch_size` per evaluation batch. A dataset whose ``indexed_by_epoch`` is true is indexed by
       ``(epoch, indices)`` instead;
-    * a :class:`~lightning_rec.data.stream.TableStream`: a :class:`~lightning_rec.data.stream.StreamLoader` (it
-      resumes mid-epoch);
+    * a :class:`~lightning_rec.data.stream.TableStream`: a :class:`~lightning_rec.data.stream.StreamLoader`;
     * any other ``IterableDataset`` (it yields this rank's batches itself): a ``DataLoader`` with ``batch_size=None``;
     * ``None`` (the data has no such split): no batches (``[]``), e.g. ``fit`` without validation.
+
+    The training loader resumes mid-epoch exactly (:class:`~lightning_rec.data.resume.ResumableLoader`: Lightning
+    saves where in the epoch it is in every checkpoint): a map-style dataset's, a stream's, and an
+    ``IterableDataset``'s that can skip the first batches of an epoch (its ``start_batch`` attribute and
+    ``set_epoch``, as :class:`~lightning_rec.data.criteo.CriteoTSVStream` has).
 
     Args:
         batch_size: rows per batch on each rank.
@@ -370,19 +379,26 @@ class RecDataModule(pl.LightningDataModule):
         if isinstance(dataset, TableStream):
             return StreamLoader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory)
         if isinstance(dataset, IterableDataset):
-            return DataLoader(
+            resumable = name == "train" and isinstance(getattr(dataset, "start_batch", None), int)
+            loader = DataLoader(
                 dataset,
                 batch_size=None,
                 num_workers=self.num_workers,
-                persistent_workers=self.num_workers > 0,
+                # a resumed pass tells its workers where to start: they get a fresh copy of the dataset each pass
+                persistent_workers=self.num_workers > 0 and not resumable,
                 multiprocessing_context="spawn" if self.num_workers > 0 else None,
                 pin_memory=self.pin_memory,
             )
+            if not resumable:
+                return loader
+            world_size = self.rank_and_world_size[1]
+            return ResumableLoader(loader, dataset, world_size=world_size, batch_size=self.batch_size)
         rank, world_size = self.rank_and_world_size
         train = name == "train"
-        return batch_loader(
+        batch_size = self.batch_size if train else self.eval_batch_size
+        loader = batch_loader(
             dataset,
-            self.batch_size if train else self.eval_batch_size,
+            batch_size,
             rank=rank,
             world_size=world_size,
             shuffle=train,
@@ -391,6 +407,10 @@ class RecDataModule(pl.LightningDataModule):
             pin_memory=self.pin_memory,
             with_epoch=bool(getattr(dataset, "indexed_by_epoch", False)),
         )
+        if not train:
+            return loader  # Lightning's evaluation loops want the DataLoader itself (predict tracks its indices)
+        # The sampler orders the epoch in this process, whatever the workers: a worker count change resumes exactly.
+        return ResumableLoader(loader, loader.sampler, world_size=world_size, batch_size=batch_size)
 
     def train_dataloader(self) -> Any:
         return self.dataloader("train")

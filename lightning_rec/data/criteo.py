@@ -219,14 +219,22 @@ class CriteoTSVStream(IterableDataset):
         self.paths = [str(p) for p in paths]
         self.batch_size, self.rank, self.world_size, self.has_label = batch_size, rank, world_size, has_label
         self.sizes = torch.tensor(_table_sizes(num_embeddings))
+        self.start_batch = 0  # rounds the next pass skips (a resumed epoch, see lightning_rec.data.resume)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to reshuffle: every epoch reads the files in order (kept for resumable loaders)."""
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        physical, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        skip = self.start_batch
+        # Batch i of a rank is round i, whatever the workers; the DataLoader asks worker 0 first, so on a resumed
+        # epoch worker 0 takes the round that comes next.
+        worker = (physical + skip) % workers
         round_size, b, r = self.world_size * self.batch_size, self.batch_size, self.rank
         count, index, kept = 0, 0, []  # kept: the lines of the current round, if it is this worker's
         for row in _read_rows(self.paths, self.has_label):
-            if index % workers == worker:
+            if index % workers == worker and index >= skip:
                 kept.append(row)
             count += 1
             if count == round_size:

@@ -11,7 +11,9 @@ How an epoch is cut (:class:`TableStream`):
 3. A rank's batches are dealt to its DataLoader workers in contiguous runs; a worker reads its rows ``window``
    batches at a time (a bounded buffer), permutes them (seeded by seed, epoch, rank and window) and yields batches.
 4. :class:`StreamLoader` keeps how many batches it served in its ``state_dict``; Lightning saves it in mid-epoch
-   checkpoints and, on resume, the stream starts at the next batch (each worker skips whole windows unread).
+   checkpoints and, on resume, the stream starts at the next batch (each worker skips whole windows unread). Which
+   rows a batch holds depends on the rank and worker counts: a mid-epoch checkpoint resumed with other counts is
+   refused, naming both (:mod:`lightning_rec.data.resume`).
 
 Only the columns the schema names are read; a worker holds one window of rows and one unit at a time.
 """
@@ -30,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_rec.data.resume import ResumableLoader
 
 __all__ = ["StreamLoader", "TableStream", "Unit", "list_units", "read_unit"]
 
@@ -280,9 +284,10 @@ def _served_by(served: int, counts: Sequence[int]) -> tuple[list[int], int]:
     return done, turn % len(counts)
 
 
-class StreamLoader:
+class StreamLoader(ResumableLoader):
     """A DataLoader over a :class:`TableStream` that Lightning can resume mid-epoch: it counts the batches it served
-    (``state_dict``) and, after ``load_state_dict``, starts the epoch at the next one.
+    (``state_dict``) and, after ``load_state_dict``, starts the epoch at the next one (see
+    :class:`~lightning_rec.data.resume.ResumableLoader`; the stream's worker count is part of its layout).
 
     Attribute access and ``len()`` go to the DataLoader.
     """
@@ -290,8 +295,7 @@ class StreamLoader:
     def __init__(self, stream: TableStream, num_workers: int = 0, pin_memory: bool = False) -> None:
         from lightning_rec.data.base import _identity
 
-        self.stream = stream
-        self.dataloader = DataLoader(
+        dataloader = DataLoader(
             stream,
             batch_size=None,
             collate_fn=_identity,
@@ -299,38 +303,15 @@ class StreamLoader:
             multiprocessing_context="spawn" if num_workers > 0 else None,
             pin_memory=pin_memory,
         )
-        self.epoch, self.served, self._resume = 0, 0, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch to stream next (Lightning calls it through ``sampler.set_epoch`` at each epoch's start)."""
-        self.epoch = epoch
-
-    @property
-    def sampler(self) -> StreamLoader:
-        """Lightning calls ``sampler.set_epoch(epoch)``: this loader is its own sampler."""
-        return self
-
-    def __iter__(self) -> Iterator[Any]:
-        self.stream.set_epoch(self.epoch)
-        self.stream.start_batch, self._resume = self._resume, 0
-        self.served = self.stream.start_batch
-        for batch in self.dataloader:
-            self.served += 1
-            yield batch
+        super().__init__(
+            dataloader,
+            stream,
+            world_size=stream.world_size,
+            batch_size=stream.batch_size,
+            num_workers=num_workers,
+            workers_matter=True,
+        )
+        self.stream = stream
 
     def __len__(self) -> int:
         return len(self.stream)
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "served"}``: where in which epoch the stream is."""
-        return {"epoch": self.epoch, "served": self.served}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Start the next pass at batch ``served`` of epoch ``epoch`` (a mid-epoch checkpoint)."""
-        self.epoch = int(state["epoch"])
-        self._resume = int(state["served"]) if int(state["served"]) < len(self) else 0
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("stream", "dataloader"):
-            raise AttributeError(name)
-        return getattr(self.dataloader, name)

@@ -279,10 +279,16 @@ class TabularDataModule(RecDataModule):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (before the splits are built, so ids map as when training)."""
+        """Restore what :meth:`state_dict` saved, so ids map as when training.
+
+        Lightning restores a checkpoint after ``setup()`` built the splits: the in-memory splits are built again (on
+        their next use) only if the checkpoint's vocabularies or statistics differ from those they were built with.
+        """
+        before = self.state_dict()
         self.vocabularies = {f: Vocabulary(v) for f, v in state.get("vocabularies", {}).items()}
         self.dense_stats = {k: (float(v[0]), float(v[1])) for k, v in state.get("dense_stats", {}).items()}
-        self._splits = {}
+        if self.state_dict() != before:
+            self._splits = {}
 
     # ---- splits ---------------------------------------------------------------------------------------------
     def _train_parts(self) -> Iterator[Decoded]:
@@ -313,6 +319,11 @@ class TabularDataModule(RecDataModule):
         self._learn()
         if self.stream:
             return  # the loaders read the files
+        self._build()
+
+    def _build(self) -> None:
+        """The in-memory splits, their ids mapped by the current vocabularies and statistics."""
+        self._learn()
         decoded = self._read()
         if "train" not in decoded:
             raise ValueError("TabularDataModule: the training split has no rows.")
@@ -331,6 +342,8 @@ class TabularDataModule(RecDataModule):
         if self.stream:
             return self._stream(name)
         name = "val" if name == "predict" else name
+        if not self._splits:
+            self._build()  # a checkpoint restored after setup() brought other vocabularies or statistics
         if name not in self._splits:
             raise ValueError(f"TabularDataModule: there is no {name!r} split (splits: {sorted(self._splits)}).")
         return self._splits[name]

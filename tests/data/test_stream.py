@@ -127,7 +127,9 @@ def test_a_mid_epoch_checkpoint_resumes_at_the_next_batch(workers: int, tmp_path
         it = iter(loader)
         for _ in range(5):
             next(it)
-        assert loader.state_dict() == {"epoch": 2, "served": 5}
+        saved = loader.state_dict()
+        assert (saved["epoch"], saved["served"], saved["finished"]) == (2, 5, False)
+        assert (saved["world_size"], saved["num_workers"], saved["batch_size"]) == (2, 0, 40), "the layout, checked"
     state = {"epoch": 2, "served": 5}  # what Lightning saved after the fifth batch
     resumed = _loader(dm, 1, 2)
     resumed.load_state_dict(state)
