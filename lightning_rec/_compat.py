@@ -493,3 +493,40 @@ def parse_to(*args: Any, **kwargs: Any) -> tuple:
     import torch
 
     return torch._C._nn._parse_to(*args, **kwargs)
+
+
+# Lightning: the name of the next "hpc" checkpoint in a folder (``hpc_ckpt_<n+1>.ckpt``), the one its SLURM requeue
+# resumes from (``_CheckpointConnector._hpc_resume_path``); the preemption save uses the same name so that a requeued
+# job finds it the way Lightning's own requeue does. Only the private connector computes it.
+def hpc_save_path(folder: Any) -> str:
+    """Where Lightning's next "hpc" checkpoint in ``folder`` goes."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    return _CheckpointConnector.hpc_save_path(folder)
+
+
+# Lightning: ``ckpt_path="last"`` is turned into a path by ``_CheckpointConnector._parse_ckpt_path`` in
+# ``Trainer.fit/validate/...`` before any strategy hook runs, and it looks only in the new run's own ``version_N``
+# folder (and nowhere for the "hpc" checkpoints a preempted job saves): a restarted job (torchrun --max-restarts, an
+# operator re-running the command) starts over, silently. A strategy with ``resolve_last_checkpoint(trainer)`` answers
+# "last" itself; this wraps the connector's method once (class-level: there is no hook before it), and changes nothing
+# for other strategies or other values of ``ckpt_path``.
+def route_last_checkpoint() -> None:
+    """Let the trainer's strategy resolve ``ckpt_path="last"`` (idempotent)."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    original = _CheckpointConnector._parse_ckpt_path
+    if getattr(original, "__lightning_rec__", False):
+        return
+
+    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        resolve = getattr(self.trainer.strategy, "resolve_last_checkpoint", None)
+        if ckpt_path == "last" and resolve is not None:
+            found = resolve(self.trainer)
+            if found is not None:
+                return found
+        return original(self, state_fn, ckpt_path, model_provided, model_connected)
+
+    _parse_ckpt_path.__lightning_rec__ = True  # type: ignore[attr-defined]
+    _parse_ckpt_path.__wrapped__ = original  # type: ignore[attr-defined]
+    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]

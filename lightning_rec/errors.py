@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import pickle
 
-__all__ = ["CheckpointError", "ExportError", "InputError", "NonFiniteError", "UnsafeCheckpointError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointReplacedError",
+    "ExportError",
+    "InputError",
+    "NonFiniteError",
+    "Preempted",
+    "UnsafeCheckpointError",
+]
 
 
 class InputError(ValueError):
@@ -43,6 +51,41 @@ class CheckpointError(RuntimeError):
     Raised when loading or exporting a sharded checkpoint (:mod:`lightning_rec.checkpoint`): a missing or
     mismatching ``COMPLETE`` manifest, a file whose size or SHA-256 differs from it, or tensors the model lacks.
     """
+
+
+class CheckpointReplacedError(CheckpointError):
+    """A checkpoint was replaced by a newer save while it was being read; nothing was read from it, and reading it
+    again gets the newer one (``trainer.fit/validate/test/predict`` and the exports already retry a few times).
+
+    Example::
+
+        try:
+            model = MyModel.load_from_checkpoint("runs/x/checkpoints/last.ckpt")
+        except CheckpointReplacedError:
+            model = MyModel.load_from_checkpoint("runs/x/checkpoints/last.ckpt")  # the newer one
+    """
+
+
+class Preempted(SystemExit):
+    """A fit stopped by a preemption signal (SIGTERM, or SLURM's requeue signal) at a batch boundary, after every
+    rank saved a checkpoint; the process exits with ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1).
+
+    Raised by :class:`~lightning_rec.RecShardStrategy` on every rank at the same step (see
+    :mod:`lightning_rec._strategy.preemption`); a callback's ``on_exception`` sees it like any other exception.
+
+    Example::
+
+        >>> err = Preempted("preempted by SIGTERM at step 7; checkpoint hpc_ckpt_1.ckpt", 143)
+        >>> err.code, str(err)
+        (143, 'preempted by SIGTERM at step 7; checkpoint hpc_ckpt_1.ckpt')
+    """
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):

@@ -53,6 +53,7 @@ from lightning_rec import _compat
 from lightning_rec._batch import custom_batch_hooks
 from lightning_rec._inputs.checks import InputChecks
 from lightning_rec._strategy.batch_counts import BatchCounts
+from lightning_rec._strategy.checkpoint_dirs import check_writable, resolve_last_checkpoint, unwritable
 from lightning_rec._strategy.dmp import ManualOptimizationRedirection, dense_ddp, sharded_state
 from lightning_rec._strategy.faults import FailureBoard, describe_position, note_failure
 from lightning_rec._strategy.hook_state import HookState
@@ -66,6 +67,7 @@ from lightning_rec._strategy.lifecycle import (
 from lightning_rec._strategy.optim import RecOptimizer
 from lightning_rec._strategy.pipeline import SparseDistPipeline, check_pipelinable
 from lightning_rec._strategy.plan_report import PlanReport, write_for_trainer
+from lightning_rec._strategy.preemption import Preemption
 from lightning_rec._strategy.settings import check_fit, check_precision, raised_in, toggle_optimizer_error
 from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec.checkpoint._io import load, remove, save
@@ -78,6 +80,7 @@ from lightning_rec.config import (
     TableConstraints,
     TopologyConfig,
 )
+from lightning_rec.errors import Preempted
 
 # How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -221,6 +224,8 @@ class RecShardStrategy(ParallelStrategy):
         self._sparse_dist: SparseDistPipeline | None = None
         self._rec_optimizer: RecOptimizer | None = None
         self._forward_redirection = ManualOptimizationRedirection()
+        self._preemption = Preemption()  # signals stop a fit at a batch boundary, with a checkpoint
+        _compat.route_last_checkpoint()  # ckpt_path="last" -> resolve_last_checkpoint
 
     # --- Properties Lightning asks for ---
 
@@ -342,6 +347,7 @@ class RecShardStrategy(ParallelStrategy):
         self._failures, self._batch_counts = rank_boards(
             token, self.global_rank, self.world_size, self._timeout, type(self).__name__
         )
+        self._preemption.start(self.world_size)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -352,6 +358,11 @@ class RecShardStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._steps.fit_started(check_fit(trainer, module, self.sharding.module_types, type(self).__name__))
+            check_writable(sorted({p for rank in self._all_gather_objects(unwritable(trainer)) for p in rank}))
+        # (Lightning's callback connector sets `Trainer.callbacks`; the Trainer class does not declare it.)
+        callbacks: list = trainer.callbacks  # type: ignore[attr-defined]
+        if self._preemption not in callbacks:
+            callbacks.append(self._preemption)
 
         done = shard_with_optimizers(
             module, self.sharding, fitting, self.root_device, self.world_size, self.num_processes, self._layer_sync
@@ -468,6 +479,8 @@ class RecShardStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks why this one stops, or, if a collective failed because another rank stopped, say
         which rank and why (see :mod:`lightning_rec._strategy.faults`)."""
+        if isinstance(exception, Preempted):
+            return  # every rank stopped at the same step, after a checkpoint: nobody failed
         position = self._describe_position(0)
         self._steps.transferring = False
         self._input_checks.forget()
@@ -518,7 +531,19 @@ class RecShardStrategy(ParallelStrategy):
             return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    def _all_gather_objects(self, obj: Any) -> list[Any]:
+        if not _compat._distributed_is_initialized():
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     # --- Checkpoints (torch.distributed.checkpoint; see lightning_rec.checkpoint) ---
+
+    def resolve_last_checkpoint(self, trainer: pl.Trainer) -> str | None:
+        """What ``ckpt_path="last"`` means under this strategy: the newest complete checkpoint of the run, across
+        its restarts (see :mod:`lightning_rec._strategy.checkpoint_dirs`); ``None``: Lightning's own answer."""
+        return resolve_last_checkpoint(trainer)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

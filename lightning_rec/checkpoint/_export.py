@@ -17,6 +17,7 @@ or from the shell: ``lightning-rec export checkpoints/last.ckpt model.safetensor
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_rec.checkpoint import _layout as layout
 from lightning_rec.checkpoint import _safe_io as safe_io
+from lightning_rec.errors import CheckpointReplacedError
 
 
 def export(
@@ -53,7 +55,7 @@ def export(
         CheckpointError: the checkpoint is incomplete or corrupt, or no weight is under ``prefix``.
     """
     path, output = layout.recover(Path(checkpoint)), Path(output)
-    state = _assemble(path, prefix, verify_hashes)
+    state = with_pinned(path, lambda pinned: _assemble(pinned, prefix, verify_hashes))
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
     if output.suffix == ".safetensors":
@@ -66,23 +68,40 @@ def export(
     return {k: v.shape for k, v in state.items()}
 
 
-def _assemble(path: Path, prefix: str, verify_hashes: bool) -> dict[str, torch.Tensor]:
-    """Every model weight under ``prefix`` (without it) of the checkpoint at ``path``, whole, on CPU."""
-    problems = layout.verify_files(path, layout.read_manifest(path), 0, 1, hashes=verify_hashes)
+def _assemble(pinned: layout.Pinned, prefix: str, verify_hashes: bool) -> dict[str, torch.Tensor]:
+    """Every model weight under ``prefix`` (without it) of the pinned checkpoint, whole, on CPU."""
+    path = pinned.path
+    problems = layout.verify_files(pinned, 0, 1, hashes=verify_hashes)
     if problems:
         raise layout.CheckpointError(f"Cannot read {str(path)!r}:\n  - " + "\n  - ".join(problems))
-    metadata = safe_io.read_metadata(path)
+    metadata = safe_io.read_metadata(pinned)
     targets: dict[str, torch.Tensor] = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith(layout.MODEL_PREFIX + prefix) and isinstance(md, TensorStorageMetadata):
             targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
     if not targets:
         raise layout.CheckpointError(f"{str(path)!r} has no model weights under prefix {prefix!r}.")
-    dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(path), no_dist=True)
+    dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(pinned), no_dist=True)
     return {key[len(layout.MODEL_PREFIX + prefix) :]: tensor.contiguous() for key, tensor in targets.items()}
 
 
 M = TypeVar("M", bound=pl.LightningModule)
+R = TypeVar("R")
+
+_ATTEMPTS = 3  # reads of a checkpoint that a running job keeps replacing (``last.ckpt``)
+
+
+def with_pinned(path: Path, read: Callable[[layout.Pinned], R]) -> R:
+    """``read(pinned)`` of one published save of ``path`` (one process); tried again if a newer save replaced it
+    before its files were open (:class:`~lightning_rec.errors.CheckpointReplacedError` after the last try)."""
+    for attempt in range(_ATTEMPTS):
+        try:
+            with layout.pin(path) as pinned:
+                return read(pinned)
+        except CheckpointReplacedError:
+            if attempt + 1 == _ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def load_module(
@@ -122,8 +141,9 @@ def load_module(
         CheckpointError: incomplete/corrupt checkpoint, or weights that do not match the module.
     """
     path = layout.recover(Path(checkpoint))
-    state = _assemble(path, "", verify_hashes)
-    meta = safe_io.load_meta(path / layout.META_FILE, weights_only)
+    state, meta = with_pinned(
+        path, lambda pinned: (_assemble(pinned, "", verify_hashes), safe_io.load_meta(pinned, weights_only))
+    )
     module = _instantiate(cls, meta, kwargs)
     strict = getattr(module, "strict_loading", True) if strict is None else strict
     if is_overridden("configure_model", module):

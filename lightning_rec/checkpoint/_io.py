@@ -17,22 +17,28 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import errno
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_rec import _compat
 from lightning_rec.checkpoint import _layout as layout
 from lightning_rec.checkpoint import _safe_io as safe_io
 from lightning_rec.checkpoint._optimizer_state import OptimizerTarget, is_tensor
 from lightning_rec.config import EmbeddingOptimizer
-from lightning_rec.errors import CheckpointError, UnsafeCheckpointError
+from lightning_rec.errors import CheckpointError, CheckpointReplacedError, UnsafeCheckpointError
 
 MODEL_PREFIX, OPTIM_PREFIX = layout.MODEL_PREFIX, layout.OPTIM_PREFIX
 
@@ -137,6 +143,10 @@ def save(
 ) -> None:
     """Write Lightning's ``checkpoint`` dict as the checkpoint directory ``path`` (every rank calls this).
 
+    A save that fails on any rank fails on every rank with the same :class:`CheckpointError`, naming each rank's
+    cause (a full disk as "no space left on device writing <checkpoint> (needs ~X MB, Y MB free)"); its staging
+    directory is removed and an earlier checkpoint at ``path`` stays as it was.
+
     Args:
         checkpoint: what ``trainer._checkpoint_connector.dump_checkpoint()`` produced, with optimizer states
             from :func:`~lightning_rec.checkpoint._optimizer_state.canonical_state`.
@@ -147,29 +157,118 @@ def save(
     path = Path(path)
     comm = _Collectives()
     staging = layout.staging_path(path)
-    if comm.rank == 0:
-        layout.remove_tree(staging)  # left by a crashed save
-        staging.mkdir(parents=True)
-    comm.barrier()
     tensors, meta = _split(checkpoint)
     meta["lightning_rec"] = run_info(module, sharding, comm.world_size)
-    # One file per tensor chunk: DCP keeps every tensor it writes to a file alive until that file is closed
-    # (and clones views of the kernels' flat weight buffers), so one file per rank would peak at the whole local state.
-    writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, sync_files=True)
-    dcp.save(tensors, storage_writer=writer, no_dist=not comm.on)
-    files = {p.name: layout.file_digest(p) for p in layout.own_files(staging, comm.rank)}
+    need = sum(comm.all_gather(_bytes_written(tensors, comm.rank)))
+    error: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            layout.remove_tree(staging)  # left by a crashed save
+            staging.mkdir(parents=True)
+        except OSError as err:
+            error = err
+    _raise_if_failed(comm, error, path, staging, need)
+    files: dict[str, Any] = {}
+    try:
+        # One file per tensor chunk: DCP keeps every tensor it writes to a file alive until that file is closed
+        # (and clones views of the kernels' flat weight buffers), so one file per rank would peak at the whole
+        # local state. DCP gathers every rank's failure and raises it on all of them.
+        writer = dcp.FileSystemWriter(staging, single_file_per_rank=False, sync_files=True)
+        dcp.save(tensors, storage_writer=writer, no_dist=not comm.on)
+        files = {p.name: layout.file_digest(p) for p in layout.own_files(staging, comm.rank)}
+    except (Exception, CheckpointException) as err:
+        error = err
+    _raise_if_failed(comm, error, path, staging, need)
     all_files = {k: v for rank_files in comm.all_gather(files) for k, v in rank_files.items()}
     if comm.rank == 0:
-        meta_bytes = safe_io.dumps_meta(meta)
-        layout.write_file(staging / layout.META_FILE, meta_bytes)
-        for name in (layout.META_FILE, layout.METADATA_FILE):
-            all_files[name] = layout.file_digest(staging / name)
-        referenced = {s.relative_path for s in safe_io.read_metadata(staging).storage_data.values()}
-        if not referenced <= set(all_files):
-            raise CheckpointError(f"DCP wrote files no rank accounted for: {sorted(referenced - set(all_files))}")
-        layout.mark_complete(staging, all_files, {"world_size": comm.world_size})
-        layout.publish(staging, path)
-    comm.barrier()
+        try:
+            _publish(staging, path, meta, all_files, comm.world_size)
+        except (OSError, RuntimeError) as err:
+            error = err
+    _raise_if_failed(comm, error, path, staging, need)
+
+
+def _publish(staging: Path, path: Path, meta: dict[str, Any], files: dict[str, Any], world_size: int) -> None:
+    """Rank 0's part: ``meta.pt``, the manifest, then the directory made visible as ``path``."""
+    layout.write_file(staging / layout.META_FILE, safe_io.dumps_meta(meta))
+    for name in (layout.META_FILE, layout.METADATA_FILE):
+        files[name] = layout.file_digest(staging / name)
+    referenced = {s.relative_path for s in safe_io.read_metadata(staging).storage_data.values()}
+    if not referenced <= set(files):
+        raise CheckpointError(f"DCP wrote files no rank accounted for: {sorted(referenced - set(files))}")
+    info = {"world_size": world_size, "global_step": int(meta.get("global_step", 0)), "epoch": meta.get("epoch")}
+    layout.mark_complete(staging, files, info)
+    layout.publish(staging, path)
+
+
+def _bytes_written(tensors: Mapping[str, Any], rank: int) -> int:
+    """About how many bytes this rank writes: its shards, and (rank 0) the tensors every rank holds whole."""
+    total = 0
+    for value in tensors.values():
+        if isinstance(value, _compat.ShardedTensor):
+            total += sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+        elif isinstance(value, DTensor):
+            local = value.to_local()
+            total += local.numel() * local.element_size()
+        elif rank == 0 and isinstance(value, Tensor):
+            total += value.numel() * value.element_size()
+    return total
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``, what caused it, and what each rank raised inside a DCP ``CheckpointException``."""
+    seen: list[BaseException] = []
+    todo = [error]
+    while todo:
+        err = todo.pop()
+        if err in seen:
+            continue
+        seen.append(err)
+        if isinstance(err, CheckpointException):
+            todo += [exc for exc, _ in err.failures.values()]
+        todo += [e for e in (err.__cause__, err.__context__) if e is not None]
+    return seen
+
+
+def _out_of_space(error: BaseException) -> bool:
+    # torch's zip writer reports a short write as "unexpected pos" rather than the OSError behind it.
+    return any(
+        (isinstance(e, OSError) and e.errno == errno.ENOSPC)
+        or "No space left on device" in str(e)
+        or "unexpected pos" in str(e)
+        for e in _causes(error)
+    )
+
+
+def _free_bytes(path: Path) -> int | None:
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            return shutil.disk_usage(folder).free
+    return None
+
+
+def _describe_failure(error: BaseException, path: Path, need: int) -> str:
+    if _out_of_space(error):
+        free = _free_bytes(path.parent)
+        free_text = f"{free / 2**20:.1f} MB free" if free is not None else "free space unknown"
+        return f"no space left on device writing {path} (needs ~{need / 2**20:.1f} MB, {free_text})"
+    if isinstance(error, CheckpointException):  # what this rank's failure was, without DCP's tracebacks
+        error = next((e for e in _causes(error) if not isinstance(e, CheckpointException)), error)
+    return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+def _raise_if_failed(comm: _Collectives, error: BaseException | None, path: Path, staging: Path, need: int) -> None:
+    """Every rank raises one error naming each rank's cause if any rank failed (rank 0 first removes the staging
+    directory, freeing what the save had written)."""
+    reasons = comm.all_gather(None if error is None else _describe_failure(error, path, need))
+    if not any(reasons):
+        return
+    if comm.rank == 0:
+        with contextlib.suppress(OSError):
+            layout.remove_tree(staging)
+    summary = "\n  - ".join(f"rank {r}: {reason}" for r, reason in enumerate(reasons) if reason)
+    cause = f"Saving checkpoint {str(path)!r} failed; the previous checkpoint there (if any) is unchanged:\n  - "
+    raise CheckpointError(cause + summary) from error
 
 
 def remove(path: Path) -> None:
@@ -252,16 +351,58 @@ def load(
     """
     comm = _Collectives()
     given, path = path, layout.recover(Path(path))
-    problems: list[str] = []
-    try:
-        manifest = layout.read_manifest(path)
-        problems = layout.verify_files(path, manifest, comm.rank, comm.world_size, hashes=verify_hashes)
-    except CheckpointError as err:
-        problems = [str(err)]
-    comm.raise_if_any(problems, f"Cannot load checkpoint {str(path)!r}; nothing was modified:")
+    with _pin_on_every_rank(comm, path, verify_hashes) as pinned:
+        return _load_pinned(pinned, given, module, optimizers, comm, strict, weights_only, owner)
 
-    meta = safe_io.load_meta(path / layout.META_FILE, weights_only)
-    saved_model, saved_optim = _saved_entries(safe_io.read_metadata(path))
+
+_ATTEMPTS = 3  # reads of a checkpoint that a running job keeps replacing (``last.ckpt``)
+
+
+@contextlib.contextmanager
+def _pin_on_every_rank(comm: _Collectives, path: Path, verify_hashes: bool) -> Iterator[layout.Pinned]:
+    """One save of ``path``, held open on every rank and verified there (see :func:`~._layout.pin`); the ranks
+    compare what they hold and try again (all of them) if a publish replaced it in between."""
+    for attempt in range(_ATTEMPTS):
+        with contextlib.ExitStack() as stack:
+            problems: list[str] = []
+            identity: str | None = None
+            try:
+                pinned = stack.enter_context(layout.pin(path))
+                identity = pinned.identity
+                problems = layout.verify_files(pinned, comm.rank, comm.world_size, hashes=verify_hashes)
+            except CheckpointReplacedError:
+                identity = "replaced"
+            except CheckpointError as err:
+                problems = [str(err)]
+            seen = comm.all_gather((identity, problems))
+            identities = {i for i, _ in seen if i is not None}
+            if "replaced" in identities or len(identities) > 1:
+                if attempt + 1 < _ATTEMPTS:
+                    continue
+                raise layout.replaced_error(path)
+            everything = sorted({p for _, rank_problems in seen for p in rank_problems})
+            if everything:
+                raise CheckpointError(
+                    f"Cannot load checkpoint {str(path)!r}; nothing was modified:\n  - " + "\n  - ".join(everything)
+                )
+            yield pinned
+            return
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load_pinned(
+    pinned: layout.Pinned,
+    given: Path,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    comm: _Collectives,
+    strict: bool,
+    weights_only: bool | None,
+    owner: str,
+) -> dict[str, Any]:
+    path = pinned.path
+    meta = safe_io.load_meta(pinned, weights_only)
+    saved_model, saved_optim = _saved_entries(safe_io.read_metadata(pinned))
     live = module.state_dict()
     problems = _model_problems(live, saved_model, strict)
     targets: dict[str, Any] = {MODEL_PREFIX + k: v for k, v in live.items() if is_tensor(v) and k in saved_model}
@@ -297,7 +438,7 @@ def load(
         f"Checkpoint {str(path)!r} does not match {type(module).__name__} and its optimizers; nothing was modified:",
     )
 
-    dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(path), no_dist=not comm.on)
+    dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(pinned), no_dist=not comm.on)
     if meta.get("model_extra"):
         module.load_state_dict(meta["model_extra"], strict=False)
     for i, target in enumerate(opt_targets):
@@ -306,3 +447,22 @@ def load(
     if saved_world_size not in (None, comm.world_size):
         rank_zero_info(f"{owner}: resharded checkpoint {given} from {saved_world_size} rank(s) onto {comm.world_size}.")
     return meta
+
+
+def latest(folders: Sequence[Path]) -> tuple[Path | None, list[Path]]:
+    """The newest complete checkpoint directly in ``folders`` (by when its ``COMPLETE`` manifest was written, as
+    Lightning picks "last" by modification time), and the ``*.ckpt`` entries skipped as incomplete."""
+    found: list[tuple[float, int, Path]] = []
+    skipped: list[Path] = []
+    for folder in folders:
+        if not Path(folder).is_dir():
+            continue
+        for candidate in sorted(Path(folder).glob("*.ckpt")):
+            try:
+                manifest = layout.read_manifest(candidate)
+                written = (candidate / layout.COMPLETE_FILE).stat().st_mtime
+            except (CheckpointError, OSError):
+                skipped.append(candidate)
+                continue
+            found.append((written, int(manifest.get("global_step", -1)), candidate))
+    return (max(found)[2] if found else None), skipped

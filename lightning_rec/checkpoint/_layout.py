@@ -8,23 +8,32 @@ Layout of ``epoch=3-step=400.ckpt/``::
     meta.pt          Lightning's tensor-free state (loops, callbacks, schedulers, param groups), the plan (rank 0)
     COMPLETE         written last: JSON with the size and SHA-256 of every file above
 
-Every save goes to a hidden sibling ``.epoch=3-step=400.ckpt.partial`` and is renamed into place only after
-``COMPLETE`` is written, so a visible checkpoint is always complete; a crash mid-save leaves only the hidden
-directory, which the next save to that name clears. Overwriting (``last.ckpt``) moves the old one aside,
-renames the new one in, then deletes the old one; deleting renames first, so no half-deleted directory ever
-looks like a checkpoint.
+Every save goes to ``.lightning_rec/epoch=3-step=400.ckpt.partial`` beside it and is renamed into place only after
+``COMPLETE`` is written, so a visible checkpoint is always complete; a failed save removes its staging directory, and
+a crash mid-save leaves only that hidden one, which the next save to that name clears. The staging and set-aside names
+live in the hidden ``.lightning_rec/`` folder so that no name Lightning scans for (``hpc_ckpt_*``, ``last*.ckpt``)
+ever matches one. Overwriting (``last.ckpt``) moves the old one aside, renames the new one in, then deletes the old
+one; deleting renames first, so no half-deleted directory ever looks like a checkpoint.
+
+Reading pins one published checkpoint (:func:`pin`): every file the manifest lists is opened once, through one
+handle on the directory, and everything after (sizes, hashes, the tensors) is read through those open files. A
+``publish`` that replaces or deletes the directory meanwhile cannot mix two saves into one load: the reader either
+holds all of one save's files or fails with :class:`CheckpointReplaced` before anything is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_rec.errors import CheckpointError
+from lightning_rec.errors import CheckpointError, CheckpointReplacedError
 
 META_FILE = "meta.pt"
 COMPLETE_FILE = "COMPLETE"
@@ -35,13 +44,22 @@ OPTIM_PREFIX = "optim/"  # DCP keys of optimizer state: optim/<i>/<fqn>/<state n
 _CHUNK = 1 << 22
 
 
+WORK_DIR = ".lightning_rec"  # beside the checkpoints: staging and set-aside directories, matching no scanned pattern
+
+
 def staging_path(path: Path) -> Path:
     """Where a save to ``path`` is written before it is complete."""
-    return path.parent / f".{path.name}.partial"
+    return _aside_path(path, "partial")
 
 
 def _aside_path(path: Path, what: str) -> Path:
-    return path.parent / f".{path.name}.{what}"
+    return path.parent / WORK_DIR / f"{path.name}.{what}"
+
+
+def _tidy(path: Path) -> None:
+    """Remove ``path``'s work folder if nothing is left in it."""
+    with contextlib.suppress(OSError):
+        (path.parent / WORK_DIR).rmdir()
 
 
 def file_digest(path: Path) -> dict[str, Any]:
@@ -87,6 +105,14 @@ def read_manifest(path: Path) -> dict[str, Any]:
     Raises:
         CheckpointError: ``path`` is not a complete checkpoint directory (says what is missing).
     """
+    _check_directory(path)
+    complete = path / COMPLETE_FILE
+    if not complete.is_file():
+        raise _incomplete(path)
+    return _parse_manifest(complete.read_bytes(), complete)
+
+
+def _check_directory(path: Path) -> None:
     if not path.exists():
         raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
     if not path.is_dir():
@@ -95,14 +121,18 @@ def read_manifest(path: Path) -> dict[str, Any]:
             "checkpoint). HINT: a single-file state dict comes from `lightning-rec export`; to load it, build the "
             "plain model and call `load_state_dict`."
         )
-    complete = path / COMPLETE_FILE
-    if not complete.is_file():
-        raise CheckpointError(
-            f"{str(path)!r} is not a complete checkpoint: it has no {COMPLETE_FILE} marker (written last by every "
-            "save), so the save that made it did not finish. Use an earlier checkpoint."
-        )
+
+
+def _incomplete(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{str(path)!r} is not a complete checkpoint: it has no {COMPLETE_FILE} marker (written last by every "
+        "save), so the save that made it did not finish. Use an earlier checkpoint."
+    )
+
+
+def _parse_manifest(raw: bytes, complete: Path) -> dict[str, Any]:
     try:
-        manifest = json.loads(complete.read_text())
+        manifest = json.loads(raw)
     except ValueError as err:
         raise CheckpointError(f"{complete} is corrupt ({err}).") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -110,22 +140,124 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_files(path: Path, manifest: dict[str, Any], rank: int, world_size: int, hashes: bool = True) -> list[str]:
-    """Problems with the files of the checkpoint at ``path``: missing, truncated, or (if ``hashes``) changed.
+_PROC_FD = Path("/proc/self/fd")  # Linux: a path through an open descriptor reopens the very file it holds
+
+
+@dataclass
+class Pinned:
+    """One published checkpoint, its files held open (see :func:`pin`): what is verified is what is loaded.
+
+    Example::
+
+        with pin(Path("last.ckpt")) as ckpt:
+            problems = verify_files(ckpt, rank=0, world_size=1)
+            metadata = torch.load(ckpt.file("meta.pt"))
+    """
+
+    path: Path  # as the caller named it (for messages)
+    manifest: dict[str, Any]
+    identity: str  # SHA-256 of the COMPLETE manifest: one save, whoever reads it
+    fds: dict[str, int] = field(default_factory=dict)
+
+    def file(self, name: str) -> Path:
+        """A path that opens the pinned file ``name`` (a file the manifest does not list: by its name)."""
+        fd = self.fds.get(name)
+        if fd is None or not _PROC_FD.is_dir():
+            return self.path / name
+        return _PROC_FD / str(fd)
+
+    def close(self) -> None:
+        """Let go of the files."""
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+
+def _moved(path: Path, directory_fd: int) -> bool:
+    """Whether ``path`` no longer names the directory open as ``directory_fd`` (replaced, renamed or deleted)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return True
+    held = os.fstat(directory_fd)
+    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+
+def replaced_error(path: Path) -> CheckpointReplacedError:
+    """The error of a read that lost its checkpoint to a newer save."""
+    return CheckpointReplacedError(
+        f"Checkpoint {str(path)!r} was replaced while reading (a job published a newer one); nothing was read from "
+        "it. Reading it again gets the new one."
+    )
+
+
+@contextlib.contextmanager
+def pin(path: Path) -> Iterator[Pinned]:
+    """Hold the checkpoint published at ``path`` now: its manifest read and every file it lists opened through one
+    handle on the directory, so that a ``publish`` or ``remove_tree`` of ``path`` meanwhile changes nothing read.
+
+    Raises:
+        CheckpointError: ``path`` is not a complete checkpoint directory.
+        CheckpointReplacedError: ``path`` was replaced between opening it and opening its files.
+    """
+    path = Path(path)
+    _check_directory(path)
+    try:
+        directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        raise replaced_error(path) from None
+    pinned: Pinned | None = None
+    try:
+        try:
+            complete = os.open(COMPLETE_FILE, os.O_RDONLY, dir_fd=directory)
+        except FileNotFoundError:
+            raise (replaced_error(path) if _moved(path, directory) else _incomplete(path)) from None
+        with os.fdopen(complete, "rb") as f:
+            raw = f.read()
+        manifest = _parse_manifest(raw, path / COMPLETE_FILE)
+        pinned = Pinned(path, manifest, hashlib.sha256(raw).hexdigest())
+        for name in manifest["files"]:
+            with contextlib.suppress(FileNotFoundError):  # reported by verify_files
+                pinned.fds[name] = os.open(name, os.O_RDONLY, dir_fd=directory)
+        if len(pinned.fds) < len(manifest["files"]) and _moved(path, directory):
+            raise replaced_error(path)
+    except BaseException:
+        if pinned is not None:
+            pinned.close()
+        raise
+    finally:
+        os.close(directory)
+    try:
+        yield pinned
+    finally:
+        pinned.close()
+
+
+def _fd_digest(fd: int) -> str:
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def verify_files(pinned: Pinned, rank: int, world_size: int, hashes: bool = True) -> list[str]:
+    """Problems with the pinned checkpoint's files: missing, truncated, or (if ``hashes``) changed.
 
     Sizes are checked for every file; each rank hashes every ``world_size``-th file, so together the ranks read
-    each file once.
+    each file once. Both are read from the open files, the ones the load then reads.
     """
     problems = []
-    for i, (name, expected) in enumerate(sorted(manifest["files"].items())):
-        file = path / name
-        if not file.is_file():
+    for i, (name, expected) in enumerate(sorted(pinned.manifest["files"].items())):
+        fd = pinned.fds.get(name)
+        if fd is None:
             problems.append(f"{name}: missing")
             continue
-        size = file.stat().st_size
+        size = os.fstat(fd).st_size
         if size != expected["size"]:
             problems.append(f"{name}: {size} bytes, expected {expected['size']} (truncated or overwritten)")
-        elif hashes and i % world_size == rank and file_digest(file)["sha256"] != expected["sha256"]:
+        elif hashes and i % world_size == rank and _fd_digest(fd) != expected["sha256"]:
             problems.append(f"{name}: SHA-256 differs from the one recorded at save time (corrupt)")
     return problems
 
@@ -144,6 +276,7 @@ def publish(staging: Path, path: Path) -> None:
     else:
         os.rename(staging, path)
     _fsync_dir(path.parent)
+    _tidy(path)
 
 
 def recover(path: Path) -> Path:
@@ -158,9 +291,15 @@ def remove_tree(path: Path) -> None:
     """Delete a checkpoint (directory, file or link): renamed aside first, then removed."""
     if path.is_symlink() or path.is_file():
         path.unlink()
+    elif path.is_dir() and path.parent.name == WORK_DIR:  # staging or set aside: never visible as a checkpoint
+        shutil.rmtree(path)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()  # the work folder, once empty
     elif path.is_dir():
         doomed = _aside_path(path, "deleting")
+        doomed.parent.mkdir(exist_ok=True)
         if doomed.exists():
             shutil.rmtree(doomed)
         os.rename(path, doomed)
         shutil.rmtree(doomed)
+        _tidy(path)

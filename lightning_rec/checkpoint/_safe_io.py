@@ -9,16 +9,19 @@ source can at worst fail to load, never run code.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from typing_extensions import override
 
-from lightning_rec.errors import UnsafeCheckpointError
+from lightning_rec.checkpoint._layout import META_FILE, METADATA_FILE, Pinned
+from lightning_rec.errors import CheckpointError, UnsafeCheckpointError
 
 # Classes DCP's metadata pickle refers to (module -> names). Anything else is refused.
 _METADATA_GLOBALS = {
@@ -55,32 +58,58 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata(path: Path) -> Metadata:
-    """DCP's ``.metadata`` of the checkpoint directory ``path``, unpickled with an allow-list.
+def read_metadata(path: Path | Pinned) -> Metadata:
+    """DCP's ``.metadata`` of the checkpoint directory ``path`` (or of a pinned checkpoint), unpickled with an
+    allow-list.
 
     Raises:
         UnsafeCheckpointError: the file refers to anything but DCP's metadata classes, tensor sizes and dtypes.
     """
-    with open(Path(path) / ".metadata", "rb") as f:
+    file = path.file(METADATA_FILE) if isinstance(path, Pinned) else Path(path) / METADATA_FILE
+    with open(file, "rb") as f:
         metadata = _MetadataUnpickler(f).load()
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(f"{path}/.metadata holds a {type(metadata).__name__}, not DCP Metadata.")
     return metadata
 
 
+class _PinnedFiles(FileSystem):
+    """DCP's local file system, opening a pinned checkpoint's files (and only those)."""
+
+    def __init__(self, pinned: Pinned) -> None:
+        self.pinned = pinned
+
+    @override
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
+        if suffix not in self.pinned.fds:
+            raise CheckpointError(
+                f"{self.pinned.path}/.metadata refers to {suffix!r}, which its manifest does not list."
+            )
+        return self.pinned.file(suffix)
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's ``FileSystemReader`` with :func:`read_metadata`'s allow-list instead of ``pickle.load``.
+    """DCP's ``FileSystemReader`` with :func:`read_metadata`'s allow-list instead of ``pickle.load``; given a
+    :class:`~lightning_rec.checkpoint._layout.Pinned` checkpoint, it reads that save's open files.
 
     Example::
 
         dcp.load(state_dict, storage_reader=SafeFileSystemReader("epoch=0-step=10.ckpt"))
+        with pin(Path("last.ckpt")) as ckpt:
+            dcp.load(state_dict, storage_reader=SafeFileSystemReader(ckpt))
     """
+
+    def __init__(self, path: str | os.PathLike | Pinned) -> None:
+        self.pinned = path if isinstance(path, Pinned) else None
+        super().__init__(path.path if isinstance(path, Pinned) else path)
+        if self.pinned is not None:
+            self.fs = _PinnedFiles(self.pinned)
 
     @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata files are not a format this package writes
             raise UnsafeCheckpointError("per-rank DCP metadata files are not supported")
-        metadata = read_metadata(Path(self.path))
+        metadata = read_metadata(self.pinned or Path(self.path))
         storage_meta = getattr(metadata, "storage_meta", None)
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()
@@ -88,7 +117,7 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def load_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
+def load_meta(path: Path | Pinned, weights_only: bool | None = None) -> dict[str, Any]:
     """Lightning's tensor-free checkpoint part (``meta.pt``), loaded with ``torch.load(weights_only=True)``.
 
     Lightning's ``AttributeDict`` and the plain configuration dataclasses registered with
@@ -96,12 +125,17 @@ def load_meta(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
     what ``save_hyperparameters()`` records for the shipped models; users register their own the same way) are
     allowed. Anything else is refused unless the caller passes ``weights_only=False`` (Lightning's
     ``trainer.fit(..., weights_only=False)``): only do that for checkpoints you trust.
+
+    ``path``: the ``meta.pt`` file, or a pinned checkpoint (its ``meta.pt``).
     """
+    file = path.file(META_FILE) if isinstance(path, Pinned) else path
+    if isinstance(path, Pinned):
+        path = path.path / META_FILE  # named in messages
     if weights_only is False:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(file, map_location="cpu", weights_only=False)
     try:
         with torch.serialization.safe_globals(_plain_classes()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         reason = next(
             (line.strip() for line in str(err).splitlines() if "Unsupported global" in line), str(err).splitlines()[0]

@@ -207,16 +207,18 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(saved, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(layout, "mark_complete", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="rank 0: OSError: disk full"):
         trainer.save_checkpoint(path)  # overwrite: the old checkpoint must survive
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=r"Saving checkpoint .*new.ckpt' failed"):
         trainer.save_checkpoint(path.parent / "new.ckpt")
     assert layout.read_manifest(path) == before
     assert not (path.parent / "new.ckpt").exists()
-    assert (path.parent / ".new.ckpt.partial").is_dir() and not is_checkpoint(path.parent / ".new.ckpt.partial")
+    assert not (path.parent / layout.WORK_DIR).exists(), "a failed save removes its staging directory"
     monkeypatch.undo()
-    trainer.save_checkpoint(path.parent / "new.ckpt")  # the next save clears the leftover
-    assert is_checkpoint(path.parent / "new.ckpt") and not (path.parent / ".new.ckpt.partial").exists()
+    # A crash (kill -9) mid-save leaves the staging directory; the next save to that name clears it.
+    layout.staging_path(path.parent / "new.ckpt").mkdir(parents=True)
+    trainer.save_checkpoint(path.parent / "new.ckpt")
+    assert is_checkpoint(path.parent / "new.ckpt") and not (path.parent / layout.WORK_DIR).exists()
 
 
 def test_incomplete_truncated_and_corrupt_checkpoints_fail_before_any_change(saved, tmp_path):
