@@ -60,7 +60,8 @@ class ResumableLoader:
         self.dataloader, self.source = dataloader, source
         self.world_size, self.batch_size, self.num_workers = world_size, batch_size, num_workers
         self.workers_matter = workers_matter
-        self.epoch, self.served, self.finished, self._resume = 0, 0, False, 0
+        self.epoch, self.served, self.finished = 0, 0, False
+        self._resume: tuple[int, int] | None = None  # (epoch, batches served) to resume at
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch of the next pass (Lightning calls it through ``sampler.set_epoch`` at each epoch's start)."""
@@ -80,7 +81,10 @@ class ResumableLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.source.set_epoch(self.epoch)
-        self.source.start_batch, self._resume = self._resume, 0
+        # Only the saved epoch resumes: Lightning may go on to the next one instead (a checkpoint saved at the last
+        # step of an epoch that `limit_train_batches` cut short).
+        resume, self._resume = self._resume, None
+        self.source.start_batch = resume[1] if resume is not None and resume[0] == self.epoch else 0
         self.served, self.finished = self.source.start_batch, False
         if self._sized():
             for batch in self.dataloader:
@@ -121,7 +125,7 @@ class ResumableLoader:
         if served > 0 and not ended:
             self._check_layout(state, served)
         self.epoch = int(state["epoch"])
-        self._resume = 0 if ended else served
+        self._resume = None if ended else (self.epoch, served)
 
     def _check_layout(self, state: dict[str, Any], served: int) -> None:
         compared = [("world_size", "process(es)", "devices x num_nodes"), ("batch_size", "rows a batch", "batch_size")]

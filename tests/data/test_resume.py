@@ -56,7 +56,10 @@ SCHEMA = {
 
 
 def _table_file(tmp: Path) -> str:
-    """300 rows of your own data in a Parquet file."""
+    """300 rows of your own data in a Parquet file (written once: ranks may share ``tmp``)."""
+    path = tmp / "clicks.parquet"
+    if path.exists():
+        return str(path)
     rows = range(300)
     table = pa.table(
         {
@@ -66,7 +69,6 @@ def _table_file(tmp: Path) -> str:
             "tags": [[f"t{(i + k) % 9}" for k in range(i % 3)] for i in rows],
         }
     )
-    path = tmp / "clicks.parquet"
     pq.write_table(table, path)
     return str(path)
 
@@ -164,9 +166,10 @@ class _Record(L.Callback):
 
 
 def _fit(
-    tmp: Path, case: str, ckpt: Path | None = None, *, limit: int | None = LIMIT, **dm_kw: Any
+    tmp: Path, case: str, ckpt: Path | None = None, *, limit: int | None = LIMIT, devices: int = 1, **dm_kw: Any
 ) -> tuple[list[float], dict[str, list], Any]:
-    """Fit ``case`` for 2 epochs (from ``ckpt``), saving a checkpoint every 3 steps into ``tmp/ckpt``."""
+    """Fit ``case`` for 2 epochs (from ``ckpt``) on ``devices`` ranks, saving a checkpoint every 3 steps into
+    ``tmp/ckpt``."""
     make_dm, make_model, _ = CASES[case]
     dm = make_dm(tmp)
     for key, value in dm_kw.items():
@@ -178,7 +181,7 @@ def _fit(
     trainer = L.Trainer(
         **{**QUIET_TRAINER, "enable_checkpointing": True},
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         strategy=RecShardStrategy(),
         max_epochs=EPOCHS,
         limit_train_batches=limit,
@@ -223,6 +226,7 @@ def test_your_own_data_in_memory_resumes_from_any_checkpoint_and_validates_from_
         resumed, resumed_weights, _ = _fit(tmp_path, "tabular", _step(tmp_path, step))
         assert resumed == full[step:], f"resumed at step {step}"
         assert _same_weights(resumed_weights, weights), f"resumed at step {step}"
+    trainer.limit_val_batches = 1.0  # the fits ran no validation; this one runs every batch
     expected = trainer.validate(trainer.lightning_module, trainer.datamodule, verbose=False)
     dm = _tabular(tmp_path)
     L.seed_everything(7)
@@ -283,7 +287,7 @@ def two_rank_tabular(rank: int, world_size: int, out_dir: Path) -> dict[str, Any
     step 6; each run's losses and this rank's final weights (saved to ``out_dir``)."""
     out: dict[str, Any] = {}
     for tag, step in (("full", None), ("mid", EVERY), ("end", LIMIT)):
-        losses, weights, _ = _fit(out_dir, "tabular", None if step is None else _step(out_dir, step))
+        losses, weights, _ = _fit(out_dir, "tabular", None if step is None else _step(out_dir, step), devices=2)
         out[tag] = losses
         torch.save(weights, out_dir / f"{tag}.weights{rank}.pt")
     return out
@@ -292,7 +296,8 @@ def two_rank_tabular(rank: int, world_size: int, out_dir: Path) -> dict[str, Any
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("two_rank_tabular")
-    return out, run_ranks(two_rank_tabular, 2, out)
+    _table_file(out)  # before the ranks start, which both read it
+    return out, run_ranks(two_rank_tabular, 2, out, timeout=180)
 
 
 @pytest.mark.dist
