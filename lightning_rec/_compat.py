@@ -411,7 +411,7 @@ def fused_tbes(model: object) -> Iterator[tuple]:
                     yield f"{path or '<root>'}/{i}.{j}", kernel.emb_module
 
 
-# The methods recshard replaces on single instances of TorchRec's and FBGEMM's classes, and why (the one seam for
+# The methods recshard replaces on single instances of TorchRec's, FBGEMM's and Lightning's classes, and why (the one seam for
 # such patches: `patch_method` below). A release that renames one fails `patch_method` at once, and the test pinned
 # to the installed versions (tests/test_compat.py) names it.
 PATCHED_METHODS = {
@@ -422,6 +422,10 @@ PATCHED_METHODS = {
     "compute_and_output_dist": ("torchrec.distributed.types", "ShardedModule"),
     # strategy/cpu_lookup.py: the faster CPU lookup of a fused table-batched embedding
     "forward": ("fbgemm_gpu.split_table_batched_embeddings_ops_training", "SplitTableBatchedEmbeddingBagsCodegen"),
+    # strategy/preemption.py: Lightning's loop broadcasts a SIGTERM flag from rank 0 after every training batch (a
+    # device tensor read back: one host sync per step on GPUs). Under recshard a signal is agreed on at the batch
+    # boundary on the host instead (and Lightning's flag is never set), so the trainer's epoch loop skips it.
+    "_broadcast_sigterm_tensor": ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop"),
 }
 
 

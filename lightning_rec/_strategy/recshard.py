@@ -82,6 +82,10 @@ from lightning_rec.config import (
 )
 from lightning_rec.errors import Preempted
 
+def _no_broadcast() -> None:
+    """Lightning's per-step SIGTERM broadcast, replaced (see :mod:`lightning_rec._strategy.preemption`)."""
+
+
 # How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -363,6 +367,7 @@ class RecShardStrategy(ParallelStrategy):
         callbacks: list = trainer.callbacks  # type: ignore[attr-defined]
         if self._preemption not in callbacks:
             callbacks.append(self._preemption)
+        _compat.patch_method(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", _no_broadcast)
 
         done = shard_with_optimizers(
             module, self.sharding, fitting, self.root_device, self.world_size, self.num_processes, self._layer_sync

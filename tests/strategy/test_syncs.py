@@ -25,6 +25,8 @@ SPLITS = {"tolist dist_data.py:_safe_tolist_2d": 2}  # TorchRec: the all-to-all 
 HOST_SIDE = {
     "numpy lightning_rec/_inputs/kjt.py:host_numpy": "recshard's input checks read the batch on the host, before its copy",
     "numpy lightning_rec/_inputs/checks.py:poll": "recshard reads the last step's loss from host memory (copied without blocking)",
+    "_local_scalar_dense lightning_rec/_strategy/preemption.py:agreed": "the ranks' signal flag, reduced on a gloo group "
+    "(a CPU tensor, replacing Lightning's per-step broadcast of a device tensor)",
     "cpu split_table_batched_embeddings_ops_training.py:_generate_vbe_metadata": "FBGEMM: feature_dims, on the host",
     "to lightning_rec/_batch.py:move": "the batch's copy to the device (non_blocking on a GPU; on CPU the host is the device)",
     "to apply_func.py:batch_to": "the same copy, by Lightning's collection walk (pipelined dict batches)",
@@ -39,7 +41,9 @@ RECSHARD = {
     "numpy lightning_rec/_inputs/checks.py:poll": 1,
 }
 # (fmt, pipeline, ranks) -> recshard's reads per step (every rank): 1 and 2 ranks, pipelined and not, both batch
-# formats, in four runs of ~12 s each.
+# formats, in four runs of ~12 s each. With several ranks the step also reads the preemption flag the ranks agreed on
+# (host memory), instead of Lightning's per-step SIGTERM broadcast of a device tensor.
+PREEMPTION = {"_local_scalar_dense lightning_rec/_strategy/preemption.py:agreed": 1}
 EXPECTED = {
     ("dict", False, 1): {
         **RECSHARD,
@@ -55,10 +59,9 @@ EXPECTED = {
     },
     ("batch", False, 2): {
         **RECSHARD,
+        **PREEMPTION,
         **DDP,
         **SPLITS,
-        # Lightning's loop broadcasts a SIGTERM flag from rank 0 every step with several ranks (as under "ddp")
-        "_local_scalar_dense training_epoch_loop.py:_broadcast_sigterm_tensor": 1,
         "_local_scalar_dense user_scenarios.py:training_step": 1,
         "to jagged_tensor.py:to": 2,
         "to permute_pooled_embedding_modules.py:__call__": 4,
@@ -67,9 +70,9 @@ EXPECTED = {
     },
     ("dict", True, 2): {
         **RECSHARD,
+        **PREEMPTION,
         **DDP,
         **SPLITS,
-        "_local_scalar_dense training_epoch_loop.py:_broadcast_sigterm_tensor": 1,
         "_local_scalar_dense user_models.py:training_step": 1,
         "to apply_func.py:batch_to": 2,
         "to jagged_tensor.py:to": 2,
