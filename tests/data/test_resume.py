@@ -323,3 +323,24 @@ def test_a_two_rank_mid_epoch_checkpoint_resumed_on_one_rank_is_refused_naming_b
     with pytest.raises(CheckpointError, match=r"2 process\(es\); this run has 1 process\(es\).*devices x num_nodes=2"):
         _fit(tmp_path, "tabular", _step(tmp_path, EVERY))
     assert sorted(p.name for p in record_dir.iterdir()) == before, "no step ran, no checkpoint was written"
+
+
+@pytest.mark.dist  # 2 spawned DataLoader workers
+def test_a_criteo_tsv_stream_resumes_exactly_with_another_worker_count(tmp_path: Path) -> None:
+    """Batch i of a Criteo TSV rank is the file's round i whatever the workers: saved with 0, resumed with 2, the
+    epoch goes on at the next batch. Without a length Lightning fetches one batch ahead of its steps: after 3 steps
+    it asked for 4 batches, and the state holds 3."""
+    full = [b.dense_features.tolist() for b in _criteo(tmp_path, "tsv").train_dataloader()]
+    assert len(full) == 7
+    loader = _criteo(tmp_path, "tsv").train_dataloader()
+    batches = iter(loader)
+    for _ in range(4):
+        next(batches)
+    state = loader.state_dict()
+    assert (state["served"], state["num_workers"]) == (3, 0)
+    dm = _criteo(tmp_path, "tsv")
+    dm.num_workers = 2
+    resumed = dm.train_dataloader()
+    resumed.load_state_dict(state)
+    assert [b.dense_features.tolist() for b in resumed] == full[3:]
+    assert [b.dense_features.tolist() for b in resumed] == full, "the next pass is a whole epoch"
