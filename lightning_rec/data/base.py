@@ -392,7 +392,9 @@ class RecDataModule(pl.LightningDataModule):
             if not resumable:
                 return loader
             world_size = self.rank_and_world_size[1]
-            return ResumableLoader(loader, dataset, world_size=world_size, batch_size=self.batch_size)
+            return ResumableLoader(
+                loader, dataset, world_size=world_size, batch_size=self.batch_size, num_workers=self.num_workers
+            )
         rank, world_size = self.rank_and_world_size
         train = name == "train"
         batch_size = self.batch_size if train else self.eval_batch_size
@@ -410,7 +412,9 @@ class RecDataModule(pl.LightningDataModule):
         if not train:
             return loader  # Lightning's evaluation loops want the DataLoader itself (predict tracks its indices)
         # The sampler orders the epoch in this process, whatever the workers: a worker count change resumes exactly.
-        return ResumableLoader(loader, loader.sampler, world_size=world_size, batch_size=batch_size)
+        return ResumableLoader(
+            loader, loader.sampler, world_size=world_size, batch_size=batch_size, num_workers=self.num_workers
+        )
 
     def train_dataloader(self) -> Any:
         return self.dataloader("train")
