@@ -25,19 +25,22 @@ class FailAt(L.Callback):
         how: ``"raise"`` (a RuntimeError), ``"kill"`` (SIGKILL itself), ``"hang"`` (SIGSTOP itself: alive, silent)
             or ``"bad_id"`` (its batch gets an id far outside its table).
         out_dir: where ``failed.rank<R>`` records the time of the failure.
+        once: fail only if ``failed.rank<R>`` is not there yet, i.e. not again in a restarted job.
 
     Example::
 
         trainer = L.Trainer(strategy="recshard", callbacks=[FailAt(rank=1, step=6, how="kill", out_dir=out)])
     """
 
-    def __init__(self, rank: int, step: int, how: str, out_dir: str | Path) -> None:
-        self.rank, self.step, self.how, self.out_dir = rank, step, how, Path(out_dir)
+    def __init__(self, rank: int, step: int, how: str, out_dir: str | Path, once: bool = False) -> None:
+        self.rank, self.step, self.how, self.out_dir, self.once = rank, step, how, Path(out_dir), once
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
+            return
+        if self.once and (self.out_dir / f"failed.rank{self.rank}").exists():
             return
         (self.out_dir / f"failed.rank{self.rank}").write_text(repr(time.time()))
         if self.how == "raise":

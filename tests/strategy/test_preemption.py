@@ -22,7 +22,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_rec import RecShardStrategy
 from lightning_rec.checkpoint import is_checkpoint
@@ -49,8 +49,11 @@ class _Progress(Callback):
             (self.out / f"{self.tag}.ready.rank{trainer.global_rank}").write_text(str(os.getpid()))
 
 
-def fit(rank: int, world_size: int, out_dir: Path, tag: str, resume: bool = False) -> dict[str, Any]:
-    """A DLRM on synthetic data, ``STEPS`` steps, checkpoints in ``out_dir/root`` (resumed with ``"last"``)."""
+def fit(
+    rank: int, world_size: int, out_dir: Path, tag: str, resume: bool = False, save_every: int = 0
+) -> dict[str, Any]:
+    """A DLRM on synthetic data, ``STEPS`` steps, checkpoints in ``out_dir/root`` (resumed with ``"last"``; with
+    ``save_every``, a ``ModelCheckpoint`` saving that often, so that a signal is likely to land in a save)."""
     out = Path(out_dir)
     L.seed_everything(0)
     dm = SyntheticDataModule(
@@ -74,8 +77,9 @@ def fit(rank: int, world_size: int, out_dir: Path, tag: str, resume: bool = Fals
         max_steps=STEPS,
         limit_val_batches=0,
         default_root_dir=str(out / "root"),
-        callbacks=[_Progress(out, tag)],
-        **{**QUIET_TRAINER, "use_distributed_sampler": True},
+        callbacks=[_Progress(out, tag)]
+        + ([ModelCheckpoint(every_n_train_steps=save_every, save_top_k=1)] if save_every else []),
+        **{**QUIET_TRAINER, "use_distributed_sampler": True, "enable_checkpointing": bool(save_every)},
     )
     trainer.fit(model, dm, ckpt_path="last" if resume else None)
     torch.save(local_weights(model), out / f"{tag}.weights{rank}.pt")
@@ -86,7 +90,9 @@ def _weights(out: Path, tag: str, world_size: int = 2) -> dict[str, torch.Tensor
     return assemble([torch.load(out / f"{tag}.weights{r}.pt") for r in range(world_size)])
 
 
-def _interrupted(out: Path, tag: str, signum: int, launcher: str, env: dict[str, str] | None = None) -> Launch:
+def _interrupted(
+    out: Path, tag: str, signum: int, launcher: str, env: dict[str, str] | None = None, **config: Any
+) -> Launch:
     """Launch :func:`fit` on 2 ranks, wait until both trained a few steps, signal rank 1 then (``SKEW`` later)
     rank 0, and return how the ranks ended."""
     result: dict[str, Launch] = {}
@@ -94,7 +100,9 @@ def _interrupted(out: Path, tag: str, signum: int, launcher: str, env: dict[str,
     os.environ.update(env or {})
     try:
         runner = threading.Thread(
-            target=lambda: result.setdefault("run", launch(fit, 2, out, launcher=launcher, timeout=240, tag=tag))
+            target=lambda: result.setdefault(
+                "run", launch(fit, 2, out, launcher=launcher, timeout=240, tag=tag, **config)
+            )
         )
         runner.start()
         ready = [out / f"{tag}.ready.rank{r}" for r in range(2)]
@@ -134,13 +142,14 @@ def _check_preempted(run: Launch, out: Path, signum: int) -> Path:
     assert len(steps) == 1, lines  # every rank stopped after the same step
     ckpts = sorted((out / "root").glob("hpc_ckpt_*.ckpt"))
     assert len(ckpts) == 1 and is_checkpoint(ckpts[0]) and str(ckpts[0]) in lines[0], (ckpts, lines)
-    assert not list((out / "root").glob(".*")), "nothing left beside the checkpoint"
+    assert not list((out / "root").rglob(".*")), "no staging directory left anywhere"
     assert 5 <= int(steps.pop()) < STEPS
     return ckpts[0]
 
 
 def test_sigterm_to_skewed_ranks_saves_at_one_step_exits_143_and_resumes_exactly(reference, tmp_path):
-    run = _interrupted(tmp_path, "term", signal.SIGTERM, "env")
+    # A checkpoint every step: the signals land in a save as often as not (Lightning's handler deadlocked there).
+    run = _interrupted(tmp_path, "term", signal.SIGTERM, "env", save_every=1)
     _check_preempted(run, tmp_path, signal.SIGTERM)
     # The restart (torchrun --max-restarts, an operator re-running the command) with ckpt_path="last".
     resumed = launch(fit, 2, tmp_path, timeout=240, tag="resumed", resume=True)
@@ -185,3 +194,69 @@ def test_a_signal_outside_training_ends_the_process_as_the_signal_does(tmp_path)
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
     assert "survived" not in done.stdout
+
+
+# --- torchrun --max-restarts with the CLI: a rank killed, the group restarted, --ckpt_path=last ---------------------
+
+
+def _cli_config(tmp: Path, root: Path, fail: bool) -> Path:
+    import yaml
+
+    config = yaml.safe_load((REPO / "examples/configs/synthetic_dlrm.yaml").read_text())
+    config["trainer"].update(
+        default_root_dir=str(root), enable_progress_bar=False, enable_model_summary=False, max_epochs=2
+    )
+    config["trainer"]["callbacks"] = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"every_n_train_steps": 2, "save_last": True},
+        }
+    ] + (
+        [
+            {
+                "class_path": "lightning_rec.testing.FailAt",
+                "init_args": {"rank": 1, "step": 5, "how": "kill", "out_dir": str(tmp), "once": True},
+            }
+        ]
+        if fail
+        else []
+    )
+    config["data"]["init_args"].update(train_rows=2048, val_rows=256, batch_size=128)
+    path = tmp / f"{root.name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _torchrun_fit(tmp: Path, root: Path, fail: bool) -> subprocess.CompletedProcess:
+    from lightning_rec.testing.ports import free_port, shell_env
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--monitor-interval=0.5",
+        "-m", "lightning_rec", "fit", "--config", str(_cli_config(tmp, root, fail)), "--ckpt_path=last",
+    ]  # fmt: skip
+    env = {**shell_env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    return subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_torchrun_job_restarted_after_a_kill_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+    from lightning_rec.checkpoint import export, load_exported
+    from lightning_rec.checkpoint._io import latest
+
+    restarted = _torchrun_fit(tmp_path, tmp_path / "restarted", fail=True)
+    assert restarted.returncode == 0, restarted.stderr[-4000:]
+    assert (tmp_path / "failed.rank1").exists(), "rank 1 was killed once"
+    assert "ckpt_path='last': resuming from" in restarted.stdout + restarted.stderr
+    uninterrupted = _torchrun_fit(tmp_path, tmp_path / "uninterrupted", fail=False)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-4000:]
+    finals = []
+    for root in ("restarted", "uninterrupted"):
+        folders = sorted((tmp_path / root).glob("lightning_logs/version_*/checkpoints"))
+        found, _ = latest(folders)
+        assert found is not None and found.name == "last.ckpt", folders
+        export(found, tmp_path / f"{root}.pt")
+        finals.append(load_exported(tmp_path / f"{root}.pt"))
+    assert len(list((tmp_path / "restarted").glob("lightning_logs/version_*"))) == 2  # the restart logged anew
+    assert finals[0].keys() == finals[1].keys()
+    for key in finals[0]:
+        assert torch.equal(finals[0][key], finals[1][key]), key
