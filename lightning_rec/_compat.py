@@ -262,6 +262,25 @@ def managed_collision_parts(module: object) -> tuple:
     return module._embedding_module, collection, dict(collection._managed_collision_modules.items())
 
 
+# TorchRec: a managed-collision module keeps the row segments of the layout it was built for in its
+# `_output_segments_tensor` buffer, and no other copy (its `_init_output_segments_tensor` is the same tensor), so a
+# checkpoint load writes the saving job's segments over them; `validate_state()`, TorchRec's post-load step, then
+# checks the module's rows against them. A load that moved the slots onto this job's layout puts its segments back.
+def collision_output_segments(module: object) -> torch.Tensor:
+    """The row segments buffer of a ``ManagedCollisionModule``."""
+    from torchrec.modules.mc_modules import ManagedCollisionModule
+
+    if not isinstance(module, ManagedCollisionModule):
+        raise TypeError(f"expected a ManagedCollisionModule, got {type(module).__name__}")
+    buffers = dict(module.named_buffers(recurse=False))
+    if "_output_segments_tensor" not in buffers:
+        raise AttributeError(
+            f"{type(module).__name__} has no buffer '_output_segments_tensor': this TorchRec version keeps it "
+            "elsewhere (lightning_rec._compat must follow it)."
+        )
+    return buffers["_output_segments_tensor"]
+
+
 # TorchRec: an embedding sharder keeps its FBGEMM arguments in `_fused_params` (a feature-processed or
 # managed-collision sharder in the EBC/EC sharder it holds as `_ebc_sharder`/`_e_sharder`), read-only through the
 # `fused_params` property. The strategy must pass the fused optimizer derived from `configure_optimizers` into a

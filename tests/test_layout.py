@@ -142,6 +142,7 @@ def test_the_torchrec_internals_compat_relies_on_exist_in_the_installed_torchrec
     module = ManagedCollisionEmbeddingBagCollection(ebc, ManagedCollisionCollection({"t": mc}, tables))
     inner, collection, per_table = _compat.managed_collision_parts(module)
     assert inner is ebc and isinstance(collection, ManagedCollisionCollection) and per_table == {"t": mc}
+    assert torch.equal(_compat.collision_output_segments(mc)[:3], torch.tensor([0, 8, -1]))
 
     fused = {"learning_rate": 0.5}
     for sharder in (

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from lightning_rec import _compat
 from lightning_rec.checkpoint import _layout as layout
 from lightning_rec.checkpoint import _safe_io as safe_io
+from lightning_rec.checkpoint._collisions import CollisionReload
 from lightning_rec.checkpoint._optimizer_state import OptimizerTarget, is_tensor
 from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.errors import CheckpointError, CheckpointReplacedError, UnsafeCheckpointError
@@ -433,17 +434,31 @@ def _load_pinned(
                 problems += [f"optimizer {i}: {p}" for p in target.problems]
                 targets.update({f"{OPTIM_PREFIX}{i}/{fqn}/{name}": t for (fqn, name), t in target.tensors.items()})
                 opt_targets.append(target)
+    saved_world_size = meta.get("lightning_rec", {}).get("world_size")
+    collisions = CollisionReload.check(
+        module,
+        live,
+        saved_model,
+        lambda whole: dcp.load(
+            {MODEL_PREFIX + k: t for k, t in whole.items()},
+            storage_reader=safe_io.SafeFileSystemReader(pinned),
+            no_dist=not comm.on,
+        ),
+        comm.rank,
+        comm.world_size,
+        saved_world_size,
+    )
     comm.raise_if_any(
-        problems,
+        problems + collisions.problems,
         f"Checkpoint {str(path)!r} does not match {type(module).__name__} and its optimizers; nothing was modified:",
     )
 
     dcp.load(targets, storage_reader=safe_io.SafeFileSystemReader(pinned), no_dist=not comm.on)
+    collisions.apply()
     if meta.get("model_extra"):
         module.load_state_dict(meta["model_extra"], strict=False)
     for i, target in enumerate(opt_targets):
         target.apply(saved_opt_meta[i].get("embedding_lrs"), int(meta.get("global_step", 0)))
-    saved_world_size = meta.get("lightning_rec", {}).get("world_size")
     if saved_world_size not in (None, comm.world_size):
         rank_zero_info(f"{owner}: resharded checkpoint {given} from {saved_world_size} rank(s) onto {comm.world_size}.")
     return meta

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ class ZchModel(lightning_rec.RecLightningModule):
         self.over = nn.Linear(8 * len(FEATURES), 1)
         self.losses: list[float] = []
         self.remapped: list[dict[str, list[int]]] = []
+        self.validated: list[float] = []
 
     def forward(self, kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, KeyedJaggedTensor]:
         kt, remapped = self.mc_ebc(kjt)
@@ -124,6 +126,9 @@ class ZchModel(lightning_rec.RecLightningModule):
 
     def predict_step(self, batch: tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self(batch[0])[0]
+
+    def validation_step(self, batch: tuple[KeyedJaggedTensor, torch.Tensor], batch_idx: int) -> None:
+        self.validated += self(batch[0])[0].tolist()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
@@ -307,15 +312,12 @@ def test_managed_collision_tables_train_as_torchrec_trains_them_and_every_rank_r
     misses = (ROWS // 2 - 1, ROWS - 1)  # each shard's last row takes the ids it has no slot for
     assert sum(i not in misses for (s, f, x), i in seen.items() if s == 3) >= 10  # evictions admitted ids
 
-    # The collision state (sorted raw ids, their rows, counts, last access) is saved and restored exactly, 2 -> 1
-    # and back 1 -> 2.
+    # The collision state (sorted raw ids, their rows, counts, last access) is saved and restored 2 -> 1: the same
+    # slots, sorted as one table (what the module computes from them: test_a_reshard_keeps_what_...).
     saved = _assembled(results)
     assert any(v != saved[k][:1] * len(v) for k, v in saved.items())  # the state is not its initial fill
     (one,) = run_ranks(restore, 1, tmp_path / "to1", ckpt=str(tmp_path / "ckpt"))
-    assert _assembled([one]) == saved
-    (single,) = run_ranks(fit, 1, tmp_path / "one", steps=3, save="ckpt1")
-    back = run_ranks(restore, 2, tmp_path / "to2", ckpt=str(tmp_path / "one" / "ckpt1"))
-    assert _assembled(back) == _assembled([single])
+    assert _by_raw_id(_assembled([one])) == _by_raw_id(saved)
 
     # load_from_checkpoint in this (non-distributed) process: the unsharded module with the trained collision state.
     # (Its load hook re-sorts the buffers of the one bucket layout; what each raw id maps to is what was saved.)
@@ -484,3 +486,148 @@ def test_pipelining_a_managed_collision_module_is_refused_before_anything_is_sha
     ):
         _trainer(1, 1, pipeline=True).fit(model, DataLoader(_batches(0, 1), batch_size=None))
     assert not model.losses and not any(p.is_meta for p in model.parameters())
+
+
+# Resharding a trained collision table, checked on what the model computes: a probe of raw ids the tables hold.
+PROBE = 8
+
+
+def _probe(state: dict[str, list[Any]]) -> tuple[KeyedJaggedTensor, torch.Tensor]:
+    """``PROBE`` samples of one raw id a feature, each an id the table holds, from both halves of the id space."""
+    values = []
+    for f in FEATURES:
+        held = sorted(_by_raw_id(state)[f])
+        halves = [[x for x in held if x < HASH_SIZE // 2], [x for x in held if x >= HASH_SIZE // 2]]
+        assert all(halves), halves  # ids from both ranks' buckets
+        values += [halves[k % 2][(k // 2) % len(halves[k % 2])] for k in range(PROBE)]
+    lengths = torch.ones(len(FEATURES) * PROBE, dtype=torch.int64)
+    return KeyedJaggedTensor.from_lengths_sync(list(FEATURES), torch.tensor(values), lengths), torch.zeros(PROBE)
+
+
+def _predict(trainer: L.Trainer, model: nn.Module, probe: Any, ckpt: str | None = None) -> list[float]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (logits,) = trainer.predict(model, DataLoader([probe], batch_size=None), ckpt_path=ckpt)
+    return logits.tolist()
+
+
+def train_and_predict(rank: int, world_size: int, out_dir: Path, steps: int, save: str) -> dict[str, Any]:
+    """Train (evicting), save, then predict on a probe of held ids (the same on every rank) in the same job."""
+    import torch.distributed as dist
+
+    model = ZchModel()
+    trainer = _trainer(world_size, steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(_batches(rank, steps), batch_size=None))
+    trainer.save_checkpoint(out_dir / save)
+    states: list[Any] = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(states, {"state": _collision_state(model)})
+    else:
+        states = [{"state": _collision_state(model)}]
+    state = _assembled(states)
+    probe = _probe(state)
+    return {"state": state, "logits": _predict(_trainer(world_size), model, probe)}
+
+
+def reload(
+    rank: int, world_size: int, out_dir: Path, ckpt: str, state: dict[str, list[Any]], refused: str = ""
+) -> dict[str, Any]:
+    """A fresh model loads ``ckpt`` through ``Trainer.predict/validate/fit(ckpt_path=...)`` and predicts the probe;
+    then it is asked to load ``refused``."""
+    probe = _probe(state)
+    out: dict[str, Any] = {"predict": _predict(_trainer(world_size), ZchModel(seed=99), probe, ckpt)}
+    if refused:
+        from lightning_rec.errors import CheckpointError
+
+        model = ZchModel(seed=99)
+        try:
+            _predict(_trainer(world_size), model, probe, refused)
+        except CheckpointError as err:
+            out["refusal"] = str(err)
+        fresh = ZchModel(seed=99)
+        out["untouched"] = all(
+            x == torch.iinfo(torch.int64).max
+            for k, v in _assembled([{"state": _collision_state(model)}]).items()
+            if k.endswith("_mch_sorted_raw_ids")
+            for x in v
+        ) and torch.equal(model.over.weight, fresh.over.weight)
+    if world_size == 1:
+        validated = ZchModel(seed=99)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _trainer(1).validate(validated, DataLoader([probe], batch_size=None), ckpt_path=ckpt)
+        out["validate"] = validated.validated
+        # fit from the checkpoint for no further step, save it again (then read back on 2 ranks), predict
+        fitted = ZchModel(seed=99)
+        trainer = _trainer(1, steps=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(fitted, DataLoader(_batches(rank, 1), batch_size=None), ckpt_path=ckpt)
+        trainer.save_checkpoint(out_dir / "refit")
+        out["fit"] = _predict(_trainer(1), fitted, probe)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """2 ranks train and save; 1 rank loads that (predict, validate, fit) and saves it again; 1 rank trains a table
+    of its own."""
+    out = tmp_path_factory.mktemp("mc_reshard")
+    saved = run_ranks(train_and_predict, 2, out, steps=4, save="ckpt")
+    (one,) = run_ranks(reload, 1, out / "to1", ckpt=str(out / "ckpt"), state=saved[0]["state"])
+    (single,) = run_ranks(train_and_predict, 1, out / "one", steps=4, save="ckpt")
+    return {"out": out, "saved": saved, "one": one, "single": single}
+
+
+@pytest.fixture(scope="module")
+def back_on_two(resharded: dict[str, Any]) -> list[dict[str, Any]]:
+    """2 ranks load the 1-rank save of the 2-rank checkpoint, then are asked to load the table trained on 1 rank."""
+    out = resharded["out"]
+    ckpt, refused = str(out / "to1" / "refit"), str(out / "one" / "ckpt")
+    return run_ranks(reload, 2, out / "to2", ckpt=ckpt, state=resharded["saved"][0]["state"], refused=refused)
+
+
+@pytest.mark.dist
+def test_a_two_rank_managed_collision_checkpoint_predicts_on_one_rank_as_it_did_on_two(resharded):
+    """Issue 34, finding 7: a 2-rank checkpoint predicted on 1 rank through ``Trainer.predict(ckpt_path=...)`` sent
+    the raw ids of rank 1's bucket to the miss row (DCP loaded the slots by position; they were not sorted)."""
+    saved, one = resharded["saved"], resharded["one"]
+    expected = saved[0]["logits"]
+    assert saved[1]["logits"] == expected  # the probe is the same on both ranks
+    assert len(set(expected)) > 2  # the probe's ids have rows of their own
+    for how in ("predict", "validate", "fit"):
+        assert one[how] == pytest.approx(expected, abs=1e-6), how
+    # load_from_checkpoint (unsharded, TorchRec's load hook), of the 2-rank save and of the 1-rank one
+    probe = _probe(saved[0]["state"])
+    for ckpt in (resharded["out"] / "ckpt", resharded["out"] / "to1" / "refit"):
+        model = ZchModel.load_from_checkpoint(ckpt).eval()
+        with torch.no_grad():
+            assert model(probe[0])[0].tolist() == pytest.approx(expected, abs=1e-6), ckpt
+
+
+@pytest.mark.dist
+def test_a_one_rank_save_of_a_two_rank_table_predicts_on_two_ranks_as_the_saving_job(resharded, back_on_two):
+    """1 -> 2: the 1-rank job kept each id in its bucket's rows (it loaded them from 2 ranks), so 2 ranks take it."""
+    expected = resharded["one"]["fit"]  # the saving job's predictions (equal to the 2-rank job's)
+    for rank in back_on_two:
+        assert rank["predict"] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.dist
+def test_a_table_trained_on_one_rank_is_refused_on_two_naming_table_buckets_and_world_sizes(resharded, back_on_two):
+    """Trained on 1 rank, a table gives rows of one bucket to ids of the other: TorchRec cannot spread it over 2
+    (without this check each rank looked ids up in rows it does not hold: ``Expected idx < num_rows``)."""
+    assert resharded["single"]["logits"]  # it trained and predicts on its own rank
+    for rank in back_on_two:
+        assert rank["untouched"]
+        assert re.search(
+            r"managed-collision table 't_f[01]' \(mc_ebc\._managed_collision_collection\._managed_collision_modules"
+            r"\.t_f[01]\): on 2 ranks it has 2 buckets of raw ids \(input_hash_size 960\); rank [01] owns rows "
+            r"\[(0|32), (32|64)\) and the raw ids \[(0|480), (480|960)\), but the checkpoint, saved on 1 rank\(s\), "
+            r"gives \d+ of those rows to raw ids of other buckets.*HINT: load it on 1 rank",
+            rank["refusal"],
+            re.S,
+        ), rank["refusal"]
+        assert "nothing was modified" in rank["refusal"]
