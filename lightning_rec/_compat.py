@@ -199,8 +199,9 @@ def default_store() -> torch.distributed.Store | None:
 def tensor_version(tensor: torch.Tensor) -> int:
     """How many times ``tensor`` (or a view of its storage) was changed in place: torch's autograd version counter,
     public in behaviour but underscore-named (``Tensor._version``). The input checks use it to notice a checked
-    KJT changed in place inside ``forward``."""
-    return tensor._version
+    KJT changed in place inside ``forward``. An inference tensor (made under ``torch.inference_mode``, e.g. the batch
+    ``trainer.predict`` copies to a GPU) keeps no counter: -2, which no recorded version equals."""
+    return -2 if tensor.is_inference() else tensor._version
 
 
 # Lightning: what `move_data_to_device` moves (anything with a `.to`); the strategy moves batches itself so that

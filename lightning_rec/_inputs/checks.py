@@ -281,8 +281,8 @@ class InputChecks:
             if not isinstance(kjt, KeyedJaggedTensor) or not _same_form(host, kjt):
                 continue  # a custom transfer moved things around: the door reads it
             values = kjt.values()
-            if values.numel() == 0:
-                continue  # no storage to know it by
+            if values.numel() == 0 or values.is_inference():
+                continue  # no storage to know it by, or no version counter to notice a change by: read at the door
             ptr = values.untyped_storage().data_ptr()
             self._trusted.pop(ptr, None)
             self._trusted[ptr] = _Trusted(features, weakref.ref(values), _lengths_storage(kjt), _versions(kjt))

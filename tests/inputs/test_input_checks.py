@@ -209,3 +209,29 @@ def test_bounds_check_none_takes_the_checks_away_and_error_puts_them_back():
     checks["error"].install(root, {"ebc": SPEC})
     with pytest.raises(InputError):
         root.ebc.input_dist(None, bad)
+
+
+def test_batches_made_under_inference_mode_are_predicted_and_still_checked(tmp_path):
+    """``trainer.predict`` runs under ``torch.inference_mode``: on a GPU the batch it copies is an inference tensor,
+    which keeps no version counter (the input checks' trust of a host-checked batch read it and failed there). On CPU
+    the same happens to batches a loader makes under inference mode; a bad id is still refused at the door."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_rec import RecShardStrategy
+    from lightning_rec.testing import QUIET_TRAINER
+    from tests.helpers.models import RecModel, make_batches
+
+    with torch.inference_mode():
+        batches = [b.to("cpu") for b in make_batches(3, 8, seed=0)]
+    assert batches[0].sparse_features.values().is_inference()
+    L.seed_everything(0)
+    model = RecModel()
+    trainer = L.Trainer(strategy=RecShardStrategy(), accelerator="cpu", devices=1, **QUIET_TRAINER)
+    out = trainer.predict(model, DataLoader(batches, batch_size=None))
+    assert len(out) == 3 and all(torch.isfinite(o).all() for o in out)
+    with torch.inference_mode():
+        bad = make_batches(1, 8, seed=1)[0].to("cpu")
+        bad.sparse_features.values()[0] = 10**6
+    with pytest.raises(InputError, match="1000000"):
+        trainer.predict(model, DataLoader([bad], batch_size=None))
