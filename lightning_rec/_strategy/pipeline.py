@@ -229,17 +229,35 @@ class PipelinedLoader:
     """A training DataLoader whose batches go through :class:`SparseDistPipeline`'s queue.
 
     Attribute access (``sampler``, ``batch_size``, ``dataset``, ...) and ``len()`` go to the wrapped loader, so
-    Lightning's epoch handling (``set_epoch``, batch counts) is unchanged.
+    Lightning's epoch handling (``set_epoch``, batch counts) is unchanged. A resumable loader's state (Lightning's
+    stateful-loader protocol, :class:`~lightning_rec.data.resume.ResumableLoader`) is reported as of the batches
+    handed to Lightning: the one queued ahead was taken from the loader but not trained, so it is not counted.
     """
 
     def __init__(self, dataloader: Any, pipeline: SparseDistPipeline) -> None:
         self.dataloader = dataloader
         self.pipeline = pipeline
+        self._ahead: deque[Any] = deque()  # queued in the pipeline, not yet handed to Lightning
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's state, less the batches queued ahead (``{}`` if it keeps none)."""
+        if not callable(getattr(self.dataloader, "state_dict", None)):
+            return {}
+        state = dict(self.dataloader.state_dict())
+        if self._ahead and "served" in state:
+            state["served"] = int(state["served"]) - len(self._ahead)
+            state["finished"] = False
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Hand ``state`` to the wrapped loader (if it keeps one)."""
+        if state and callable(getattr(self.dataloader, "load_state_dict", None)):
+            self.dataloader.load_state_dict(state)
 
     def __iter__(self) -> Iterator[Any]:
         self.pipeline.reset()
         iterator = iter(self.dataloader)
-        ahead: deque[Any] = deque()  # queued in the pipeline, not yet handed to Lightning
+        ahead = self._ahead = deque()
         exhausted = False
         fetched = 0
         while True:
@@ -258,6 +276,6 @@ class PipelinedLoader:
         return len(self.dataloader)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("dataloader", "pipeline"):
+        if name in ("dataloader", "pipeline", "_ahead"):
             raise AttributeError(name)
         return getattr(self.dataloader, name)

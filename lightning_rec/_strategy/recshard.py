@@ -82,6 +82,7 @@ from lightning_rec.config import (
 )
 from lightning_rec.errors import Preempted
 
+
 def _no_broadcast() -> None:
     """Lightning's per-step SIGTERM broadcast, replaced (see :mod:`lightning_rec._strategy.preemption`)."""
 

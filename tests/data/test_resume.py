@@ -166,7 +166,14 @@ class _Record(L.Callback):
 
 
 def _fit(
-    tmp: Path, case: str, ckpt: Path | None = None, *, limit: int | None = LIMIT, devices: int = 1, **dm_kw: Any
+    tmp: Path,
+    case: str,
+    ckpt: Path | None = None,
+    *,
+    limit: int | None = LIMIT,
+    devices: int = 1,
+    pipeline: bool = False,
+    **dm_kw: Any,
 ) -> tuple[list[float], dict[str, list], Any]:
     """Fit ``case`` for 2 epochs (from ``ckpt``) on ``devices`` ranks, saving a checkpoint every 3 steps into
     ``tmp/ckpt``."""
@@ -182,7 +189,7 @@ def _fit(
         **{**QUIET_TRAINER, "enable_checkpointing": True},
         accelerator="cpu",
         devices=devices,
-        strategy=RecShardStrategy(),
+        strategy=RecShardStrategy(pipeline=pipeline),
         max_epochs=EPOCHS,
         limit_train_batches=limit,
         limit_val_batches=0,
@@ -216,6 +223,15 @@ def test_a_resumed_fit_trains_what_the_uninterrupted_one_did(case: str, tmp_path
     assert (per_epoch or LIMIT) < resume_at < 2 * (per_epoch or LIMIT)
     resumed, resumed_weights, _ = _fit(tmp_path, case, _step(tmp_path, resume_at), limit=limit)
     assert resumed == full[resume_at:], "the resumed run trains the batches the checkpoint had not seen"
+    assert _same_weights(resumed_weights, weights)
+
+
+def test_a_pipelined_fit_resumes_exactly(tmp_path: Path) -> None:
+    """``pipeline=True`` takes one batch more from the loader than Lightning has (its input distribution overlaps
+    the step before); the checkpoint counts only what Lightning trained."""
+    full, weights, _ = _fit(tmp_path, "synthetic", pipeline=True)
+    resumed, resumed_weights, _ = _fit(tmp_path, "synthetic", _step(tmp_path, 3 * EVERY), pipeline=True)
+    assert resumed == full[3 * EVERY :], "the resumed run trains the batches the checkpoint had not seen"
     assert _same_weights(resumed_weights, weights)
 
 
