@@ -15,12 +15,14 @@ The hooks themselves, in Lightning's order: :mod:`lightning_rec._strategy.recsha
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.plugins import LayerSync
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -41,6 +43,7 @@ __all__ = [
     "input_refusals",
     "rank_boards",
     "shard_with_optimizers",
+    "restart_store",
     "start_process_group",
     "transfer_batch",
 ]
@@ -56,9 +59,33 @@ def start_process_group(
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type != "cpu":
         kwargs["device_id"] = device
+    store = restart_store(cluster_environment, timeout)
+    if store is not None:
+        kwargs["store"] = store
     _compat._init_dist_connection(cluster_environment, backend, **kwargs)
     close_process_group_at_exit(timeout)  # a finished job must exit 0, not abort in gloo's threads
     return backend
+
+
+def restart_store(cluster_environment: ClusterEnvironment, timeout: timedelta | None) -> dist.Store | None:
+    """Under torchrun, the agent's store seen through a prefix of this attempt (``TORCHELASTIC_RESTART_COUNT``);
+    ``None`` elsewhere (the process group makes its own store, as Lightning's ``ddp`` does).
+
+    Why: ``torchrun --max-restarts`` restarts a failed group on the same agent store, which still holds the dead
+    attempt's keys, among them its ranks' gloo addresses; a restarted rank that reads one connects to a dead
+    process, and the new group hangs or fails (``Gloo connectFullMesh failed ... Connection refused``): 2 of 3
+    restarts here, plain torch 2.13 scripts too. Each attempt's keys under its own prefix: 3 of 3 restarted.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or not dist.is_available():
+        return None
+    store = dist.TCPStore(
+        cluster_environment.main_address,
+        cluster_environment.main_port,
+        cluster_environment.world_size(),
+        is_master=False,
+        timeout=timeout or timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"lightning_rec/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def rank_boards(
