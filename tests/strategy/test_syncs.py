@@ -22,11 +22,12 @@ OPTIMIZER = {"_local_scalar_dense optimizer.py:_get_value": 4}  # torch's Adagra
 VBE = {"cpu split_table_batched_embeddings_ops_training.py:_generate_vbe_metadata": 1}  # FBGEMM: a host tensor's .cpu()
 DDP = {"_local_scalar_dense graph.py:_engine_run_backward": 4}  # DMP's DDP of the dense part, in its backward hooks
 SPLITS = {"tolist dist_data.py:_safe_tolist_2d": 2}  # TorchRec: the all-to-all splits of the ids, read on the host
+PREEMPTION_READ = "tolist lightning_rec/_strategy/preemption.py:agreed"
 HOST_SIDE = {
     "numpy lightning_rec/_inputs/kjt.py:host_numpy": "recshard's input checks read the batch on the host, before its copy",
     "numpy lightning_rec/_inputs/checks.py:poll": "recshard reads the last step's loss from host memory (copied without blocking)",
-    "_local_scalar_dense lightning_rec/_strategy/preemption.py:agreed": "the ranks' signal flag, reduced on a gloo group "
-    "(a CPU tensor, replacing Lightning's per-step broadcast of a device tensor)",
+    PREEMPTION_READ: "the ranks' signal flags, reduced on a gloo group about every 50 ms (a CPU tensor, replacing "
+    "Lightning's per-step broadcast of a device tensor)",
     "cpu split_table_batched_embeddings_ops_training.py:_generate_vbe_metadata": "FBGEMM: feature_dims, on the host",
     "to lightning_rec/_batch.py:move": "the batch's copy to the device (non_blocking on a GPU; on CPU the host is the device)",
     "to apply_func.py:batch_to": "the same copy, by Lightning's collection walk (pipelined dict batches)",
@@ -41,9 +42,9 @@ RECSHARD = {
     "numpy lightning_rec/_inputs/checks.py:poll": 1,
 }
 # (fmt, pipeline, ranks) -> recshard's reads per step (every rank): 1 and 2 ranks, pipelined and not, both batch
-# formats, in four runs of ~12 s each. With several ranks the step also reads the preemption flag the ranks agreed on
-# (host memory), instead of Lightning's per-step SIGTERM broadcast of a device tensor.
-PREEMPTION = {"_local_scalar_dense lightning_rec/_strategy/preemption.py:agreed": 1}
+# formats, in four runs of ~12 s each. With several ranks a step may also read the preemption flags the ranks compared
+# (host memory, about every 50 ms: how many of the counted steps do depends on their speed, so it is checked apart),
+# instead of Lightning's per-step SIGTERM broadcast of a device tensor.
 EXPECTED = {
     ("dict", False, 1): {
         **RECSHARD,
@@ -59,7 +60,6 @@ EXPECTED = {
     },
     ("batch", False, 2): {
         **RECSHARD,
-        **PREEMPTION,
         **DDP,
         **SPLITS,
         "_local_scalar_dense user_scenarios.py:training_step": 1,
@@ -70,7 +70,6 @@ EXPECTED = {
     },
     ("dict", True, 2): {
         **RECSHARD,
-        **PREEMPTION,
         **DDP,
         **SPLITS,
         "_local_scalar_dense user_models.py:training_step": 1,
@@ -95,6 +94,7 @@ def test_a_recshard_step_reads_exactly_what_is_pinned_and_no_more_than_torchrec_
     when pipelined, on TorchRec ``Batch``es: TorchRec's pipeline takes no dicts). Every rank's counts."""
     ours = run_ranks(SYNCS, ranks, tmp_path, pipeline=pipeline, fmt=fmt)
     for rank, counts in enumerate(ours):
+        assert counts["by_origin"].pop(PREEMPTION_READ, 0) <= (1 if ranks > 1 else 0), (rank, counts["origins"])
         assert counts["by_origin"] == EXPECTED[fmt, pipeline, ranks], (rank, counts["origins"])
     if (pipeline, ranks) in RAW_EXPECTED:  # (the hand-written loop takes TorchRec Batches whatever the format)
         raw = run_ranks(SYNCS, ranks, tmp_path / "raw", pipeline=pipeline, fmt="batch", loop="raw")
