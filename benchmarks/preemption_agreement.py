@@ -4,8 +4,8 @@ per-step SIGTERM broadcast it replaces, on 2 gloo ranks, around a fixed amount o
 Variants, alternated round by round in the same two processes:
 
 * ``none``: the step alone (the work: a small matrix product, about ``--work-ms``);
-* ``recshard``: the step, then :class:`lightning_rec._strategy.preemption.Preemption`'s ``agreed()`` (an async
-  all-reduce of one host integer on a gloo group of its own, read one step later);
+* ``recshard``: the step, then the strategy's agreement (``lightning_rec.testing.instruments.preemption_agreement``:
+  about every 50 ms an async all-reduce of host integers on a gloo group of its own, read at the next one);
 * ``lightning``: the step, then what Lightning's loop does after every batch with several ranks: a blocking
   ``broadcast`` of a one-element tensor from rank 0 and ``.item()`` (on a GPU, a device tensor and a host sync).
 
@@ -33,12 +33,11 @@ def _rank(rank: int, port: int, steps: int, rounds: int, work_ms: float) -> None
     import torch
     import torch.distributed as dist
 
-    from lightning_rec._strategy.preemption import Preemption
+    from lightning_rec.testing.instruments import preemption_agreement
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    preemption = Preemption()
-    preemption.start(world_size=2)
+    agreed = preemption_agreement(world_size=2)
     a = torch.randn(64, 64)
     for _ in range(200):  # warm-up
         a @ a
@@ -52,7 +51,7 @@ def _rank(rank: int, port: int, steps: int, rounds: int, work_ms: float) -> None
         for _ in range(reps):
             a @ a
         if variant == "recshard":
-            preemption.agreed()
+            agreed()
         elif variant == "lightning":
             dist.broadcast(flag, src=0)
             flag.item()
@@ -66,8 +65,7 @@ def _rank(rank: int, port: int, steps: int, rounds: int, work_ms: float) -> None
                 step(variant)
             dist.barrier()
             times[variant].append((time.perf_counter() - begin) / steps * 1000)
-    if preemption._pending is not None:
-        preemption._pending.wait()
+    dist.barrier()
     if rank == 0:
         medians = {v: statistics.median(t) for v, t in times.items()}
         for v in VARIANTS:

@@ -1,5 +1,6 @@
 """Internal mechanisms of the strategy, callable on their own, to measure each apart from the step it is part of
-(``benchmarks/``: the CPU lookup's kernels, the input checks, the output reordering, the clean exit).
+(``benchmarks/``: the CPU lookup's kernels, the input checks, the output reordering, the clean exit, the
+agreement on a preemption signal).
 
 :class:`~lightning_rec.RecShardStrategy` runs all of these itself; its arguments switch them for a whole run
 (``fast_cpu_lookup=``, ``bounds_check=``, ``nonfinite=``). These entry points give a benchmark the same code on a
@@ -16,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -27,13 +29,21 @@ from lightning_rec._inputs.checks import InputChecks
 from lightning_rec._inputs.specs import FeatureTables, ModuleInputs, input_specs
 from lightning_rec._strategy import cpu_lookup as _cpu_lookup
 from lightning_rec._strategy import faults as _faults
+from lightning_rec._strategy import preemption as _preemption
 from lightning_rec._strategy import unsharded as _unsharded
 from lightning_rec.config import NonFinitePolicy
 
 if TYPE_CHECKING:  # FBGEMM ships no type information: to the type checker its TBE is Any
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-__all__ = ["OutputReordering", "StepInputChecks", "close_process_group_at_exit", "cpu_lookup", "cpu_lookups"]
+__all__ = [
+    "OutputReordering",
+    "StepInputChecks",
+    "close_process_group_at_exit",
+    "cpu_lookup",
+    "cpu_lookups",
+    "preemption_agreement",
+]
 
 _OUTPUT_DIST = "compute_and_output_dist"
 
@@ -228,3 +238,21 @@ class OutputReordering:
     def _modules(self, sharded_root: nn.Module) -> dict[str, nn.Module]:
         modules = {path: sharded_root.get_submodule(path) if path else sharded_root for path in self.orders}
         return {path: m for path, m in modules.items() if _compat.patchable(m, _OUTPUT_DIST)}
+
+
+def preemption_agreement(world_size: int) -> Callable[[], int]:
+    """The strategy's agreement on a preemption signal, as one call per training batch on every rank (after the
+    process group started): returns the signal the ranks agreed was received (0: none) on the strategy's schedule
+    (:class:`~lightning_rec._strategy.preemption.Preemption`). Make it before the first batch; it makes its group.
+
+    Example::
+
+        agreed = preemption_agreement(world_size=2)
+        for batch in batches:
+            step(batch)
+            if agreed():
+                break
+    """
+    preemption = _preemption.Preemption()
+    preemption.start(world_size)
+    return preemption.agreed
