@@ -96,10 +96,10 @@ def _weights(out: Path, tag: str, world_size: int = 2) -> dict[str, torch.Tensor
 
 
 def _interrupted(
-    out: Path, tag: str, signum: int, launcher: str, env: dict[str, str] | None = None, **config: Any
+    out: Path, tag: str, signum: int, launcher: str, env: dict[str, str] | None = None, first: int = 1, **config: Any
 ) -> Launch:
-    """Launch :func:`fit` on 2 ranks, wait until both trained a few steps, signal rank 1 then (``SKEW`` later)
-    rank 0, and return how the ranks ended."""
+    """Launch :func:`fit` on 2 ranks, wait until both trained a few steps, signal rank ``first`` then (``SKEW``
+    later) the other, and return how the ranks ended."""
     result: dict[str, Launch] = {}
     old = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
@@ -116,9 +116,9 @@ def _interrupted(
             assert time.monotonic() < deadline, "the ranks never reached step 5"
             time.sleep(0.01)  # polling for the ranks' marker files, not a synchronisation by time
         pids = [int(p.read_text()) for p in ready]
-        os.kill(pids[1], signum)
+        os.kill(pids[first], signum)
         time.sleep(SKEW)  # the skew itself is what is being tested
-        os.kill(pids[0], signum)
+        os.kill(pids[1 - first], signum)
         runner.join()
     finally:
         for k, v in old.items():
@@ -167,16 +167,21 @@ def test_sigterm_to_skewed_ranks_saves_at_one_step_exits_143_and_resumes_exactly
         assert torch.equal(got[key], reference[key]), key
 
 
-def test_slurm_requeue_signal_saves_requeues_once_and_exits_138(tmp_path):
+def test_slurm_requeue_signal_saves_requeues_once_exits_138_and_the_requeued_job_resumes(reference, tmp_path):
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.parent.mkdir()
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/requeued\n')
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
     env = {"PATH": f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}"}
-    run = _interrupted(tmp_path, "usr1", signal.SIGUSR1, "slurm", env)
+    run = _interrupted(tmp_path, "usr1", signal.SIGUSR1, "slurm", env, first=0)
     _check_preempted(run, tmp_path, signal.SIGUSR1)
     job = (tmp_path / "requeued").read_text().splitlines()
     assert len(job) == 1 and job[0].startswith("requeue "), job  # rank 0 alone requeued the job
+    # The requeued job runs the same command, no ckpt_path: Lightning's SLURM resume takes the hpc checkpoint.
+    requeued = launch(fit, 2, tmp_path, launcher="slurm", timeout=240, tag="requeued")
+    assert all(p.returncode == 0 for p in requeued.processes), requeued.processes[0].log[-3000:]
+    got = _weights(tmp_path, "requeued")
+    assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in reference)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
