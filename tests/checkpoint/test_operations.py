@@ -207,3 +207,35 @@ def test_ckpt_path_last_finds_the_run_s_newest_complete_checkpoint_across_versio
         fallback, model = run(8, "last")
     assert fallback.global_step == 8 and len(model.losses) == 2  # from version_1's step-6 checkpoint
     assert any("resuming from" in r.message and "last.ckpt: incomplete, skipped" in r.message for r in caplog.records)
+
+
+def test_the_cli_s_ckpt_path_last_resumes_a_restarted_run_from_its_earlier_version(tmp_path, caplog):
+    """``lightning-rec fit --config ... --ckpt_path=last``, run again after the job stopped: the second run logs to
+    ``version_1`` and must continue from ``version_0``'s checkpoint, not start over."""
+    from lightning_rec._cli import run as cli
+
+    args = [
+        "fit",
+        "--config",
+        str(Path(__file__).resolve().parents[2] / "examples/configs/synthetic_dlrm.yaml"),
+        "--trainer.devices=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.limit_val_batches=0",
+        "--trainer.log_every_n_steps=1",
+        "--data.init_args.train_rows=2048",
+        "--data.init_args.batch_size=256",
+        "--ckpt_path=last",
+    ]
+    first = cli([*args, "--trainer.max_epochs=1"]).trainer
+    assert first.global_step == 8
+    with caplog.at_level("INFO"):
+        second = cli([*args, "--trainer.max_epochs=2"]).trainer
+    assert second.global_step == 16
+    assert "version_1" in second.logger.log_dir
+    assert any("ckpt_path='last': resuming from" in r.message and "version_0" in r.message for r in caplog.records)
+    import csv
+
+    with open(Path(second.logger.log_dir) / "metrics.csv") as f:
+        epochs = {row["epoch"] for row in csv.DictReader(f) if row.get("epoch")}
+    assert epochs == {"1"}, f"the restarted run trained only the second epoch, not {sorted(epochs)}"
