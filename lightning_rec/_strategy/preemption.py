@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -87,9 +88,10 @@ class Preemption(Callback):
         self._last: float | None = None
         self._batch_seconds: float | None = None
 
-    def start(self, world_size: int) -> None:
-        """Make the ranks' group for agreeing on a signal (every rank, after the process group started)."""
-        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+    def start(self, world_size: int, timeout: timedelta | None = None) -> None:
+        """Make the ranks' group for agreeing on a signal (every rank, after the process group started), with the
+        strategy's collective ``timeout``: a rank that hangs is given up on after it here too."""
+        self._group = dist.new_group(backend="gloo", timeout=timeout) if world_size > 1 else None
 
     # --- the handler ---
 

@@ -352,7 +352,7 @@ class RecShardStrategy(ParallelStrategy):
         self._failures, self._batch_counts = rank_boards(
             token, self.global_rank, self.world_size, self._timeout, type(self).__name__
         )
-        self._preemption.start(self.world_size)
+        self._preemption.start(self.world_size, self._timeout)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
