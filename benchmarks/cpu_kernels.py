@@ -52,7 +52,7 @@ def measure(size: Size, threads: int, repeats: int, lr: float = 0.01) -> dict[st
     offsets = torch.arange(0, n + 1, size.pooling)
     grad = torch.randn(size.batch_size, size.tables * size.dim, generator=g)
     fbgemm, ours = _tbe(size, lr), _tbe(size, lr)
-    cpu_lookup(ours, threads=threads)
+    cpu_lookup(ours, threads=threads, min_work=0)  # the split on every call
     tables = [torch.nn.Parameter(w.detach().clone()) for w in fbgemm.split_embedding_weights()]
     sgd = torch.optim.SGD(tables, lr=lr)
     per_table = ids.view(size.tables, -1)

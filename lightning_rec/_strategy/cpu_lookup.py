@@ -16,11 +16,25 @@ Only ``EXACT_SGD`` and ``EXACT_ADAGRAD`` take this path (their FBGEMM forward pa
 any other optimizer, pooling, precision, variable batch sizes or a CUDA table keeps FBGEMM's own forward.
 Install with :func:`install_cpu_lookup` (the strategy does, unless ``RecShardStrategy(fast_cpu_lookup=False)``); with
 one intra-op thread per rank it keeps FBGEMM's path, which is as fast there.
+
+**Which path, call by call.** The split is not free: one ``embedding_bag`` per feature, their concatenation, the
+per-group id copies and a hand-off to the thread pool cost a fixed ~0.3-0.5 ms a step on this project's 2-core
+machine, whatever the size. On a small lookup that is more than FBGEMM's whole serial kernel (3 tables x 100 rows
+x 16, batch 64: 0.7 ms against 0.4), so each call first prices its own work, ``ids x mean dim`` (the floats the
+lookup reads and the update writes; batch, pooling and feature count are in the ids): below
+:data:`MIN_FAST_WORK`, or with one thread, FBGEMM's path, always (:func:`choose_path`). Above it the split can win
+by 20% (a quiet machine) or lose by 10% (the same sizes with the cores shared with other processes), so there the
+lookup measures: :class:`PathTrial` times whole training steps (call to call) on each path in turn, takes the
+faster, and measures again every :data:`RETRY_EVERY` calls. Either path gives the same bits, so the choice changes
+the time only. ``benchmarks/cpu_lookup_sweep.py`` measures both paths from tiny to large (BENCHMARKS.md, "Never
+slower than FBGEMM's path").
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -39,6 +53,79 @@ _BACKWARD_OPS = {
     "EXACT_SGD": "split_embedding_backward_codegen_sgd_cpu",
     "EXACT_ADAGRAD": "split_embedding_backward_codegen_adagrad_cpu",
 }
+
+#: The least work (ids x mean embedding dim of one call) for which the split path is taken: below it, FBGEMM's own
+#: serial kernels are as fast or faster (BENCHMARKS.md, "Never slower than FBGEMM's path": measured crossover, with
+#: a margin on the side of FBGEMM's path).
+MIN_FAST_WORK = 1 << 22
+#: Training steps timed on each path before a lookup above :data:`MIN_FAST_WORK` picks one (:class:`PathTrial`),
+#: and the calls after which it measures again (the machine's load changes which path is faster).
+TRIAL_STEPS, RETRY_EVERY = 4, 2000
+FAST, FBGEMM = "fast", "fbgemm"
+
+
+def choose_path(ids: int, mean_dim: float, threads: int, min_work: int = MIN_FAST_WORK) -> str:
+    """Which path a lookup of ``ids`` ids into tables of ``mean_dim`` columns may take with ``threads`` intra-op
+    threads: :data:`FBGEMM` (FBGEMM's own forward and serial backward, always) or :data:`FAST` (the split where it is
+    measured faster, :class:`PathTrial`).
+
+    The split's gain grows with the work (``ids x mean_dim``) and its cost is fixed, so it can pay from a threshold
+    on, and never with one thread (nothing to split).
+
+    Example::
+
+        >>> choose_path(ids=3 * 64, mean_dim=16, threads=2)          # 3 tables, batch 64, one id each
+        'fbgemm'
+        >>> choose_path(ids=8 * 4096 * 4, mean_dim=64, threads=2)    # 8 tables, batch 4096, 4 ids each
+        'fast'
+        >>> choose_path(ids=8 * 4096 * 4, mean_dim=64, threads=1)
+        'fbgemm'
+    """
+    return FAST if threads > 1 and ids * mean_dim >= min_work else FBGEMM
+
+
+class PathTrial:
+    """Times whole training steps on each path in turn, then keeps the faster one (see the module docstring).
+
+    A step is the time from one training call of the lookup to the next (the forward, its backward and update, the
+    rest of the step and the next batch's loading): what the choice changes, measured where it is made. The first
+    ``2 x steps`` calls alternate the paths (the split first); each interval goes to the path of the call that
+    opened it; the path with the lower median is then kept for ``retry_every`` calls, after which the trial runs
+    again.
+
+    Example::
+
+        >>> trial = PathTrial(steps=1)
+        >>> trial.next(now=0.0), trial.next(now=1.0), trial.next(now=1.5)   # the split took 1 s, FBGEMM's 0.5 s
+        ('fast', 'fbgemm', 'fbgemm')
+    """
+
+    def __init__(self, steps: int = TRIAL_STEPS, retry_every: int = RETRY_EVERY) -> None:
+        self.steps, self.retry_every = steps, retry_every
+        self.times: dict[str, list[float]] = {FAST: [], FBGEMM: []}
+        self.chosen: str | None = None  # None: on trial
+        self._since = 0  # calls since the choice
+        self._open: tuple[str, float] | None = None  # the trial call whose step is being timed, and when it began
+
+    def next(self, now: float) -> str:
+        """The path of the training call made at ``now`` (``time.perf_counter()``)."""
+        if self._open is not None:
+            path, began = self._open
+            self.times[path].append(now - began)
+            self._open = None
+        if self.chosen is not None:
+            self._since += 1
+            if self._since <= self.retry_every:
+                return self.chosen
+            self.chosen, self.times = None, {FAST: [], FBGEMM: []}
+        done = len(self.times[FAST]) + len(self.times[FBGEMM])
+        if done >= 2 * self.steps:
+            fast, fbgemm = (statistics.median(self.times[p]) for p in (FAST, FBGEMM))
+            self.chosen, self._since = (FAST if fast < fbgemm else FBGEMM), 1
+            return self.chosen
+        path = FAST if done % 2 == 0 else FBGEMM
+        self._open = (path, now)
+        return path
 
 
 def ineligible_reason(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> str | None:
@@ -132,6 +219,13 @@ class CpuLookup:
             sizes, extra arguments).
         threads: threads of the backward (the tables are split into at most this many groups); default
             ``torch.get_num_threads()``.
+        min_work: the least ``ids x mean dim`` of a call that may take the split, where it is measured faster
+            (:func:`choose_path`, :class:`PathTrial`); default :data:`MIN_FAST_WORK`. ``0`` takes the split on every
+            call, unmeasured (with more than one thread).
+
+    Attributes:
+        taken: calls per path so far, ``{"fast": n, "fbgemm": m}``; ``last``: the path of the latest call;
+        trial: the :class:`PathTrial` of the calls above ``min_work``.
 
     Example::
 
@@ -143,6 +237,7 @@ class CpuLookup:
         tbe: SplitTableBatchedEmbeddingBagsCodegen,
         fbgemm_forward: Callable[..., torch.Tensor],
         threads: int | None = None,
+        min_work: int | None = None,
     ) -> None:
         reason = ineligible_reason(tbe)
         if reason is not None:
@@ -155,6 +250,15 @@ class CpuLookup:
         self.backward_op = getattr(torch.ops.fbgemm, _BACKWARD_OPS[tbe.optimizer.name]).default
         self.static = _arguments(tbe)
         self.names = [a.name for a in self.backward_op._schema.arguments]
+        self.min_work = MIN_FAST_WORK if min_work is None else min_work
+        self.mean_dim = int(tbe.D_offsets[-1]) / max(1, len(self.tables))
+        self.taken = {FAST: 0, FBGEMM: 0}
+        self.last: str | None = None
+        self.trial = PathTrial()
+
+    def path(self, ids: int) -> str:
+        """The path a call with ``ids`` ids may take (:func:`choose_path` with this lookup's dims and threads)."""
+        return choose_path(ids, self.mean_dim, self.threads, self.min_work)
 
     def __call__(
         self,
@@ -165,7 +269,12 @@ class CpuLookup:
         batch_size_per_feature_per_rank: list[list[int]] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if batch_size_per_feature_per_rank is not None or any(v is not None for v in kwargs.values()):
+        path = self.path(indices.numel())
+        if path == FAST and self.min_work:  # measured: training calls time the paths, the others follow the choice
+            path = self.trial.next(time.perf_counter()) if torch.is_grad_enabled() else self.trial.chosen or FBGEMM
+        if path == FBGEMM or batch_size_per_feature_per_rank is not None or any(v is not None for v in kwargs.values()):
+            self.taken[FBGEMM] += 1
+            self.last = FBGEMM
             return self.fbgemm_forward(
                 indices, offsets, per_sample_weights, feature_requires_grad, batch_size_per_feature_per_rank, **kwargs
             )
@@ -174,6 +283,8 @@ class CpuLookup:
             indices, offsets, per_sample_weights, None, force_cast_input_types=True, prefetch_pipeline=False
         )
         self.tbe.step += 1
+        self.taken[FAST] += 1
+        self.last = FAST
         return _Lookup.apply(
             self.tbe.placeholder_autograd_tensor, per_sample_weights, self, indices, offsets, feature_requires_grad
         )
@@ -320,7 +431,8 @@ def install_cpu_lookup(model: nn.Module, threads: int | None = None) -> dict[str
 
     With one intra-op thread (``threads``, default ``torch.get_num_threads()``: a rank per core, say) nothing is
     installed: the backward has nothing to split and torch's forward, plus its concatenation, is no faster than
-    FBGEMM's (BENCHMARKS.md, "The CPU step against the sparse peer").
+    FBGEMM's (BENCHMARKS.md, "The CPU step against the sparse peer"). Where it is installed, each call still takes
+    FBGEMM's path when its work is below :data:`MIN_FAST_WORK` (:func:`choose_path`).
 
     Args:
         model: a ``DistributedModelParallel`` (or any module holding TorchRec sharded embedding modules).

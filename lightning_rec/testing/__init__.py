@@ -15,6 +15,7 @@
 * :class:`~lightning_rec.testing.syncs.SyncCounter`: count the host-device synchronisations a piece of code makes,
   and which Python frame asked for each.
 * :func:`~lightning_rec.testing.instruments.cpu_lookup`, :func:`~lightning_rec.testing.instruments.cpu_lookups`,
+  :func:`~lightning_rec.testing.instruments.cpu_lookup_path`,
   :class:`~lightning_rec.testing.instruments.StepInputChecks`,
   :class:`~lightning_rec.testing.instruments.OutputReordering`,
   :func:`~lightning_rec.testing.instruments.close_process_group_at_exit`: the strategy's CPU lookup, input checks,
@@ -29,6 +30,7 @@ from lightning_rec.testing.instruments import (
     StepInputChecks,
     close_process_group_at_exit,
     cpu_lookup,
+    cpu_lookup_path,
     cpu_lookups,
 )
 from lightning_rec.testing.ports import free_port, shell_env
@@ -44,6 +46,7 @@ __all__ = [
     "SyncCounter",
     "close_process_group_at_exit",
     "cpu_lookup",
+    "cpu_lookup_path",
     "cpu_lookups",
     "deterministic_init",
     "failure_time",

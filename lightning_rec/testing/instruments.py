@@ -37,18 +37,25 @@ if TYPE_CHECKING:  # FBGEMM ships no type information: to the type checker its T
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
 __all__ = [
+    "TRIAL_STEPS",
     "OutputReordering",
     "StepInputChecks",
     "close_process_group_at_exit",
     "cpu_lookup",
+    "cpu_lookup_path",
     "cpu_lookups",
     "preemption_agreement",
 ]
 
 _OUTPUT_DIST = "compute_and_output_dist"
+#: Training steps a CPU lookup above its work threshold times on each path before it keeps the faster (a benchmark
+#: warms up at least twice as many).
+TRIAL_STEPS = _cpu_lookup.TRIAL_STEPS
 
 
-def cpu_lookup(tbe: SplitTableBatchedEmbeddingBagsCodegen, threads: int | None = None) -> _cpu_lookup.CpuLookup:
+def cpu_lookup(
+    tbe: SplitTableBatchedEmbeddingBagsCodegen, threads: int | None = None, min_work: int | None = None
+) -> _cpu_lookup.CpuLookup:
     """Switch one FBGEMM CPU table-batched embedding (TBE) to recshard's CPU lookup, the faster forward and
     threaded backward + update that ``RecShardStrategy(fast_cpu_lookup=True)`` gives every eligible CPU TBE
     (bitwise identical to FBGEMM's own; see ``lightning_rec/_strategy/cpu_lookup.py``).
@@ -58,6 +65,8 @@ def cpu_lookup(tbe: SplitTableBatchedEmbeddingBagsCodegen, threads: int | None =
             ``EXACT_ADAGRAD``.
         threads: threads of the backward (the tables are split into at most this many groups); default
             ``torch.get_num_threads()``.
+        min_work: the least ``ids x mean dim`` of a call that takes the split, as the strategy's default
+            (:func:`cpu_lookup_path`) when ``None``; ``0`` splits every call (with more than one thread).
 
     Returns:
         The lookup, now the TBE's forward; ``lookup.enable(False)`` gives the TBE FBGEMM's forward back,
@@ -78,9 +87,23 @@ def cpu_lookup(tbe: SplitTableBatchedEmbeddingBagsCodegen, threads: int | None =
         torch.Size([1, 8])
         >>> lookup.enable(False)                                            # FBGEMM's forward again
     """
-    lookup = _cpu_lookup.CpuLookup(tbe, tbe.forward, threads=threads)
+    lookup = _cpu_lookup.CpuLookup(tbe, tbe.forward, threads=threads, min_work=min_work)
     lookup.enable()
     return lookup
+
+
+def cpu_lookup_path(ids: int, mean_dim: float, threads: int) -> str:
+    """The path recshard's CPU lookup takes by default for one call of ``ids`` ids into tables of ``mean_dim``
+    columns with ``threads`` intra-op threads: ``"fast"`` (torch's threaded forward, FBGEMM's backward split by
+    table) or ``"fbgemm"`` (FBGEMM's own kernels: below the work where the split pays, or one thread). Same bits
+    either way; the choice changes the time only (``benchmarks/cpu_lookup_sweep.py``).
+
+    Example::
+
+        >>> cpu_lookup_path(ids=3 * 64, mean_dim=16, threads=2)     # 3 tables, batch 64, one id per feature
+        'fbgemm'
+    """
+    return _cpu_lookup.choose_path(ids, mean_dim, threads)
 
 
 def cpu_lookups(model: nn.Module, threads: int | None = None) -> list[_cpu_lookup.CpuLookup]:

@@ -20,7 +20,16 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec._strategy.cpu_lookup import CpuLookup, ineligible_reason
+from lightning_rec._strategy.cpu_lookup import (
+    FAST,
+    FBGEMM,
+    MIN_FAST_WORK,
+    CpuLookup,
+    PathTrial,
+    choose_path,
+    ineligible_reason,
+)
+from lightning_rec.testing.bench import LOOKUP_SWEEP
 
 ROWS_DIMS = [(50, 8), (30, 4), (70, 16), (20, 8)]
 FEATURE_TABLES = [0, 1, 1, 2, 3]  # features 1 and 2 read one table
@@ -40,7 +49,7 @@ def _pair(optimizer, threads):
         for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights()):
             a.copy_(torch.randn(a.shape, generator=g))
             b.copy_(a)
-    ours.forward = CpuLookup(ours, ours.forward, threads=threads)
+    ours.forward = CpuLookup(ours, ours.forward, threads=threads, min_work=0)  # the split on every call (> 1 thread)
     return ours, theirs
 
 
@@ -147,7 +156,7 @@ def test_one_thread_keeps_fbgemm_s_path_where_it_is_as_fast(tmp_path, monkeypatc
         one = fit(0, 1, tmp_path, constraints=TABLE_WISE_PLAN, steps=1, threads=1)
     finally:
         torch.set_num_threads(threads)
-    assert one["lookups"] and set(one["lookups"].values()) == {("fbgemm", 1)}
+    assert one["lookups"] and set(one["lookups"].values()) == {("fbgemm", 1, False)}
 
 
 def test_a_tutorial_style_model_takes_the_cpu_lookup_and_trains_like_plain_pytorch(tmp_path, monkeypatch):
@@ -174,3 +183,84 @@ def test_a_tutorial_style_model_takes_the_cpu_lookup_and_trains_like_plain_pytor
     assert calls, "the fused tables went through the CPU lookup"
     assert result["losses"] == pytest.approx(result["ref_losses"], abs=1e-5)
     assert result["logits"] == pytest.approx(result["ref_logits"], abs=1e-5)
+
+
+# The path the default allows at every row of benchmarks/cpu_lookup_sweep.py (BENCHMARKS.md, "Never slower than
+# FBGEMM's path"): FBGEMM's wherever the sweep measured the split slower, whatever the load; at realistic and large
+# (FAST) the split where a trial of both measures it faster; never with one thread.
+SWEEP_PATHS = {
+    "issue_tiny": FBGEMM,
+    "tiny": FBGEMM,
+    "small": FBGEMM,
+    "medium": FBGEMM,
+    "medium_wide": FBGEMM,
+    "realistic": FAST,
+    "large": FAST,
+}
+
+
+@pytest.mark.parametrize("size", LOOKUP_SWEEP, ids=lambda s: s.name)
+def test_the_default_leaves_small_lookups_to_fbgemm_at_every_size_of_the_sweep(size):
+    assert choose_path(size.ids_per_step(), size.dim, threads=2) == SWEEP_PATHS[size.name]
+    assert choose_path(size.ids_per_step(), size.dim, threads=1) == FBGEMM
+
+
+def _uniform_tbe(tables, rows, dim):
+    spec = (rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+    return SplitTableBatchedEmbeddingBagsCodegen([spec] * tables, optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1)
+
+
+def test_a_small_lookup_keeps_fbgemm_s_path_and_a_big_one_splits_call_by_call():
+    """Issue 38's tiny model (3 tables x 100 x 16, batch 64, one id each) with two threads: FBGEMM's path; the same
+    lookup with as many ids as the threshold asks: the split (the first call of its trial). Same bits either way."""
+    tbe, ref = _uniform_tbe(3, 100, 16), _uniform_tbe(3, 100, 16)
+    with torch.no_grad():
+        for a, b in zip(tbe.split_embedding_weights(), ref.split_embedding_weights()):
+            b.copy_(a)
+    lookup = CpuLookup(tbe, tbe.forward, threads=2)
+    lookup.enable()
+    g = torch.Generator().manual_seed(0)
+    for batch, path in ((64, FBGEMM), (-(-MIN_FAST_WORK // (3 * 16)), FAST)):  # bags of one id
+        ids = torch.randint(0, 100, (3 * batch,), generator=g)
+        offsets = torch.arange(3 * batch + 1)
+        out, want = tbe(ids, offsets), ref(ids, offsets)
+        assert lookup.last == path, (batch, lookup.taken)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        out.sum().backward()
+        want.sum().backward()
+        for a, b in zip(tbe.split_embedding_weights(), ref.split_embedding_weights()):
+            assert torch.equal(a, b)
+    assert lookup.taken == {FAST: 1, FBGEMM: 1}
+    tbe(ids, offsets)  # the trial's second training call: FBGEMM's path, the first call's step timed
+    assert lookup.last == FBGEMM and len(lookup.trial.times[FAST]) == 1
+
+
+def test_a_trial_keeps_the_faster_path_and_measures_again():
+    trial = PathTrial(steps=2, retry_every=3)
+    # training calls at these times: the split's steps take 3 s, FBGEMM's 1 s
+    paths, now = [], 0.0
+    for _ in range(4):
+        paths.append(trial.next(now))
+        now += 3.0 if paths[-1] == FAST else 1.0
+    assert paths == [FAST, FBGEMM, FAST, FBGEMM] and trial.chosen is None
+    assert [trial.next(now + i) for i in range(3)] == [FBGEMM] * 3 and trial.chosen == FBGEMM
+    assert trial.next(now + 3) == FAST and trial.chosen is None  # retry_every calls later: on trial again
+    # the other way round: the split faster
+    trial, now = PathTrial(steps=1), 0.0
+    for _ in range(2):
+        now += 1.0 if trial.next(now) == FAST else 2.0
+    assert trial.next(now) == FAST and trial.chosen == FAST
+
+
+def test_calls_without_grad_follow_the_trial_s_choice_and_time_nothing():
+    tbe = _uniform_tbe(3, 100, 16)
+    lookup = CpuLookup(tbe, tbe.forward, threads=2, min_work=1)
+    lookup.enable()
+    ids, offsets = torch.arange(6) % 100, torch.arange(7)
+    with torch.no_grad():
+        tbe(ids, offsets)
+    assert lookup.last == FBGEMM and lookup.trial.times == {FAST: [], FBGEMM: []}
+    lookup.trial.chosen = FAST
+    with torch.no_grad():
+        tbe(ids, offsets)
+    assert lookup.last == FAST

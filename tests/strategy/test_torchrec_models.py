@@ -14,6 +14,7 @@ import copy
 import warnings
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -29,6 +30,7 @@ from torchrec.optim import RowWiseAdagrad
 import lightning_rec
 from lightning_rec import EmbeddingOptimizer, RecShardStrategy
 from lightning_rec._compat import fused_tbes
+from lightning_rec._strategy import cpu_lookup
 from lightning_rec._strategy.cpu_lookup import CpuLookup
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.dist import run_ranks
@@ -256,9 +258,11 @@ def fit(
     accelerator: str = "cpu",
     fast_cpu_lookup: bool = True,
     threads: int = 0,
+    split_every_call: bool = False,
 ) -> dict[str, Any]:
     """Train on this rank's slice of every global batch; rank 0 also trains the unsharded reference. ``threads``: the
-    intra-op threads of this rank (0: as launched)."""
+    intra-op threads of this rank (0: as launched). ``split_every_call``: the CPU lookup takes its split path on
+    every call (this model is far below the work where the default takes it), to compare its bits."""
     if threads:
         torch.set_num_threads(threads)
     model = _model(seed=0, vbe=vbe)
@@ -272,16 +276,22 @@ def fit(
     trainer = _trainer(
         world_size, max_steps, accelerator, constraints=constraints, sharders=sharders, fast_cpu_lookup=fast_cpu_lookup
     )
-    with warnings.catch_warnings():
+    with (
+        warnings.catch_warnings(),
+        mock.patch.object(cpu_lookup, "MIN_FAST_WORK", 0 if split_every_call else cpu_lookup.MIN_FAST_WORK),
+    ):
         warnings.simplefilter("ignore")
         trainer.fit(module, DataLoader([local[rank] for _, local in inputs], batch_size=None))
     if save:
         trainer.save_checkpoint(out_dir / save)
     plan = {t: s.sharding_type for m in trainer.strategy.sharding_plan.plan.values() for t, s in m.items()}
     preds = [float(x) for x in _predict(trainer, module, rank, world_size, vbe)]
-    # Each fused kernel: its forward, and the threads its backward splits the tables over (recshard's CPU lookup).
+    # Each fused kernel: its forward, the threads its backward splits the tables over (recshard's CPU lookup), and
+    # whether its calls took the split.
     lookups = {
-        where: ("CpuLookup", tbe.forward.threads) if isinstance(tbe.forward, CpuLookup) else ("fbgemm", 1)
+        where: ("CpuLookup", tbe.forward.threads, tbe.forward.taken["fast"] > 0)
+        if isinstance(tbe.forward, CpuLookup)
+        else ("fbgemm", 1, False)
         for where, tbe in fused_tbes(module)
     }
     return {**result, "losses": module.losses, "preds": preds, "plan": plan, "lookups": lookups}
@@ -340,20 +350,24 @@ def test_row_wise_checkpoints_reshard_to_every_other_type_and_world_size(tmp_pat
 
 @pytest.mark.parametrize("optimizer", ["adagrad"])  # (SGD: tests/strategy/test_cpu_lookup.py, to the bit)
 def test_the_default_cpu_lookup_trains_like_unsharded_torchrec_and_gives_fbgemm_s_bits(tmp_path, optimizer):
-    fast = fit(0, 1, tmp_path, constraints=TABLE_WISE_PLAN, optimizer=optimizer, threads=2)
-    assert fast["lookups"] and all(v == ("CpuLookup", 2) for v in fast["lookups"].values()), fast["lookups"]
+    fast = fit(0, 1, tmp_path, constraints=TABLE_WISE_PLAN, optimizer=optimizer, threads=2, split_every_call=True)
+    assert fast["lookups"] and all(v == ("CpuLookup", 2, True) for v in fast["lookups"].values()), fast["lookups"]
     assert fast["losses"] == pytest.approx(fast["ref_losses"], abs=TOL)
     assert fast["preds"] == pytest.approx(fast["ref_preds"], abs=TOL)
     own = fit(0, 1, tmp_path, constraints=TABLE_WISE_PLAN, optimizer=optimizer, fast_cpu_lookup=False)
-    assert own["lookups"] and set(own["lookups"].values()) == {("fbgemm", 1)}
+    assert own["lookups"] and set(own["lookups"].values()) == {("fbgemm", 1, False)}
     assert (own["losses"], own["preds"]) == (fast["losses"], fast["preds"])  # to the bit
+    default = fit(0, 1, tmp_path, constraints=TABLE_WISE_PLAN, optimizer=optimizer, threads=2)
+    # installed, but this model's lookups are far too small for the split: FBGEMM's path, call by call
+    assert default["lookups"] and set(default["lookups"].values()) == {("CpuLookup", 2, False)}
+    assert (default["losses"], default["preds"]) == (fast["losses"], fast["preds"])
 
 
 @pytest.mark.dist
 def test_the_default_cpu_lookup_on_two_ranks_with_two_threads_each_trains_like_unsharded_torchrec(tmp_path):
-    results = run_ranks(fit, 2, tmp_path, constraints=MIXED_PLAN, optimizer="adagrad", threads=2)
+    results = run_ranks(fit, 2, tmp_path, constraints=MIXED_PLAN, optimizer="adagrad", threads=2, split_every_call=True)
     for r in results:  # every fused kernel took the fast path, its backward split over two threads
-        assert r["lookups"] and all(tuple(v) == ("CpuLookup", 2) for v in r["lookups"].values()), r["lookups"]
+        assert r["lookups"] and all(tuple(v) == ("CpuLookup", 2, True) for v in r["lookups"].values()), r["lookups"]
     assert _mean_losses(results) == pytest.approx(results[0]["ref_losses"], abs=TOL)
     assert _preds(results) == pytest.approx(results[0]["ref_preds"], abs=TOL)
 

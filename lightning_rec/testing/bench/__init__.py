@@ -67,10 +67,19 @@ from lightning_rec.testing.bench.runner import (
     run_variant,
 )
 from lightning_rec.testing.bench.worker import copy_bandwidth
-from lightning_rec.testing.bench.workload import GPU_SIZES, OPTIMIZERS, SIZES, VARIANTS, Size, fused_params
+from lightning_rec.testing.bench.workload import (
+    GPU_SIZES,
+    LOOKUP_SWEEP,
+    OPTIMIZERS,
+    SIZES,
+    VARIANTS,
+    Size,
+    fused_params,
+)
 
 __all__ = [
     "GPU_SIZES",
+    "LOOKUP_SWEEP",
     "MALLOC_SETTINGS",
     "OPTIMIZERS",
     "SHARDINGS",

@@ -9,6 +9,7 @@ __all__ = [
     "BenchModel",
     "EXTRA_VARIANTS",
     "GPU_SIZES",
+    "LOOKUP_SWEEP",
     "OPTIMIZERS",
     "SIZES",
     "Size",
@@ -100,6 +101,18 @@ SIZES = {
     "criteo_multihot": replace(_CRITEO, name="criteo_multihot", pooling=20),
 }
 GPU_SIZES = tuple(name for name, size in SIZES.items() if size.gpu)
+# Tiny to large, one process: where recshard's CPU lookup takes FBGEMM's path and where its split
+# (benchmarks/cpu_lookup_sweep.py; tests/strategy/test_cpu_lookup.py asserts the path the default picks for each).
+# "issue_tiny" is issue 38's model (3 tables x 100 rows x 16, batch 64, one id per feature).
+LOOKUP_SWEEP = (
+    Size("issue_tiny", tables=3, rows=100, dim=16, batch_size=64, pooling=1, steps=100, warmup=10),
+    Size("tiny", tables=4, rows=1000, dim=16, batch_size=64, pooling=2, steps=100, warmup=10),
+    Size("small", tables=8, rows=10_000, dim=16, batch_size=256, pooling=4, steps=60, warmup=5),
+    Size("medium", tables=8, rows=50_000, dim=32, batch_size=1024, pooling=4, steps=30, warmup=3),
+    Size("medium_wide", tables=8, rows=100_000, dim=64, batch_size=1024, pooling=4, steps=20, warmup=3),
+    Size("realistic", tables=8, rows=200_000, dim=64, batch_size=4096, pooling=4, steps=12, warmup=2),
+    Size("large", tables=8, rows=1_000_000, dim=64, batch_size=4096, pooling=4, steps=6, warmup=2),
+)
 OPTIMIZERS = ("sgd", "adagrad")
 # torch.optim.Adagrad's default eps: FBGEMM's EXACT_ADAGRAD gets the same, as recshard derives it from the
 # torch optimizer's param group (lightning_rec._strategy.optim.embedding_optimizer_from_torch).
