@@ -14,6 +14,10 @@ How an epoch is cut (:class:`TableStream`):
    checkpoints and, on resume, the stream starts at the next batch (each worker skips whole windows unread). Which
    rows a batch holds depends on the rank and worker counts: a mid-epoch checkpoint resumed with other counts is
    refused, naming both (:mod:`lightning_rec.data.resume`).
+5. The DataLoader's workers persist across epochs and validations (a fresh worker imports the package, opens the
+   files and builds its state: seconds, every pass). Each worker holds the copy of the stream it was started with;
+   the epoch and the batches to skip live in a small shared-memory tensor that the main process writes before each
+   pass and every worker reads when the pass starts.
 
 Only the columns the schema names are read; a worker holds one window of rows and one unit at a time.
 """
@@ -166,8 +170,9 @@ class TableStream(IterableDataset):
         self.units, self.read = list(units), read
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.shuffle, self.seed, self.window = shuffle, seed, max(1, window)
-        self.epoch = 0
-        self.start_batch = 0  # batches of this epoch already served (a resumed epoch)
+        # [epoch, batches of this epoch already served (a resumed epoch)], in shared memory: a persistent worker's
+        # copy of this stream reads the values the main process set for the pass it starts (see the module docstring).
+        self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
         total = sum(u.rows for u in self.units)
         if total < world_size:
             raise ValueError(f"Cannot give each of {world_size} ranks at least one of {total} rows.")
@@ -177,14 +182,32 @@ class TableStream(IterableDataset):
     def __len__(self) -> int:
         return self.num_batches
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass reads (its unit order and permutations)."""
+        return int(self._position[0])
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._position[0] = epoch
+
+    @property
+    def start_batch(self) -> int:
+        """How many of the epoch's first batches the next pass skips (a resumed epoch)."""
+        return int(self._position[1])
+
+    @start_batch.setter
+    def start_batch(self, batches: int) -> None:
+        self._position[1] = batches
+
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch`` (Lightning calls it on samplers; :class:`StreamLoader` calls it here)."""
         self.epoch = epoch
 
-    def _order(self) -> list[Unit]:
+    def _order(self, epoch: int) -> list[Unit]:
         if not self.shuffle:
             return list(self.units)
-        perm = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        perm = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(self.seed + epoch))
         return [self.units[i] for i in perm.tolist()]
 
     def batch_bounds(self) -> list[tuple[int, int]]:
@@ -201,14 +224,15 @@ class TableStream(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         physical, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        done, turn = _served_by(self.start_batch, [b - a for a, b in self.worker_runs(workers)])
+        epoch, start = self.epoch, self.start_batch  # read once: the main process set them for this pass
+        done, turn = _served_by(start, [b - a for a, b in self.worker_runs(workers)])
         # The DataLoader asks its workers in turn from worker 0: on a resumed epoch, worker 0 plays the part whose
         # turn is next, so the batches keep the order of the uninterrupted epoch.
         worker = (physical + turn) % workers
         first, stop = self.worker_runs(workers)[worker]
         skip = done[worker]
         bounds = self.batch_bounds()
-        order = self._order()
+        order = self._order(epoch)
         offsets = np.cumsum([0] + [u.rows for u in order])
         for w0 in range(first, stop, self.window):
             w1 = min(w0 + self.window, stop)
@@ -218,7 +242,7 @@ class TableStream(IterableDataset):
             rows = self._rows(order, offsets, lo, hi)
             perm = torch.arange(hi - lo)
             if self.shuffle:
-                key = ((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.rank) * 1_000_003 + w0
+                key = ((self.seed * 1_000_003 + epoch) * 1_000_003 + self.rank) * 1_000_003 + w0
                 g = torch.Generator().manual_seed(key & 0x7FFF_FFFF_FFFF)
                 perm = torch.randperm(hi - lo, generator=g)
             for b in range(w0, w1):
@@ -287,7 +311,9 @@ def _served_by(served: int, counts: Sequence[int]) -> tuple[list[int], int]:
 class StreamLoader(ResumableLoader):
     """A DataLoader over a :class:`TableStream` that Lightning can resume mid-epoch: it counts the batches it served
     (``state_dict``) and, after ``load_state_dict``, starts the epoch at the next one (see
-    :class:`~lightning_rec.data.resume.ResumableLoader`; the stream's worker count is part of its layout).
+    :class:`~lightning_rec.data.resume.ResumableLoader`; the stream's worker count is part of its layout). Its workers
+    persist across epochs and validations (``persistent_workers``; the stream's shared position tells them each
+    pass's epoch and start).
 
     Attribute access and ``len()`` go to the DataLoader.
     """
@@ -301,6 +327,7 @@ class StreamLoader(ResumableLoader):
             collate_fn=_identity,
             num_workers=num_workers,
             multiprocessing_context="spawn" if num_workers > 0 else None,
+            persistent_workers=num_workers > 0,
             pin_memory=pin_memory,
         )
         super().__init__(

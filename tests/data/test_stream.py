@@ -188,3 +188,33 @@ def test_lightning_resumes_a_streamed_epoch_at_the_batch_after_its_checkpoint(tm
     assert len(full) == 22, "11 batches an epoch"
     resumed = fit(next((tmp_path / "ckpt").glob("step=8*")))  # step 8: mid first epoch
     assert resumed == full[8:], "the resumed run trains the batches the checkpoint had not seen, on the same weights"
+
+
+@pytest.mark.dist  # 2 spawned worker processes
+def test_persistent_workers_read_each_pass_s_epoch_and_resume_point(tmp_path: Path) -> None:
+    """One loader, its two workers started once: every pass (training epochs, a resumed epoch, validation between
+    them) gives the batches a fresh loader gives (which the tests above check: every row once per epoch, exact
+    resumption)."""
+    dm = _module(tmp_path, batch_size=40, window=3, num_workers=2)
+
+    def fresh(epoch: int, served: int = 0) -> list[list[int]]:
+        loader = _loader(dm, 1, 2)
+        loader.load_state_dict({"epoch": epoch, "served": served})
+        return [_rids([b]) for b in loader]
+
+    kept, val = _loader(dm, 1, 2), _loader(dm, 1, 2, "val")
+    assert kept.dataloader.persistent_workers and val.dataloader.persistent_workers
+    seen, validated = [], []
+    for epoch in (0, 1):
+        kept.set_epoch(epoch)
+        seen.append([_rids([b]) for b in kept])
+        validated.append(_rids(list(val)))
+    workers = kept.dataloader._iterator._workers  # the same processes serve every pass from here on
+    assert seen[0] == fresh(0) and seen[1] == fresh(1) and seen[0] != seen[1], "each epoch's own order"
+    assert validated[0] == validated[1] == _rids(list(_loader(dm, 1, 2, "val")))
+    kept.load_state_dict({"epoch": 4, "served": 5})  # a mid-epoch checkpoint, loaded into a loader already running
+    kept.set_epoch(4)
+    assert [_rids([b]) for b in kept] == fresh(4, 5)
+    kept.set_epoch(5)
+    assert [_rids([b]) for b in kept] == fresh(5), "the pass after a resumed one starts at its first batch"
+    assert kept.dataloader._iterator._workers == workers
