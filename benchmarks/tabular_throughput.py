@@ -10,7 +10,8 @@ wall time. Peak RSS growth is measured while streaming, against the file's size:
 
 ``--workers 0,1,2`` measures instead what a fit reads per rank (one process, rank 0 of 1) over ``--epochs`` epochs,
 each a training pass and a validation pass over the same Parquet file: the in-memory loader (``stream=False``,
-the table read once) and the stream with each of those DataLoader worker counts, in turn, ``--rounds`` times;
+the table read once) and the stream with each of those DataLoader worker counts, in turn, ``--rounds`` times, each
+in a fresh process;
 samples/s is every row read (train and validation) / wall time, the workers' start included, and the same after the
 first epoch (what persistent workers leave: no start)::
 
@@ -23,6 +24,8 @@ import argparse
 import json
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -133,7 +136,12 @@ def main() -> None:
     parser.add_argument("--workers", default="", help="comma-separated worker counts: the loaders' comparison instead")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # "<parquet path>:<workers or mem>", internal
     args = parser.parse_args()
+    if args.one:
+        path, n = args.one.rsplit(":", 1)
+        print(json.dumps(measure_workers(Path(path), args.batch_size, None if n == "mem" else int(n), args.epochs)))
+        return
     if args.workers:
         counts: list[int | None] = [None, *map(int, args.workers.split(","))]
         names = {n: "in-memory" if n is None else f"stream, {n} worker(s)" for n in counts}
@@ -141,8 +149,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = write_tables(Path(tmp), args.rows)["parquet"]
             for _ in range(args.rounds):
-                for n in counts:
-                    runs[names[n]].append(measure_workers(path, args.batch_size, n, args.epochs))
+                for n in counts:  # a fresh process each, as a rank starts its workers (and their fork server) once
+                    one = f"{path}:{'mem' if n is None else n}"
+                    command = [sys.executable, __file__, "--one", one, "--batch-size", str(args.batch_size)]
+                    out = subprocess.run([*command, "--epochs", str(args.epochs)], capture_output=True, text=True)
+                    runs[names[n]].append(json.loads(out.stdout.strip().splitlines()[-1]))
                     r = runs[names[n]][-1]
                     print(
                         f"{names[n]:22s} {r['all']:>10,.0f} samples/s, {r['later']:>10,.0f} after the first epoch "

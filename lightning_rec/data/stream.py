@@ -15,7 +15,8 @@ How an epoch is cut (:class:`TableStream`):
    rows a batch holds depends on the rank and worker counts: a mid-epoch checkpoint resumed with other counts is
    refused, naming both (:mod:`lightning_rec.data.resume`).
 5. The DataLoader's workers persist across epochs and validations (a fresh worker imports the package, opens the
-   files and builds its state: seconds, every pass). Each worker holds the copy of the stream it was started with;
+   files and builds its state: seconds, every pass), and are forked from a fork server that imported the package
+   once per process. Each worker holds the copy of the stream it was started with;
    the epoch and the batches to skip live in a small shared-memory tensor that the main process writes before each
    pass and every worker reads when the pass starts.
 
@@ -308,6 +309,19 @@ def _served_by(served: int, counts: Sequence[int]) -> tuple[list[int], int]:
     return done, turn % len(counts)
 
 
+def _worker_context() -> Any:
+    """How the stream's workers start: forked from a fork server that imported this package once (a spawned worker
+    imports torch, TorchRec and the package itself, ~4 s of CPU each: twice per loader with two workers); where
+    there is no fork server, spawned. Never forked from the main process: its gloo threads could deadlock a fork."""
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["lightning_rec.data.tabular"])  # ignored if this process's fork server already runs
+    return ctx
+
+
 class StreamLoader(ResumableLoader):
     """A DataLoader over a :class:`TableStream` that Lightning can resume mid-epoch: it counts the batches it served
     (``state_dict``) and, after ``load_state_dict``, starts the epoch at the next one (see
@@ -326,7 +340,7 @@ class StreamLoader(ResumableLoader):
             batch_size=None,
             collate_fn=_identity,
             num_workers=num_workers,
-            multiprocessing_context="spawn" if num_workers > 0 else None,
+            multiprocessing_context=_worker_context() if num_workers > 0 else None,
             persistent_workers=num_workers > 0,
             pin_memory=pin_memory,
         )
