@@ -2,18 +2,22 @@
 peer, at 1 and 2 threads (issue 38; BENCHMARKS.md, "Never slower than FBGEMM's path").
 
 One process per ``--threads`` value, the bench model (:mod:`lightning_rec.testing.bench.workload`) at every row of
-:data:`lightning_rec.testing.bench.LOOKUP_SWEEP` (tables x rows x dim x batch x ids per sample). Per row, the variants take turns step by step on the
-same batches (so that a machine whose speed drifts slows them all alike), textbook steps (zero_grad, forward,
+:data:`lightning_rec.testing.bench.LOOKUP_SWEEP` (tables x rows x dim x batch x ids per sample). Per row, after a
+warm-up block each (recshard's holds its lookup's whole trial of both paths), the variants take turns in blocks of a
+quarter of the timed steps, on the same batches (so that a machine whose speed drifts slows them all alike; blocks,
+not single steps, because recshard's trial times its paths call to call), textbook steps (zero_grad, forward,
 backward, step), medians, ms:
 
 * ``raw``: TorchRec by hand (DMP over TorchRec's planner, FBGEMM's CPU forward and serial fused backward);
 * ``recshard``: the same DMP and tables with recshard's CPU lookup as the strategy installs it (its default choice,
-  call by call: :func:`lightning_rec.testing.cpu_lookup_path`); ``path`` says which path its calls took;
+  call by call: :func:`lightning_rec.testing.cpu_lookup_path`, then a trial above the threshold);
+  ``path_taken`` says which path its timed steps took;
 * ``split``: the same with the split forced on every call (``min_work=0``): what the default would cost if it did
   not choose (with 1 thread nothing is split: not run);
 * ``sparse``: ``nn.EmbeddingBag(sparse=True)`` tables and torch's SGD (the sparse peer).
 
-Lightning's own loop, the same for recshard and the plain-Lightning peer, is not in these (``benchmarks/paired_overhead.py``).
+Lightning's own loop, the same for recshard and the plain-Lightning peer, is not in these
+(``benchmarks/paired_overhead.py``).
 
     .venv/bin/python benchmarks/cpu_lookup_sweep.py --threads 1,2
 
