@@ -46,7 +46,8 @@ def resolve_last_checkpoint(trainer: pl.Trainer) -> str | None:
     found, skipped = latest(checkpoint_folders(trainer))
     if found is None:
         return None
-    newer = [p for p in skipped if p.stat().st_mtime > found.stat().st_mtime]
+    since = found.stat().st_mtime
+    newer = [p for p in skipped if p.exists() and p.stat().st_mtime > since]
     fallback = f" ({', '.join(p.name for p in newer)}: incomplete, skipped)" if newer else ""
     rank_zero_info(f"ckpt_path='last': resuming from {found}, the newest complete checkpoint of this run{fallback}.")
     return str(found)

@@ -64,6 +64,10 @@ def _slurm_requeue(trainer: pl.Trainer) -> bool:
 _MAX_GAP = 1000  # batches between two rounds at most
 
 
+def _no_broadcast() -> None:
+    """Lightning's per-batch SIGTERM broadcast, replaced by :meth:`Preemption.agreed`."""
+
+
 class Preemption(Callback):
     """The strategy's signal handling (see the module docstring): one per strategy, added to the trainer's
     callbacks by :class:`~lightning_rec.RecShardStrategy` at ``setup``.
@@ -72,7 +76,7 @@ class Preemption(Callback):
 
         preemption = Preemption()
         preemption.start(world_size=2)          # every rank, once the process group runs (a gloo group of its own)
-        trainer.callbacks.append(preemption)    # then SIGTERM/SIGUSR1 stop the fit at a batch boundary
+        preemption.attach(trainer)              # then SIGTERM/SIGUSR1 stop the fit at a batch boundary
     """
 
     INTERVAL = 0.05  # seconds between two comparisons of the ranks' flags (about)
@@ -82,11 +86,20 @@ class Preemption(Callback):
         self._training = False
         self._group: Any = None
         self._pending: Any = None  # the all-reduce started after the last batch
-        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._flag = torch.zeros(2, dtype=torch.int64)  # [signal, rank 0's next gap], all-reduced (max)
         self._signals: tuple[signal.Signals, ...] = ()
         self._batches, self._next_round = 0, 1  # training batches ended; the one at which the ranks compare next
         self._last: float | None = None
         self._batch_seconds: float | None = None
+
+    def attach(self, trainer: pl.Trainer) -> None:
+        """Join ``trainer``'s callbacks (once) and switch off Lightning's per-batch SIGTERM broadcast, which this
+        replaces (a device tensor read back after every batch with several ranks)."""
+        # (Lightning's callback connector sets `Trainer.callbacks`; the Trainer class does not declare it.)
+        callbacks: list = trainer.callbacks  # type: ignore[attr-defined]
+        if self not in callbacks:
+            callbacks.append(self)
+        _compat.patch_method(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", _no_broadcast)
 
     def start(self, world_size: int, timeout: timedelta | None = None) -> None:
         """Make the ranks' group for agreeing on a signal (every rank, after the process group started), with the

@@ -82,11 +82,6 @@ from lightning_rec.config import (
 )
 from lightning_rec.errors import Preempted
 
-
-def _no_broadcast() -> None:
-    """Lightning's per-step SIGTERM broadcast, replaced (see :mod:`lightning_rec._strategy.preemption`)."""
-
-
 # How long a collective waits for a rank that stopped answering (Lightning and torch default to 30 minutes).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -366,11 +361,7 @@ class RecShardStrategy(ParallelStrategy):
         if fitting:
             self._steps.fit_started(check_fit(trainer, module, self.sharding.module_types, type(self).__name__))
             check_writable(sorted({p for rank in self._all_gather_objects(unwritable(trainer)) for p in rank}))
-        # (Lightning's callback connector sets `Trainer.callbacks`; the Trainer class does not declare it.)
-        callbacks: list = trainer.callbacks  # type: ignore[attr-defined]
-        if self._preemption not in callbacks:
-            callbacks.append(self._preemption)
-        _compat.patch_method(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", _no_broadcast)
+        self._preemption.attach(trainer)
 
         done = shard_with_optimizers(
             module, self.sharding, fitting, self.root_device, self.world_size, self.num_processes, self._layer_sync

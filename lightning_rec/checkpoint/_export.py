@@ -54,7 +54,7 @@ def export(
     Raises:
         CheckpointError: the checkpoint is incomplete or corrupt, or no weight is under ``prefix``.
     """
-    path, output = layout.recover(Path(checkpoint)), Path(output)
+    path, output = Path(checkpoint), Path(output)
     state = with_pinned(path, lambda pinned: _assemble(pinned, prefix, verify_hashes))
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
@@ -96,7 +96,7 @@ def with_pinned(path: Path, read: Callable[[layout.Pinned], R]) -> R:
     before its files were open (:class:`~lightning_rec.errors.CheckpointReplacedError` after the last try)."""
     for attempt in range(_ATTEMPTS):
         try:
-            with layout.pin(path) as pinned:
+            with layout.pin(path, last_try=attempt + 1 == _ATTEMPTS) as pinned:
                 return read(pinned)
         except CheckpointReplacedError:
             if attempt + 1 == _ATTEMPTS:
@@ -140,7 +140,7 @@ def load_module(
     Raises:
         CheckpointError: incomplete/corrupt checkpoint, or weights that do not match the module.
     """
-    path = layout.recover(Path(checkpoint))
+    path = Path(checkpoint)
     state, meta = with_pinned(
         path, lambda pinned: (_assemble(pinned, "", verify_hashes), safe_io.load_meta(pinned, weights_only))
     )

@@ -160,7 +160,6 @@ def save(
     staging = layout.staging_path(path)
     tensors, meta = _split(checkpoint)
     meta["lightning_rec"] = run_info(module, sharding, comm.world_size)
-    need = sum(comm.all_gather(_bytes_written(tensors, comm.rank)))
     error: BaseException | None = None
     if comm.rank == 0:
         try:
@@ -168,7 +167,7 @@ def save(
             staging.mkdir(parents=True)
         except OSError as err:
             error = err
-    _raise_if_failed(comm, error, path, staging, need)
+    _raise_if_failed(comm, error, path, staging, tensors)
     files: dict[str, Any] = {}
     try:
         # One file per tensor chunk: DCP keeps every tensor it writes to a file alive until that file is closed
@@ -179,14 +178,14 @@ def save(
         files = {p.name: layout.file_digest(p) for p in layout.own_files(staging, comm.rank)}
     except (Exception, CheckpointException) as err:
         error = err
-    _raise_if_failed(comm, error, path, staging, need)
+    _raise_if_failed(comm, error, path, staging, tensors)
     all_files = {k: v for rank_files in comm.all_gather(files) for k, v in rank_files.items()}
     if comm.rank == 0:
         try:
             _publish(staging, path, meta, all_files, comm.world_size)
         except (OSError, RuntimeError) as err:
             error = err
-    _raise_if_failed(comm, error, path, staging, need)
+    _raise_if_failed(comm, error, path, staging, tensors)
 
 
 def _publish(staging: Path, path: Path, meta: dict[str, Any], files: dict[str, Any], world_size: int) -> None:
@@ -248,22 +247,29 @@ def _free_bytes(path: Path) -> int | None:
     return None
 
 
-def _describe_failure(error: BaseException, path: Path, need: int) -> str:
+def _failure(error: BaseException, path: Path) -> tuple[bool, str]:
+    """``(out of space, what to say)`` of this rank's failure: its free space, or its cause in one line."""
     if _out_of_space(error):
         free = _free_bytes(path.parent)
-        free_text = f"{free / 2**20:.1f} MB free" if free is not None else "free space unknown"
-        return f"no space left on device writing {path} (needs ~{need / 2**20:.1f} MB, {free_text})"
+        return True, f"{free / 2**20:.1f} MB free" if free is not None else "free space unknown"
     if isinstance(error, CheckpointException):  # what this rank's failure was, without DCP's tracebacks
         error = next((e for e in _causes(error) if not isinstance(e, CheckpointException)), error)
-    return f"{type(error).__name__}: {error}".splitlines()[0]
+    return False, f"{type(error).__name__}: {error}".splitlines()[0]
 
 
-def _raise_if_failed(comm: _Collectives, error: BaseException | None, path: Path, staging: Path, need: int) -> None:
+def _raise_if_failed(
+    comm: _Collectives, error: BaseException | None, path: Path, staging: Path, tensors: Mapping[str, Any]
+) -> None:
     """Every rank raises one error naming each rank's cause if any rank failed (rank 0 first removes the staging
-    directory, freeing what the save had written)."""
-    reasons = comm.all_gather(None if error is None else _describe_failure(error, path, need))
-    if not any(reasons):
+    directory, freeing what the save had written); what the save needs is summed over the ranks only then."""
+    failures = comm.all_gather(None if error is None else _failure(error, path))
+    if not any(failures):
         return
+    need = sum(comm.all_gather(_bytes_written(tensors, comm.rank))) / 2**20
+    reasons = [
+        f"no space left on device writing {path} (needs ~{need:.1f} MB, {text})" if space else text
+        for space, text in (f or (False, "") for f in failures)
+    ]
     if comm.rank == 0:
         with contextlib.suppress(OSError):
             layout.remove_tree(staging)
@@ -351,9 +357,9 @@ def load(
         CheckpointError: incomplete, corrupt or mismatching checkpoint; the message lists every problem.
     """
     comm = _Collectives()
-    given, path = path, layout.recover(Path(path))
+    path = Path(path)
     with _pin_on_every_rank(comm, path, verify_hashes) as pinned:
-        return _load_pinned(pinned, given, module, optimizers, comm, strict, weights_only, owner)
+        return _load_pinned(pinned, path, module, optimizers, comm, strict, weights_only, owner)
 
 
 _ATTEMPTS = 3  # reads of a checkpoint that a running job keeps replacing (``last.ckpt``)
@@ -368,7 +374,7 @@ def _pin_on_every_rank(comm: _Collectives, path: Path, verify_hashes: bool) -> I
             problems: list[str] = []
             identity: str | None = None
             try:
-                pinned = stack.enter_context(layout.pin(path))
+                pinned = stack.enter_context(layout.pin(path, last_try=attempt + 1 == _ATTEMPTS))
                 identity = pinned.identity
                 problems = layout.verify_files(pinned, comm.rank, comm.world_size, hashes=verify_hashes)
             except CheckpointReplacedError:

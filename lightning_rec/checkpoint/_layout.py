@@ -193,15 +193,22 @@ def replaced_error(path: Path) -> CheckpointReplacedError:
 
 
 @contextlib.contextmanager
-def pin(path: Path) -> Iterator[Pinned]:
+def pin(path: Path, last_try: bool = True) -> Iterator[Pinned]:
     """Hold the checkpoint published at ``path`` now: its manifest read and every file it lists opened through one
     handle on the directory, so that a ``publish`` or ``remove_tree`` of ``path`` meanwhile changes nothing read.
+
+    ``last_try=False``: where ``path`` is missing and the checkpoint it replaced is aside (a publish between its two
+    renames), raise :class:`CheckpointReplacedError` to be tried again; otherwise read the one aside (a crash there).
 
     Raises:
         CheckpointError: ``path`` is not a complete checkpoint directory.
         CheckpointReplacedError: ``path`` was replaced between opening it and opening its files.
     """
     path = Path(path)
+    if not path.exists() and _aside_path(path, "replaced").exists():
+        if not last_try:  # most likely between the two renames of a publish: the new one is a moment away
+            raise replaced_error(path)
+        path = recover(path)  # or a crash there left the old one aside
     _check_directory(path)
     try:
         directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -94,7 +94,6 @@ def export_inference(
     """
     from torchrec.inference.modules import quantize_inference_model
 
-    from lightning_rec.checkpoint import _layout as layout
     from lightning_rec.checkpoint import _safe_io as safe_io
     from lightning_rec.checkpoint._export import load_module, with_pinned
 
@@ -102,7 +101,7 @@ def export_inference(
         raise ExportError(f"table_dtype must be one of {sorted(_DTYPES)}, got {table_dtype!r}.")
     if bounds_check not in _BOUNDS_CHECK:
         raise ExportError(f"bounds_check must be one of {list(_BOUNDS_CHECK)}, got {bounds_check!r}.")
-    path = layout.recover(Path(checkpoint))
+    path = Path(checkpoint)
     cls = _model_class(model_class, with_pinned(path, lambda pinned: safe_io.load_meta(pinned, weights_only)), path)
     module: nn.Module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
     net = serving_network(module, part)
