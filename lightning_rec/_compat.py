@@ -554,3 +554,13 @@ def route_last_checkpoint() -> None:
     _parse_ckpt_path.__lightning_rec__ = True  # type: ignore[attr-defined]
     _parse_ckpt_path.__wrapped__ = original  # type: ignore[attr-defined]
     _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]
+
+
+def cpp_compiler() -> str | Exception:
+    """The C++ compiler AOTInductor will call, or why there is none (its own search: ``CXX``, then ``g++``)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        return get_cpp_compiler()
+    except Exception as err:  # InvalidCxxCompiler, or a failed probe of the compiler
+        return err

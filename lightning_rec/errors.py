@@ -22,6 +22,7 @@ __all__ = [
     "InputError",
     "NonFiniteError",
     "Preempted",
+    "ServingError",
     "UnsafeCheckpointError",
 ]
 
@@ -99,5 +100,13 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 
 class ExportError(ValueError):
     """A model (or a part of it) that cannot become a serving artifact, naming the part and why; nothing was
-    written. Raised by :func:`lightning_rec.serving.export_inference` (``lightning-rec export --format inference``).
+    written. Raised by :func:`lightning_rec.serving.export_inference` (``lightning-rec export --format inference``
+    or ``--format pt2``).
+    """
+
+
+class ServingError(RuntimeError):
+    """A serving package that cannot be loaded here, naming why: a ``.pt2`` compiled under another torch or FBGEMM
+    (it runs only under the ones that compiled it), or a file that is not a package lightning_rec wrote. Raised by
+    :func:`lightning_rec.serving.load_pt2`.
     """

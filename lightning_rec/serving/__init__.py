@@ -42,15 +42,20 @@ from lightning_rec.serving.artifact import (
     load_inference,
     serving_inputs,
 )
-from lightning_rec.serving.export import TableDtype, export_inference
+from lightning_rec.serving.export import Format, TableDtype, export_inference
+from lightning_rec.serving.pt2 import Pt2Model, load_pt2, pt2_spec
 
 __all__ = [
     "SPEC_FILE",
+    "Format",
     "InferenceSpec",
+    "Pt2Model",
     "TableDtype",
     "check_inputs",
     "export_inference",
     "inference_spec",
     "load_inference",
+    "load_pt2",
+    "pt2_spec",
     "serving_inputs",
 ]

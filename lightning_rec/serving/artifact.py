@@ -16,6 +16,7 @@ __all__ = [
     "InferenceSpec",
     "ServingWrapper",
     "SparseOnly",
+    "assert_inputs",
     "check_inputs",
     "example_inputs",
     "inference_spec",
@@ -39,6 +40,10 @@ class InferenceSpec:
         tables: table name -> ``[rows, columns]``.
         model: the LightningModule class it came from, and ``part`` (e.g. ``"query"``).
         bounds_check: what the artifact does with an id outside its table (see :func:`export_inference`).
+        format: ``"torchscript"`` or ``"pt2"`` (see :func:`export_inference`).
+        feature_rows: the rows of each feature's table, in ``features`` order (the ids a feature takes).
+        versions: the torch, fbgemm_gpu, torchrec and lightning_rec versions that wrote it (a ``.pt2`` package
+            loads only under the same torch and FBGEMM: :func:`lightning_rec.serving.load_pt2` checks).
     """
 
     features: list[str]
@@ -49,6 +54,9 @@ class InferenceSpec:
     model: str
     part: str | None = None
     bounds_check: str = "warn"  # artifacts written before the policy was recorded: FBGEMM's default
+    format: str = "torchscript"
+    feature_rows: list[int] | None = None  # the table rows of each feature, in `features` order
+    versions: dict[str, str] | None = None  # artifacts written before they were recorded: unknown
 
 
 @torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact
@@ -87,22 +95,46 @@ def check_inputs(values: Tensor, lengths: Tensor, features: list[str], rows: Ten
     return values
 
 
+def assert_inputs(values: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
+    """:func:`check_inputs` as tensor assertions, for a graph ``torch.export`` captures: the same checks, but the
+    message cannot name the feature or the id (they are tensor values, unknown when the graph is built). Compiled
+    into a ``.pt2`` package, they raise in C++ too; :func:`lightning_rec.serving.load_pt2`'s host-side
+    :func:`check_inputs` runs first in Python and names them. A ``lengths`` that is not one entry per (feature,
+    sample) is refused by the package's shape check. Returns ``values``.
+    """
+    torch._assert_async((lengths >= 0).all(), "lightning_rec: lengths holds a negative length")
+    counts = lengths.view(rows.numel(), -1).sum(1)
+    torch._assert_async(counts.sum() == values.numel(), "lightning_rec: lengths do not add up to the ids in values")
+    limit = torch.repeat_interleave(rows, counts, output_size=values.numel())
+    torch._assert_async(
+        ((values >= 0) & (values < limit)).all(),
+        "lightning_rec: an id is outside its feature's table (load_pt2 in Python names the feature and the id)",
+    )
+    return values
+
+
 class ServingWrapper(nn.Module):
     """Plain tensors in, the network's output out: builds the ``KeyedJaggedTensor`` the network takes, after
-    :func:`check_inputs` when ``rows`` (the table rows of each feature) is given."""
+    :func:`check_inputs` when ``rows`` (the table rows of each feature) is given (:func:`assert_inputs` when
+    ``exported``: the graph ``torch.export`` captures for a ``.pt2`` package)."""
 
     rows: Tensor  # a buffer
 
-    def __init__(self, net: nn.Module, features: list[str], dense: bool, rows: list[int] | None = None) -> None:
+    def __init__(
+        self, net: nn.Module, features: list[str], dense: bool, rows: list[int] | None = None, exported: bool = False
+    ) -> None:
         super().__init__()
         self.net = net
         self.features = features
         self.dense = dense
         self.check = rows is not None
+        self.exported = exported
         self.register_buffer("rows", torch.tensor(rows or [], dtype=torch.long))
 
     def forward(self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> Tensor:
-        if self.check:
+        if self.check and self.exported:
+            values = assert_inputs(values, lengths, self.rows)
+        elif self.check:
             values = check_inputs(values, lengths, self.features, self.rows)
         sparse = KeyedJaggedTensor(keys=self.features, values=values, lengths=lengths, weights=weights)
         if self.dense:

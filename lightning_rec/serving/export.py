@@ -24,10 +24,12 @@ from lightning_rec.serving.network import (
     serving_network,
     takes_dense,
 )
+from lightning_rec.serving.pt2 import stack_versions, write_pt2
 
-__all__ = ["TableDtype", "export_inference"]
+__all__ = ["Format", "TableDtype", "export_inference"]
 
 TableDtype = Literal["fp32", "fp16", "int8", "int4"]
+Format = Literal["torchscript", "pt2"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float,
@@ -49,6 +51,7 @@ def export_inference(
     checkpoint: str | Path,
     output: str | Path,
     *,
+    format: Format | None = None,
     table_dtype: TableDtype = "int8",
     part: str | None = None,
     model_class: str | type | None = None,
@@ -57,12 +60,19 @@ def export_inference(
     init_args: dict[str, Any] | None = None,
     bounds_check: BoundsCheck = "error",
 ) -> InferenceSpec:
-    """Write the serving network of a sharded checkpoint as a quantized TorchScript artifact (one process, CPU).
+    """Write the serving network of a sharded checkpoint as a quantized TorchScript artifact or ``.pt2`` package
+    (one process, CPU).
 
     Args:
         checkpoint: a checkpoint directory written on any number of ranks with any plan.
         output: the artifact's path (written to a temporary name, then renamed; an existing file is replaced only
-            once the new one is complete).
+            once the new one is complete and, loaded back, gave the eager model's outputs).
+        format: ``"torchscript"`` (``torch.jit``; loads with ``torch.jit.load`` in Python or C++) or ``"pt2"``
+            (``torch.export`` + AOTInductor, compiled with the machine's C++ compiler in 10-80 s; loads with
+            :func:`~lightning_rec.serving.load_pt2`, ``torch._inductor.aoti_load_package`` or C++'s
+            ``AOTIModelPackageLoader``, only under the torch and FBGEMM that wrote it: see
+            :mod:`lightning_rec.serving.pt2`). Default: ``"pt2"`` for an ``output`` ending in ``.pt2``, else
+            ``"torchscript"``.
         table_dtype: the tables' storage: ``"fp32"`` (the trained rows, bit for bit), ``"fp16"``, ``"int8"`` or
             ``"int4"`` (row-wise quantized, with a per-row scale and bias). The dense layers stay fp32.
         part: which network to export, for modules that serve more than one (the two-tower model's ``"query"`` or
@@ -84,19 +94,25 @@ def export_inference(
         the artifact's :class:`InferenceSpec`.
 
     Raises:
-        ExportError: naming the part of the model that cannot be exported and why; nothing is written then.
+        ExportError: naming the part of the model that cannot be exported and why (or, for ``"pt2"``, a missing C++
+            compiler, with what to install); nothing is written then.
         CheckpointError: the checkpoint is incomplete, corrupt or does not match the module.
 
     Example::
 
         spec = export_inference("checkpoints/last.ckpt", "query_tower.pt", part="query", table_dtype="fp16")
         spec.features           # ['user_id', 'history', ...]: the order of `lengths`
+        export_inference("checkpoints/last.ckpt", "model_int8.pt2")     # a .pt2 package (format="pt2")
     """
     from torchrec.inference.modules import quantize_inference_model
 
     from lightning_rec.checkpoint import _safe_io as safe_io
     from lightning_rec.checkpoint._export import load_module, with_pinned
 
+    output = Path(output)
+    format = format or ("pt2" if output.suffix == ".pt2" else "torchscript")
+    if format not in ("torchscript", "pt2"):
+        raise ExportError(f"format must be 'torchscript' or 'pt2', got {format!r}.")
     if table_dtype not in _DTYPES:
         raise ExportError(f"table_dtype must be one of {sorted(_DTYPES)}, got {table_dtype!r}.")
     if bounds_check not in _BOUNDS_CHECK:
@@ -110,6 +126,7 @@ def export_inference(
     check_row_width(tables, table_dtype, type(net).__name__)
     dense = takes_dense(net)
     num_dense_features = num_dense(module, num_dense_features, net, features, weighted) if dense else 0
+    rows = list(feature_rows.values())
     spec = InferenceSpec(
         features=features,
         num_dense_features=num_dense_features,
@@ -119,9 +136,12 @@ def export_inference(
         model=f"{cls.__module__}.{cls.__qualname__}",
         part=part,
         bounds_check=bounds_check,
+        format=format,
+        feature_rows=rows,
+        versions=stack_versions(),
     )
-    rows = list(feature_rows.values()) if bounds_check == "error" else None
-    serving = ServingWrapper(copy.deepcopy(net), features, dense, rows).eval()
+    checked = rows if bounds_check == "error" else None
+    serving = ServingWrapper(copy.deepcopy(net), features, dense, checked, exported=format == "pt2").eval()
     quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])
     for kernel in quantized.modules():
         if type(kernel).__name__ in KERNELS:  # TorchScript keeps the attribute in the artifact
@@ -132,8 +152,11 @@ def export_inference(
             quantized(*example)  # TorchRec caches the feature order on the first call: it must not be the trace's
     except Exception as err:
         raise ExportError(call_failed(module, net, dense, err)) from err
-    scripted = _script(SparseOnly(quantized) if not dense else quantized, type(net).__name__)
-    output = Path(output)
+    served = SparseOnly(quantized) if not dense else quantized
+    if format == "pt2":
+        write_pt2(served, spec, output)
+        return spec
+    scripted = _script(served, type(net).__name__)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
     scripted.save(str(partial), _extra_files={SPEC_FILE: json.dumps(asdict(spec))})

@@ -1,0 +1,293 @@
+"""``.pt2`` packages: the serving network captured by ``torch.export`` and compiled ahead of time by AOTInductor
+(PyTorch's supported path since TorchScript's deprecation), loaded in Python by :func:`load_pt2` or by
+:func:`torch._inductor.aoti_load_package`, and in C++ by ``torch::inductor::AOTIModelPackageLoader`` (libtorch
+alone, after FBGEMM's operator libraries are ``dlopen``-ed; ``examples/serve_cpp``).
+
+A package is a zip (PyTorch's PT2 archive) holding the compiled model (a ``.so`` of the dense layers and the calls
+into FBGEMM's kernels), the tables beside it as a binary blob (``package_constants_on_disk_format="binary_blob"``:
+they are not compiled into the ``.so``), and ``extra/lightning_rec.json``: the :class:`InferenceSpec` (feature
+order, tables, dtype, inputs) with the exact torch, fbgemm_gpu and torchrec versions that wrote it. A package runs
+only under the torch and FBGEMM that compiled it; :func:`load_pt2` checks that before loading anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_rec.errors import ExportError, ServingError
+from lightning_rec.serving.artifact import InferenceSpec, check_inputs
+
+__all__ = ["SPEC_RECORD", "Pt2Model", "load_pt2", "pt2_spec", "stack_versions", "write_pt2"]
+
+SPEC_RECORD = "extra/lightning_rec.json"  # a name under the archive's root folder, where PT2 keeps extra files
+
+# Which versions a package must be loaded under (a compiled .so calls into their exact ABIs), and which are recorded.
+_BINDING = ("torch", "fbgemm_gpu")
+_RECORDED = ("torch", "fbgemm_gpu", "torchrec", "lightning_rec")
+
+# The compiled graph keeps the tables out of the .so, in one blob beside it (TorchRec's tables are large).
+_INDUCTOR_CONFIGS = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": "binary_blob",
+}
+
+
+def stack_versions() -> dict[str, str]:
+    """The installed versions of what a package binds to (torch, fbgemm_gpu) and came from (torchrec, lightning_rec);
+    a package not installed is left out.
+
+    Example::
+
+        >>> sorted(stack_versions())
+        ['fbgemm_gpu', 'lightning_rec', 'torch', 'torchrec']
+    """
+    versions: dict[str, str] = {"torch": str(torch.__version__)}
+    for name, dist in (("fbgemm_gpu", "fbgemm-gpu-cpu"), ("fbgemm_gpu", "fbgemm-gpu"), ("torchrec", "torchrec")):
+        if name not in versions:
+            try:
+                versions[name] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+    from lightning_rec import __version__
+
+    versions["lightning_rec"] = __version__
+    return {k: versions[k] for k in _RECORDED if k in versions}
+
+
+def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path) -> None:
+    """Export ``model`` (plain tensors in: ``[dense_features,] values, lengths[, weights]``), compile it with
+    AOTInductor, package it with ``spec``, load the package back and compare it with ``model`` on a seeded random
+    batch (:func:`_check_batch`), and only then move it to ``output`` (an existing file is replaced only then).
+
+    Raises:
+        ExportError: no C++ compiler, a network ``torch.export`` cannot capture, or a package that does not give
+            the eager model's outputs; nothing is written.
+    """
+    from lightning_rec import _compat
+
+    compiler = _compat.cpp_compiler()
+    if isinstance(compiler, Exception):
+        raise ExportError(
+            f"--format pt2 compiles the package with a C++ compiler (AOTInductor), and none was found: {compiler}. "
+            "HINT: install one (Debian/Ubuntu: `apt install g++`; conda: `conda install -c conda-forge gxx`) or "
+            "point the CXX environment variable at it; or export --format inference (TorchScript), which needs none."
+        )
+    _register_fake_classes()
+    try:
+        exported = torch.export.export(
+            model, _arguments(spec, _trace_inputs(spec)), dynamic_shapes=_dynamic_shapes(spec), strict=False
+        )
+    except Exception as err:  # export raises many types; the message names the construct
+        raise ExportError(
+            f"{spec.model}{f' ({spec.part})' if spec.part else ''} cannot be captured by torch.export: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. HINT: the served network must not "
+            "branch on tensor values or read them as Python numbers (.item(), .tolist(), int(t)); or export "
+            "--format inference (TorchScript)."
+        ) from err
+    with tempfile.TemporaryDirectory(prefix="lightning_rec_pt2_") as scratch:
+        compiled = Path(scratch) / "compiled.pt2"
+        configs = {**_INDUCTOR_CONFIGS, "aot_inductor.metadata": {"lightning_rec": json.dumps(asdict(spec))}}
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(compiled), inductor_configs=configs)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        partial = output.with_name(f".{output.stem}.partial.pt2")  # loaders want the .pt2 suffix
+        try:
+            _with_spec(compiled, partial, spec)
+            _round_trip(partial, model, _check_batch(spec), spec)
+            os.replace(partial, output)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
+def pt2_spec(path: str | Path) -> InferenceSpec:
+    """The :class:`InferenceSpec` stored in the package at ``path`` (read from the zip; nothing is loaded)."""
+    from torch.export.pt2_archive import PT2ArchiveReader
+
+    try:
+        reader = PT2ArchiveReader(str(path))
+        names = reader.get_file_names()
+    except Exception as err:
+        raise ServingError(f"{str(path)!r} is not a .pt2 package: {type(err).__name__}: {err}") from None
+    if SPEC_RECORD not in names:
+        raise ServingError(
+            f"{str(path)!r} is a .pt2 package without {SPEC_RECORD}: it was not written by lightning_rec's export "
+            "(load it with torch._inductor.aoti_load_package)."
+        )
+    return InferenceSpec(**json.loads(reader.read_string(SPEC_RECORD)))
+
+
+class Pt2Model:
+    """A loaded ``.pt2`` package, called like the TorchScript artifact: ``model([dense_features,] values, lengths[,
+    weights])``. Its inputs are checked here first, naming what is wrong (the feature, the id, the table's rows), as
+    the artifact's own in-graph checks cannot (see :func:`~lightning_rec.serving.artifact.assert_inputs`).
+
+    Args:
+        path: the package.
+        spec: its :class:`InferenceSpec`.
+        check: check the inputs host-side before each call (the package's own checks still run).
+    """
+
+    def __init__(self, path: str | Path, spec: InferenceSpec, check: bool = True) -> None:
+        self.spec = spec
+        self.check = check and spec.bounds_check == "error" and spec.feature_rows is not None
+        self._rows = torch.tensor(spec.feature_rows or [], dtype=torch.long)
+        self._runner = torch._inductor.aoti_load_package(str(path))
+
+    def __call__(self, *args: Tensor | None) -> Tensor:
+        if self.check:
+            self._check(args)
+        with torch.inference_mode():
+            return self._runner(*(a for a in args if a is not None))
+
+    def _check(self, args: tuple[Tensor | None, ...]) -> None:
+        spec = self.spec
+        offset = 1 if spec.num_dense_features else 0
+        if len(args) < offset + 2:
+            first = "dense_features, " if offset else ""
+            raise ValueError(f"the package takes ({first}values, lengths{', weights' if spec.weighted else ''}).")
+        values, lengths = args[offset], args[offset + 1]
+        assert values is not None and lengths is not None
+        check_inputs(values, lengths, spec.features, self._rows)
+        batch = lengths.numel() // len(spec.features)
+        if offset:
+            dense = args[0]
+            expected = (batch, spec.num_dense_features)
+            if dense is None or tuple(dense.shape) != expected:
+                got = None if dense is None else tuple(dense.shape)
+                raise ValueError(
+                    f"dense_features has shape {got}; lengths holds {batch} samples of {len(spec.features)} features, "
+                    f"so the package expects {expected}."
+                )
+
+
+def load_pt2(path: str | Path, *, check_inputs: bool = True) -> Pt2Model:
+    """Load a ``.pt2`` package written by ``export_inference(..., format="pt2")``, after checking that this torch and
+    FBGEMM are the ones that compiled it (a mismatch is a :class:`~lightning_rec.errors.ServingError` naming both).
+
+    Example::
+
+        model = load_pt2("model_int8.pt2")
+        probabilities = model(*serving_inputs(model.spec, batch.sparse_features, batch.dense_features))
+    """
+    import fbgemm_gpu  # noqa: F401  (registers the operators and classes the compiled code calls)
+
+    spec = pt2_spec(path)
+    written = spec.versions or {}
+    here = stack_versions()
+    wrong = {k: (written.get(k), here.get(k)) for k in _BINDING if written.get(k) != here.get(k)}
+    if wrong:
+        raise ServingError(
+            f"{str(path)!r} was compiled under "
+            + ", ".join(f"{k} {w}" for k, (w, _) in wrong.items())
+            + " and this process has "
+            + ", ".join(f"{k} {h}" for k, (_, h) in wrong.items())
+            + ": a .pt2 package runs only under the torch and FBGEMM that compiled it. HINT: export it again here "
+            "(`lightning-rec export CKPT OUT --format pt2`), or serve the TorchScript artifact (--format inference)."
+        )
+    return Pt2Model(path, spec, check_inputs)
+
+
+def _trace_inputs(spec: InferenceSpec) -> tuple[Tensor | None, ...]:
+    """Three samples with 0, 1 and 2 ids per feature (no size is 0 or 1, so none is specialised), ids all 0."""
+    batch = 3
+    lengths = torch.tensor([0, 1, 2] * len(spec.features), dtype=torch.int32)
+    n = int(lengths.sum())
+    return (
+        torch.zeros(batch, spec.num_dense_features),
+        torch.zeros(n, dtype=torch.long),
+        lengths,
+        torch.ones(n) if spec.weighted else None,
+    )
+
+
+@functools.cache
+def _register_fake_classes() -> None:
+    """FBGEMM's ``AtomicCounter``/``TensorQueue`` as fake classes (the quantized kernels hold them), as TorchRec's
+    ``test_pt2`` does; once per process (a second registration warns)."""
+    from torchrec.pt2.utils import register_fake_classes
+
+    register_fake_classes()
+
+
+def _check_batch(spec: InferenceSpec, batch: int = 5) -> tuple[Tensor | None, ...]:
+    """``batch`` samples with 0 to 3 ids per feature, drawn over each feature's whole table (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 4, (len(spec.features) * batch,), generator=g, dtype=torch.int32)
+    rows = torch.tensor(spec.feature_rows or [1] * len(spec.features)).repeat_interleave(batch)
+    limit = rows.repeat_interleave(lengths.long())
+    values = (torch.rand(int(lengths.sum()), generator=g) * limit).long()
+    return (
+        torch.randn(batch, spec.num_dense_features, generator=g),
+        values,
+        lengths,
+        torch.rand(values.numel(), generator=g) if spec.weighted else None,
+    )
+
+
+def _arguments(spec: InferenceSpec, full: tuple[Tensor | None, ...]) -> tuple[Tensor, ...]:
+    """The package's arguments out of ``(dense_features, values, lengths, weights)``: dense only if it reads dense
+    features, weights only if it reads weights."""
+    dense, values, lengths, weights = full
+    assert values is not None and lengths is not None
+    return (
+        *((dense,) if spec.num_dense_features and dense is not None else ()),
+        values,
+        lengths,
+        *((weights,) if spec.weighted and weights is not None else ()),
+    )
+
+
+def _dynamic_shapes(spec: InferenceSpec) -> tuple[dict[int, Any], ...]:
+    """Any batch size, any number of ids, ``lengths`` derived as features x batch (in :func:`_arguments`' order)."""
+    batch = torch.export.Dim("batch", min=1, max=2**20)
+    ids = torch.export.Dim("ids", min=1, max=2**31 - 2)
+    return (
+        *(({0: batch},) if spec.num_dense_features else ()),
+        {0: ids},
+        {0: len(spec.features) * batch},
+        *(({0: ids},) if spec.weighted else ()),
+    )
+
+
+def _with_spec(compiled: Path, output: Path, spec: InferenceSpec) -> None:
+    """Copy the compiled package's records into ``output`` with ``spec`` added (``SPEC_RECORD``)."""
+    from torch.export.pt2_archive import PT2ArchiveReader, PT2ArchiveWriter
+
+    reader = PT2ArchiveReader(str(compiled))
+    writer = PT2ArchiveWriter(str(output))
+    try:
+        for name in reader.get_file_names():  # names under the archive's root folder
+            if not writer.has_record(name):
+                writer.write_bytes(name, reader.read_bytes(name))
+        writer.write_string(SPEC_RECORD, json.dumps(asdict(spec)))
+    finally:
+        writer.close()
+
+
+def _round_trip(package: Path, model: nn.Module, check: tuple[Tensor | None, ...], spec: InferenceSpec) -> None:
+    """Load ``package`` back and compare it with the eager ``model`` on ``check`` (``(dense_features, values,
+    lengths, weights)``)."""
+    args = _arguments(spec, check)
+    try:
+        loaded = torch._inductor.aoti_load_package(str(package))
+        with torch.inference_mode():
+            got, expected = loaded(*args), model(*args)
+    except Exception as err:
+        raise ExportError(
+            f"the compiled package failed its round-trip check (load it back, call it): {type(err).__name__}: {err}"
+        ) from err
+    if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+        worst = float((got - expected).abs().max())
+        raise ExportError(
+            f"the compiled package does not give the eager model's outputs on the check batch (largest difference "
+            f"{worst:.3g}); nothing was written."
+        )
