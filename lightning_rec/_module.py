@@ -54,6 +54,23 @@ class RecLightningModule(pl.LightningModule):
         @property
         def hparams(self) -> AttributeDict: ...
 
+    def __getstate__(self) -> dict[str, Any]:
+        """As a LightningModule's (``torch.save(model)``, ``copy.deepcopy``, pickling), refused in one line naming
+        the way to an unsharded copy while TorchRec's sharded modules are inside (they hold hooks and process
+        groups, and TorchRec cannot pickle them)."""
+        from torchrec.distributed.types import ShardedModule
+
+        sharded = [name for name, sub in self.named_modules() if isinstance(sub, ShardedModule)]
+        if sharded:
+            raise TypeError(
+                f"{type(self).__name__} holds tables sharded by TorchRec ({', '.join(sharded[:3])}"
+                f"{', ...' if len(sharded) > 3 else ''}), which cannot be pickled or copied. HINT: for an unsharded "
+                "copy, save a checkpoint (`trainer.save_checkpoint(path)`) and load it with "
+                "`lightning_rec.checkpoint.load_module(ModelClass, path)` (or `ModelClass.load_from_checkpoint`), "
+                "or export its weights (`lightning-rec export`)."
+            )
+        return super().__getstate__()
+
     def configure_embedding_optimizer(self) -> EmbeddingOptimizer | None:
         """Declare the fused embedding optimizer explicitly.
 

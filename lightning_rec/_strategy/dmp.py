@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import SupportsIndex
 
 import lightning.pytorch as pl
 import torch
@@ -51,6 +52,15 @@ class ShardedState:
     inputs: dict[str, ModuleInputs] = field(default_factory=dict)
     dense_ids: frozenset[int] = frozenset()
     table_optimizers: dict[str, EmbeddingOptimizer] = field(default_factory=dict)
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        # The runtime state of a fit (its process group, its DMP): a pickled or copied module leaves it behind, as
+        # a LightningModule leaves its `_trainer`, and the copy is an unsharded module (torch.save, deepcopy, EMA).
+        return _left_behind, ()
+
+
+def _left_behind() -> None:
+    return None
 
 
 def dense_parameter_ids(modules: Sequence[nn.Module]) -> frozenset[int]:
@@ -210,7 +220,7 @@ def shard_with_dmp(
         dmp = shard_with_dmp(model, plan, make_sharders({}), torch.device("cpu"), dist.group.WORLD,
                              static_graph=True, find_unused_parameters=False)
     """
-    return DistributedModelParallel(
+    return RecDistributedModelParallel(
         module,
         env=ShardingEnv.from_process_group(pg) if pg is not None else None,
         device=device,
@@ -220,6 +230,19 @@ def shard_with_dmp(
             static_graph=static_graph, find_unused_parameters=find_unused_parameters
         ),
     )
+
+
+class RecDistributedModelParallel(DistributedModelParallel):
+    """TorchRec's DMP whose pickle (and deep copy) is the module it wraps: ``torch.save(trainer.model)`` saves the
+    LightningModule, as it does under ``ddp``, instead of failing on DMP's process group. The wrapper itself is
+    runtime state, rebuilt by the strategy."""
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Callable[[nn.Module], nn.Module], tuple[nn.Module]]:
+        return _unwrapped, (self.module,)
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    return module
 
 
 class DenseDataParallel(DefaultDataParallelWrapper):
