@@ -244,6 +244,22 @@ class RecShardStrategy(ParallelStrategy):
         return True
 
     @property
+    @override
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
+        # Lightning refuses every DDP-family strategy on MPS at `Trainer(...)`, but only when it is given an instance
+        # or a name containing "ddp"; "recshard" (a name) reaches here, when the connector hands over the accelerator.
+        if isinstance(accelerator, pl.accelerators.MPSAccelerator):
+            raise ValueError(
+                "You set `strategy=recshard` but strategies from the DDP family are not supported on the MPS "
+                "accelerator. Either explicitly set `accelerator='cpu'` or change the strategy."
+            )
+        self._accelerator = accelerator
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 

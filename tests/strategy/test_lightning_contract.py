@@ -1,4 +1,5 @@
-"""Lightning's contract after ``fit``: a module is an ordinary object again. ``torch.save(model)``,
+"""Lightning's contract where recshard used to break it. MPS is refused at ``Trainer(...)`` as Lightning refuses
+every DDP-family strategy there. After ``fit`` a module is an ordinary object again: ``torch.save(model)``,
 ``copy.deepcopy(model)`` and pickling ``trainer.model`` work for a module without tables on 1 and 2 ranks, as under
 ``ddp`` (no process group or other runtime state is stored on the user's module); a module whose tables TorchRec
 sharded refuses in one line naming the way to an unsharded copy (TorchRec's sharded modules cannot be pickled)."""
@@ -109,3 +110,18 @@ def test_a_module_with_sharded_tables_names_the_way_to_an_unsharded_copy(tmp_pat
             attempt()
     with pytest.raises(TypeError, match=r"load_module"):
         pickle.dumps(trainer.model)
+
+
+@pytest.mark.parametrize("accelerator", ["mps", "auto"])
+def test_mps_is_refused_when_the_trainer_is_built_with_lightnings_words(monkeypatch, accelerator):
+    """On a Mac (MPS available), ``Trainer(strategy="recshard")`` refuses MPS, chosen or picked by ``"auto"``, with
+    the message Lightning gives ``ddp`` there."""
+    from lightning.fabric.accelerators import mps as fabric_mps
+    from lightning.pytorch.accelerators import MPSAccelerator
+
+    monkeypatch.setattr(MPSAccelerator, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr(fabric_mps.MPSAccelerator, "is_available", staticmethod(lambda: True))
+    words = r"strategies from the DDP family are not supported on the MPS accelerator. Either explicitly set"
+    with pytest.raises(ValueError, match=words):
+        L.Trainer(strategy="recshard", accelerator=accelerator, devices=1)
+    L.Trainer(strategy="recshard", accelerator="cpu", devices=1, logger=False)  # CPU is still fine
