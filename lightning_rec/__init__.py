@@ -9,6 +9,20 @@ Example::
     trainer = L.Trainer(strategy="recshard", accelerator="cpu", devices=2)
 """
 
+import logging
+import sys
+
+if "fbgemm_gpu" not in sys.modules:
+    # FBGEMM logs "Successfully loaded" on the root logger while it imports; with no handler there, Python's
+    # logging installs a stderr handler on the root logger, and every Lightning INFO line then prints twice
+    # (Lightning's own handler, then the root's). A handler held for the import keeps the root logger as it was.
+    _held = logging.NullHandler()
+    logging.getLogger().addHandler(_held)
+    try:
+        import fbgemm_gpu  # noqa: F401
+    finally:
+        logging.getLogger().removeHandler(_held)
+
 from torchrec.datasets.utils import Batch
 
 from lightning_rec import _compat
