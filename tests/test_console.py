@@ -1,11 +1,19 @@
-"""What a user sees on the console (issue 36): every log line once."""
+"""What a user sees on the console (issue 36): every log line once, the validation metrics on the progress bar."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
-from lightning_rec.testing import shell_env
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_rec import RecShardStrategy
+from lightning_rec.testing import QUIET_TRAINER, shell_env
+from tests.helpers.zoo import seeded_module
 
 _SCRIPT = """
 import lightning_rec  # first, as the `lightning-rec` command imports it
@@ -40,3 +48,16 @@ def test_lightnings_info_lines_print_once(tmp_path):
     lines = (out.stdout + out.stderr).splitlines()
     assert sum("`Trainer.fit` stopped" in line for line in lines) == 1, lines
     assert not [line for line in lines if line.startswith("INFO:")], lines
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["dlrm", "deepfm", "two_tower", "sequential"])
+def test_every_zoo_models_validation_metrics_are_on_the_progress_bar(name):
+    """README says the validation metrics appear after each epoch: the progress bar shows what ``val/`` logs."""
+    helper = importlib.import_module(f"tests.helpers.zoo_{name}")
+    # the held-out batch, or for the two towers an evaluation batch (its queries' held-out items, ranked)
+    batch = helper._splits().val[torch.arange(32)] if name == "two_tower" else helper.CASE.heldout()
+    trainer = L.Trainer(strategy=RecShardStrategy(), accelerator="cpu", devices=1, **QUIET_TRAINER)
+    trainer.validate(seeded_module(helper.CASE), DataLoader([batch], batch_size=None, collate_fn=lambda b: b))
+    shown = [k for k in trainer.progress_bar_metrics if k.startswith("val/")]
+    assert shown, (name, trainer.progress_bar_metrics, sorted(trainer.callback_metrics))

@@ -121,7 +121,7 @@ class CTRModule(TwoOptimizerModule):
 
     def _evaluate(self, batch: Batch, metrics: MetricCollection) -> None:
         metrics.update(torch.sigmoid(self(batch)), batch.labels.long())
-        self.log_dict(metrics, batch_size=batch.labels.numel())
+        self.log_dict(metrics, prog_bar=True, batch_size=batch.labels.numel())
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch, self.val_metrics)
