@@ -4,7 +4,8 @@ Subcommands are LightningCLI's (``fit``, ``validate``, ``test``, ``predict``; ``
 plus ``prepare``, which fetches a dataset ahead of time (the DataModules also fetch on first use), ``plan``, which
 makes the sharding plan of a config for a cluster of any size on this machine (tables on ``meta``; see README
 "Planning for a cluster"), and ``export``, which turns a sharded checkpoint into one unsharded state dict file, or
-(``--format inference``) into a servable TorchScript artifact with quantized tables::
+(``--format inference``) into a servable TorchScript artifact with quantized tables, or (``--format pt2``) a
+``torch.export`` + AOTInductor package::
 
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml --trainer.max_epochs=2 --data.batch_size=1024
@@ -13,6 +14,7 @@ makes the sharding plan of a config for a cluster of any size on this machine (t
     lightning-rec fit --config examples/configs/criteo_dlrm.yaml --trainer.strategy.init_args.plan=plan/plan.json
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model.safetensors
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt --format inference
+    lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt2 --format pt2
 
 DataModules publish ``sparse_features`` and ``num_dense_features``; they are linked into the model's
 arguments of the same names, so a model config never repeats table sizes. By default, metrics go to a CSV
@@ -34,6 +36,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_rec  # noqa: F401  (registers the "recshard" strategy)
+from lightning_rec._cli_errors import OneLineErrors, one_line
 from lightning_rec.callbacks import Throughput
 
 __all__ = ["RecCLI", "main", "run"]
@@ -49,6 +52,25 @@ class RecCLI(LightningCLI):
 
         RecCLI(args=["fit", "--config", "examples/configs/synthetic_dlrm.yaml", "--trainer.max_steps=10"])
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", OneLineErrors)  # config mistakes in one line, exit 2
+        super().__init__(*args, **kwargs)
+
+    def instantiate_classes(self) -> None:
+        """Build what the config describes; a model, data or trainer argument their own ``__init__`` refuses
+        (``ValueError``/``TypeError``) prints its message in one line and exits 2 (``JSONARGPARSE_DEBUG=1``: the
+        traceback)."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as err:
+            if os.environ.get("JSONARGPARSE_DEBUG"):
+                raise
+            root = err
+            while root.__cause__ is not None:  # jsonargparse wraps the class's own error in its Union report
+                root = root.__cause__  # type: ignore[assignment]
+            prog = self.parser.prog.replace(" [options]", "") + (f" {self.subcommand}" if self.subcommand else "")
+            self.parser.exit(2, f"{prog}: error: {one_line(str(root))}\n")
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         for key in ("sparse_features", "num_dense_features"):
@@ -87,14 +109,14 @@ def _export(argv: list[str]) -> None:
         prog="lightning-rec export",
         description="Turn a sharded checkpoint (any world size, any plan) into one file: the unsharded state dict "
         "(--format weights: safetensors for *.safetensors, else a torch.save file that loads with weights_only=True), "
-        "or a servable TorchScript artifact with quantized tables that loads without lightning_rec "
-        "(--format inference; see README 'Serving').",
+        "or a servable artifact with quantized tables that loads without lightning_rec: TorchScript (--format "
+        "inference) or a torch.export + AOTInductor package (--format pt2, for C++ and Python; see README 'Serving').",
     )
     parser.add_argument(
         "checkpoint", help="a checkpoint directory, e.g. lightning_logs/version_0/checkpoints/last.ckpt"
     )
-    parser.add_argument("output", help="e.g. model.safetensors, model.pt, or model_int8.pt")
-    parser.add_argument("--format", choices=["weights", "inference"], default="weights")
+    parser.add_argument("output", help="e.g. model.safetensors, model.pt, model_int8.pt or model_int8.pt2")
+    parser.add_argument("--format", choices=["weights", "inference", "pt2"], default="weights")
     parser.add_argument(
         "--prefix", default="", help='weights: export only the weights under this prefix, without it (e.g. "model.")'
     )
@@ -131,6 +153,7 @@ def _export(argv: list[str]) -> None:
         spec = export_inference(
             args.checkpoint,
             args.output,
+            format="pt2" if args.format == "pt2" else "torchscript",
             table_dtype=args.table_dtype,
             part=args.part,
             model_class=args.model_class,
