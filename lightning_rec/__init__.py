@@ -31,10 +31,13 @@ from lightning_rec._module import RecLightningModule
 from lightning_rec._planning import Cluster, plan_cluster
 from lightning_rec._pretrained import load_rows
 from lightning_rec._strategy.optim import RecOptimizer
+from lightning_rec._strategy.quiet import silence_proven_harmless
 from lightning_rec._strategy.recshard import RecShardStrategy
 from lightning_rec._strategy.sharding import EBCSharder
 from lightning_rec.config import EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig, checkpoint_safe
 from lightning_rec.errors import InputError, NonFiniteError
+
+silence_proven_harmless()  # before a user's first KeyedJaggedTensor: README "What you will not see"
 
 __version__ = "0.1.0"
 

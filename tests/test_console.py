@@ -61,3 +61,63 @@ def test_every_zoo_models_validation_metrics_are_on_the_progress_bar(name):
     trainer.validate(seeded_module(helper.CASE), DataLoader([batch], batch_size=None, collate_fn=lambda b: b))
     shown = [k for k in trainer.progress_bar_metrics if k.startswith("val/")]
     assert shown, (name, trainer.progress_bar_metrics, sorted(trainer.callback_metrics))
+
+
+_TWO_RANKS = """
+import warnings
+import torch, lightning as L
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from lightning_rec import RecLightningModule, RecShardStrategy
+
+class Model(RecLightningModule):
+    def __init__(self):
+        super().__init__()
+        tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=4, num_embeddings=20, feature_names=[f])
+                  for f in ("user", "item")]
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        self.over = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            warnings.warn("the user's own warning")
+        return self.over(self.ebc(batch).values()).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+def batches():
+    g = torch.Generator().manual_seed(0)
+    return [KeyedJaggedTensor(keys=["user", "item"], values=torch.randint(0, 20, (8,), generator=g),
+                              lengths=torch.ones(8, dtype=torch.long)) for _ in range(4)]
+
+def trainer(steps):
+    constraints = {"t_user": {"sharding_types": ["data_parallel"]}, "t_item": {"sharding_types": ["table_wise"]}}
+    return L.Trainer(strategy=RecShardStrategy(constraints=constraints), accelerator="cpu", devices=2,
+                     max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     default_root_dir="run")
+
+if __name__ == "__main__":
+    first = trainer(2)
+    first.fit(Model(), torch.utils.data.DataLoader(batches(), batch_size=None))
+    first.save_checkpoint("run/two.ckpt")
+    trainer(4).fit(Model(), torch.utils.data.DataLoader(batches(), batch_size=None), ckpt_path="run/two.ckpt")
+"""
+
+
+@pytest.mark.dist
+def test_warnings_proven_harmless_are_silenced_and_nothing_else(tmp_path):
+    """Two ranks, a data-parallel table (FBGEMM's autograd warning), a checkpoint saved and loaded (torch's
+    ShardedTensor deprecation, six of them from our own files), Lightning's pytree warning, torch.fx's tracing note:
+    none reaches the console; the user's own warning does, and the plan table prints once per fit."""
+    (tmp_path / "train.py").write_text(_TWO_RANKS)
+    out = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=shell_env(), timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert "the user's own warning" in console
+    for message in ("an autograd kernel was not registered", "deprecating ShardedTensor", "LeafSpec", "is_fx_tracing"):
+        assert message not in console, [line for line in console.splitlines() if message in line]
+    assert console.count("sharding plan over 2 rank(s)") == 2, console  # one table per fit

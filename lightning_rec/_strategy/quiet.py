@@ -55,3 +55,50 @@ def torchrec_noise_silenced() -> Iterator[None]:
     finally:
         for logger, drop in filters:
             logger.removeFilter(drop)
+
+
+# Warnings a recshard run raises on every step or checkpoint that this project has shown to be harmless, with why
+# (README "What you will not see"). Matched by their text: anything else, of any category, still reaches the user.
+PROVEN_HARMLESS: tuple[tuple[str, str], ...] = (
+    (
+        r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered",
+        "FBGEMM's lookup of data-parallel tables runs its backward through a Python autograd.Function, not the "
+        "operator's own kernel; the exactness tests (tests/strategy) compare every sharding type, data-parallel "
+        "included, with unsharded training to 1e-5.",
+    ),
+    (
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        "TorchRec keeps sharded tables as ShardedTensors, and torch's distributed checkpoint says so on every save "
+        "and load; nothing a user can change (tests/checkpoint round-trips them exactly).",
+    ),
+    (
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        "Lightning's own code (utilities/_pytree.py) calls torch's deprecated pytree API; nothing a user can change.",
+    ),
+)
+# Logged, not warned: torch's fx says this once per process when TorchRec's KeyedJaggedTensor asks whether it is
+# being traced; a recshard step is never traced.
+_LOGGED_HARMLESS = {"torch.fx._symbolic_trace": ("is_fx_tracing will return true",)}
+
+
+def silence_proven_harmless() -> None:
+    """Drop the warnings and log lines in :data:`PROVEN_HARMLESS` for the rest of the process (idempotent); the
+    strategy calls it in each rank's process.
+
+    Example::
+
+        >>> silence_proven_harmless()
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("default")
+        ...     silence_proven_harmless()
+        ...     warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning)
+        >>> caught
+        []
+    """
+    for message, _ in PROVEN_HARMLESS:
+        warnings.filterwarnings("ignore", message=message)
+    for name, parts in _LOGGED_HARMLESS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.parts == parts for f in logger.filters):
+            logger.addFilter(_Drop(parts))

@@ -68,6 +68,7 @@ from lightning_rec._strategy.optim import RecOptimizer
 from lightning_rec._strategy.pipeline import SparseDistPipeline, check_pipelinable
 from lightning_rec._strategy.plan_report import PlanReport, write_for_trainer
 from lightning_rec._strategy.preemption import Preemption
+from lightning_rec._strategy.quiet import silence_proven_harmless
 from lightning_rec._strategy.settings import check_fit, check_precision, raised_in, toggle_optimizer_error
 from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec.checkpoint._io import load, remove, save
@@ -348,6 +349,7 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        silence_proven_harmless()
         check_precision(getattr(self.precision_plugin, "precision", "32-true"), type(self).__name__)
         if self.sharding.embedding_optimizer is not None:
             self.sharding.embedding_optimizer.validate_for(self.root_device.type)
