@@ -124,8 +124,8 @@ MUTATIONS: list[Mutation] = [
         "int8_tables_zeroed",
         "the int8 serving artifact's tables are zeros",
         "lightning_rec/serving/export.py",
-        "    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])\n",
-        "    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])\n"
+        "    quantized = quantize(serving, _DTYPES[table_dtype])\n",
+        "    quantized = quantize(serving, _DTYPES[table_dtype])\n"
         + '    [k.weights_host.zero_() for k in quantized.modules() if type(k).__name__ in KERNELS and table_dtype == "int8"]\n',
         ("tests/test_serving.py::test_zoo_model_serves_without_lightning_rec_like_the_trained_module[dlrm]",),
     ),
@@ -133,8 +133,8 @@ MUTATIONS: list[Mutation] = [
         "int4_tables_zeroed",
         "the int4 serving artifact's tables are zeros",
         "lightning_rec/serving/export.py",
-        "    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])\n",
-        "    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])\n"
+        "    quantized = quantize(serving, _DTYPES[table_dtype])\n",
+        "    quantized = quantize(serving, _DTYPES[table_dtype])\n"
         + '    [k.weights_host.zero_() for k in quantized.modules() if type(k).__name__ in KERNELS and table_dtype == "int4"]\n',
         ("tests/test_serving.py::test_zoo_model_serves_without_lightning_rec_like_the_trained_module[dlrm]",),
     ),
@@ -144,7 +144,7 @@ MUTATIONS: list[Mutation] = [
         "examples/serve_cpp/serve.cpp",
         "    values = torch::tensor(v, torch::kLong);\n",
         "    values = torch::zeros_like(torch::tensor(v, torch::kLong));\n",
-        ("tests/test_serving.py::test_cpp_example_serves_the_artifact_like_python",),
+        ("tests/test_serving_cpp.py::test_cpp_serves_held_out_samples_like_python",),
     ),
     Mutation(
         "cpp_dense_layout",
@@ -152,7 +152,15 @@ MUTATIONS: list[Mutation] = [
         "examples/serve_cpp/serve.cpp",
         "    dense_features = torch::tensor(d).reshape({rows, dense});\n",
         "    dense_features = torch::tensor(d).reshape({dense, rows}).t();\n",
-        ("tests/test_serving.py::test_cpp_example_serves_the_artifact_like_python",),
+        ("tests/test_serving_cpp.py::test_cpp_serves_held_out_samples_like_python",),
+    ),
+    Mutation(
+        "cpp_pt2_any_torch",
+        "the C++ server runs a .pt2 package compiled under another torch",
+        "examples/serve_cpp/serve.cpp",
+        "    if (written != TORCH_VERSION) {\n",
+        "    if (false) {\n",
+        ("tests/test_serving_cpp.py::test_a_package_from_another_torch_is_refused_by_cpp_and_by_serve_py",),
     ),
 ]
 

@@ -1,22 +1,21 @@
 """Serving export (``lightning_rec.serving``), the artifact side: a sharded checkpoint becomes a TorchScript artifact
-with quantized tables that predicts in a fresh process without torchrec, lightning or lightning_rec (and from C++),
+with quantized tables that predicts in a fresh process without torchrec, lightning or lightning_rec,
 exactly like the trained module for fp32 tables: zoo models, tutorial-style and script-trained user models, a model
 trained on 2 ranks against plain PyTorch; the dense width export reads; the artifact's own checks of ids and
-lengths. What export refuses (naming the part and the reason, writing nothing) is in ``test_serving_refusals.py``.
+lengths. What export refuses (naming the part and the reason, writing nothing) is in ``test_serving_refusals.py``;
+the C++ example (both formats) in ``test_serving_cpp.py``.
 The main job's artifact against ``lightning-rec predict`` is in ``tests/test_main_job.py``."""
 
 from __future__ import annotations
 
 import copy
 import runpy
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import fbgemm_gpu
 import lightning as L
 import pytest
 import torch
@@ -34,7 +33,6 @@ from lightning_rec.models.base import CTRModule
 from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
 from lightning_rec.testing import QUIET_TRAINER, shell_env
 from tests.helpers import user_scenarios, zoo_deepfm, zoo_dlrm, zoo_two_tower
-from tests.helpers.data import REPO
 from tests.helpers.dist import run_ranks
 from tests.helpers.serving import serve_fresh
 from tests.helpers.user_models import REORDERING_PLAN, ValuesModel, samples, to_batch
@@ -222,44 +220,6 @@ def test_a_tutorial_style_model_serves_its_own_forward(tmp_path):
         want = loaded(batch["dense"], batch["sparse"])
     (got,) = serve_fresh([(tmp_path / "model.pt", [serving_inputs(spec, batch["sparse"], batch["dense"])])], tmp_path)
     assert torch.equal(got, want), (got - want).abs().max()
-
-
-@pytest.mark.dist
-@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("c++")), reason="needs cmake and a C++ compiler")
-def test_cpp_example_serves_the_artifact_like_python(tmp_path):
-    """README's C++ snippet (examples/serve_cpp), built against the installed libtorch, loads an int8 artifact with
-    FBGEMM's libraries and predicts what Python's ``torch.jit.load`` predicts, on held-out samples that each bring
-    their own ids (one or several per feature) and dense values, from a checkpoint whose tables matter: feature order,
-    row lookup and the samples' layout all show in the outputs."""
-    case, fast, _ = MODELS["dcnv2"]
-    case = ZooCase(**{**case.__dict__, "build": fast})
-    ckpt = trained_checkpoint(seeded_module(case), case.batches(4), tmp_path / "ckpt")
-    spec = export_inference(ckpt, tmp_path / "model.pt", table_dtype="int8")
-    build = tmp_path / "build"
-    prefix = torch.utils.cmake_prefix_path
-    for cmd in (
-        ["cmake", "-S", str(REPO / "examples" / "serve_cpp"), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
-        ["cmake", "--build", str(build)],
-    ):
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    heldout = case.heldout()
-    dense, values, lengths = serving_inputs(spec, heldout.sparse_features, heldout.dense_features)
-    rows, features = dense.shape[0], len(spec.features)
-    assert dense.shape[1] == spec.num_dense_features and len(dense.unique(dim=0)) > 1 and len(values) > features * rows
-    assert len(values.unique()) > rows, "different ids across samples"
-    lines = [dense.reshape(-1).tolist(), lengths.tolist(), values.tolist()]
-    (tmp_path / "inputs.txt").write_text("".join(" ".join(repr(v) for v in line) + "\n" for line in lines))
-    fbgemm_dir = Path(fbgemm_gpu.__file__).parent
-    cmd = [str(build / "serve"), str(tmp_path / "model.pt"), str(fbgemm_dir), str(rows), str(dense.shape[1])]
-    cmd += [str(features), str(tmp_path / "inputs.txt")]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    cpp = torch.tensor([float(v) for v in out.stdout.split("output:")[1].split()])
-    with torch.inference_mode():
-        want = load_inference(tmp_path / "model.pt")(dense, values, lengths)
-    assert want.max() - want.min() > 0.1, "the samples' outputs must differ for their order to show"
-    assert cpp.shape == want.shape and torch.allclose(cpp, want, rtol=0, atol=1e-6), (cpp - want).abs().max()
 
 
 # ---- a user's model, trained sharded on 2 ranks, against plain PyTorch ------------------------------------------

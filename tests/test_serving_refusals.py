@@ -19,6 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_rec import RecLightningModule
 from lightning_rec.checkpoint._safe_io import dumps_meta, load_meta
 from lightning_rec.errors import CheckpointError, ExportError
+from lightning_rec.models import SequentialRecModule
 from lightning_rec.serving import export_inference, inference_spec
 from tests.helpers import zoo_sequential, zoo_two_tower
 from tests.helpers.zoo import seeded_module
@@ -79,9 +80,15 @@ def test_untraceable_network_is_refused_naming_it_and_the_existing_file_is_kept(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.pt"], "no partial file left behind"
 
 
+class _NoServingNetwork(SequentialRecModule):
+    """SASRec's module without its ``inference_module``: its forward takes a sequence batch (a dict)."""
+
+    inference_module = RecLightningModule.inference_module
+
+
 def test_modules_without_a_serving_network_and_wrong_arguments_are_refused(tmp_path):
     sequential = trained_checkpoint(
-        seeded_module(zoo_sequential.CASE), zoo_sequential.CASE.batches(1), tmp_path / "seq"
+        _NoServingNetwork(**zoo_sequential.CASE.build().hparams), zoo_sequential.CASE.batches(1), tmp_path / "seq"
     )
     with pytest.raises(ExportError, match=r"cannot be exported for serving: it does not override `inference_module"):
         export_inference(sequential, tmp_path / "seq.pt")

@@ -1,9 +1,12 @@
-// Serve an artifact written by `lightning-rec export CKPT OUT --format inference` from C++: libtorch and FBGEMM's
-// operator libraries, no Python. Build and run (README "Serving"):
+// Serve, from C++ (libtorch and FBGEMM's operator libraries, no Python), what `lightning-rec export` writes: a
+// TorchScript artifact (`--format inference`, any name but *.pt2) or a `.pt2` package (`--format pt2`: torch.export
+// + AOTInductor). Build and run from the repository root (README "Serving"):
 //
-//   cmake -S examples/serve_cpp -B build/serve_cpp -DCMAKE_PREFIX_PATH=$(python -c "import torch; print(torch.utils.cmake_prefix_path)")
+//   cmake -S examples/serve_cpp -B build/serve_cpp \
+//       -DCMAKE_PREFIX_PATH="$(.venv/bin/python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 //   cmake --build build/serve_cpp
-//   build/serve_cpp/serve model_int8.pt $(python -c "import fbgemm_gpu, os; print(os.path.dirname(fbgemm_gpu.__file__))") 2 2 7 [inputs.txt]
+//   FBGEMM_GPU_DIR="$(.venv/bin/python -c 'import fbgemm_gpu, os; print(os.path.dirname(fbgemm_gpu.__file__))')"
+//   build/serve_cpp/serve model_int8.pt "$FBGEMM_GPU_DIR" 2 2 7 [inputs.txt]     # or model_int8.pt2
 //
 // Arguments: the artifact, FBGEMM's library folder, then B rows, D dense features and F sparse features (see the
 // spec it prints), and optionally a text file of the inputs, three lines of numbers: the B x D dense values (sample
@@ -14,12 +17,15 @@
 
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/script.h>
+#include <torch/version.h>
 
 // The numbers on the next line of `in`.
 template <typename T>
@@ -30,6 +36,17 @@ std::vector<T> read_line(std::istream& in) {
   std::vector<T> numbers;
   for (T v; fields >> v;) numbers.push_back(v);
   return numbers;
+}
+
+// The torch version a package's spec records ("versions": {"torch": "2.13.0+cpu", ...}) without its local part
+// ("+cpu"), as TORCH_VERSION spells it; "" if the spec has none.
+std::string spec_torch_version(const std::string& spec) {
+  const std::string key = "\"torch\": \"";
+  const auto versions = spec.find("\"versions\"");
+  const auto at = versions == std::string::npos ? versions : spec.find(key, versions);
+  if (at == std::string::npos) return "";
+  const auto start = at + key.size();
+  return spec.substr(start, spec.find_first_of("+\"", start) - start);
 }
 
 int main(int argc, char** argv) {
@@ -46,9 +63,30 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::unordered_map<std::string, std::string> extra{{"lightning_rec.json", ""}};
-  torch::jit::Module model = torch::jit::load(argv[1], torch::kCPU, extra);
-  std::cout << "spec: " << extra["lightning_rec.json"] << "\n";  // features (the order of `lengths`), ...
+  const std::string path = argv[1];
+  const bool pt2 = path.size() > 4 && path.compare(path.size() - 4, 4, ".pt2") == 0;
+  torch::jit::Module script;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> package;
+  if (pt2) {
+    // The package's compiled code calls into the libtorch that compiled it: check the version its spec records
+    // before loading that code.
+    auto metadata = torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(path, "model");
+    const std::string spec = metadata["lightning_rec"];
+    std::cout << "spec: " << spec << "\n";  // features (the order of `lengths`), ..., versions
+    const std::string written = spec_torch_version(spec);
+    if (written != TORCH_VERSION) {
+      std::cerr << path << " was compiled under torch " << (written.empty() ? "(not recorded)" : written)
+                << " and this program runs under libtorch " << TORCH_VERSION
+                << ": a .pt2 package runs only under the torch that compiled it. Export it again with this torch, "
+                   "or build this program against the libtorch that wrote it.\n";
+      return 1;
+    }
+    package = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path);
+  } else {
+    std::unordered_map<std::string, std::string> extra{{"lightning_rec.json", ""}};
+    script = torch::jit::load(path, torch::kCPU, extra);
+    std::cout << "spec: " << extra["lightning_rec.json"] << "\n";  // features (the order of `lengths`), ...
+  }
 
   const int64_t rows = std::stoll(argv[3]), dense = std::stoll(argv[4]), features = std::stoll(argv[5]);
   torch::Tensor dense_features = torch::zeros({rows, dense});
@@ -73,11 +111,13 @@ int main(int argc, char** argv) {
     values = torch::tensor(v, torch::kLong);
   }
   torch::NoGradGuard no_grad;
-  std::vector<torch::jit::IValue> inputs;
+  std::vector<torch::Tensor> inputs;
   if (dense > 0) inputs.push_back(dense_features);
   inputs.push_back(values);
   inputs.push_back(lengths);
-  auto out = model.forward(inputs).toTensor().contiguous();
+  torch::Tensor out = pt2 ? package->run(inputs).at(0)
+                          : script.forward(std::vector<torch::jit::IValue>(inputs.begin(), inputs.end())).toTensor();
+  out = out.contiguous();
   std::cout.precision(9);  // every float32 exactly
   std::cout << "output:";
   for (int64_t i = 0; i < out.numel(); ++i) std::cout << " " << out.data_ptr<float>()[i];

@@ -23,10 +23,11 @@ from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from lightning_rec.config import SEQUENCE_FEATURES, EmbeddingOptimizer, SparseFeature
+from lightning_rec.errors import ExportError
 from lightning_rec.metrics import RankingMetrics, exclusion_mask, target_rank
 from lightning_rec.models.base import DenseOptimizerName, TwoOptimizerModule
 
-__all__ = ["CausalEncoder", "SASRec", "SequentialRecModule", "catalog_scores", "sampled_softmax_loss"]
+__all__ = ["CausalEncoder", "NextItemQuery", "SASRec", "SequentialRecModule", "catalog_scores", "sampled_softmax_loss"]
 
 
 def _padded(jt: JaggedTensor, length: int) -> torch.Tensor:
@@ -87,6 +88,14 @@ class CausalEncoder(nn.Module):
     def reset_parameters(self) -> None:  # the buffer, if built on meta
         self.causal = nn.Transformer.generate_square_subsequent_mask(self.max_len, device=self.causal.device)
 
+    def encode(self, history: JaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hidden, lengths, last)`` of the history's embeddings (see :meth:`forward`)."""
+        lengths = history.lengths().long()
+        x = _padded(history, self.max_len) * math.sqrt(self.embedding_dim) + self.position.weight.unsqueeze(0)
+        hidden = self.norm(self.blocks(self.dropout(x), mask=self.causal, is_causal=True))
+        last = hidden[torch.arange(lengths.numel(), device=hidden.device), (lengths - 1).clamp(min=0)]
+        return hidden, lengths, last
+
     def forward(self, embeddings: dict[str, JaggedTensor]) -> dict[str, torch.Tensor]:
         """Encode the history and shape the rest.
 
@@ -96,11 +105,7 @@ class CausalEncoder(nn.Module):
             position; ``target`` ``(B, max_len, D)`` the target embeddings, left-aligned; and when present,
             ``negatives`` ``(B, K, D)`` and ``catalog`` ``(C, D)``.
         """
-        history = embeddings["history"]
-        lengths = history.lengths().long()
-        x = _padded(history, self.max_len) * math.sqrt(self.embedding_dim) + self.position.weight.unsqueeze(0)
-        hidden = self.norm(self.blocks(self.dropout(x), mask=self.causal, is_causal=True))
-        last = hidden[torch.arange(lengths.numel(), device=hidden.device), (lengths - 1).clamp(min=0)]
+        hidden, lengths, last = self.encode(embeddings["history"])
         out = {
             "hidden": hidden,
             "lengths": lengths,
@@ -159,6 +164,31 @@ class SASRec(nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         """Look every feature up in the one item table and encode (see :meth:`CausalEncoder.forward`)."""
         return self.encoder(self.item_ec(features))
+
+
+class NextItemQuery(nn.Module):
+    """What :class:`SASRec` serves: a user's next-item query, the hidden state at the last position of their
+    history, ``(B, D)``; an item's score is its dot product with the item's row of the table (as
+    :func:`catalog_scores`). It takes the collection's features as a ``KeyedJaggedTensor`` and reads ``history``
+    (the others may be empty).
+
+    Example::
+
+        >>> net = SASRec(num_items=10, embedding_dim=8, max_len=4, num_blocks=1, dropout=0.0)
+        >>> net.item_ec = EmbeddingCollection(tables=net.item_ec.embedding_configs())  # rows on CPU
+        >>> lengths = torch.tensor([2, 1, 0, 0, 0, 0, 0, 0])  # history of 2 users, then target/negatives/catalog
+        >>> kjt = KeyedJaggedTensor(keys=list(SEQUENCE_FEATURES), values=torch.tensor([3, 4, 5]), lengths=lengths)
+        >>> NextItemQuery(net)(kjt).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, net: SASRec) -> None:
+        super().__init__()
+        self.item_ec = net.item_ec
+        self.encoder = net.encoder
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.encoder.encode(self.item_ec(sparse_features)["history"])[2]
 
 
 def sampled_softmax_loss(
@@ -308,3 +338,10 @@ class SequentialRecModule(TwoOptimizerModule):
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         return {"users": batch["users"], "rank": self.ranks(batch)}
+
+    def inference_module(self, part: str | None = None) -> nn.Module:
+        """:class:`NextItemQuery` over ``self.model``: serves each user's next-item query ``(B, D)`` from their
+        history (see :func:`lightning_rec.serving.export_inference`); items score by a dot product with their rows."""
+        if part is not None:
+            raise ExportError(f"{type(self).__name__} serves one network; got part={part!r}. HINT: leave `part` out.")
+        return NextItemQuery(self.model)

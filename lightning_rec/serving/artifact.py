@@ -4,7 +4,7 @@ archive), the input check compiled into it (:func:`check_inputs`), the wrapper t
 
 # No `from __future__ import annotations` here: torch.fx and TorchScript read the forwards' annotations as types.
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,7 +41,10 @@ class InferenceSpec:
         model: the LightningModule class it came from, and ``part`` (e.g. ``"query"``).
         bounds_check: what the artifact does with an id outside its table (see :func:`export_inference`).
         format: ``"torchscript"`` or ``"pt2"`` (see :func:`export_inference`).
-        feature_rows: the rows of each feature's table, in ``features`` order (the ids a feature takes).
+        feature_rows: the ids each feature takes, in ``features`` order: its table's rows, or for a
+            managed-collision feature (``raw_id_features``) the raw id space its collision module remaps.
+        raw_id_features: the managed-collision features (raw ids, remapped to rows inside the artifact).
+        max_lengths: the position-weighted features, with the most ids a sample may bring (its position weights).
         versions: the torch, fbgemm_gpu, torchrec and lightning_rec versions that wrote it (a ``.pt2`` package
             loads only under the same torch and FBGEMM: :func:`lightning_rec.serving.load_pt2` checks).
     """
@@ -56,14 +59,26 @@ class InferenceSpec:
     bounds_check: str = "warn"  # artifacts written before the policy was recorded: FBGEMM's default
     format: str = "torchscript"
     feature_rows: list[int] | None = None  # the table rows of each feature, in `features` order
+    raw_id_features: list[str] = field(default_factory=list)
+    max_lengths: dict[str, int] = field(default_factory=dict)
     versions: dict[str, str] | None = None  # artifacts written before they were recorded: unknown
 
 
 @torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact
-def check_inputs(values: Tensor, lengths: Tensor, features: list[str], rows: Tensor) -> Tensor:
+def check_inputs(
+    values: Tensor,
+    lengths: Tensor,
+    features: list[str],
+    rows: Tensor,
+    raw_ids: list[bool] | None = None,
+    max_lengths: Tensor | None = None,
+) -> Tensor:
     """Raise a ``ValueError`` naming the problem when ``values``/``lengths`` do not fit the artifact: a ``lengths``
-    that is not one entry per (feature, sample), a negative length, lengths that do not add up to ``values``, or an
-    id outside its feature's table (``rows``: the table's rows per feature). Returns ``values``.
+    that is not one entry per (feature, sample), a negative length, a sample with more ids than its feature's
+    position weights cover (``max_lengths``, per feature, when given), lengths that do not add up to ``values``, or
+    an id outside its feature's table (``rows``: the table's rows per feature; for a feature whose ``raw_ids`` entry
+    is true, a managed-collision table's, the raw id space its collision module remaps: ``input_hash_size``).
+    Returns ``values``.
 
     Example::
 
@@ -71,6 +86,11 @@ def check_inputs(values: Tensor, lengths: Tensor, features: list[str], rows: Ten
         Traceback (most recent call last):
         ...
         ValueError: feature 'item': id 9 is outside its table of 5 rows (ids run from 0 to 4)
+        >>> check_inputs(torch.tensor([3, 960]), torch.tensor([1, 1]), ["user", "item"], torch.tensor([10, 960]),
+        ...     [False, True])
+        Traceback (most recent call last):
+        ...
+        ValueError: feature 'item': raw id 960 is outside its managed-collision id space of 960 ids (input_hash_size: raw ids run from 0 to 959)
     """
     num = len(features)
     if lengths.numel() % num != 0:
@@ -80,6 +100,15 @@ def check_inputs(values: Tensor, lengths: Tensor, features: list[str], rows: Ten
         )
     if bool((lengths < 0).any()):
         raise ValueError("lengths holds a negative length")
+    if max_lengths is not None:
+        over = lengths.view(num, -1) > max_lengths.unsqueeze(1)
+        if bool(over.any()):
+            at = torch.nonzero(over)[0]
+            f, s = int(at[0]), int(at[1])
+            raise ValueError(
+                f"feature '{features[f]}': sample {s} has {int(lengths.view(num, -1)[f, s])} ids, more than the "
+                f"{int(max_lengths[f])} positions its position weights cover (max_feature_lengths)"
+            )
     counts = lengths.view(num, -1).sum(1)
     total = int(counts.sum())
     if total != values.numel():
@@ -89,13 +118,18 @@ def check_inputs(values: Tensor, lengths: Tensor, features: list[str], rows: Ten
         i = int(torch.nonzero(bad)[0, 0])
         f = int((torch.cumsum(counts, 0) <= i).sum())
         n = int(rows[f])
+        if raw_ids is not None and raw_ids[f]:
+            raise ValueError(
+                f"feature '{features[f]}': raw id {int(values[i])} is outside its managed-collision id space of {n} "
+                f"ids (input_hash_size: raw ids run from 0 to {n - 1})"
+            )
         raise ValueError(
             f"feature '{features[f]}': id {int(values[i])} is outside its table of {n} rows (ids run from 0 to {n - 1})"
         )
     return values
 
 
-def assert_inputs(values: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
+def assert_inputs(values: Tensor, lengths: Tensor, rows: Tensor, max_lengths: Tensor | None = None) -> Tensor:
     """:func:`check_inputs` as tensor assertions, for a graph ``torch.export`` captures: the same checks, but the
     message cannot name the feature or the id (they are tensor values, unknown when the graph is built). Compiled
     into a ``.pt2`` package, they raise in C++ too; :func:`lightning_rec.serving.load_pt2`'s host-side
@@ -103,39 +137,57 @@ def assert_inputs(values: Tensor, lengths: Tensor, rows: Tensor) -> Tensor:
     sample) is refused by the package's shape check. Returns ``values``.
     """
     torch._assert_async((lengths >= 0).all(), "lightning_rec: lengths holds a negative length")
+    if max_lengths is not None:  # a longer list would read past the position weights
+        torch._assert_async(
+            (lengths.view(rows.numel(), -1) <= max_lengths.unsqueeze(1)).all(),
+            "lightning_rec: a sample has more ids than its feature's position weights cover (max_feature_lengths)",
+        )
     counts = lengths.view(rows.numel(), -1).sum(1)
     torch._assert_async(counts.sum() == values.numel(), "lightning_rec: lengths do not add up to the ids in values")
     limit = torch.repeat_interleave(rows, counts, output_size=values.numel())
     torch._assert_async(
         ((values >= 0) & (values < limit)).all(),
-        "lightning_rec: an id is outside its feature's table (load_pt2 in Python names the feature and the id)",
+        "lightning_rec: an id is outside its feature's table or managed-collision id space (load_pt2 in Python "
+        "names the feature and the id)",
     )
     return values
 
 
 class ServingWrapper(nn.Module):
     """Plain tensors in, the network's output out: builds the ``KeyedJaggedTensor`` the network takes, after
-    :func:`check_inputs` when ``rows`` (the table rows of each feature) is given (:func:`assert_inputs` when
-    ``exported``: the graph ``torch.export`` captures for a ``.pt2`` package)."""
+    :func:`check_inputs` when ``rows`` (the ids each feature takes: its table's rows, or a managed-collision table's
+    ``input_hash_size``) is given (:func:`assert_inputs` when ``exported``: the graph ``torch.export`` captures for a
+    ``.pt2`` package). The raw ids of managed-collision features are remapped to rows inside the network; a
+    position-weighted feature takes no more ids a sample than its position weights cover."""
 
-    rows: Tensor  # a buffer
+    rows: Tensor  # buffers
+    max_lengths: Tensor
 
     def __init__(
         self, net: nn.Module, features: list[str], dense: bool, rows: list[int] | None = None, exported: bool = False
     ) -> None:
+        from lightning_rec.serving.network import position_limits, raw_id_features  # (network builds this wrapper)
+
         super().__init__()
         self.net = net
         self.features = features
         self.dense = dense
         self.check = rows is not None
         self.exported = exported
+        raw = raw_id_features(net)
+        self.raw_ids: list[bool] = [f in raw for f in features]  # for check_inputs' messages
+        limits = position_limits(net)
+        self.limited = bool(limits)
         self.register_buffer("rows", torch.tensor(rows or [], dtype=torch.long))
+        no_limit = torch.iinfo(torch.long).max
+        self.register_buffer("max_lengths", torch.tensor([limits.get(f, no_limit) for f in features], dtype=torch.long))
 
     def forward(self, dense_features: Tensor, values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> Tensor:
+        max_lengths = self.max_lengths if self.limited else None
         if self.check and self.exported:
-            values = assert_inputs(values, lengths, self.rows)
+            values = assert_inputs(values, lengths, self.rows, max_lengths)
         elif self.check:
-            values = check_inputs(values, lengths, self.features, self.rows)
+            values = check_inputs(values, lengths, self.features, self.rows, self.raw_ids, max_lengths)
         sparse = KeyedJaggedTensor(keys=self.features, values=values, lengths=lengths, weights=weights)
         if self.dense:
             return self.net(dense_features, sparse)

@@ -21,10 +21,13 @@ from lightning_rec.serving.network import (
     check_row_width,
     network_features,
     num_dense,
+    position_limits,
+    quantize,
+    raw_id_features,
     serving_network,
     takes_dense,
 )
-from lightning_rec.serving.pt2 import stack_versions, write_pt2
+from lightning_rec.serving.pt2 import check_compiler, stack_versions, write_pt2
 
 __all__ = ["Format", "TableDtype", "export_inference"]
 
@@ -104,8 +107,6 @@ def export_inference(
         spec.features           # ['user_id', 'history', ...]: the order of `lengths`
         export_inference("checkpoints/last.ckpt", "model_int8.pt2")     # a .pt2 package (format="pt2")
     """
-    from torchrec.inference.modules import quantize_inference_model
-
     from lightning_rec.checkpoint import _safe_io as safe_io
     from lightning_rec.checkpoint._export import load_module, with_pinned
 
@@ -117,6 +118,12 @@ def export_inference(
         raise ExportError(f"table_dtype must be one of {sorted(_DTYPES)}, got {table_dtype!r}.")
     if bounds_check not in _BOUNDS_CHECK:
         raise ExportError(f"bounds_check must be one of {list(_BOUNDS_CHECK)}, got {bounds_check!r}.")
+    if format == "pt2" and output.suffix != ".pt2":
+        raise ExportError(
+            f"{str(output)!r}: a .pt2 package's name must end in .pt2 (PyTorch's loaders refuse any other name)."
+        )
+    if format == "pt2":
+        check_compiler()  # before anything is loaded: minutes of work would end there
     path = Path(checkpoint)
     cls = _model_class(model_class, with_pinned(path, lambda pinned: safe_io.load_meta(pinned, weights_only)), path)
     module: nn.Module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
@@ -138,11 +145,13 @@ def export_inference(
         bounds_check=bounds_check,
         format=format,
         feature_rows=rows,
+        raw_id_features=sorted(raw_id_features(net)),
+        max_lengths=position_limits(net),
         versions=stack_versions(),
     )
     checked = rows if bounds_check == "error" else None
     serving = ServingWrapper(copy.deepcopy(net), features, dense, checked, exported=format == "pt2").eval()
-    quantized = quantize_inference_model(serving, quantization_dtype=_DTYPES[table_dtype])
+    quantized = quantize(serving, _DTYPES[table_dtype])
     for kernel in quantized.modules():
         if type(kernel).__name__ in KERNELS:  # TorchScript keeps the attribute in the artifact
             kernel.bounds_check_mode_int = _BOUNDS_CHECK[bounds_check].value

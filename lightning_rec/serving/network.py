@@ -8,8 +8,16 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection
+from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection, FeatureProcessorDictWrapper
+from torchrec.modules.mc_embedding_modules import (
+    BaseManagedCollisionEmbeddingCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 
-from lightning_rec._tables import embedding_modules, inner_collection
+from lightning_rec import _compat
+from lightning_rec._tables import embedding_modules, inner_collection, table_configs
 from lightning_rec.errors import ExportError
 from lightning_rec.serving.artifact import InferenceSpec, ServingWrapper, example_inputs
 
@@ -19,6 +27,9 @@ __all__ = [
     "check_row_width",
     "network_features",
     "num_dense",
+    "position_limits",
+    "quantize",
+    "raw_id_features",
     "serving_network",
     "takes_dense",
 ]
@@ -46,33 +57,100 @@ def serving_network(module: nn.Module, part: str | None) -> nn.Module:
             f"{name}.inference_module() returned {type(net).__name__}, which holds no EmbeddingBagCollection or "
             "EmbeddingCollection: there are no tables to serve."
         )
-    unserved = {path: type(sub).__name__ for path, sub in found.items() if inner_collection(sub) is not sub}
-    if unserved:
-        raise ExportError(
-            f"{name}: {', '.join(f'{t} ({p!r})' for p, t in unserved.items())} cannot be exported yet: the artifact "
-            "serves plain EmbeddingBagCollection/EmbeddingCollection tables, while a managed-collision module must "
-            "carry its collision state (TorchRec's QuantManagedCollision* modules) and a feature-processed one its "
-            "position weights. HINT: serve these with TorchRec's inference API (`quantize_inference_model` with "
-            "QuantManagedCollisionEmbeddingBagCollection in its mapping) from `load_from_checkpoint`'s module."
-        )
+    for path, sub in found.items():
+        if isinstance(sub, FeatureProcessedEmbeddingBagCollection) and isinstance(
+            sub.split()[0], FeatureProcessorDictWrapper
+        ):
+            raise ExportError(
+                f"{name}: FeatureProcessedEmbeddingBagCollection ({path!r}) takes its feature processors as a dict "
+                "(one FeatureProcessor a feature), which TorchRec's quantized module cannot call. HINT: build it with "
+                "a FeatureProcessorsCollection, e.g. `PositionWeightedModuleCollection(max_feature_lengths)`."
+            )
     return net
 
 
 def network_features(net: nn.Module) -> tuple[dict[str, int], bool, dict[str, list[int]]]:
-    """Every feature the network's table collections read (first-seen order) with its table's rows, whether any
-    pools with weights, and the tables' shapes."""
+    """Every feature the network's table collections read (first-seen order) with the ids it takes (its table's
+    rows; for a managed-collision table, the raw id space its collision module remaps: ``input_hash_size``), whether
+    any collection pools with weights the caller gives (a position-weighted one makes its own), and the tables'
+    ``[rows, columns]``."""
     features: dict[str, int] = {}
     tables: dict[str, list[int]] = {}
     weighted = False
-    for sub in embedding_modules(net).values():  # EmbeddingBagCollection or EmbeddingCollection
-        if isinstance(sub, EmbeddingBagCollection):
-            configs, weighted = sub.embedding_bag_configs(), weighted or bool(sub.is_weighted())
-        else:  # an EmbeddingCollection (TorchRec's classes are untyped: Any)
-            configs = cast(Any, sub).embedding_configs()
+    for sub in embedding_modules(net).values():
+        configs = table_configs(sub)
+        ids = {config.name: int(config.num_embeddings) for config in configs}
+        if isinstance(sub, BaseManagedCollisionEmbeddingCollection):  # raw ids, remapped into the table inside
+            ids = {table: int(mc.input_size()) for table, mc in _compat.managed_collision_parts(sub)[2].items()}
+        inner = inner_collection(sub)
+        if isinstance(inner, EmbeddingBagCollection) and not isinstance(sub, FeatureProcessedEmbeddingBagCollection):
+            weighted = weighted or bool(inner.is_weighted())  # (a feature processor computes the weights itself)
         for config in configs:
-            features.update(dict.fromkeys(config.feature_names, int(config.num_embeddings)))
+            features.update(dict.fromkeys(config.feature_names, ids[config.name]))
             tables[config.name] = [int(config.num_embeddings), int(config.embedding_dim)]
     return features, weighted, tables
+
+
+def raw_id_features(net: nn.Module) -> set[str]:
+    """The features of the network's managed-collision tables: raw ids, remapped to rows inside the artifact."""
+    found: set[str] = set()
+    for sub in embedding_modules(net).values():
+        if isinstance(sub, BaseManagedCollisionEmbeddingCollection):
+            found.update(f for config in table_configs(sub) for f in config.feature_names)
+    return found
+
+
+def position_limits(net: nn.Module) -> dict[str, int]:
+    """The position-weighted features of the network (``PositionWeightedModuleCollection``) with the longest list
+    of ids a sample may bring: its position weights' length (a longer one reads past them)."""
+    limits: dict[str, int] = {}
+    for sub in embedding_modules(net).values():
+        if isinstance(sub, FeatureProcessedEmbeddingBagCollection):
+            processors = sub.split()[0]
+            if isinstance(processors, PositionWeightedModuleCollection):
+                limits.update({f: int(n) for f, n in processors.max_feature_lengths.items()})
+    return limits
+
+
+def quantize(serving: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``serving`` with every table module swapped, in place, for TorchRec's quantized inference module holding its
+    tables as ``dtype``: ``EmbeddingBagCollection``/``EmbeddingCollection`` (TorchRec's default mapping), the
+    managed-collision ones (``QuantManagedCollisionEmbeddingBagCollection``/``...EmbeddingCollection``, which keep
+    the trained collision modules, their raw id -> row slots and all, and remap as in eval mode: a raw id no slot
+    holds reads the table's last row) and the position-weighted ``FeatureProcessedEmbeddingBagCollection`` (its
+    tables as ``dtype`` too; its feature processors, the position weights, stay fp32).
+
+    Example::
+
+        >>> from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+        >>> ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        ...     name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])])
+        >>> type(quantize(nn.Sequential(ebc), torch.qint8)[0]).__module__
+        'torchrec.quant.embedding_modules'
+    """
+    from torchrec.inference.modules import (
+        DEFAULT_QUANT_MAPPING,
+        quantize_inference_model,
+        trim_torch_package_prefix_from_typename,
+    )
+    from torchrec.quant.embedding_modules import (
+        QuantManagedCollisionEmbeddingBagCollection,
+        QuantManagedCollisionEmbeddingCollection,
+    )
+
+    mapping = {
+        **DEFAULT_QUANT_MAPPING,
+        **{
+            trim_torch_package_prefix_from_typename(torch.typename(float_type)): quant_type
+            for float_type, quant_type in (
+                (ManagedCollisionEmbeddingBagCollection, QuantManagedCollisionEmbeddingBagCollection),
+                (ManagedCollisionEmbeddingCollection, QuantManagedCollisionEmbeddingCollection),
+            )
+        },
+    }
+    return quantize_inference_model(
+        serving, quantization_mapping=mapping, fp_weight_dtype=dtype, quantization_dtype=dtype
+    )
 
 
 # FBGEMM packs a quantized row in 2-byte units (ncols x bits must be a multiple of 16).
@@ -197,6 +275,12 @@ def _dense_width(net: nn.Module, features: list[str], weighted: bool) -> int | N
                 args, _ = self.fetch_args_kwargs_from_env(n)
                 raise _WidthFound(width - args[0].shape[-1])
             return super().run_node(n)
+
+        def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # TorchRec's lazy caches append to list constants of the trace (a managed-collision module's feature
+            # order), which the interpreter hands over immutable: each call gets its own copy, as the traced code does
+            args = tuple(list(a) if isinstance(a, list) else a for a in args)
+            return super().call_function(target, args, kwargs)
 
     example = example_inputs(InferenceSpec(features, 0, weighted, "fp32", {}, ""))
     try:

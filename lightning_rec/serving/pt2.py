@@ -16,6 +16,7 @@ import functools
 import importlib.metadata
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -27,13 +28,16 @@ from torch import Tensor, nn
 from lightning_rec.errors import ExportError, ServingError
 from lightning_rec.serving.artifact import InferenceSpec, check_inputs
 
-__all__ = ["SPEC_RECORD", "Pt2Model", "load_pt2", "pt2_spec", "stack_versions", "write_pt2"]
+__all__ = ["SPEC_RECORD", "Pt2Model", "check_compiler", "load_pt2", "pt2_spec", "stack_versions", "write_pt2"]
 
 SPEC_RECORD = "extra/lightning_rec.json"  # a name under the archive's root folder, where PT2 keeps extra files
 
 # Which versions a package must be loaded under (a compiled .so calls into their exact ABIs), and which are recorded.
 _BINDING = ("torch", "fbgemm_gpu")
 _RECORDED = ("torch", "fbgemm_gpu", "torchrec", "lightning_rec")
+
+# The package's inputs: dense_features (when it reads them), values, lengths, weights (when weighted).
+_DTYPES = (torch.float32, torch.int64, torch.int32, torch.float32)
 
 # The compiled graph keeps the tables out of the .so, in one blob beside it (TorchRec's tables are large).
 _INDUCTOR_CONFIGS = {
@@ -52,15 +56,17 @@ def stack_versions() -> dict[str, str]:
         ['fbgemm_gpu', 'lightning_rec', 'torch', 'torchrec']
     """
     versions: dict[str, str] = {"torch": str(torch.__version__)}
-    for name, dist in (("fbgemm_gpu", "fbgemm-gpu-cpu"), ("fbgemm_gpu", "fbgemm-gpu"), ("torchrec", "torchrec")):
+    for name, dist in (
+        ("fbgemm_gpu", "fbgemm-gpu-cpu"),
+        ("fbgemm_gpu", "fbgemm-gpu"),
+        ("torchrec", "torchrec"),
+        ("lightning_rec", "lightning-rec"),
+    ):
         if name not in versions:
             try:
                 versions[name] = importlib.metadata.version(dist)
             except importlib.metadata.PackageNotFoundError:
                 pass
-    from lightning_rec import __version__
-
-    versions["lightning_rec"] = __version__
     return {k: versions[k] for k in _RECORDED if k in versions}
 
 
@@ -73,16 +79,9 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path) -> None:
         ExportError: no C++ compiler, a network ``torch.export`` cannot capture, or a package that does not give
             the eager model's outputs; nothing is written.
     """
-    from lightning_rec import _compat
-
-    compiler = _compat.cpp_compiler()
-    if isinstance(compiler, Exception):
-        raise ExportError(
-            f"--format pt2 compiles the package with a C++ compiler (AOTInductor), and none was found: {compiler}. "
-            "HINT: install one (Debian/Ubuntu: `apt install g++`; conda: `conda install -c conda-forge gxx`) or "
-            "point the CXX environment variable at it; or export --format inference (TorchScript), which needs none."
-        )
+    check_compiler()
     _register_fake_classes()
+    _plain_buffers(model)
     try:
         exported = torch.export.export(
             model, _arguments(spec, _trace_inputs(spec)), dynamic_shapes=_dynamic_shapes(spec), strict=False
@@ -99,13 +98,16 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path) -> None:
         configs = {**_INDUCTOR_CONFIGS, "aot_inductor.metadata": {"lightning_rec": json.dumps(asdict(spec))}}
         torch._inductor.aoti_compile_and_package(exported, package_path=str(compiled), inductor_configs=configs)
         output.parent.mkdir(parents=True, exist_ok=True)
-        partial = output.with_name(f".{output.stem}.partial.pt2")  # loaders want the .pt2 suffix
+        # Written beside the output (a rename is atomic within one file system) under the output's own name: the
+        # archive's root folder is named after the file.
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+        partial = staging / output.name
         try:
             _with_spec(compiled, partial, spec)
             _round_trip(partial, model, _check_batch(spec), spec)
             os.replace(partial, output)
         finally:
-            partial.unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def pt2_spec(path: str | Path) -> InferenceSpec:
@@ -140,13 +142,21 @@ class Pt2Model:
         self.spec = spec
         self.check = check and spec.bounds_check == "error" and spec.feature_rows is not None
         self._rows = torch.tensor(spec.feature_rows or [], dtype=torch.long)
+        self._raw_ids = [f in spec.raw_id_features for f in spec.features]
+        no_limit = torch.iinfo(torch.long).max
+        limits = [spec.max_lengths.get(f, no_limit) for f in spec.features]
+        self._max_lengths = torch.tensor(limits, dtype=torch.long) if spec.max_lengths else None
         self._runner = torch._inductor.aoti_load_package(str(path))
 
     def __call__(self, *args: Tensor | None) -> Tensor:
         if self.check:
             self._check(args)
+        # The compiled code reads each input as the dtype it was exported with and checks none (AOTInductor's
+        # input checks are off unless AOTI_RUNTIME_CHECK_INPUTS=1): int64 lengths would be read as int32 pairs.
+        dtypes = _DTYPES[1:] if not self.spec.num_dense_features else _DTYPES
+        inputs = [a.to(dtype) for a, dtype in zip((a for a in args if a is not None), dtypes)]
         with torch.inference_mode():
-            return self._runner(*(a for a in args if a is not None))
+            return self._runner(*inputs)
 
     def _check(self, args: tuple[Tensor | None, ...]) -> None:
         spec = self.spec
@@ -156,7 +166,7 @@ class Pt2Model:
             raise ValueError(f"the package takes ({first}values, lengths{', weights' if spec.weighted else ''}).")
         values, lengths = args[offset], args[offset + 1]
         assert values is not None and lengths is not None
-        check_inputs(values, lengths, spec.features, self._rows)
+        check_inputs(values, lengths, spec.features, self._rows, self._raw_ids, self._max_lengths)
         batch = lengths.numel() // len(spec.features)
         if offset:
             dense = args[0]
@@ -207,6 +217,30 @@ def _trace_inputs(spec: InferenceSpec) -> tuple[Tensor | None, ...]:
         lengths,
         torch.ones(n) if spec.weighted else None,
     )
+
+
+def check_compiler() -> None:
+    """Refuse (``ExportError``, naming what to install) when AOTInductor would find no C++ compiler."""
+    from lightning_rec import _compat
+
+    compiler = _compat.cpp_compiler()
+    if isinstance(compiler, Exception):
+        raise ExportError(
+            f"--format pt2 compiles the package with a C++ compiler (AOTInductor), and none was found: {compiler}. "
+            "HINT: install one (Debian/Ubuntu: `apt install g++`; conda: `conda install -c conda-forge gxx`) or "
+            "point the CXX environment variable at it; or export --format inference (TorchScript), which needs none."
+        )
+
+
+def _plain_buffers(model: nn.Module) -> None:
+    """Replace tensor-subclass buffers by the plain tensors they wrap: TorchRec keeps int4/int2 rows as
+    ``UInt4Tensor``/``UInt2Tensor`` views for its state dict (the kernels read their own packed copy), which
+    AOTInductor cannot clone (``aten.as_strided``)."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            inner = getattr(buffer, "elem", None)
+            if buffer is not None and type(buffer) is not torch.Tensor and isinstance(inner, torch.Tensor):
+                setattr(module, name, inner)
 
 
 @functools.cache

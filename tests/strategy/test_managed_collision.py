@@ -45,8 +45,7 @@ from torchrec.modules.mc_modules import (
 
 import lightning_rec
 from lightning_rec import RecShardStrategy
-from lightning_rec.errors import ExportError, InputError
-from lightning_rec.serving import export_inference
+from lightning_rec.errors import InputError
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.dist import run_ranks
 
@@ -324,10 +323,7 @@ def test_managed_collision_tables_train_as_torchrec_trains_them_and_every_rank_r
     loaded = ZchModel.load_from_checkpoint(tmp_path / "ckpt")
     assert all(_by_raw_id(saved).values())
     assert _by_raw_id(_assembled([{"state": _collision_state(loaded)}])) == _by_raw_id(saved)
-    # Serving: refused clearly, nothing written.
-    with pytest.raises(ExportError, match=r"ManagedCollisionEmbeddingBagCollection \('mc_ebc'\) cannot be exported"):
-        export_inference(tmp_path / "ckpt", tmp_path / "model.pt")
-    assert not list(tmp_path.glob("*model.pt*"))
+    # Serving the collision state (TorchScript and .pt2, 1 and 2 ranks): tests/test_serving_collisions.py.
 
 
 def test_on_one_rank_managed_collision_trains_like_the_unsharded_module(tmp_path):

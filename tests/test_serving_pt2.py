@@ -1,0 +1,303 @@
+"""Serving on ``torch.export`` + AOTInductor (``export_inference(..., format="pt2")``, ``lightning-rec export
+--format pt2``): every zoo model's package, loaded back with :func:`load_pt2`, gives the trained module's outputs to
+1e-6 with fp32 tables (``predict``'s probabilities for the CTR models), at the held-out batch and at other batch
+sizes; int8/int4 packages equal the TorchScript artifacts of the same dtype (which ``test_serving.py`` ties to the
+tables' signal) and stay within the same bounds; a user's script-style model exports from the shell; the package
+holds its spec and versions (checked at load), keeps its tables out of the compiled code, checks its inputs (named
+host-side, and in the graph itself), and nothing is written without a compiler or when the package does not match
+the eager model. The C++ loader is in ``test_serving_cpp.py``. Each package compiles in 7-30 s: they are shared."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.export.pt2_archive import PT2ArchiveReader, PT2ArchiveWriter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_rec._cli import run
+from lightning_rec.errors import ExportError, ServingError
+from lightning_rec.serving import (
+    export_inference,
+    load_inference,
+    load_pt2,
+    pt2_spec,
+    serving_inputs,
+)
+from lightning_rec.serving.pt2 import SPEC_RECORD, stack_versions
+from tests.helpers import zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
+from tests.test_serving import (
+    _BOUND,
+    _SIGNAL,
+    MODELS,
+    TutorialModel,
+    _eager,
+    _with_tables,
+    trained_checkpoint,
+    tutorial_batch,
+)
+
+# name -> (case, the module to build (default: the case's), the part it serves, training steps)
+ZOO: dict[str, Any] = {
+    "dlrm": (zoo_dlrm.CASE, MODELS["dlrm"][1], None, 4),
+    "dcnv2": (zoo_dlrm.CASE, MODELS["dcnv2"][1], None, 4),
+    "deepfm": (zoo_deepfm.CASE, MODELS["deepfm"][1], None, 4),
+    "query": (zoo_two_tower.CASE, None, "query", 2),
+    "candidate": (zoo_two_tower.CASE, None, "candidate", 2),
+    "sasrec": (zoo_sequential.CASE, None, None, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """name -> (checkpoint, the loaded module in eval mode), each trained once (the two towers share one)."""
+    cache: dict[Any, tuple[Path, Any]] = {}
+
+    def get(name: str) -> tuple[Path, Any]:
+        case, build, _, steps = ZOO[name]
+        key = (id(case), id(build))
+        if key not in cache:
+            module = (build or case.build)()
+            ckpt = trained_checkpoint(module, case.batches(steps), tmp_path_factory.mktemp(name) / "ckpt")
+            cache[key] = (ckpt, type(module).load_from_checkpoint(ckpt).eval())
+        return cache[key]
+
+    return get
+
+
+def _inputs(spec, name: str, batch: Any) -> tuple[torch.Tensor, ...]:
+    part = ZOO[name][2]
+    if name == "sasrec":
+        return serving_inputs(spec, batch["features"])
+    if part is not None:
+        return serving_inputs(spec, batch[part])
+    return serving_inputs(spec, batch.sparse_features, batch.dense_features)
+
+
+def _expected(module: Any, name: str, batch: Any) -> torch.Tensor:
+    """What training's module gives: ``predict_step``'s probabilities (CTR), else its serving network eagerly."""
+    with torch.no_grad():
+        if ZOO[name][0] in (zoo_dlrm.CASE, zoo_deepfm.CASE):
+            return module.predict_step(batch, 0)["probability"]
+        if name == "sasrec":
+            return module.inference_module()(batch["features"])
+        return _eager(module, batch, ZOO[name][2])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_every_zoo_model_serves_from_a_pt2_package_like_training(tmp_path, trained, name):
+    """fp32 tables: the package's outputs on real held-out samples equal the trained module's to 1e-6, at the
+    held-out batch and at batch sizes 1 and 64 (its batch dimension is dynamic); the spec in the zip is what export
+    returned, with the versions that wrote it."""
+    ckpt, module = trained(name)
+    case, _, part, _ = ZOO[name]
+    spec = export_inference(ckpt, tmp_path / f"{name}.pt2", table_dtype="fp32", part=part)
+    assert spec.format == "pt2" and pt2_spec(tmp_path / f"{name}.pt2") == spec
+    assert spec.versions == stack_versions()
+    model = load_pt2(tmp_path / f"{name}.pt2")
+    heldout = case.heldout()
+    got, want = model(*_inputs(spec, name, heldout)), _expected(module, name, heldout)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+    for rows in (1, 64):  # other batch sizes: the eager serving network on the same plain tensors
+        args = _synthetic(spec, rows, seed=rows)
+        with torch.no_grad():
+            eager = _eager_on_tensors(module.inference_module(part), spec, args)
+        got = model(*args)
+        assert got.shape[0] == rows and torch.allclose(got, eager, rtol=0, atol=1e-6), (got - eager).abs().max()
+
+
+def _synthetic(spec, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """``rows`` samples of 0-3 ids per feature over each feature's whole table, as the package takes them."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(spec.features) * rows,), generator=g, dtype=torch.int32)
+    limit = torch.tensor(spec.feature_rows).repeat_interleave(rows).repeat_interleave(lengths.long())
+    values = (torch.rand(int(lengths.sum()), generator=g) * limit).long()
+    dense = (torch.randn(rows, spec.num_dense_features, generator=g),) if spec.num_dense_features else ()
+    weights = (torch.rand(values.numel(), generator=g),) if spec.weighted else ()
+    return (*dense, values, lengths, *weights)
+
+
+def _eager_on_tensors(net: torch.nn.Module, spec, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    dense, (values, lengths, *weights) = args[: bool(spec.num_dense_features)], args[bool(spec.num_dense_features) :]
+    kjt = KeyedJaggedTensor(keys=spec.features, values=values, lengths=lengths, weights=(weights or [None])[0])
+    return net(*dense, kjt)
+
+
+@pytest.mark.dist
+def test_quantized_packages_equal_the_torchscript_artifacts_and_keep_the_tables_signal(tmp_path, trained):
+    """int8 and int4 tables: the package gives the TorchScript artifact's outputs (the same FBGEMM kernels, to
+    1e-6), and stays within ``test_serving``'s bound relative to what the tables contribute."""
+    ckpt, module = trained("dlrm")
+    heldout = zoo_dlrm.CASE.heldout()
+    want = _expected(module, "dlrm", heldout)
+    references = {fill: _eager(_with_tables(module, fill), heldout, None) for fill in ("zeros", "shuffled")}
+    for dtype in ("int8", "int4"):
+        spec = export_inference(ckpt, tmp_path / f"m_{dtype}.pt2", table_dtype=dtype)
+        export_inference(ckpt, tmp_path / f"m_{dtype}.pt", table_dtype=dtype)
+        args = _inputs(spec, "dlrm", heldout)
+        got = load_pt2(tmp_path / f"m_{dtype}.pt2")(*args)
+        with torch.no_grad():
+            scripted = load_inference(tmp_path / f"m_{dtype}.pt")(*args)
+        assert torch.allclose(got, scripted, rtol=0, atol=1e-6), (dtype, (got - scripted).abs().max())
+        assert not torch.equal(got, want), "quantized tables should not be the float rows"
+        error = (got - want).abs()
+        for fill, reference in references.items():
+            signal = (reference - want).abs()
+            assert signal.mean() >= _SIGNAL
+            ratio = max(float(error.max() / signal.max()), float(error.mean() / signal.mean()))
+            assert ratio <= _BOUND[dtype], (dtype, fill, ratio)
+
+
+@pytest.fixture(scope="module")
+def tutorial(tmp_path_factory):
+    """A tutorial-style user model (tables built on CPU with their own weights, dict batches, its own forward)
+    trained for 2 steps, exported with fp32 tables through ``lightning-rec export --format pt2``."""
+    work = tmp_path_factory.mktemp("tutorial")
+    ckpt = trained_checkpoint(TutorialModel(), [tutorial_batch(i) for i in range(2)], work / "ckpt")
+    run(["export", str(ckpt), str(work / "model.pt2"), "--format", "pt2", "--table-dtype", "fp32"])
+    return ckpt, work / "model.pt2"
+
+
+@pytest.mark.dist
+def test_a_users_model_exports_from_the_shell_and_keeps_its_tables_out_of_the_compiled_code(tutorial):
+    """The CLI's package predicts what the checkpoint's model does (its dense width read through
+    ``cat([relu(bottom(dense)), kt.values()])``, a table shared by two features); the tables' rows are in the
+    package's weights blob, not in the compiled ``.so``."""
+    ckpt, package = tutorial
+    model = load_pt2(package)
+    assert model.spec.num_dense_features == 3 and model.spec.features == ["user", "item", "seen"]
+    trained = TutorialModel.load_from_checkpoint(ckpt).eval()
+    batch = tutorial_batch(42)
+    with torch.no_grad():
+        want = trained(batch["dense"], batch["sparse"])
+    got = model(*serving_inputs(model.spec, batch["sparse"], batch["dense"]))
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+    reader = PT2ArchiveReader(str(package))
+    names = reader.get_file_names()
+    table = trained.ebc.embedding_bags["t_item"].weight.detach().contiguous().numpy().tobytes()
+    blobs = [n for n in names if n.endswith(".blob")]
+    sos = [n for n in names if n.endswith(".so")]
+    assert blobs and sos
+    assert any(table in reader.read_bytes(n) for n in blobs), "the table's rows are not in the weights blob"
+    assert not any(table in reader.read_bytes(n) for n in sos), "the table's rows are compiled into the .so"
+
+
+def _rewritten(package: Path, target: Path, edit) -> Path:
+    """A copy of ``package`` whose spec record is ``edit(spec_dict)``."""
+    reader = PT2ArchiveReader(str(package))
+    writer = PT2ArchiveWriter(str(target))
+    for name in reader.get_file_names():
+        data = reader.read_bytes(name)
+        if name == SPEC_RECORD:
+            data = json.dumps(edit(json.loads(data))).encode()
+        if not writer.has_record(name):
+            writer.write_bytes(name, data)
+    writer.close()
+    return target
+
+
+@pytest.mark.dist
+def test_a_package_loads_only_under_the_versions_that_compiled_it(tmp_path, tutorial):
+    """A package whose recorded torch (or FBGEMM) differs from this process's is refused before anything loads,
+    naming both versions; a file that is not a package is named as such."""
+    _, package = tutorial
+
+    def other_torch(spec):
+        spec["versions"]["torch"] = "2.12.0+cpu"
+        return spec
+
+    def other_fbgemm(spec):
+        spec["versions"]["fbgemm_gpu"] = "1.7.0"
+        return spec
+
+    with pytest.raises(ServingError, match=r"compiled under torch 2\.12\.0\+cpu and this process has torch 2\.13"):
+        load_pt2(_rewritten(package, tmp_path / "old_torch.pt2", other_torch))
+    with pytest.raises(ServingError, match=r"fbgemm_gpu 1\.7\.0 and this process has fbgemm_gpu"):
+        load_pt2(_rewritten(package, tmp_path / "old_fbgemm.pt2", other_fbgemm))
+    (tmp_path / "junk.pt2").write_bytes(b"not a zip")
+    with pytest.raises(ServingError, match="is not a .pt2 package"):
+        load_pt2(tmp_path / "junk.pt2")
+    assert load_pt2(_rewritten(package, tmp_path / "same.pt2", lambda spec: spec)).spec == pt2_spec(package)
+
+
+@pytest.mark.dist
+def test_the_package_checks_its_inputs_host_side_by_name_and_in_the_graph(tutorial):
+    """``load_pt2`` names the feature, the id and the table's rows (as the TorchScript artifact does); with its host
+    check off, the package's own in-graph checks still refuse the same inputs (fixed text: the graph cannot know
+    the feature)."""
+    _, package = tutorial
+    checked, unchecked = load_pt2(package), load_pt2(package, check_inputs=False)
+    dense, lengths = torch.zeros(1, 3), torch.tensor([1, 1, 1], dtype=torch.int32)
+    good = torch.tensor([29, 0, 49])
+    assert torch.equal(checked(dense, good, lengths), unchecked(dense, good, lengths))
+    cases = [
+        (torch.tensor([30, 0, 0]), lengths, r"feature 'user': id 30 is outside its table of 30 rows", "outside"),
+        (torch.tensor([0, 0, -1]), lengths, r"feature 'seen': id -1 is outside its table of 50 rows", "outside"),
+        (good, torch.tensor([1, 2, 1], dtype=torch.int32), r"lengths add up to 4 ids, but values holds 3", "add up"),
+        (good, torch.tensor([2, -1, 2], dtype=torch.int32), r"lengths holds a negative length", "negative"),
+    ]
+    for values, lens, named, graph in cases:
+        with pytest.raises(ValueError, match=named):
+            checked(dense, values, lens)
+        with pytest.raises(RuntimeError, match=graph):
+            unchecked(dense, values, lens)
+    with pytest.raises(ValueError, match=r"lengths has 4 entries; the artifact reads 3 features"):
+        checked(dense, good, torch.tensor([1, 1, 1, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"dense_features has shape \(2, 3\); .* expects \(1, 3\)"):
+        checked(torch.zeros(2, 3), good, lengths)
+
+
+def test_without_a_compiler_pt2_export_names_what_to_install_and_writes_nothing(tmp_path):
+    """No C++ compiler: refused before the checkpoint is read, naming what to install; the output is untouched."""
+    (tmp_path / "model.pt2").write_bytes(b"the user's file")
+    no_compiler = torch._inductor.config.patch({"cpp.cxx": (None, str(tmp_path / "no-such-g++"))})
+    with no_compiler, pytest.raises(ExportError, match=r"C\+\+ compiler .*none was found.*apt install g\+\+"):
+        export_inference(tmp_path / "no-checkpoint-needed", tmp_path / "model.pt2")
+    assert (tmp_path / "model.pt2").read_bytes() == b"the user's file"
+    with pytest.raises(ExportError, match=r"must end in \.pt2"):
+        export_inference(tmp_path / "no-checkpoint-needed", tmp_path / "model.pt", format="pt2")
+
+
+@pytest.mark.dist
+def test_a_package_that_does_not_match_the_eager_model_is_not_written(tmp_path, tutorial, monkeypatch):
+    """The round-trip check (load the package back, compare with eager) guards the rename: a package whose outputs
+    differ raises ``ExportError`` and the file already there is kept, with no partial file left."""
+    ckpt, _ = tutorial
+    loader = torch._inductor.aoti_load_package
+
+    def off_by_one(path, *args, **kwargs):
+        runner = loader(path, *args, **kwargs)
+        return lambda *inputs: runner(*inputs) + 1
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", off_by_one)
+    shutil.copy(tutorial[1], tmp_path / "model.pt2")
+    before = (tmp_path / "model.pt2").read_bytes()
+    with pytest.raises(ExportError, match="does not give the eager model's outputs"):
+        export_inference(ckpt, tmp_path / "model.pt2", table_dtype="fp32")
+    assert (tmp_path / "model.pt2").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt2"]
+
+
+class BranchingModel(TutorialModel):
+    """A forward that branches on a tensor value: it trains, but no graph can be captured from it."""
+
+    def forward(self, dense, kjt):
+        out = super().forward(dense, kjt)
+        if out.sum() > 0:  # data-dependent Python control flow
+            return out
+        return -out
+
+
+@pytest.mark.dist
+def test_a_model_export_cannot_capture_is_named_and_nothing_is_written(tmp_path):
+    """``torch.export`` refuses a forward that branches on tensor values: ``ExportError`` names the model, the
+    construct and the way out, and no file appears."""
+    ckpt = trained_checkpoint(BranchingModel(), [tutorial_batch(i) for i in range(2)], tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=r"BranchingModel cannot be captured by torch\.export: .*\.item\(\)"):
+        export_inference(ckpt, tmp_path / "model.pt2", table_dtype="fp32", num_dense_features=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
