@@ -30,7 +30,7 @@ from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.errors import ExportError
 from lightning_rec.models import DLRMModule
 from lightning_rec.models.base import CTRModule
-from lightning_rec.serving import export_inference, inference_spec, load_inference, serving_inputs
+from lightning_rec.serving import export_inference, inference_spec, load_inference, load_pt2, serving_inputs
 from lightning_rec.testing import QUIET_TRAINER, shell_env
 from tests.helpers import user_scenarios, zoo_deepfm, zoo_dlrm, zoo_two_tower
 from tests.helpers.dist import run_ranks
@@ -220,6 +220,13 @@ def test_a_tutorial_style_model_serves_its_own_forward(tmp_path):
         want = loaded(batch["dense"], batch["sparse"])
     (got,) = serve_fresh([(tmp_path / "model.pt", [serving_inputs(spec, batch["sparse"], batch["dense"])])], tmp_path)
     assert torch.equal(got, want), (got - want).abs().max()
+    # The same from a .pt2 package (torch.export + AOTInductor): to 1e-6.
+    cli[3:6] = ["model.pt2", "--format", "pt2"]
+    out = subprocess.run([*cli, "--model-class", "train.Model"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    package = load_pt2(tmp_path / "model.pt2")
+    got = package(*serving_inputs(package.spec, batch["sparse"], batch["dense"]))
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
 
 
 # ---- a user's model, trained sharded on 2 ranks, against plain PyTorch ------------------------------------------
@@ -348,7 +355,7 @@ def test_a_script_trained_model_exports_from_the_shell(tmp_path):
     """``python train.py`` (its model in ``__main__``, Trainer(devices=2), ModelCheckpoint), then ``lightning-rec
     export``: without ``--model-class`` a one-line error says how to name the class (no traceback, nothing written);
     with ``--model-class train.Model`` from the script's folder the artifact predicts what the checkpoint's model
-    does, its dense width read through ``torch.cat([kt.values(), dense])``."""
+    does, its dense width read through ``torch.cat([kt.values(), dense])``; so does its ``--format pt2`` package."""
     (tmp_path / "train.py").write_text(_SCRIPT)
     env = shell_env()
     out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=env)
@@ -372,6 +379,13 @@ def test_a_script_trained_model_exports_from_the_shell(tmp_path):
     spec = inference_spec(tmp_path / "model.pt")
     (got,) = serve_fresh([(tmp_path / "model.pt", [serving_inputs(spec, batch["sparse"], batch["dense"])])], tmp_path)
     assert torch.equal(got, want), (got - want).abs().max()
+    # The same from a .pt2 package (torch.export + AOTInductor): to 1e-6.
+    cli[3:6] = ["model.pt2", "--format", "pt2"]
+    out = subprocess.run([*cli, "--model-class", "train.Model"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    package = load_pt2(tmp_path / "model.pt2")
+    got = package(*serving_inputs(package.spec, batch["sparse"], batch["dense"]))
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
 
 
 def test_the_artifact_refuses_ids_outside_their_tables_and_malformed_lengths(tmp_path):
