@@ -26,6 +26,10 @@ from lightning.fabric.utilities.distributed import (  # noqa: F401
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group  # noqa: F401
+
+# Lightning's fork launcher (`ddp_notebook`'s), what an interactive session can start ranks with, and whether this
+# is one (Lightning's own test, which refuses any other launcher there).
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE  # noqa: F401
 from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
 
 # Lightning: turns `configure_optimizers()` output into optimizers + LRSchedulerConfigs (all return forms,
@@ -40,6 +44,10 @@ from lightning.pytorch.core.optimizer import (
 
 # Lightning's accelerator connector hands string strategies to this registry.
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: F401
+from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: F401
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
 
 # Lightning: the `popen` launcher that re-runs the user's script once per local rank (what `ddp` uses).
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher  # noqa: F401

@@ -64,6 +64,7 @@ from lightning_rec._strategy.lifecycle import (
     start_process_group,
     transfer_batch,
 )
+from lightning_rec._strategy.notebook import NotebookLauncher
 from lightning_rec._strategy.optim import RecOptimizer
 from lightning_rec._strategy.pipeline import SparseDistPipeline, check_pipelinable
 from lightning_rec._strategy.plan_report import PlanReport, write_for_trainer
@@ -333,10 +334,12 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _compat._SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if _compat.IS_INTERACTIVE:  # a notebook: fork the ranks (`ddp_notebook`), the weights come back whole
+            self._launcher = NotebookLauncher(self)
+            return
+        self._launcher = _compat._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
