@@ -415,6 +415,9 @@ class CriteoDataModule(RecDataModule):
         self.files = {"train": train, "val": val, "test": test, "predict": predict if predict is not None else test}
         self.layout = layout
         self.sizes = _table_sizes(num_embeddings)
+        for name, patterns in self.files.items():  # a missing file is named here, before any rank starts
+            if patterns:
+                _resolve(patterns, layout, name)
 
     @property
     def sparse_features(self) -> list[SparseFeature]:

@@ -247,15 +247,16 @@ def test_errors_name_the_file_and_line(tmp_path: Path) -> None:
 
 
 def test_missing_inputs_and_bad_config(tmp_path: Path) -> None:
+    """Missing inputs are named when the DataModule is built (in the main process, before any rank starts)."""
     with pytest.raises(FileNotFoundError, match=r"train input '.*nope\.txt' does not exist; expected a Criteo TSV"):
-        CriteoDataModule(train=[str(tmp_path / "nope.txt")]).train_dataloader()
+        CriteoDataModule(train=[str(tmp_path / "nope.txt")])
     with pytest.raises(FileNotFoundError, match=r"val pattern '.*day_\*\.gz' matches no file"):
-        CriteoDataModule(val=[str(tmp_path / "day_*.gz")]).val_dataloader()
+        CriteoDataModule(val=[str(tmp_path / "day_*.gz")])
     write_criteo_tsv(tmp_path / "d.txt", 20)
     tsv_to_npy(tmp_path / "d.txt", tmp_path / "day_0")
     (tmp_path / "day_0_sparse.npy").unlink()
     with pytest.raises(FileNotFoundError, match=r"day_0_sparse\.npy' does not exist; expected the \.npy set"):
-        CriteoDataModule(test=[str(tmp_path / "day_0")]).test_dataloader()
+        CriteoDataModule(test=[str(tmp_path / "day_0")])
     np.save(tmp_path / "day_0_sparse.npy", np.zeros((20, 25), dtype=np.int64))
     with pytest.raises(ValueError, match=r"day_0_\*\.npy have shapes .*\(20, 25\)"):
         CriteoNpyDataset([tmp_path / "day_0"])
