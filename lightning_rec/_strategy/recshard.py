@@ -35,7 +35,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
@@ -190,6 +190,7 @@ class RecShardStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        _refuse_checkpoint_io(checkpoint_io, type(self).__name__)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -260,6 +261,16 @@ class RecShardStrategy(ParallelStrategy):
                 "accelerator. Either explicitly set `accelerator='cpu'` or change the strategy."
             )
         self._accelerator = accelerator
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:  # Trainer(plugins=[SomeCheckpointIO()]) lands here
+        _refuse_checkpoint_io(io, type(self).__name__)
+        self._checkpoint_io = io
 
     @property
     def num_processes(self) -> int:
@@ -588,7 +599,10 @@ class RecShardStrategy(ParallelStrategy):
         """Write ``checkpoint`` as a sharded checkpoint directory at ``filepath`` (every rank writes its own shards;
         see :mod:`lightning_rec.checkpoint`)."""
         if storage_options is not None:
-            raise TypeError(f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported.")
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
+                f" `{type(self).__name__}` does not use the `CheckpointIO`."
+            )
         self._input_checks.poll()  # never write weights that a non-finite loss has reached
         path = Path(self.broadcast(str(filepath)))
         module = self._attached_module
@@ -634,3 +648,15 @@ class RecShardStrategy(ParallelStrategy):
         if trainer is None:
             return ""
         return describe_position(trainer, ahead, transferring=self._steps.transferring, batch=batch)
+
+
+def _refuse_checkpoint_io(io: CheckpointIO | None, owner: str) -> None:
+    """A ``CheckpointIO`` other than Lightning's default is refused, in Lightning's words for its strategies that
+    write distributed checkpoints themselves: recshard writes sharded checkpoint directories with
+    ``torch.distributed.checkpoint`` (:mod:`lightning_rec.checkpoint`), so a given one would be silently ignored."""
+    if io is not None and type(io) is not TorchCheckpointIO:
+        raise ValueError(
+            f"`{owner}` does not use the `CheckpointIO`: it writes sharded checkpoint directories itself "
+            f"(torch.distributed.checkpoint), so `{type(io).__name__}` would be ignored. HINT: leave the "
+            "checkpoint_io argument and CheckpointIO plugins out."
+        )

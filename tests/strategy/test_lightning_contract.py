@@ -125,3 +125,19 @@ def test_mps_is_refused_when_the_trainer_is_built_with_lightnings_words(monkeypa
     with pytest.raises(ValueError, match=words):
         L.Trainer(strategy="recshard", accelerator=accelerator, devices=1)
     L.Trainer(strategy="recshard", accelerator="cpu", devices=1, logger=False)  # CPU is still fine
+
+
+def test_a_checkpoint_io_is_refused_in_lightnings_words_not_ignored():
+    """recshard writes sharded checkpoint directories itself: a ``CheckpointIO`` (the argument or a plugin) would
+    be silently ignored, so it is refused, as Lightning's FSDP and ModelParallel strategies say."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    words = r"`RecShardStrategy` does not use the `CheckpointIO`"
+    with pytest.raises(ValueError, match=words + r".*`AsyncCheckpointIO` would be ignored"):
+        RecShardStrategy(checkpoint_io=AsyncCheckpointIO())
+    with pytest.raises(ValueError, match=words):
+        L.Trainer(strategy="recshard", accelerator="cpu", devices=1, plugins=[AsyncCheckpointIO()], logger=False)
+    with pytest.raises(TypeError, match=r"storage_options=...\)` is not supported because `RecShardStrategy` does"):
+        RecShardStrategy().save_checkpoint({}, "unused", storage_options={})
+    trainer = L.Trainer(strategy=RecShardStrategy(checkpoint_io=TorchCheckpointIO()), accelerator="cpu", logger=False)
+    assert isinstance(trainer.strategy.checkpoint_io, TorchCheckpointIO)  # Lightning's default is fine
