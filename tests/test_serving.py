@@ -220,13 +220,6 @@ def test_a_tutorial_style_model_serves_its_own_forward(tmp_path):
         want = loaded(batch["dense"], batch["sparse"])
     (got,) = serve_fresh([(tmp_path / "model.pt", [serving_inputs(spec, batch["sparse"], batch["dense"])])], tmp_path)
     assert torch.equal(got, want), (got - want).abs().max()
-    # The same from a .pt2 package (torch.export + AOTInductor): to 1e-6.
-    cli[3:6] = ["model.pt2", "--format", "pt2"]
-    out = subprocess.run([*cli, "--model-class", "train.Model"], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    package = load_pt2(tmp_path / "model.pt2")
-    got = package(*serving_inputs(package.spec, batch["sparse"], batch["dense"]))
-    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
 
 
 # ---- a user's model, trained sharded on 2 ranks, against plain PyTorch ------------------------------------------
