@@ -16,6 +16,10 @@ makes the sharding plan of a config for a cluster of any size on this machine (t
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt --format inference
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt2 --format pt2
 
+``--config`` takes a YAML file or the name of a config shipped in the package (``lightning_rec/configs``; the
+repository's ``examples/configs`` links there): ``lightning-rec fit --config deepfm`` runs ``movielens_deepfm.yaml``
+from any directory.
+
 DataModules publish ``sparse_features`` and ``num_dense_features``; they are linked into the model's
 arguments of the same names, so a model config never repeats table sizes. By default, metrics go to a CSV
 log under ``trainer.default_root_dir`` and the progress bar shows samples/s.
@@ -28,6 +32,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +44,7 @@ import lightning_rec  # noqa: F401  (registers the "recshard" strategy)
 from lightning_rec._cli_errors import OneLineErrors, one_line
 from lightning_rec.callbacks import Throughput
 
-__all__ = ["RecCLI", "main", "run"]
+__all__ = ["RecCLI", "main", "run", "shipped_config"]
 
 
 class RecCLI(LightningCLI):
@@ -341,6 +346,59 @@ _OTHER_COMMANDS = (
 )
 
 
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"  # package data; examples/configs in the repository links here
+
+
+def shipped_config(name: str) -> Path | None:
+    """The shipped config a bare ``--config`` name means: its file name without ``.yaml`` (``movielens_deepfm``) or,
+    when only one file ends so, the part after the dataset (``deepfm``); ``None`` when no shipped config is called so.
+
+    Raises:
+        ValueError: ``name`` is the end of several shipped configs' names (``dlrm``).
+
+    Example::
+
+        >>> shipped_config("deepfm").name
+        'movielens_deepfm.yaml'
+    """
+    files = sorted(SHIPPED_CONFIGS.glob("*.yaml"))
+    exact = [f for f in files if f.stem == name]
+    ends = exact or [f for f in files if f.stem.endswith(f"_{name}")]
+    if len(ends) > 1:
+        raise ValueError(f"{name!r} is the end of several shipped configs: {', '.join(f.stem for f in ends)}")
+    return ends[0] if ends else None
+
+
+def _shipped_config_paths(argv: list[str]) -> list[str]:
+    """``--config NAME`` (also ``-c NAME``, ``--config=NAME``) with the path of the shipped config ``NAME`` names, so
+    ``lightning-rec fit --config deepfm`` runs from any directory. A file of that name here wins; a value with a
+    folder or a suffix is a path, left to LightningCLI; a bare name that is neither a file nor a shipped config exits
+    2 with the shipped names."""
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            at, value, prefix = i + 1, argv[i + 1], ""
+        elif arg.startswith("--config="):
+            at, value, prefix = i, arg.partition("=")[2], "--config="
+        else:
+            continue
+        if os.path.exists(value) or os.sep in value or "/" in value or Path(value).suffix:
+            continue
+        try:
+            found = shipped_config(value)
+        except ValueError as err:  # the end of several names: they are the choices
+            sys.stderr.write(f"lightning-rec: error: --config {err}\n")
+            raise SystemExit(2) from None
+        if found is None:
+            names = ", ".join(sorted(f.stem for f in SHIPPED_CONFIGS.glob("*.yaml")))
+            sys.stderr.write(
+                f"lightning-rec: error: --config {value!r} is neither a file nor a shipped config: {names}\n"
+            )
+            raise SystemExit(2)
+        out[at] = f"{prefix}{found}"
+    return out
+
+
 def _strategy_class_for_init_args(argv: list[str]) -> list[str]:
     """``--trainer.strategy.init_args.X=...`` on a config that says ``strategy: recshard`` (a name, which takes no
     arguments): name the class first, ``--trainer.strategy={"class_path": "lightning_rec.RecShardStrategy"}``, so the
@@ -361,10 +419,14 @@ def run(args: list[str] | None = None) -> RecCLI | None:
 
     Example::
 
-        cli = run(["fit", "--config", "examples/configs/synthetic_dlrm.yaml", "--trainer.max_steps=5"])
+        cli = run(["fit", "--config", "synthetic_dlrm", "--trainer.max_steps=5"])  # a shipped config, by name
         cli.trainer.callback_metrics["val/auroc"]
     """
     argv = sys.argv[1:] if args is None else args
+    if argv[:1] not in (["prepare"], ["export"]):
+        named = _shipped_config_paths(argv)
+        if named != argv:  # LightningCLI reads sys.argv when args is None: hand it the rewritten line instead
+            argv = args = named
     if argv[:1] == ["prepare"]:
         _prepare(argv[1:])
         return None
@@ -390,7 +452,8 @@ def run(args: list[str] | None = None) -> RecCLI | None:
 
 
 def main() -> None:
-    """The ``lightning-rec`` console script (arguments from ``sys.argv``)."""
+    """Every ``lightning-rec`` command but the top-level ``--help``, which ``_lightning_rec_cli.main`` (the console
+    script) answers without importing this package (arguments from ``sys.argv``)."""
     run()
 
 

@@ -3,11 +3,12 @@
 # its pinned CPU stack and the test tools (pytest, hypothesis, tensorboard for Lightning's TensorBoardLogger:
 # all in pyproject's `test` extra, pinned where requirements/constraints-cpu.txt pins them).
 #
-# Why not a plain `pip install -e .`: torchrec's metadata requires the CUDA `fbgemm-gpu` package,
-# which cannot load on a CPU-only machine (libtorch_cuda.so is missing), and a bare `torch`
-# requirement makes pip pull a multi-GB CUDA build. So torch is pinned through a constraints file,
-# torchrec is installed without its declared dependencies, and its real dependencies are installed
-# explicitly with the CPU build of FBGEMM (`fbgemm-gpu-cpu`).
+# Why not a plain `pip install -e .`: from PyPI alone, torchrec's and pyproject's `fbgemm-gpu` is the CUDA build,
+# which cannot load on a CPU-only machine (libtorch_cuda.so is missing), and `torch` is a multi-GB CUDA build.
+# Users get the CPU builds from the PyTorch CPU index (README "Install"); this machine reaches PyPI only. So torch is
+# pinned through a constraints file (its CPU wheel), torchrec is installed without its declared dependencies, its real
+# dependencies are installed explicitly with PyPI's CPU build of FBGEMM (`fbgemm-gpu-cpu`), and this project is
+# installed with --no-deps after the rest of pyproject's requirements.
 #
 # GPU machines: set LIGHTNING_REC_FBGEMM=fbgemm-gpu (and a CUDA build of torch) to install the
 # matching CUDA FBGEMM instead; see README "GPU set-up".
@@ -27,7 +28,23 @@ FIND=()
 
 "${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" torch
 "${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" -r requirements/torchrec-deps.txt "$FBGEMM"
-"${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" -e ".[test]"
+# pyproject's requirements and its test extra, less torchrec and fbgemm-gpu (above and below): as requirements, they
+# would bring the CUDA fbgemm-gpu and torchrec's torchmetrics==1.0.3 pin. Then the project itself, editable.
+REQS=$(mktemp)
+trap 'rm -f "$REQS"' EXIT
+.venv/bin/python - >"$REQS" <<'PY'
+import re
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for requirement in project["dependencies"] + project["optional-dependencies"]["test"]:
+    if not re.match(r"(torchrec|fbgemm-gpu)\b", requirement):
+        print(requirement)
+PY
+"${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" -r "$REQS"
+"${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" --no-deps -e .
 # Last, so that pip's resolver does not report torchrec's undeclarable CUDA requirement as a conflict.
 "${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" --no-deps torchrec
 # If anything above pulled the CUDA fbgemm-gpu (it shares the fbgemm_gpu import package with the CPU
