@@ -3,6 +3,7 @@ schema; and what they share."""
 
 from lightning_rec.config import SparseFeature
 from lightning_rec.data._movielens_files import export_parquet, prepare_movielens
+from lightning_rec.data._tabular_split import SplitRule
 from lightning_rec.data.base import (
     DistributedBatchSampler,
     Jagged,
@@ -17,7 +18,7 @@ from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule,
 from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule, SequenceSplits, sequence_splits
 from lightning_rec.data.schema import DataError, DenseColumn, LabelColumn, Schema, SparseColumn
 from lightning_rec.data.synthetic import SyntheticDataModule, SyntheticTable, make_synthetic_dataset
-from lightning_rec.data.tabular import SplitRule, TabularDataModule
+from lightning_rec.data.tabular import TabularDataModule
 
 __all__ = [
     "CriteoDataModule",

@@ -6,8 +6,9 @@ decoded columns to a :class:`~lightning_rec.data.base.RecDataset` (:class:`Mappe
 from __future__ import annotations
 
 import glob
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,21 +62,60 @@ class Part:
     first_line: int | None  # CSV: the line of the first row (1-based), for messages
 
 
-def read_table(
-    path: str, columns: Sequence[str], csv_columns: Sequence[str] | None = None, delimiter: str | None = None
-) -> list[Part]:
-    """The ``columns`` of file ``path``: Parquet one part per row group, CSV one part.
+def csv_convert(null_values: Sequence[str]) -> Any:
+    """The CSV conversion options: exactly ``null_values`` are nulls (in every column, text ones too), not
+    pyarrow's default list of guessed tokens (``n/a``, ``NULL``, ``nan``, ...)."""
+    return _pa().csv.ConvertOptions(null_values=list(null_values), strings_can_be_null=True)
+
+
+def not_empty(path: str) -> None:
+    """Refuse a 0-byte file by name (pyarrow's own message names no file).
 
     Raises:
-        DataError: naming the file and the columns it lacks.
+        DataError: naming the file.
+    """
+    if os.path.getsize(path) == 0:
+        kind = "Parquet file" if path.endswith(_PARQUET) else "CSV file with a header line or `csv_columns`"
+        raise DataError(f"{path}: the file is empty (0 bytes), a {kind} was expected.")
+
+
+def open_parquet(path: str) -> Any:
+    """``pyarrow.parquet.ParquetFile(path)``, its errors naming the file.
+
+    Raises:
+        DataError: an empty or unreadable file, named.
     """
     pa = _pa()
+    not_empty(path)
+    try:
+        return pa.parquet.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DataError(f"{path}: not a readable Parquet file ({err}).") from None
+
+
+def read_table(
+    path: str,
+    columns: Sequence[str],
+    csv_columns: Sequence[str] | None = None,
+    delimiter: str | None = None,
+    null_values: Sequence[str] = ("",),
+) -> list[Part]:
+    """The ``columns`` of file ``path``: Parquet one part per row group, CSV one part; ``null_values``: the CSV
+    fields that are nulls.
+
+    Raises:
+        DataError: naming the file and the columns it lacks, or an empty, header-only or unreadable file.
+    """
+    pa = _pa()
+    not_empty(path)
     if path.endswith(_PARQUET):
-        pf = pa.parquet.ParquetFile(path)
+        pf = open_parquet(path)
         have = set(pf.schema_arrow.names)
         missing = [c for c in columns if c not in have]
         if missing:
             raise DataError(f"{path}: no column {', '.join(map(repr, missing))} (it has {sorted(have)}).")
+        if pf.metadata.num_rows == 0:
+            raise DataError(f"{path}: no rows.")
         return [
             Part(pf.read_row_group(g, columns=list(columns)), path, f"row group {g}", None)
             for g in range(pf.num_row_groups)
@@ -84,12 +124,14 @@ def read_table(
     read = pa.csv.ReadOptions(column_names=list(csv_columns) if csv_columns else None)
     parse = pa.csv.ParseOptions(delimiter=delimiter or ("\t" if tsv else ","))
     try:
-        table = pa.csv.read_csv(path, read_options=read, parse_options=parse)
+        table = pa.csv.read_csv(path, read_options=read, parse_options=parse, convert_options=csv_convert(null_values))
     except pa.ArrowInvalid as err:
         raise DataError(f"{path}: not a readable CSV file: {err}") from None
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise DataError(f"{path}: no column {', '.join(map(repr, missing))} (it has {table.column_names}).")
+    if table.num_rows == 0:
+        raise DataError(f"{path}: no rows: line 1 is the header and no line follows it.")
     return [Part(table.select(list(columns)), path, "", 1 if csv_columns else 2)]
 
 
@@ -106,27 +148,91 @@ class _Bad:
         self.part, self.drop = part, drop
         self.mask = np.zeros(part.table.num_rows, dtype=bool)
 
-    def found(self, rows: np.ndarray, column: str, problem: str, values: Sequence[Any]) -> None:
+    def found(self, rows: np.ndarray, column: str, problem: str, values: Sequence[Any], fill: bool = False) -> None:
         if not len(rows):
             return
         if not self.drop:
+            fix = f"set `fill: {{{column}: 0.0}}` (or `mean`, the training split's mean) to fill it, " if fill else ""
             raise DataError(
                 f"{_at(self.part, int(rows[0]))}: column {column!r}: {problem} (value {values[0]!r}"
-                f"{f'; {len(rows)} such rows in this part' if len(rows) > 1 else ''}). HINT: fix the data, or set "
-                "`bad_rows: drop` to drop such rows (they are counted)."
+                f"{f'; {len(rows)} such rows in this part' if len(rows) > 1 else ''}). HINT: fix the data, {fix}or "
+                "set `bad_rows: drop` to drop such rows (they are counted)."
             )
         self.mask[rows] = True
 
 
-def _numbers(part: Part, column: str, bad: _Bad, kind: str) -> np.ndarray:
+def _numbers(part: Part, column: str, bad: _Bad, kind: str, missing_ok: bool = False) -> np.ndarray:
+    """A numeric column as float64. Nulls and NaN are bad rows, or with ``missing_ok`` missing values (kept as NaN,
+    for ``fill``); inf is always a bad row."""
     pa = _pa()
-    col = part.table.column(column)
+    col = part.table.column(column).combine_chunks()
+    if pa.types.is_null(col.type):  # every field a null token
+        col = pa.nulls(len(col), pa.float64())
+    if _is_text(col.type) and part.first_line is not None:  # CSV: a field pyarrow could not read as a number
+        col = _parse_text(part, column, col, pa.float64(), kind)
     if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_boolean(col.type)):
-        raise DataError(f"{part.file}: column {column!r} is {col.type}, a number was expected ({kind}).")
+        first = f"; value {col[0].as_py()!r}" if len(col) else ""
+        raise DataError(f"{_at(part, 0)}: column {column!r} is {col.type}, a number was expected ({kind}{first}).")
     values = col.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls become NaN
-    nulls = np.flatnonzero(~np.isfinite(values))
-    bad.found(nulls, column, "null, NaN or inf", [col[int(i)].as_py() for i in nulls[:1]])
+    if missing_ok:
+        rows = np.flatnonzero(np.isinf(values))
+        bad.found(rows, column, "inf", [col[int(i)].as_py() for i in rows[:1]])
+        return np.where(np.isinf(values), 0.0, values)
+    rows = np.flatnonzero(~np.isfinite(values))
+    bad.found(rows, column, "null, NaN or inf", [col[int(i)].as_py() for i in rows[:1]], kind == "dense")
     return np.where(np.isfinite(values), values, 0.0)
+
+
+def _is_text(t: Any) -> bool:
+    pa = _pa()
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
+
+
+def _parse_text(part: Part, column: str, col: Any, to: Any, kind: str) -> Any:
+    """A CSV text column read as type ``to``; the first field that does not read names its line and value."""
+    pa = _pa()
+    try:
+        return pa.compute.cast(col, to)
+    except pa.ArrowInvalid:
+        pass
+    good, bad = 0, len(col)  # the first `good` fields read, the first `bad` do not: a binary search of prefixes
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        try:
+            pa.compute.cast(col.slice(0, mid), to)
+            good = mid
+        except pa.ArrowInvalid:
+            bad = mid
+    value = col[good].as_py()
+    what = "a number" if pa.types.is_floating(to) else "a number, an ISO date or an ISO date and time"
+    raise DataError(
+        f"{_at(part, good)}: column {column!r}: {value!r} is not {what} ({kind}). HINT: if it marks a missing value, "
+        f'declare it a null token: `csv_null_values: ["", {json.dumps(value)}]`.'
+    )
+
+
+def _temporal(t: Any) -> bool:
+    pa = _pa()
+    return bool(pa.types.is_timestamp(t) or pa.types.is_date(t))
+
+
+def _stamps(part: Part, column: str, bad: _Bad) -> np.ndarray:
+    """The split rule's time column: numbers (float64) or, for an Arrow timestamp or date column (or CSV text in
+    ISO 8601 that pyarrow did not read as one), ``datetime64`` (UTC for a column with a time zone)."""
+    pa = _pa()
+    col = part.table.column(column).combine_chunks()
+    if _is_text(col.type) and part.first_line is not None:
+        first = col.drop_null()
+        try:
+            float(first[0].as_py() if len(first) else "0")
+        except ValueError:  # text that is not a number: dates or times, or the first bad field is named
+            col = _parse_text(part, column, col, pa.timestamp("us"), "timestamp")
+    if not _temporal(col.type):
+        return _numbers(part, column, bad, "timestamp")
+    values = col.to_numpy(zero_copy_only=False)
+    nulls = np.flatnonzero(np.isnat(values))
+    bad.found(nulls, column, "null timestamp", [None] * len(nulls))
+    return np.where(np.isnat(values), np.zeros(1, dtype=values.dtype), values)
 
 
 def _ids(values: Any, column: str, kind: str, file: str, hash_rows: int | None = None) -> np.ndarray:
@@ -149,6 +255,8 @@ def _decode_sparse(part: Part, spec: SparseColumn, bad: _Bad) -> tuple[Any, np.n
     pa = _pa()
     col = part.table.column(spec.column).combine_chunks()
     n = len(col)
+    if part.first_line is not None and pa.types.is_null(col.type):  # CSV: every field empty (a null token)
+        col = col.cast(pa.string())
     if not spec.list:
         if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             raise DataError(f"{part.file}: column {spec.column!r} is {col.type}; declare it `list: true`.")
@@ -238,18 +346,18 @@ class Decoded:
     keep: np.ndarray  # rows that are good
 
 
-def decode(part: Part, schema: Schema, drop: bool, timestamp: str | None) -> Decoded:
+def decode(part: Part, schema: Schema, drop: bool, timestamp: str | None, fill: Collection[str] = ()) -> Decoded:
     """The schema's columns of ``part`` (and the ``timestamp`` column), checked; bad rows raise, or with ``drop``
-    are marked in ``keep``."""
+    are marked in ``keep``. Missing values (null, NaN) of the dense columns in ``fill`` stay NaN, to be filled."""
     bad = _Bad(part, drop)
     labels = np.stack([c.apply(_numbers(part, c.column, bad, "label")) for c in schema.labels], axis=1)
     dense = (
-        np.stack([_numbers(part, c.column, bad, "dense") for c in schema.dense], axis=1)
+        np.stack([_numbers(part, c.column, bad, "dense", c.column in fill) for c in schema.dense], axis=1)
         if schema.dense
         else np.zeros((part.table.num_rows, 0))
     )
     sparse = {c.feature: _decode_sparse(part, c, bad) for c in schema.sparse}
-    stamps = _numbers(part, timestamp, bad, "timestamp") if timestamp else None
+    stamps = _stamps(part, timestamp, bad) if timestamp else None
     return Decoded(labels, dense, sparse, stamps, ~bad.mask)
 
 
@@ -281,9 +389,14 @@ class Mapper:
     the schema and what the training split taught, so DataLoader workers get a small copy."""
 
     def __init__(
-        self, schema: Schema, vocabularies: dict[str, Vocabulary], dense_stats: dict[str, tuple[float, float]]
+        self,
+        schema: Schema,
+        vocabularies: dict[str, Vocabulary],
+        dense_stats: dict[str, tuple[float, float]],
+        fills: dict[str, float] | None = None,
     ):
         self.schema, self.vocabularies, self.dense_stats = schema, vocabularies, dense_stats
+        self.fills = dict(fills or {})  # dense column -> the value its missing values take
 
     def dataset(self, d: Decoded) -> RecDataset:
         """The rows of ``d`` as a dataset: ids mapped, dense columns transformed."""
@@ -300,7 +413,9 @@ class Mapper:
             else:
                 sparse[c.feature] = torch.from_numpy(rows)
         dense = (
-            np.stack([self._dense(c).apply(d.dense[:, i]) for i, c in enumerate(self.schema.dense)], axis=1)
+            np.stack(
+                [self._dense(c).apply(self._filled(c, d.dense[:, i])) for i, c in enumerate(self.schema.dense)], axis=1
+            )
             if self.schema.dense
             else np.zeros((len(d.labels), 0), dtype=np.float32)
         )
@@ -308,6 +423,9 @@ class Mapper:
         return RecDataset(
             torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(labels.astype(np.float32)), sparse, weights
         )
+
+    def _filled(self, c: DenseColumn, x: np.ndarray) -> np.ndarray:
+        return np.where(np.isnan(x), self.fills[c.column], x) if c.column in self.fills else x
 
     def _dense(self, c: DenseColumn) -> DenseColumn:
         if c.transform != "standardize" or (c.mean is not None and c.std is not None):
@@ -332,9 +450,18 @@ class UnitReader:
     """Rows ``[a, b)`` of a unit as a dataset (what :class:`~lightning_rec.data.stream.TableStream` reads), keeping
     the last unit read: consecutive windows of a worker usually fall in the same unit."""
 
-    def __init__(self, mapper: Mapper, columns: list[str], csv_columns: Any, delimiter: Any, bad_rows: str) -> None:
+    def __init__(
+        self,
+        mapper: Mapper,
+        columns: list[str],
+        csv_columns: Any,
+        delimiter: Any,
+        bad_rows: str,
+        null_values: Sequence[str] = ("",),
+    ) -> None:
         self.mapper, self.columns, self.csv_columns, self.delimiter = mapper, columns, csv_columns, delimiter
         self.drop = bad_rows == "drop"
+        self.null_values = list(null_values)
         self._last: tuple[Unit, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -342,8 +469,8 @@ class UnitReader:
 
     def __call__(self, unit: Unit, a: int, b: int) -> RecDataset:
         if self._last is None or self._last[0] != unit:
-            self._last = (unit, read_unit(unit, self.columns, self.csv_columns, self.delimiter))
+            self._last = (unit, read_unit(unit, self.columns, self.csv_columns, self.delimiter, self.null_values))
         table = self._last[1].slice(a, b - a)
         first = None if unit.first_line is None else unit.first_line + a
         part = Part(table, unit.file, f"{where(unit)} from row {a}" if unit.row_group is not None else "", first)
-        return self.mapper.dataset(decode(part, self.mapper.schema, self.drop, None))
+        return self.mapper.dataset(decode(part, self.mapper.schema, self.drop, None, self.mapper.fills))

@@ -71,12 +71,18 @@ def list_units(files: Sequence[str], chunk_bytes: int = 32 << 20, header: bool =
         units = list_units(["clicks/part-0.parquet", "log.csv"])
         sum(u.rows for u in units)     # rows in all
     """
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     units: list[Unit] = []
     for path in files:
         if path.endswith((".parquet", ".pq")):
-            meta = pq.ParquetFile(path).metadata
+            try:
+                meta = pq.ParquetFile(path).metadata
+            except (pa.ArrowInvalid, OSError) as err:  # pyarrow's message names no file
+                from lightning_rec.data.schema import DataError
+
+                raise DataError(f"{path}: not a readable Parquet file ({err}).") from None
             units += [Unit(path, meta.row_group(g).num_rows, row_group=g) for g in range(meta.num_row_groups)]
         elif path.endswith(".gz"):
             with gzip.open(path, "rb") as f:
@@ -107,8 +113,15 @@ def _csv_units(path: str, chunk_bytes: int, header: bool) -> list[Unit]:
     return units
 
 
-def read_unit(unit: Unit, columns: Sequence[str], csv_columns: Sequence[str] | None, delimiter: str | None) -> Any:
-    """The ``columns`` of ``unit`` as a ``pyarrow.Table``."""
+def read_unit(
+    unit: Unit,
+    columns: Sequence[str],
+    csv_columns: Sequence[str] | None,
+    delimiter: str | None,
+    null_values: Sequence[str] | None = None,
+) -> Any:
+    """The ``columns`` of ``unit`` as a ``pyarrow.Table``; ``null_values``: the CSV fields that are nulls, in every
+    column (``None``: pyarrow's default tokens, in numeric columns only)."""
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
@@ -135,7 +148,11 @@ def read_unit(unit: Unit, columns: Sequence[str], csv_columns: Sequence[str] | N
         io.BytesIO(data),
         read_options=pacsv.ReadOptions(column_names=names),
         parse_options=pacsv.ParseOptions(delimiter=sep),
-        convert_options=pacsv.ConvertOptions(include_columns=list(columns)),
+        convert_options=pacsv.ConvertOptions(include_columns=list(columns))
+        if null_values is None
+        else pacsv.ConvertOptions(
+            include_columns=list(columns), null_values=list(null_values), strings_can_be_null=True
+        ),
     )
     return table.select(list(columns))
 

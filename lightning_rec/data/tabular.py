@@ -15,9 +15,15 @@ Example (YAML)::
             - {column: item_id, ids: vocab}
 
 Files: Parquet (``.parquet``/``.pq``, read with ``pyarrow``), CSV/TSV (``.csv``/``.tsv``/``.txt``, optionally
-``.gz``; a header line names the columns, or ``csv_columns`` does). Splits: one list of files per split, or one list
-and a rule: ``{random: {val, test, seed}}`` (the seeded two-stage holdout of
-:class:`~lightning_rec.data.MovieLensDataModule`) or ``{timestamp: {column, val_from, test_from}}``.
+``.gz``; a header line names the columns, or ``csv_columns`` does; the fields in ``csv_null_values``, by default only
+empty ones, are missing values). Splits: one list of files per split, or one list and a rule:
+``{random: {val, test, seed}}`` (the seeded two-stage holdout of :class:`~lightning_rec.data.MovieLensDataModule`) or
+``{timestamp: {column, val_from, test_from}}``: ``val_from``/``test_from`` are numbers in the column's own unit, or,
+for an Arrow timestamp or date column (or ISO dates in CSV), ISO dates or date-times (``"2026-11-12"``,
+``"2026-11-12T08:00:00"``; in the column's time zone, if it has one). Every rule is checked against the data when
+:meth:`TabularDataModule.check` runs (``sparse_features`` runs it: in the main process, before any other process
+starts): a split left empty, or ``test_from`` before ``val_from``, is refused naming the column's first and last
+value.
 
 The rows are read into columns (no Python per row) and batched by
 :class:`~lightning_rec.data.base.DistributedBatchSampler`: every rank runs the same number of batches, every row is
@@ -26,19 +32,21 @@ computed once, kept in the DataModule's ``state_dict`` (so Lightning saves it in
 with ``ckpt_path``, and predictions map ids the same way) and, with ``state_dir``, written there as files.
 
 Bad data is refused before training, naming the file, the row group (Parquet) or line (CSV), the column and the
-value: a missing column, a column of the wrong type, a null id, NaN or inf in a dense column, a weight list whose
-length differs from its id list. ``bad_rows: drop`` drops such rows instead (not missing or mistyped columns) and
-counts them in ``dropped_rows``.
+value: an empty or header-only file, a missing column, a column of the wrong type, a CSV field that is not a number
+where one was expected, a null id, NaN or inf in a dense column, a weight list whose length differs from its id list.
+``bad_rows: drop`` drops such rows instead (not missing or mistyped columns) and counts them in ``dropped_rows``;
+``fill`` fills missing (null or NaN) dense values with a constant or the training split's mean. How many rows each
+split has, dropped and filled, is logged (and kept in ``row_counts``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_rec.config import SparseFeature
 from lightning_rec.data._tabular_read import (
@@ -49,42 +57,21 @@ from lightning_rec.data._tabular_read import (
     concat_jagged,
     decode,
     expand,
+    not_empty,
     read_table,
     rows_of,
     take,
     where,
 )
+from lightning_rec.data._tabular_split import SplitRule, fill_spec, known, split_rows
 from lightning_rec.data.base import RecDataModule, RecDataset
-from lightning_rec.data.movielens import _holdout_split
-from lightning_rec.data.schema import Schema, SparseColumn, Vocabulary
+from lightning_rec.data.schema import DataError, Schema, SparseColumn, Vocabulary
 from lightning_rec.data.stream import TableStream, Unit, list_units, read_unit
 
-__all__ = ["SplitRule", "TabularDataModule"]
+__all__ = ["TabularDataModule"]
 
 _SPLITS = ("train", "val", "test")
-
-
-@dataclass
-class SplitRule:
-    """How one set of files is split: ``random`` (``{val, test, seed}``) or ``timestamp`` (``{column, val_from,
-    test_from}``: rows at or after ``val_from`` validate, at or after ``test_from`` test)."""
-
-    random: dict[str, float] | None = None
-    timestamp: dict[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if (self.random is None) == (self.timestamp is None):
-            raise ValueError("TabularDataModule: split takes one rule: {random: {...}} or {timestamp: {...}}.")
-
-
-def _random_split(n: int, val: float, test: float, seed: int) -> np.ndarray:
-    """0 train, 1 val, 2 test per row: the two-stage seeded holdout of MovieLensDataModule (same rows)."""
-    split = np.zeros(n, dtype=np.int8)
-    rest, held_test = _holdout_split(n, test, seed + 1)
-    train, held_val = _holdout_split(len(rest), val / (1.0 - test), seed)
-    split[held_test.numpy()] = 2
-    split[rest[held_val].numpy()] = 1
-    return split
+_PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
 class TabularDataModule(RecDataModule):
@@ -98,16 +85,22 @@ class TabularDataModule(RecDataModule):
         split: the rule that splits ``files`` (a :class:`SplitRule` or its dict).
         csv_columns: the column names of CSV files without a header line.
         csv_delimiter: the CSV field separator (default ``,``; ``\\t`` for ``.tsv``).
-        bad_rows: ``"error"`` (default) or ``"drop"`` (counted in :attr:`dropped_rows`).
+        bad_rows: ``"error"`` (default) or ``"drop"`` (counted in :attr:`dropped_rows` and :attr:`row_counts`).
         state_dir: a directory to also write the vocabularies and statistics to (``vocab_<feature>.txt``,
-            ``dense_stats.json``); they are always in the DataModule's ``state_dict``.
+            ``dense_stats.json``, ``fill_means.json``); they are always in the DataModule's ``state_dict``.
         batch_size, num_workers, seed: see :class:`~lightning_rec.data.base.RecDataModule`.
+        fill: what missing (null or NaN) dense values become, instead of bad rows: a number, ``"mean"`` (the
+            training split's mean of the values present, kept in the ``state_dict``), or either per dense column
+            (``{price: 0.0, age: mean}``; columns not named stay checked). Counted per split in :attr:`row_counts`.
+        csv_null_values: the CSV fields that are missing values, in every column (default ``[""]``: only empty
+            fields). Anything else in a numeric column that is not a number is refused, naming line and value.
 
     Example::
 
         dm = TabularDataModule(schema={"labels": [{"column": "click"}], "sparse": [{"column": "user", "ids": "vocab"}]},
                                files=["clicks.parquet"], split={"random": {"val": 0.1, "test": 0.0, "seed": 0}})
-        dm.sparse_features    # [SparseFeature(name='user', num_embeddings=..., ...)]
+        dm.sparse_features    # reads and checks the files: [SparseFeature(name='user', num_embeddings=..., ...)]
+        dm.row_counts         # {'files': {'read': ..., 'dropped': 0}, 'train': {'rows': ..., 'filled': {}}, ...}
     """
 
     def __init__(
@@ -128,6 +121,8 @@ class TabularDataModule(RecDataModule):
         batch_size: int = 512,
         num_workers: int = 0,
         seed: int = 0,
+        fill: float | Literal["mean"] | dict[str, float | Literal["mean"]] | None = None,
+        csv_null_values: list[str] | None = None,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         self.stream, self.window, self.chunk_bytes = stream, window, chunk_bytes
@@ -141,23 +136,70 @@ class TabularDataModule(RecDataModule):
             raise ValueError("TabularDataModule: give either `files` (with a `split` rule) or `train` (and val/test).")
         if files is not None and split is None:
             raise ValueError("TabularDataModule: `files` needs a `split` rule, e.g. {random: {val: 0.1, test: 0.1}}.")
+        if split is not None and not isinstance(split, SplitRule):
+            known("split", split, ("random", "timestamp"))
         self.split_rule = split if split is None or isinstance(split, SplitRule) else SplitRule(**dict(split))
+        self.fill = fill_spec(fill, [c.column for c in self.schema.dense])
+        if csv_null_values is not None and not all(isinstance(v, str) for v in csv_null_values):
+            raise ValueError(f"TabularDataModule: csv_null_values is {csv_null_values!r}: a list of strings.")
+        self.csv_null_values = [""] if csv_null_values is None else list(csv_null_values)
         self.sources = {"all": files} if files is not None else {"train": train, "val": val, "test": test}
         self.csv_columns, self.csv_delimiter = csv_columns, csv_delimiter
         self.bad_rows = bad_rows
         self.state_dir = state_dir
         self.dropped_rows = 0
+        # per source ("files", or a split's own files): rows read and dropped; per split: rows and filled values
+        self.row_counts: dict[str, dict[str, Any]] = {}
         self.vocabularies: dict[str, Vocabulary] = {}
         self.dense_stats: dict[str, tuple[float, float]] = {}
+        self.fill_means: dict[str, float] = {}
         self._splits: dict[str, RecDataset] = {}
         self._decoded: dict[str, Decoded] | None = None
         self._unit_lists: dict[str, list[Unit]] = {}
+        self._stamp_tz: str | None = None
+        self._checked = False
 
     # ---- what the model needs --------------------------------------------------------------------------------
     @property
     def sparse_features(self) -> list[SparseFeature]:
-        self._learn()
+        self.check()
         return self.schema.sparse_features({table: len(v) for table, v in self.vocabularies.items()})
+
+    def check(self) -> None:
+        """Read and check every file and split rule, learn what the training split teaches and log each split's
+        rows (dropped, filled), once. :attr:`sparse_features` runs it, so under the CLI (or any script that builds
+        its model from ``sparse_features``) bad data and split rules are refused in the main process, before the
+        strategy starts any other; ``setup`` runs it too. Streaming, it lists every split's row groups and byte
+        ranges (empty files are refused) and reads the training files only if there is something to learn.
+
+        Raises:
+            DataError: bad data, naming file, row group or line, column and value.
+            ValueError: a split rule that leaves a split empty, naming the setting and the column's range.
+        """
+        if self._checked:
+            return
+        if self.stream:
+            for split, patterns in self.sources.items():
+                if patterns is not None:
+                    self._units(split)
+        else:
+            self._read()
+        self._learn()
+        self._report()
+        self._checked = True
+
+    def _report(self) -> None:
+        fills = self._fills()
+        for name, c in self.row_counts.items():
+            said = []
+            if "read" in c:
+                said.append(f"{c['read']} rows read, {c['dropped']} dropped (bad_rows: {self.bad_rows})")
+            if "rows" in c:
+                said.append(f"{c['rows']} rows")
+            for column, n in c.get("filled", {}).items():
+                mean = " (the training split's mean)" if self.fill[column] == "mean" else ""
+                said.append(f"{n} missing {column!r} filled with {fills[column]:g}{mean}")
+            rank_zero_info(f"TabularDataModule: {name}: {'; '.join(said)}.")
 
     @property
     def num_dense_features(self) -> int:
@@ -168,30 +210,65 @@ class TabularDataModule(RecDataModule):
         extra = [self.split_rule.timestamp["column"]] if self.split_rule and self.split_rule.timestamp else []
         return list(dict.fromkeys(self.schema.columns + extra))
 
+    def _stamp_column(self) -> str | None:
+        return self.split_rule.timestamp["column"] if self.split_rule and self.split_rule.timestamp else None
+
     def _read(self) -> dict[str, Decoded]:
-        """Every split's rows, decoded and checked (ids not mapped yet)."""
+        """Every split's rows, decoded and checked (ids not mapped yet, missing values to fill still NaN), and every
+        split rule checked against them."""
         if self._decoded is not None:
             return self._decoded
         drop = self.bad_rows == "drop"
-        stamp = self.split_rule.timestamp["column"] if self.split_rule and self.split_rule.timestamp else None
+        stamp = self._stamp_column()
         out: dict[str, Decoded] = {}
         for name, patterns in self.sources.items():
             if patterns is None:
                 continue
-            parts = [
-                decode(p, self.schema, drop, stamp)
-                for f in expand(patterns, name)
-                for p in read_table(f, self._columns(), self.csv_columns, self.csv_delimiter)
-            ]
-            out[name] = self._join(parts)
+            parts: list[Decoded] = []
+            kinds: dict[str, tuple[bool, Any]] = {}  # file -> (holds times, its type): one kind in every file
+            for f in expand(patterns, name):
+                for p in read_table(f, self._columns(), self.csv_columns, self.csv_delimiter, self.csv_null_values):
+                    parts.append(decode(p, self.schema, drop, stamp, self.fill))
+                    stamps = parts[-1].timestamps
+                    if stamps is not None:
+                        kinds.setdefault(f, (stamps.dtype.kind == "M", p.table.column(stamp).type))
+            if stamp is not None:
+                self._one_kind(stamp, kinds)
+            out[name] = self._join("files" if name == "all" else name, parts)
         if "all" in out:
             out = self._apply_rule(out.pop("all"))
+        for name, d in out.items():
+            counts = self.row_counts.setdefault(name, {})
+            counts["rows"] = len(d.labels)
+            counts["filled"] = {
+                c.column: int(np.isnan(d.dense[:, i]).sum())
+                for i, c in enumerate(self.schema.dense)
+                if c.column in self.fill
+            }
         self._decoded = out
         return out
 
-    def _join(self, parts: Sequence[Decoded]) -> Decoded:
+    def _one_kind(self, column: str, kinds: dict[str, tuple[bool, Any]]) -> None:
+        """The split column holds numbers in every file, or times in every file (then its time zone is kept)."""
+        (first, (times, kind)), *rest = kinds.items()
+        for f, (t, k) in rest:
+            if t != times:
+                raise DataError(
+                    f"{f}: column {column!r} is {k}, but in {first} it is {kind}: the split rule's column must hold "
+                    "numbers in every file, or dates/times in every file."
+                )
+        tz = getattr(kind, "tz", None)
+        self._stamp_tz = str(tz) if times and tz else None
+
+    def _join(self, name: str, parts: Sequence[Decoded]) -> Decoded:
         keep = np.concatenate([p.keep for p in parts])
         self.dropped_rows += int((~keep).sum())
+        self.row_counts[name] = {"read": len(keep), "dropped": int((~keep).sum())}
+        if not keep.any():
+            raise DataError(
+                f"TabularDataModule: {name}: every one of the {len(keep)} rows was dropped (bad_rows: drop). HINT: "
+                "set `bad_rows: error` to see the first bad row."
+            )
         sparse = {}
         for c in self.schema.sparse:
             ids, lengths, weights = concat_jagged([p.sparse[c.feature] for p in parts])
@@ -207,20 +284,8 @@ class TabularDataModule(RecDataModule):
         )
 
     def _apply_rule(self, data: Decoded) -> dict[str, Decoded]:
-        rule = self.split_rule
-        assert rule is not None
-        n = len(data.labels)
-        if rule.random is not None:
-            r = dict(rule.random)
-            which = _random_split(n, float(r.get("val", 0.1)), float(r.get("test", 0.0)), int(r.get("seed", 0)))
-        else:
-            t = dict(rule.timestamp or {})
-            stamps = data.timestamps
-            assert stamps is not None
-            which = np.zeros(n, dtype=np.int8)
-            which[stamps >= float(t["val_from"])] = 1
-            if t.get("test_from") is not None:
-                which[stamps >= float(t["test_from"])] = 2
+        assert self.split_rule is not None
+        which = split_rows(self.split_rule, len(data.labels), data.timestamps, self._stamp_tz)
         return {name: take(data, which == i) for i, name in enumerate(_SPLITS) if (which == i).any()}
 
     # ---- learning from the training split ----------------------------------------------------------------------
@@ -239,10 +304,13 @@ class TabularDataModule(RecDataModule):
                 del needed[key]
         stats = [c for c in self.schema.dense if c.transform == "standardize" and c.column not in self.dense_stats]
         stats = [c for c in stats if c.mean is None or c.std is None]
-        if not needed and not stats:
+        means = [c for c, v in self.fill.items() if v == "mean" and c not in self.fill_means]
+        if not needed and not stats and not means:
             return
         counts: dict[str, dict[str, int]] = {key: {} for key in needed}
-        moments = np.zeros((len(stats), 3))  # rows, sum, sum of squares per standardized column
+        moments = np.zeros((len(stats), 3))  # values, sum, sum of squares per standardized column
+        present = np.zeros((len(means), 2))  # values, sum per column filled with its mean
+        dense = [c.column for c in self.schema.dense]
         for train in self._train_parts():
             for key, group in needed.items():
                 raw = np.concatenate([train.sparse[c.feature][0].astype(str) for c in group])
@@ -252,13 +320,33 @@ class TabularDataModule(RecDataModule):
                     seen[v] = seen.get(v, 0) + k
             for i, d in enumerate(stats):
                 column = train.dense[train.keep, self.schema.dense.index(d)]
+                column = column[~np.isnan(column)]  # the values present: missing ones are filled after
                 moments[i] += (len(column), column.sum(), np.square(column).sum())
+            for i, name in enumerate(means):
+                column = train.dense[train.keep, dense.index(name)]
+                column = column[~np.isnan(column)]
+                present[i] += (len(column), column.sum())
         for key, group in needed.items():
             self.vocabularies[key] = Vocabulary.build(counts[key], max(c.min_count for c in group))
         for (n, total, squares), d in zip(moments, stats):
             mean = total / max(n, 1)
             self.dense_stats[d.column] = (float(mean), float(np.sqrt(max(squares / max(n, 1) - mean**2, 0.0))))
+        for (n, total), name in zip(present, means):
+            if n == 0:
+                raise ValueError(
+                    f"TabularDataModule: fill: mean for {name!r}: every {name!r} of the training split is missing, "
+                    f"there is no mean to fill with. HINT: a constant, e.g. `fill: {{{name}: 0.0}}`."
+                )
+            self.fill_means[name] = float(total / n)
         self._write_state()
+
+    def _fills(self) -> dict[str, float]:
+        """The value each filled dense column's missing values take (the means once learned)."""
+        return {
+            c: float(v) if v != "mean" else self.fill_means[c]
+            for c, v in self.fill.items()
+            if v != "mean" or c in self.fill_means
+        }
 
     def _write_state(self) -> None:
         if not self.state_dir:
@@ -270,12 +358,16 @@ class TabularDataModule(RecDataModule):
             vocab.write(os.path.join(self.state_dir, f"vocab_{table}.txt"))
         with open(os.path.join(self.state_dir, "dense_stats.json"), "w") as f:
             json.dump({k: {"mean": m, "std": s} for k, (m, s) in self.dense_stats.items()}, f, indent=2)
+        if self.fill_means:
+            with open(os.path.join(self.state_dir, "fill_means.json"), "w") as f:
+                json.dump(self.fill_means, f, indent=2)
 
     def state_dict(self) -> dict[str, Any]:
-        """The vocabularies and dense statistics (Lightning saves them in every checkpoint)."""
+        """The vocabularies, dense statistics and fill means (Lightning saves them in every checkpoint)."""
         return {
             "vocabularies": {f: v.values for f, v in self.vocabularies.items()},
             "dense_stats": {k: list(v) for k, v in self.dense_stats.items()},
+            "fill_means": dict(self.fill_means),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -287,6 +379,7 @@ class TabularDataModule(RecDataModule):
         before = self.state_dict()
         self.vocabularies = {f: Vocabulary(v) for f, v in state.get("vocabularies", {}).items()}
         self.dense_stats = {k: (float(v[0]), float(v[1])) for k, v in state.get("dense_stats", {}).items()}
+        self.fill_means = {k: float(v) for k, v in state.get("fill_means", {}).items()}
         if self.state_dict() != before:
             self._splits = {}
 
@@ -298,25 +391,45 @@ class TabularDataModule(RecDataModule):
             yield self._read()["train"]
             return
         drop = self.bad_rows == "drop"
+        counts: dict[str, Any] = {"read": 0, "dropped": 0, "rows": 0, "filled": dict.fromkeys(self.fill, 0)}
         for unit in self._units("train"):
-            table = read_unit(unit, self._columns(), self.csv_columns, self.csv_delimiter)
-            decoded = decode(Part(table, unit.file, where(unit), unit.first_line), self.schema, drop, None)
-            if drop:
-                self.dropped_rows += int((~decoded.keep).sum())
-            yield take(decoded, decoded.keep)
+            table = read_unit(unit, self._columns(), self.csv_columns, self.csv_delimiter, self.csv_null_values)
+            decoded = decode(Part(table, unit.file, where(unit), unit.first_line), self.schema, drop, None, self.fill)
+            dropped = int((~decoded.keep).sum())
+            self.dropped_rows += dropped
+            kept = take(decoded, decoded.keep)
+            counts["read"] += len(decoded.keep)
+            counts["dropped"] += dropped
+            counts["rows"] += len(kept.labels)
+            for i, c in enumerate(self.schema.dense):
+                if c.column in self.fill:
+                    counts["filled"][c.column] += int(np.isnan(kept.dense[:, i]).sum())
+            yield kept
+        self.row_counts["train"] = counts
 
     def _units(self, split: str) -> list[Unit]:
         if split not in self._unit_lists:
             patterns = self.sources.get(split)
             if patterns is None:
                 raise ValueError(f"TabularDataModule: no files for the {split!r} split.")
-            self._unit_lists[split] = list_units(expand(patterns, split), self.chunk_bytes, header=not self.csv_columns)
+            files = expand(patterns, split)
+            for f in files:
+                not_empty(f)
+            units = list_units(files, self.chunk_bytes, header=not self.csv_columns)
+            rows = {f: 0 for f in files}
+            for u in units:
+                rows[u.file] += u.rows
+            for f, n in rows.items():
+                if n == 0:
+                    header = f.endswith(_PARQUET_SUFFIXES) or self.csv_columns
+                    raise DataError(f"{f}: no rows{'' if header else ': line 1 is the header and no line follows it'}.")
+            self._unit_lists[split] = units
         return self._unit_lists[split]
 
     def setup(self, stage: str) -> None:
         if self._splits:
             return
-        self._learn()
+        self.check()
         if self.stream:
             return  # the loaders read the files
         self._build()
@@ -325,15 +438,13 @@ class TabularDataModule(RecDataModule):
         """The in-memory splits, their ids mapped by the current vocabularies and statistics."""
         self._learn()
         decoded = self._read()
-        if "train" not in decoded:
-            raise ValueError("TabularDataModule: the training split has no rows.")
         mapper = self._mapper()
         self._splits = {name: mapper.dataset(d) for name, d in decoded.items()}
         if "test" not in self._splits and "val" in self._splits:
             self._splits["test"] = self._splits["val"]
 
     def _mapper(self) -> Mapper:
-        return Mapper(self.schema, dict(self.vocabularies), dict(self.dense_stats))
+        return Mapper(self.schema, dict(self.vocabularies), dict(self.dense_stats), self._fills())
 
     def split(self, name: str) -> RecDataset | TableStream:
         """In memory: the rows of split ``name`` (after :meth:`setup`); streaming: a :class:`TableStream` of this
@@ -353,7 +464,9 @@ class TabularDataModule(RecDataModule):
         if split == "test" and self.sources.get("test") is None:
             split = "val"
         rank, world_size = self.rank_and_world_size
-        reader = UnitReader(self._mapper(), self._columns(), self.csv_columns, self.csv_delimiter, self.bad_rows)
+        reader = UnitReader(
+            self._mapper(), self._columns(), self.csv_columns, self.csv_delimiter, self.bad_rows, self.csv_null_values
+        )
         return TableStream(
             self._units(split),
             reader,

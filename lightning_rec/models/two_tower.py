@@ -411,7 +411,9 @@ class TwoTowerModule(RecLightningModule):
         self._evaluate(batch, self.test_metrics)
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(self.val_metrics.compute(), prog_bar=True, sync_dist=True)  # already exact over ranks: the mean keeps it
+        self.log_dict(
+            self.val_metrics.compute(), prog_bar=True, sync_dist=True
+        )  # already exact over ranks: the mean keeps it
         self.val_metrics.reset()
 
     def on_test_epoch_end(self) -> None:
