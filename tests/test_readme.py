@@ -1,5 +1,5 @@
 """The README's quickstart is examples/quickstart.py, and it trains on 2 processes through Lightning's own
-launcher (the popen launcher re-runs the script for rank 1)."""
+launcher (the popen launcher re-runs the script for rank 1), logging the plan the README shows."""
 
 from __future__ import annotations
 
@@ -39,3 +39,7 @@ def test_quickstart_trains_on_two_processes_and_saves_a_sharded_checkpoint(tmp_p
     ckpt = tmp_path / "run" / "checkpoints" / re.search(r"checkpoint=.*/(.*)", proc.stdout).group(1)
     assert is_checkpoint(ckpt)
     assert {p.name.split("_")[2] for p in ckpt.glob("*.distcp")} == {"0", "1"}  # both ranks wrote their shards
+    # The plan the README shows is the one this run logs.
+    shown = re.search(r"rank 0 logs the plan.*?\n```\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
+    for line in shown.strip().splitlines():
+        assert line in proc.stdout + proc.stderr, line
