@@ -20,7 +20,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec.config import SparseFeature
-from lightning_rec.data.resume import ResumableLoader
+from lightning_rec.data.resume import ResumableLoader, pass_through
 from lightning_rec.data.stream import StreamLoader, TableStream
 
 __all__ = [
@@ -252,11 +252,6 @@ class DistributedBatchSampler(DistributedSampler):
         return self._num_batches
 
 
-def _identity(x: Any) -> Any:
-    """A ``collate_fn`` that hands the sampler's batch through as it is (the datasets collate whole batches)."""
-    return x
-
-
 def batch_loader(
     dataset: Any,
     batch_size: int,
@@ -287,7 +282,7 @@ def batch_loader(
         dataset,
         sampler=sampler,
         batch_size=None,
-        collate_fn=_identity,
+        collate_fn=pass_through,
         num_workers=num_workers,
         multiprocessing_context="spawn" if num_workers > 0 else None,
         persistent_workers=num_workers > 0,

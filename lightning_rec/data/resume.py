@@ -19,7 +19,7 @@ from typing import Any
 
 from lightning_rec.errors import CheckpointError
 
-__all__ = ["ResumableLoader"]
+__all__ = ["ResumableLoader", "pass_through"]
 
 
 class ResumableLoader:
@@ -150,3 +150,15 @@ class ResumableLoader:
         if name in ("dataloader", "source", "stream"):  # not set yet (unpickling, or during __init__)
             raise AttributeError(name)
         return getattr(self.dataloader, name)
+
+
+def pass_through(batch: Any) -> Any:
+    """A ``collate_fn`` that hands the sampler's batch through as it is (the datasets and streams collate whole
+    batches themselves).
+
+    Example::
+
+        >>> pass_through([1, 2])
+        [1, 2]
+    """
+    return batch

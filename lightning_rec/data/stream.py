@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_rec.data.resume import ResumableLoader
+from lightning_rec.data.resume import ResumableLoader, pass_through
 
 __all__ = ["StreamLoader", "TableStream", "Unit", "list_units", "read_unit"]
 
@@ -282,29 +282,27 @@ class TableStream(IterableDataset):
 
 
 def _cat_datasets(parts: Sequence[Any]) -> Any:
-    from lightning_rec.data.base import Jagged, RecDataset
-
+    """The rows of ``parts`` (``RecDataset`` s of one source) as one dataset of their type."""
     sparse: dict[str, Any] = {}
     weights: dict[str, Any] = {}
     for name, col in parts[0].sparse.items():
-        if isinstance(col, Jagged):
+        if isinstance(col, torch.Tensor):  # one id per row
+            sparse[name] = torch.cat([p.sparse[name] for p in parts])
+        else:  # a Jagged column
             sparse[name] = _cat_jagged([p.sparse[name] for p in parts])
             if name in parts[0].weights:
                 weights[name] = _cat_jagged([p.weights[name] for p in parts])
-        else:
-            sparse[name] = torch.cat([p.sparse[name] for p in parts])
-    return RecDataset(
+    return type(parts[0])(
         torch.cat([p.dense for p in parts]), torch.cat([p.labels for p in parts]), sparse, weights or None
     )
 
 
 def _cat_jagged(cols: Sequence[Any]) -> Any:
-    from lightning_rec.data.base import Jagged
-
+    """Jagged columns one after the other, as one of their type."""
     values = torch.cat([c.values for c in cols])
     shifts = np.cumsum([0] + [int(c.offsets[-1]) for c in cols[:-1]])
     offsets = torch.cat([cols[0].offsets[:1]] + [c.offsets[1:] + int(s) for c, s in zip(cols, shifts)])
-    return Jagged(values, offsets)
+    return type(cols[0])(values, offsets)
 
 
 def _served_by(served: int, counts: Sequence[int]) -> tuple[list[int], int]:
@@ -350,12 +348,10 @@ class StreamLoader(ResumableLoader):
     """
 
     def __init__(self, stream: TableStream, num_workers: int = 0, pin_memory: bool = False) -> None:
-        from lightning_rec.data.base import _identity
-
         dataloader = DataLoader(
             stream,
             batch_size=None,
-            collate_fn=_identity,
+            collate_fn=pass_through,
             num_workers=num_workers,
             multiprocessing_context=_worker_context() if num_workers > 0 else None,
             persistent_workers=num_workers > 0,

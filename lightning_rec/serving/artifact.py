@@ -4,6 +4,7 @@ archive), the input check compiled into it (:func:`check_inputs`), the wrapper t
 
 # No `from __future__ import annotations` here: torch.fx and TorchScript read the forwards' annotations as types.
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,19 +165,23 @@ class ServingWrapper(nn.Module):
     max_lengths: Tensor
 
     def __init__(
-        self, net: nn.Module, features: list[str], dense: bool, rows: list[int] | None = None, exported: bool = False
+        self,
+        net: nn.Module,
+        features: list[str],
+        dense: bool,
+        rows: list[int] | None = None,
+        exported: bool = False,
+        raw_id_features: Sequence[str] = (),
+        max_lengths: Mapping[str, int] | None = None,
     ) -> None:
-        from lightning_rec.serving.network import position_limits, raw_id_features  # (network builds this wrapper)
-
         super().__init__()
         self.net = net
         self.features = features
         self.dense = dense
         self.check = rows is not None
         self.exported = exported
-        raw = raw_id_features(net)
-        self.raw_ids: list[bool] = [f in raw for f in features]  # for check_inputs' messages
-        limits = position_limits(net)
+        self.raw_ids: list[bool] = [f in raw_id_features for f in features]  # for check_inputs' messages
+        limits = dict(max_lengths or {})
         self.limited = bool(limits)
         self.register_buffer("rows", torch.tensor(rows or [], dtype=torch.long))
         no_limit = torch.iinfo(torch.long).max

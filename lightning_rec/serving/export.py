@@ -150,7 +150,15 @@ def export_inference(
         versions=stack_versions(),
     )
     checked = rows if bounds_check == "error" else None
-    serving = ServingWrapper(copy.deepcopy(net), features, dense, checked, exported=format == "pt2").eval()
+    serving = ServingWrapper(
+        copy.deepcopy(net),
+        features,
+        dense,
+        checked,
+        exported=format == "pt2",
+        raw_id_features=spec.raw_id_features,
+        max_lengths=spec.max_lengths,
+    ).eval()
     quantized = quantize(serving, _DTYPES[table_dtype])
     for kernel in quantized.modules():
         if type(kernel).__name__ in KERNELS:  # TorchScript keeps the attribute in the artifact
