@@ -25,7 +25,6 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -136,7 +135,7 @@ def measure(steps: int, optimizer: str = "sgd") -> dict[str, Any]:
                 world,
                 Path(tmp) / size,
                 600,
-                pythonpath=[str(REPO)],
+                pythonpath=[str(REPO)],  # where the ranks find this file's `train` (the package is installed)
                 size=size,
                 steps=steps,
                 plan=str(path),
@@ -185,7 +184,6 @@ def main() -> None:
         "--optimizer", choices=["sgd", "adagrad"], default="sgd", help="torch's, and FBGEMM's for the tables"
     )
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     result = measure(args.steps, args.optimizer)
     for size in ("realistic", "realistic_2proc"):
         for r in result[size]:

@@ -226,3 +226,14 @@ def test_the_console_script_and_python_m_run_the_same_cli():
     module, _, function = scripts["lightning-rec"].partition(":")
     main = getattr(importlib.import_module(module), function)
     assert importlib.import_module("lightning_rec.__main__").main is main
+
+
+def test_benchmarks_and_examples_do_not_put_the_repository_on_the_path():
+    """They run on the installed package (issue 37: a benchmark inserted the repository into ``sys.path``)."""
+    offenders = [
+        str(path.relative_to(REPO))
+        for folder in ("benchmarks", "examples")
+        for path in (REPO / folder).rglob("*.py")
+        if "sys.path.insert" in path.read_text() or "sys.path.append" in path.read_text()
+    ]
+    assert not offenders, offenders
