@@ -46,12 +46,18 @@ from torchrec.datasets.utils import Batch
 from lightning_rec import _compat
 from lightning_rec._batch import RowCollator, collate_rows
 from lightning_rec._module import RecLightningModule
-from lightning_rec._planning import Cluster, plan_cluster
+from lightning_rec._planner.cluster import Cluster
+from lightning_rec._planner.estimates import RankEstimate
+from lightning_rec._planner.fit import DoesNotFit
+from lightning_rec._planner.offline import plan_cluster
+from lightning_rec._planner.report import PlanReport
+from lightning_rec._planner.sharders import EBCSharder
+from lightning_rec._planner.table import PlanRow
 from lightning_rec._pretrained import load_rows
 from lightning_rec._strategy.optim import RecOptimizer
 from lightning_rec._strategy.quiet import silence_proven_harmless
 from lightning_rec._strategy.recshard import RecShardStrategy
-from lightning_rec._strategy.sharding import EBCSharder
+from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec.config import EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig, checkpoint_safe
 from lightning_rec.errors import InputError, NonFiniteError
 
@@ -62,15 +68,20 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch",
     "Cluster",
+    "DoesNotFit",
     "EBCSharder",
     "EmbeddingOptimizer",
     "InputError",
     "NonFiniteError",
+    "PlanReport",
+    "PlanRow",
     "QuantizedComms",
+    "RankEstimate",
     "RecLightningModule",
     "RecOptimizer",
     "RecShardStrategy",
     "RowCollator",
+    "ShardingConfig",
     "TableConstraints",
     "TopologyConfig",
     "checkpoint_safe",

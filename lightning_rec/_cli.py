@@ -28,7 +28,6 @@ log under ``trainer.default_root_dir`` and the progress bar shows samples/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -76,6 +75,30 @@ class RecCLI(LightningCLI):
                 root = root.__cause__  # type: ignore[assignment]
             prog = self.parser.prog.replace(" [options]", "") + (f" {self.subcommand}" if self.subcommand else "")
             self.parser.exit(2, f"{prog}: error: {one_line(str(root))}\n")
+
+    def _check_data(self) -> None:
+        """The DataModule's input files, checked in this process before any rank starts (``check_files``, where
+        the DataModule has one); a missing one is one line and exit 2."""
+        check = getattr(self.datamodule, "check_files", None)
+        if check is None:
+            return
+        try:
+            check()
+        except (FileNotFoundError, ValueError) as err:
+            prog = self.parser.prog.replace(" [options]", "") + (f" {self.subcommand}" if self.subcommand else "")
+            self.parser.exit(2, f"{prog}: error: {err}\n")
+
+    def before_fit(self) -> None:
+        self._check_data()
+
+    def before_validate(self) -> None:
+        self._check_data()
+
+    def before_test(self) -> None:
+        self._check_data()
+
+    def before_predict(self) -> None:
+        self._check_data()
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         for key in ("sparse_features", "num_dense_features"):
@@ -205,10 +228,8 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _plan(argv: list[str]) -> None:
-    from lightning_rec import _planning as planning
-    from lightning_rec._strategy.sharding_config import ShardingConfig
-    from lightning_rec._strategy.topology import DEVICE_PRESETS
+def _plan_parser() -> argparse.ArgumentParser:
+    from lightning_rec._planner.topology import DEVICE_PRESETS, presets_text
 
     parser = argparse.ArgumentParser(
         prog="lightning-rec plan",
@@ -219,7 +240,7 @@ def _plan(argv: list[str]) -> None:
         "--model.../--data.../--trainer... overrides. Writes DIR/plan.json (give it to fit as "
         "--trainer.strategy.init_args.plan=DIR/plan.json) and DIR/plan.png; with several --hosts or "
         "--devices-per-host, one row per topology (DIR/sweep.json, DIR/sweep.png).",
-        epilog=f"device presets: {planning.presets_text()}",
+        epilog=f"device presets: {presets_text()}",
     )
     parser.add_argument(
         "--hosts", type=_ints, default=None, help="hosts (nodes), or a list: 1,2,4,8 (default: trainer.num_nodes)"
@@ -250,11 +271,21 @@ def _plan(argv: list[str]) -> None:
         help="the cost model's batch (default: the strategy's topology.batch_size, else 512)",
     )
     parser.add_argument("--output", default=None, help="a directory for plan.json and plan.png (default: print only)")
+    return parser
+
+
+def _plan(argv: list[str]) -> None:
+    """``lightning-rec plan``: the flags and the config parsed here, the planning in
+    :mod:`lightning_rec._planner.command`."""
+    from lightning_rec._planner.command import PlanOptions, run_plan, sharding_of
+    from lightning_rec._planner.fit import DoesNotFit
+
+    parser = _plan_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.device_type in DEVICE_PRESETS and args.device_type != "cpu":  # --device-type h100: the preset
-        if args.device not in (None, args.device_type):
-            parser.error(f"--device-type {args.device_type} and --device {args.device} name two devices")
-        args.device, args.device_type = args.device_type, None
+    try:
+        options = PlanOptions(**vars(args))
+    except ValueError as err:
+        parser.error(str(err))
     if not any(a == "--config" or a.startswith("--config=") or a.startswith("--model") for a in rest):
         parser.error("give the model: --config CONFIG.yaml (as for `fit`), or --model.class_path=...")
 
@@ -270,70 +301,15 @@ def _plan(argv: list[str]) -> None:
             auto_configure_optimizers=False,
         )
     trainer_config = cli.config_init.get("trainer") or {}
-    strategy = trainer_config.get("strategy")
-    sharding = getattr(strategy, "sharding", None)
-    if not isinstance(sharding, ShardingConfig):
-        if strategy not in (None, "recshard", "auto"):
-            print(f"note: the config's strategy is {strategy!r}, not recshard; planning with recshard's defaults.")
-        sharding = ShardingConfig.from_arguments()
-    accelerator = str(trainer_config.get("accelerator") or "")
-    device_type = args.device_type or (
-        DEVICE_PRESETS[args.device].device_type if args.device else ("cpu" if accelerator == "cpu" else "cuda")
-    )
-    devices = trainer_config.get("devices")
-    hosts = args.hosts or [int(trainer_config.get("num_nodes") or 1)]
-    per_host = args.devices_per_host or [devices if isinstance(devices, int) and devices > 0 else 1]
+    sharding = sharding_of(trainer_config)
     try:
-        clusters = planning.sweep_clusters(
-            hosts,
-            per_host,
-            device_type=device_type,
-            preset=args.device,
-            hbm_gb=args.hbm_gb,
-            ddr_gb=args.ddr_gb,
-            batch_size=args.batch_size_per_rank,
-        )
+        clusters = options.clusters(trainer_config)
     except ValueError as err:
         parser.error(str(err))
-    out = args.output
-    if out:
-        os.makedirs(out, exist_ok=True)
-    if len(clusters) == 1:
-        try:
-            report = planning.plan_cluster(cli.model, sharding, clusters[0])
-        except planning.DoesNotFit as err:
-            parser.exit(2, f"{parser.prog}: error: {err}\n")
-        print(
-            f"plan for {clusters[0].describe()}: {report.world_size} rank(s), {report.local_world_size} per host, "
-            f"{report.device_type}, preset {report.preset or 'none (TorchRec defaults)'}, batch {report.batch_size} "
-            "per rank"
-        )
-        print(report.format_table())
-        print(planning.calibration_note(report.device_type, report.preset))
-        if out:
-            report.write_json(os.path.join(out, "plan.json"))
-            report.write_png(os.path.join(out, "plan.png"))
-            print(
-                f"wrote {os.path.join(out, 'plan.json')} and plan.png; train with it: lightning-rec fit ... "
-                f"--trainer.strategy.init_args.plan={os.path.join(out, 'plan.json')}"
-            )
-        return
-    rows = planning.sweep(cli.model, sharding, clusters)
-    print(planning.format_sweep(rows))
-    preset = clusters[0].device()
-    print(planning.calibration_note(device_type, preset.name if preset else None))
-    for row in rows:
-        if row.error:
-            print(f"{row.cluster.describe()}: {row.error}")
-    if out:
-        with open(os.path.join(out, "sweep.json"), "w") as f:
-            json.dump([row.to_dict() for row in rows], f, indent=2)
-        planning.write_sweep_png(rows, os.path.join(out, "sweep.png"))
-        for row in rows:
-            if row.report is not None:
-                name = f"plan_{row.cluster.hosts}x{row.cluster.devices_per_host}.json"
-                row.report.write_json(os.path.join(out, name))
-        print(f"wrote {os.path.join(out, 'sweep.json')}, sweep.png and one plan_HxD.json per topology that fits")
+    try:
+        run_plan(cli.model, sharding, clusters, options.output)
+    except DoesNotFit as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
 
 
 _DESCRIPTION = "TorchRec's sharded training under Lightning: LightningCLI's commands, and three of its own."

@@ -572,3 +572,14 @@ def cpp_compiler() -> str | Exception:
         return get_cpp_compiler()
     except Exception as err:  # InvalidCxxCompiler, or a failed probe of the compiler
         return err
+
+
+def interpreter_exit() -> None:
+    """What the interpreter runs as it ends, for a process that will leave with ``os._exit`` (a multiprocessing
+    child, e.g. a test rank forked from :mod:`lightning_rec._forkserver`): ``threading._shutdown`` (the hooks that
+    stop executor threads, then non-daemon threads joined), then the ``atexit`` handlers."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()

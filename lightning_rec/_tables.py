@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -39,6 +39,7 @@ from lightning_rec import _compat
 
 __all__ = [
     "TABLE_MODULE_TYPES",
+    "dense_parameter_ids",
     "embedding_modules",
     "embedding_tables",
     "inner_collection",
@@ -46,9 +47,11 @@ __all__ = [
     "sharded_module_types",
     "table_configs",
     "table_weights",
+    "tables_of",
+    "weights_of",
 ]
 
-# The module types sharded without any extra sharder (each has a built-in sharder: lightning_rec._strategy.sharding).
+# The module types sharded without any extra sharder (each has a built-in sharder: lightning_rec._planner.sharders).
 TABLE_MODULE_TYPES: tuple[type[nn.Module], ...] = (
     EmbeddingBagCollection,
     EmbeddingCollection,
@@ -124,9 +127,18 @@ def embedding_tables(
     Raises:
         ValueError: if two modules declare a table of the same name (the plan and checkpoints key by it).
     """
+    return tables_of(embedding_modules(module, module_types))
+
+
+def tables_of(modules: Mapping[str, nn.Module]) -> dict[str, BaseEmbeddingConfig]:
+    """:func:`embedding_tables` of the embedding ``modules`` already found (by module path).
+
+    Raises:
+        ValueError: if two modules declare a table of the same name (the plan and checkpoints key by it).
+    """
     tables: dict[str, BaseEmbeddingConfig] = {}
     owners: dict[str, str] = {}
-    for path, sub in embedding_modules(module, module_types).items():
+    for path, sub in modules.items():
         for config in table_configs(sub):
             if config.name in tables:
                 raise ValueError(
@@ -142,14 +154,26 @@ def table_weights(
     module: nn.Module, module_types: Sequence[type[nn.Module]] = TABLE_MODULE_TYPES
 ) -> dict[str, nn.Parameter]:
     """Every unsharded table's weight, by table name (what a param group of ``configure_optimizers`` holds)."""
+    return weights_of(embedding_modules(module, module_types).values())
+
+
+def weights_of(modules: Iterable[nn.Module]) -> dict[str, nn.Parameter]:
+    """:func:`table_weights` of the embedding ``modules`` already found."""
     weights: dict[str, nn.Parameter] = {}
-    for sub in embedding_modules(module, module_types).values():
+    for sub in modules:
         inner = inner_collection(sub)
         holders = (
             inner.embedding_bags if isinstance(inner, EmbeddingBagCollection) else getattr(inner, "embeddings", {})
         )
         weights.update({name: holder.weight for name, holder in holders.items()})
     return weights
+
+
+def dense_parameter_ids(modules: Iterable[nn.Module]) -> frozenset[int]:
+    """The parameters of embedding ``modules`` that are no table's (a feature processor's position weights)."""
+    modules = list(modules)
+    tables = {id(p) for m in modules for p in (inner_collection(m) or m).parameters()}
+    return frozenset(id(p) for m in modules for p in m.parameters() if id(p) not in tables)
 
 
 def is_sharded(module: nn.Module) -> bool:

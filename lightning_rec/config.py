@@ -263,7 +263,7 @@ class TopologyConfig:
         local_world_size: ranks per host (affects intra- vs inter-host communication costs).
         batch_size: per-rank batch size the planner assumes for its cost model.
         preset: a named device (``"h100"``, ``"h200"``, ``"a100-80g"``, ``"a100-40g"``, ``"cpu"``: see
-            :data:`lightning_rec._strategy.topology.DEVICE_PRESETS`) whose memory and bandwidths the planner assumes
+            :data:`lightning_rec._planner.topology.DEVICE_PRESETS`) whose memory and bandwidths the planner assumes
             (``hbm_cap``/``ddr_cap`` still override its memory). Default: TorchRec's own defaults.
 
     Example::

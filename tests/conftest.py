@@ -1,12 +1,9 @@
 """Test tiers, and test isolation for runs inside the pytest process (e.g. the CLI tests' ``run([...])``).
 
-Tiers: a test that starts processes (gloo ranks through ``tests.helpers.dist``, the ``lightning-rec`` CLI or a
-script in a subprocess, torchrun, Lightning's own launcher, spawned DataLoader workers) or runs a whole CLI
-``fit`` in this process is marked ``dist`` (the slow tier). The fast, single-process tier runs in about a minute::
-
-    pytest -m "not dist"
-
-and ``pytest -m dist`` runs the slow tier alone; plain ``pytest`` runs both.
+Tiers (declared in ``pyproject.toml``): a test that starts processes (gloo ranks through ``tests.helpers.dist``, the
+``lightning-rec`` CLI or a script in a subprocess, torchrun, Lightning's own launcher, spawned DataLoader workers)
+or runs a whole ``fit`` in this process is marked ``dist`` (the slow tier). Plain ``pytest`` runs the fast tier;
+``pytest -m dist`` the slow one alone; ``pytest -m ""`` everything (what CI runs).
 
 Isolation:
 
@@ -20,10 +17,6 @@ import os
 
 import pytest
 import torch.distributed as dist
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "dist: starts processes (gloo ranks, the CLI, torchrun); the slow tier")
 
 
 @pytest.fixture(autouse=True)

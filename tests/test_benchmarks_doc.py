@@ -1,4 +1,5 @@
-"""BENCHMARKS.md's commands name scripts that exist, with options those scripts take (no script is run)."""
+"""The benchmark pages' commands (``docs/benchmarks/``, which BENCHMARKS.md indexes by question) name scripts that
+exist, with options those scripts take (no script is run)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,19 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {"-m lightning_rec.testing.bench": REPO / "lightning_rec" / "testing" / "bench" / "runner.py"}
 
 
+PAGES = REPO / "docs" / "benchmarks"
+
+
+def test_benchmarks_md_indexes_every_benchmark_page():
+    """BENCHMARKS.md (performance claims live there, by the house rule) links every page that holds the figures."""
+    index = (REPO / "BENCHMARKS.md").read_text()
+    pages = sorted(p.relative_to(REPO).as_posix() for p in PAGES.rglob("*.md") if p.name != "index.md")
+    assert len(pages) >= 8
+    assert not [p for p in pages if f"]({p})" not in index], pages
+
+
 def _commands():
-    text = (REPO / "BENCHMARKS.md").read_text()
+    text = "\n".join(p.read_text() for p in sorted(PAGES.rglob("*.md")))
     for block in re.findall(r"```(?:bash)?\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("#")[0].strip()

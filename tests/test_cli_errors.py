@@ -73,3 +73,11 @@ def test_a_config_mistake_is_one_line_and_exit_2(tmp_path, capsys, edit, args, e
     line = _error(capsys, ["fit", "--config", str(config), *args])
     prog, _, message = line.partition(": error: ")  # prog: `lightning-rec fit` (here, in-process, `__main__.py fit`)
     assert prog.endswith(" fit") and message.startswith(expected), line
+
+
+def test_missing_data_files_are_one_line_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """The shipped Criteo config without its files: named in one line by the main process (no rank, no sharding)."""
+    monkeypatch.chdir(tmp_path)
+    line = _error(capsys, ["fit", "--config", "criteo_dlrm", "--trainer.devices=2"])
+    assert "CriteoDataModule: train input 'data/criteo/train.txt' does not exist" in line, line
+    assert not (tmp_path / "lightning_logs").exists()

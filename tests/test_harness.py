@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import REPO, run_ranks
 
 
 def test_one_rank_runs_here_as_a_spawned_rank_would_and_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -70,3 +70,27 @@ def where_am_i(
         "group_size": dist.get_world_size(),
         "pair": pair,
     }
+
+
+def exits_as_told(rank: int, world_size: int, out_dir: Path, code: int = 0) -> dict[str, Any]:
+    """Registers an exit handler (as the strategy does to close its process group), then ends with ``code``."""
+    import atexit
+
+    atexit.register(lambda: (out_dir / f"atexit{rank}").write_text("ran"))
+    if code:
+        raise SystemExit(code)
+    return {"pid": os.getpid()}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_ranks_forked_from_the_zygote_end_as_an_interpreter_does(tmp_path: Path, fresh: bool) -> None:
+    """A rank forked from the zygote (the default) and a fresh interpreter end alike: exit handlers run, and the
+    scenario's exit code is the process's."""
+    from lightning_rec.testing.launch import launch
+
+    ok = launch(exits_as_told, 2, tmp_path / "ok", scenarios=None, pythonpath=[str(REPO)], fresh=fresh)
+    assert [p.returncode for p in ok.processes] == [0, 0] and all(r is not None for r in ok.results)
+    assert [(tmp_path / "ok" / f"atexit{r}").read_text() for r in range(2)] == ["ran", "ran"]
+    bad = launch(exits_as_told, 1, tmp_path / "bad", pythonpath=[str(REPO)], fresh=fresh, code=7)
+    assert [p.returncode for p in bad.processes] == [7] and (tmp_path / "bad" / "atexit0").read_text() == "ran"

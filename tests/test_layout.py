@@ -31,7 +31,13 @@ USER_FACING = [
     "_tables.py",
 ]
 USER_FACING_DIRS = ["models", "data", "serving"]
-MECHANICS = ("lightning_rec._strategy", "lightning_rec._inputs", "lightning_rec.testing.bench", "lightning_rec.testing")
+MECHANICS = (
+    "lightning_rec._strategy",
+    "lightning_rec._planner",
+    "lightning_rec._inputs",
+    "lightning_rec.testing.bench",
+    "lightning_rec.testing",
+)
 
 
 def test_public_api_is_importable_from_the_package_root():
@@ -161,3 +167,38 @@ def test_the_torchrec_internals_compat_relies_on_exist_in_the_installed_torchrec
     with _compat.table_fused_params({weight: {"learning_rate": 0.1}}):
         assert weight._optimizer_kwargs == [{"learning_rate": 0.1}] and weight._optimizer_classes == [None]
     assert not hasattr(weight, "_optimizer_kwargs")  # restored
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each lightning_rec module -> the lightning_rec modules it imports, function-local imports included."""
+    root = Path(lightning_rec.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for _, module, names in _imports(path):
+            if not module.startswith("lightning_rec"):
+                continue
+            targets = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules] or [module]
+            graph[name].update(t for t in targets if t in modules)
+    return graph
+
+
+def test_no_module_imports_itself_back_through_others():
+    """No import cycles, not even ones hidden by function-local imports (issue 37 found data/base <-> data/stream):
+    each module's responsibilities sit above or below another's, never both."""
+    graph = _module_graph()
+    cycles = []
+    for start in graph:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start and len(path) > 1:
+                    cycles.append(" -> ".join([*path, start]))
+                elif nxt not in seen and nxt != "lightning_rec":  # the package root re-exports; it is not a layer
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not cycles, "\n".join(sorted(set(cycles)))

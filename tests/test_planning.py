@@ -16,12 +16,15 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollec
 
 import lightning_rec
 from lightning_rec._cli import run
-from lightning_rec._planning import Cluster, DoesNotFit, plan_cluster, sweep
-from lightning_rec._strategy.plan_file import check_plan, read_plan, to_sharding_plan
-from lightning_rec._strategy.plan_report import PlanReport
-from lightning_rec._strategy.plan_table import plan_rows
+from lightning_rec._planner.cluster import Cluster
+from lightning_rec._planner.files import check_plan, read_plan, to_sharding_plan
+from lightning_rec._planner.fit import DoesNotFit
+from lightning_rec._planner.offline import plan_cluster
+from lightning_rec._planner.report import PlanReport
+from lightning_rec._planner.sweep import sweep
+from lightning_rec._planner.table import plan_rows
+from lightning_rec._planner.topology import DEVICE_PRESETS, make_topology
 from lightning_rec._strategy.sharding_config import ShardingConfig
-from lightning_rec._strategy.topology import DEVICE_PRESETS, make_topology
 from lightning_rec.config import EmbeddingOptimizer, TopologyConfig
 from tests.helpers.dist import run_ranks
 
@@ -145,20 +148,20 @@ def test_plan_file_round_trips_to_the_same_sharding_plan(tmp_path: Path) -> None
 
 
 def _replan(model: Any, sharder: ShardingConfig, cluster: Cluster) -> Any:
-    from lightning_rec._planning import planning_optimizer
+    from lightning_rec._planner.offline import planning_optimizer
+    from lightning_rec._planner.planner import make_plan
 
     emb_opt, per_table = planning_optimizer(model, sharder, cluster.device_type)
-    with sharder.per_table_fused_params(model, per_table):
-        plan, _, _ = sharder._plan(
-            model,
-            emb_opt,
-            cluster.world_size,
-            cluster.devices_per_host,
-            cluster.device_type,
-            None,
-            cluster.device(),
-            None,
-        )
+    request = sharder.request(
+        sharder.inventory(model),
+        emb_opt,
+        per_table,
+        world_size=cluster.world_size,
+        local_world_size=cluster.devices_per_host,
+        device_type=cluster.device_type,
+        preset=cluster.device(),
+    )
+    plan, _ = make_plan(model, request)
     return plan
 
 
@@ -264,7 +267,7 @@ def test_sweep_gives_one_row_per_topology_and_memory_per_rank_falls(tmp_path: Pa
 
 
 def test_a_user_model_plans_with_the_optimizer_fit_would_derive() -> None:
-    from lightning_rec._planning import planning_optimizer
+    from lightning_rec._planner.offline import planning_optimizer
 
     model = _meta(UserModel)
     sharder = ShardingConfig.from_arguments()

@@ -5,7 +5,7 @@ Public: ``lightning_rec`` (the top level), ``.data``, ``.models``, ``.serving``,
 by its name: a module or package whose name starts with an underscore (``_strategy/``, ``_inputs/``, ``_cli.py``,
 ``checkpoint/_layout.py``, ...). Public modules say what they export (``__all__``); the package imports every name
 from the module that defines it (no aliases, no re-export hops); and what users read and copy (the examples, the
-benchmarks, the shipped configs, the README) imports public modules only.
+benchmarks, the shipped configs, the README and the docs site's pages) imports public modules only.
 """
 
 from __future__ import annotations
@@ -194,21 +194,32 @@ def _resolves(name: str) -> bool:
     return False
 
 
+def _doc_pages() -> list[Path]:
+    """The docs site's pages (docs/, the benchmarks included), less the package index's long description."""
+    return sorted(p for p in (REPO / "docs").rglob("*.md") if p.name != "pypi.md")
+
+
 def test_the_readme_names_only_public_modules():
-    """Every dotted ``lightning_rec...`` name in the README (imports, ``python -m``, class paths, prose) is public
-    and resolves; file paths (``lightning_rec/_strategy/...``) point a reader at the source and may be private."""
-    dotted = _dotted_names((REPO / "README.md").read_text())
-    assert dotted
-    private = sorted(d for d in dotted if _is_private(d))
-    assert not private, f"the README names private modules: {private}"
-    unresolved = sorted(d for d in dotted if not _resolves(d))
-    assert not unresolved, f"the README names what does not exist: {unresolved}"
+    """Every dotted ``lightning_rec...`` name in the README and the docs site's pages (imports, ``python -m``, class
+    paths, prose) is public and resolves; file paths (``lightning_rec/_strategy/...``) point a reader at the source and
+    may be private."""
+    readme = _dotted_names((REPO / "README.md").read_text())
+    assert readme
+    dotted = {
+        (path.relative_to(REPO), d)
+        for path in [REPO / "README.md", *_doc_pages()]
+        for d in _dotted_names(path.read_text())
+    }
+    private = sorted(f"{path}: {d}" for path, d in dotted if _is_private(d))
+    assert not private, f"the README or the docs name private modules: {private}"
+    unresolved = sorted(f"{path}: {d}" for path, d in dotted if not _resolves(d))
+    assert not unresolved, f"the README or the docs name what does not exist: {unresolved}"
 
 
 def test_the_names_docstrings_and_docs_point_to_exist():
     """A docstring's or a doc's ``lightning_rec.x.Y`` names a module or attribute that exists, private or not (a
     reference left behind by a move is a dead end for the reader)."""
-    files = [*sorted(PACKAGE.rglob("*.py")), REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
+    files = [*sorted(PACKAGE.rglob("*.py")), REPO / "BENCHMARKS.md", *sorted((REPO / "docs").rglob("*.md"))]
     unresolved = sorted(
         f"{path.relative_to(REPO)}: {name}"
         for path in files

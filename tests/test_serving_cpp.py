@@ -1,4 +1,4 @@
-"""The C++ example (``examples/serve_cpp``) as README's "Serving" section builds and runs it: its bash block runs as
+"""The C++ example (``examples/serve_cpp``) as the Serving page (``docs/serving.md``) builds and runs it: its bash block runs as
 written (from a folder laid out like the repository root: the example, ``.venv``, the artifacts; only the package's
 name differs, its tables being fp32), building once per module against the installed libtorch; the program then serves a trained DeepFM's held-out samples from
 the TorchScript artifact and from the ``.pt2`` package as Python does (the fp32 package: the trained module's
@@ -44,9 +44,9 @@ FBGEMM_GPU_DIR = str(Path(fbgemm_gpu.__file__).parent)
 
 
 def readme_commands() -> str:
-    """README's bash block that builds and runs the C++ example, serving ``model.pt2`` where it names
-    ``model_int8.pt2`` (the package here has fp32 tables: see ``served``)."""
-    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    """README's bash block that builds and runs the C++ example (on the docs site's Serving page, ``docs/serving.md``),
+    serving ``model.pt2`` where it names ``model_int8.pt2`` (the package here has fp32 tables: see ``served``)."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "docs" / "serving.md").read_text(), re.S)
     (block,) = [b for b in blocks if "cmake -S examples/serve_cpp" in b]
     assert block.count(" model_int8.pt2 ") == 1, block
     return block.replace(" model_int8.pt2 ", " model.pt2 ")

@@ -1,21 +1,35 @@
 """The sharding-plan report's picture: memory and cost per rank as bars (``sharding_plan.png``).
 
 Drawn with matplotlib, imported only when a picture is drawn, on its off-screen Agg canvas (no display is touched).
-The report itself: :mod:`lightning_rec._strategy.plan_report`.
+The report itself: :mod:`lightning_rec._planner.report`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
-if TYPE_CHECKING:
-    from lightning_rec._strategy.plan_report import PlanReport
+from lightning_rec._planner.constants import MIB
+from lightning_rec._planner.estimates import RankEstimate
+from lightning_rec._planner.table import PlanRow
 
 __all__ = ["draw_plan_chart"]
 
 
-def draw_plan_chart(report: PlanReport, path: os.PathLike[str] | str) -> None:
+class Charted(Protocol):
+    """What the picture reads of a :class:`~lightning_rec._planner.report.PlanReport` (which draws itself with
+    :func:`draw_plan_chart`, so this module does not import it)."""
+
+    world_size: int
+    device_type: str
+    tables: list[PlanRow]
+    ranks: list[RankEstimate]
+    estimates_available: bool
+
+    def imbalance_text(self) -> str: ...  # noqa: D102
+
+
+def draw_plan_chart(report: Charted, path: os.PathLike[str] | str) -> None:
     """Draw memory and cost per rank of ``report`` as grouped bars on twin axes, titled with the imbalance, into
     the PNG file ``path``.
 
@@ -32,7 +46,7 @@ def draw_plan_chart(report: PlanReport, path: os.PathLike[str] | str) -> None:
     xs = list(range(report.world_size))
     if report.estimates_available:
         width = 0.38
-        mem_mb = [(r.memory_bytes or 0) / 2**20 for r in report.ranks]
+        mem_mb = [(r.memory_bytes or 0) / MIB for r in report.ranks]
         cost = [r.cost or 0.0 for r in report.ranks]
         bars = ax.bar([x - width / 2 for x in xs], mem_mb, width, label="memory (MB)", color="tab:blue")
         twin = ax.twinx()

@@ -2,7 +2,8 @@
 sharded: sharding types and kernels per device (:func:`supported_sharding_types`, :func:`supported_kernels`), the
 user's constraints (:func:`validate_constraints`), quantized comms (:func:`check_qcomms`), managed-collision tables
 (:func:`check_managed_collision`) and variable-batch inputs (:func:`vbe_refusals`). Found by trying each on CPU; the
-sharders and the planner that use it are in :mod:`lightning_rec._strategy.sharding`.
+sharders and the planner that use it are :mod:`lightning_rec._planner.sharders` and
+:mod:`lightning_rec._planner.planner`.
 
 Example::
 
@@ -22,7 +23,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingCon
 from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 from lightning_rec import _compat
-from lightning_rec._tables import embedding_modules
+from lightning_rec._planner.inventory import TableInventory
 from lightning_rec.config import QuantizedComms, TableConstraints
 
 # What TorchRec can train with on each device. TorchRec's EBC sharder lists row_wise, table_row_wise and grid_shard for
@@ -101,7 +102,7 @@ def validate_constraints(
 
     Args:
         constraints: by table name.
-        tables: the model's tables by name (see :func:`embedding_tables`).
+        tables: the model's tables by name (``tables`` of a :class:`~lightning_rec._planner.inventory.TableInventory`).
         device_type: ``"cpu"`` or ``"cuda"``.
 
     Raises:
@@ -187,6 +188,7 @@ def check_managed_collision(
     constraints: Mapping[str, TableConstraints],
     world_size: int,
     device_type: str,
+    tables: TableInventory | None = None,
 ) -> None:
     """Refuse managed-collision modules TorchRec cannot shard here, before any planning, naming the table and why.
 
@@ -196,13 +198,16 @@ def check_managed_collision(
     at the default ``input_hash_size`` (2**63 - 1) is warned about on several ranks: ids are routed to a rank by
     their block of that space, so every realistic id lands on rank 0 and the other ranks' rows stay unused.
 
+    Args:
+        tables: ``module``'s inventory, when the caller took it already (default: taken here).
+
     Raises:
         ValueError: naming every problem.
     """
     from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
 
     problems, default_space = [], []
-    for path, sub in embedding_modules(module, module_types).items():
+    for path, sub in (tables or TableInventory.of(module, module_types)).modules.items():
         if not isinstance(sub, BaseManagedCollisionEmbeddingCollection):
             continue
         for table, mc in _compat.managed_collision_parts(sub)[2].items():

@@ -8,7 +8,7 @@
 - :func:`imbalance`: ``max / mean`` over ranks. 1.0 is perfectly even; on ``N`` ranks it is at most ``N`` (one rank
   carries everything).
 
-The report that carries them: :mod:`lightning_rec._strategy.plan_report`.
+The report that carries them: :mod:`lightning_rec._planner.report`.
 """
 
 from __future__ import annotations

@@ -30,10 +30,10 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
-from lightning_rec._strategy.device_support import supported_kernels, supported_sharding_types
-from lightning_rec._strategy.plan_report import PlanReport
-from lightning_rec._strategy.plan_table import PlanRow
-from lightning_rec._tables import embedding_modules, table_configs
+from lightning_rec._planner.devices import supported_kernels, supported_sharding_types
+from lightning_rec._planner.inventory import TableInventory
+from lightning_rec._planner.report import PlanReport
+from lightning_rec._planner.table import PlanRow
 
 __all__ = ["check_plan", "read_plan", "to_sharding_plan"]
 
@@ -100,9 +100,13 @@ def check_plan(
     local_world_size: int,
     device_type: str,
     owner: str = "RecShardStrategy",
+    tables: TableInventory | None = None,
 ) -> None:
     """Refuse a plan made for another run: another world size, ranks per host or device type, other tables or
     table shapes, or a sharding type or kernel this device cannot train with.
+
+    Args:
+        tables: ``module``'s inventory, when the caller took it already (default: taken here).
 
     Raises:
         ValueError: naming every mismatch, what the plan says and what the run has.
@@ -115,11 +119,7 @@ def check_plan(
     if report.device_type != device_type:
         problems.append(f"it is for {report.device_type}, this run is on {device_type}")
 
-    model_tables = {
-        (path, config.name): config
-        for path, sub in embedding_modules(module, module_types).items()
-        for config in table_configs(sub)
-    }
+    model_tables = (tables or TableInventory.of(module, module_types)).placed
     planned = {(row.module, row.table): row for row in report.tables}
     missing, extra = sorted(set(model_tables) - set(planned)), sorted(set(planned) - set(model_tables))
     missing_at = {name: path for path, name in missing}
@@ -182,7 +182,7 @@ def _covered_shape(row: PlanRow) -> list[int] | None:
 
 
 def _decode_extras(extras: Mapping[str, Any]) -> dict[str, Any]:
-    """``ParameterSharding`` keyword arguments from the report's JSON ``extras`` (see ``plan_table.plan_extras``)."""
+    """``ParameterSharding`` keyword arguments from the report's JSON ``extras`` (see :func:`lightning_rec._planner.table.plan_extras`)."""
     out: dict[str, Any] = {}
     for name, value in extras.items():
         if name == "bounds_check_mode":

@@ -11,7 +11,7 @@ logs (see :func:`write_for_trainer`).
   lookups, the input all-to-all (not part of ``Perf.total``) and the output all-to-all; their sum is ``step_ms``.
   Dense layers are not included.
 - The whole table's shape and each shard's placement, so that the document can be read back as the plan it came
-  from (:mod:`lightning_rec._strategy.plan_file`, ``RecShardStrategy(plan="plan.json")``).
+  from (:mod:`lightning_rec._planner.files`, ``RecShardStrategy(plan="plan.json")``).
 - Imbalance, for memory and for cost: ``max / mean`` over ranks. 1.0 is perfectly even; on ``N`` ranks it is
   at most ``N`` (one rank carries everything). ``null`` when there are no estimates or they are all zero.
 
@@ -19,8 +19,8 @@ The estimates exist only where the planner ran: on rank 0 (TorchRec's ``collecti
 broadcasts the plan, without its estimates), and not at all with a fixed ``plan=``. Without them the per-rank
 numbers and the imbalance are ``null`` and ``estimates_available`` is ``false``.
 
-The per-table rows and their text table: :mod:`lightning_rec._strategy.plan_table`; the per-rank estimates and
-the imbalance: :mod:`lightning_rec._strategy.plan_estimates`; the picture: :mod:`lightning_rec._strategy.plan_chart`.
+The per-table rows and their text table: :mod:`lightning_rec._planner.table`; the per-rank estimates and
+the imbalance: :mod:`lightning_rec._planner.estimates`; the picture: :mod:`lightning_rec._planner.chart`.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from typing import Any
 
 from torchrec.distributed.types import ShardingPlan
 
-from lightning_rec._strategy.plan_chart import draw_plan_chart
-from lightning_rec._strategy.plan_estimates import RankEstimate, all_known, imbalance, rank_estimates
-from lightning_rec._strategy.plan_table import PlanRow, format_rows, plan_rows
+from lightning_rec._planner.chart import draw_plan_chart
+from lightning_rec._planner.constants import MIB
+from lightning_rec._planner.estimates import RankEstimate, all_known, imbalance, rank_estimates
+from lightning_rec._planner.table import PlanRow, format_rows, plan_rows
 
 __all__ = [
     "PlanReport",
@@ -50,7 +51,9 @@ PNG_NAME = "sharding_plan.png"
 
 @dataclass
 class PlanReport:
-    """A sharding plan with the planner's per-rank estimates, as JSON, a PNG chart and a log table.
+    """A sharding plan with the planner's per-rank estimates, as JSON, a PNG chart and a log table: what
+    :func:`lightning_rec.plan_cluster` returns, what ``strategy.plan_report`` holds after ``setup``, and what
+    ``RecShardStrategy(plan="plan.json")`` reads back.
 
     Args:
         world_size: number of ranks.
@@ -64,12 +67,12 @@ class PlanReport:
 
     Example::
 
-        planner = make_planner(world_size=2, device_type="cpu", topology=None, constraints={})
-        plan = planner.plan(ebc, make_sharders({}))
-        report = PlanReport.from_plan(plan, 2, "cpu", _compat.planner_sharding_options(planner))
-        print(report.format_table())
-        report.write_json("sharding_plan.json")
-        report.write_png("sharding_plan.png")
+        report = lightning_rec.plan_cluster(model, strategy.sharding, lightning_rec.Cluster(2, 8, preset="h100"))
+        print(report.format_table())          # per table: sharding, ranks, shards; per rank: memory, cost, step
+        report.max_memory_bytes, report.step_ms, report.imbalance
+        report.write_json("plan.json")        # RecShardStrategy(plan="plan.json") trains with it
+        report.write_png("plan.png")
+        assert PlanReport.read_json("plan.json").to_dict() == report.to_dict()
     """
 
     world_size: int
@@ -104,7 +107,7 @@ class PlanReport:
                 ``perf`` (see ``lightning_rec._compat.planner_sharding_options``); ``None``: no estimates.
             local_world_size: ranks per host the planner was told.
             shapes: each table's ``[rows, cols]`` by name (see
-                :func:`~lightning_rec._strategy.plan_table.table_shapes`), recorded so that a plan read back can be
+                :func:`~lightning_rec._planner.table.table_shapes`), recorded so that a plan read back can be
                 checked against a model.
             batch_size: the planner's per-rank batch size; preset: its device preset's name.
         """
@@ -279,8 +282,8 @@ class PlanReport:
         )
         for r in self.ranks:
             lines.append(
-                f"{r.rank:>4}  {(r.memory_bytes or 0) / 2**20:>11.2f}  {(r.hbm_bytes or 0) / 2**20:>10.2f}  "
-                f"{(r.ddr_bytes or 0) / 2**20:>10.2f}  {r.cost or 0.0:>9.4g}  {r.lookup_ms or 0.0:>11.4g}  "
+                f"{r.rank:>4}  {(r.memory_bytes or 0) / MIB:>11.2f}  {(r.hbm_bytes or 0) / MIB:>10.2f}  "
+                f"{(r.ddr_bytes or 0) / MIB:>10.2f}  {r.cost or 0.0:>9.4g}  {r.lookup_ms or 0.0:>11.4g}  "
                 f"{r.input_dist_ms or 0.0:>14.4g}  {r.output_dist_ms or 0.0:>15.4g}  {r.step_ms or 0.0:>9.4g}"
             )
         lines.append(f"imbalance (max/mean over ranks): {self.imbalance_text()}")
@@ -291,7 +294,7 @@ class PlanReport:
 
         Needs matplotlib (imported here, drawn off-screen with the Agg canvas, so no display is touched).
         Without estimates it draws the number of table shards per rank instead (see
-        :func:`~lightning_rec._strategy.plan_chart.draw_plan_chart`).
+        :func:`~lightning_rec._planner.chart.draw_plan_chart`).
         """
         draw_plan_chart(self, path)
 

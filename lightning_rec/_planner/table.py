@@ -6,7 +6,7 @@
   (:func:`plan_extras`), so that a report can be read back as the plan it came from.
 - :func:`format_rows` / :func:`format_plan`: those rows as a text table.
 
-The per-rank estimates, the JSON document and the picture: :mod:`lightning_rec._strategy.plan_report`.
+The per-rank estimates, the JSON document and the picture: :mod:`lightning_rec._planner.report`.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def plan_rows(plan: ShardingPlan, shapes: Mapping[str, Sequence[int]] | None = N
 
 
 def table_shapes(tables: Mapping[str, BaseEmbeddingConfig]) -> dict[str, list[int]]:
-    """``{table name: [num_embeddings, embedding_dim]}`` of table configs (e.g. :func:`lightning_rec._tables.embedding_tables`)."""
+    """``{table name: [num_embeddings, embedding_dim]}`` of table configs (e.g. ``tables`` of a :class:`lightning_rec._planner.inventory.TableInventory`)."""
     return {name: [c.num_embeddings, c.embedding_dim] for name, c in tables.items()}
 
 

@@ -20,11 +20,10 @@ from dataclasses import dataclass, replace
 from torchrec.distributed.planner.types import Topology
 
 from lightning_rec import _compat
+from lightning_rec._planner.constants import GIB
 from lightning_rec.config import TopologyConfig
 
-__all__ = ["DEVICE_PRESETS", "DevicePreset", "default_preset", "make_topology", "preset_named"]
-
-_GB = 1024**3
+__all__ = ["DEVICE_PRESETS", "DevicePreset", "default_preset", "make_topology", "preset_named", "presets_text"]
 
 
 @dataclass(frozen=True)
@@ -73,8 +72,8 @@ class DevicePreset:
             return None if gb_per_s is None else gb_per_s * 1e9 / 1000
 
         return {
-            "hbm_cap_bytes": None if self.hbm_gb is None else int(self.hbm_gb * _GB),
-            "ddr_cap_bytes": None if self.ddr_gb is None else int(self.ddr_gb * _GB),
+            "hbm_cap_bytes": None if self.hbm_gb is None else int(self.hbm_gb * GIB),
+            "ddr_cap_bytes": None if self.ddr_gb is None else int(self.ddr_gb * GIB),
             "hbm_mem_bw": per_ms(self.hbm_bw),
             "ddr_mem_bw": per_ms(self.ddr_bw),
             "intra_host_bw": per_ms(self.intra_host_bw),
@@ -118,6 +117,20 @@ def preset_named(name: str) -> DevicePreset:
             f"unknown device preset {name!r}. HINT: choose one of {', '.join(DEVICE_PRESETS)}, or give the memory "
             "and device type yourself."
         ) from None
+
+
+def presets_text() -> str:
+    """The device presets in one line (``lightning-rec plan --help``).
+
+    Example::
+
+        >>> presets_text().split("; ")[0]
+        'h100: cuda, 80 GiB HBM, 256 GiB DDR'
+    """
+    return "; ".join(
+        f"{p.name}: {p.device_type}{f', {p.hbm_gb:g} GiB HBM' if p.hbm_gb else ''}, {p.ddr_gb:g} GiB DDR"
+        for p in DEVICE_PRESETS.values()
+    )
 
 
 def default_preset(device_type: str, topology: TopologyConfig | None = None) -> DevicePreset | None:

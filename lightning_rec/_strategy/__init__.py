@@ -7,16 +7,12 @@
 * :mod:`~lightning_rec._strategy.hook_state`: what one hook leaves for another (a backward without a step, ...);
 * :mod:`~lightning_rec._strategy.settings`: which Trainer flags and callbacks a sharded run can honour;
 * :mod:`~lightning_rec._strategy.sharding_config`: the sharding configuration, built once from the strategy's
-  arguments (``strategy.sharding``): check a model, settle the fused optimizer, plan and shard;
-* :mod:`~lightning_rec._strategy.device_support`: what each device can train, and the refusals that name what cannot;
-* :mod:`~lightning_rec._strategy.sharding`: TorchRec's planner (plan on rank 0, broadcast) and the sharders;
+  arguments (``strategy.sharding``): check a model, settle the fused optimizer, ask the planner
+  (:mod:`lightning_rec._planner`: the plan, its report, device support, topology) and shard;
 * :mod:`~lightning_rec._strategy.dmp`: ``DistributedModelParallel``, the unsharded rows copied into the shards;
 * :mod:`~lightning_rec._strategy.unsharded`: the sharded outputs put back in the unsharded module's order;
 * :mod:`~lightning_rec._strategy.optim`: the fused embedding optimizer and :class:`RecOptimizer`;
 * :mod:`~lightning_rec._strategy.pipeline`: the pipelined input distribution inside Lightning's loop;
-* :mod:`~lightning_rec._strategy.plan_report`: the plan with the planner's estimates, as JSON and a log table; the
-  rows and text table in :mod:`~lightning_rec._strategy.plan_table`, the estimates in
-  :mod:`~lightning_rec._strategy.plan_estimates`, the picture in :mod:`~lightning_rec._strategy.plan_chart`;
 * :mod:`~lightning_rec._strategy.faults`: one rank's failure told to the others.
 
 Example::

@@ -18,11 +18,12 @@ from typing_extensions import override
 
 from lightning_rec import _compat
 from lightning_rec._inputs.specs import ModuleInputs
+from lightning_rec._planner.inventory import TableInventory
+from lightning_rec._planner.report import PlanReport
 from lightning_rec._strategy.cpu_lookup import install_cpu_lookup
 from lightning_rec._strategy.optim import is_fused_parameter
-from lightning_rec._strategy.plan_report import PlanReport
 from lightning_rec._strategy.unsharded import capture_weights, output_orders, restore_output_order, restore_weights
-from lightning_rec._tables import embedding_modules, inner_collection
+from lightning_rec._tables import dense_parameter_ids, embedding_modules
 from lightning_rec.config import EmbeddingOptimizer
 
 _SHARDED_STATE_ATTR = "_lightning_rec_sharded"
@@ -61,12 +62,6 @@ class ShardedState:
 
 def _left_behind() -> None:
     return None
-
-
-def dense_parameter_ids(modules: Sequence[nn.Module]) -> frozenset[int]:
-    """The parameters of embedding ``modules`` that are no table's (a feature processor's position weights)."""
-    tables = {id(p) for m in modules for p in (inner_collection(m) or m).parameters()}
-    return frozenset(id(p) for m in modules for p in m.parameters() if id(p) not in tables)
 
 
 def sharded_state(module: nn.Module | None) -> ShardedState | None:
@@ -313,23 +308,21 @@ def shard_module(
 
 
 def prepare_for_optimizers(
-    module: nn.Module, module_types: Sequence[type[nn.Module]], device: torch.device, state: ShardedState | None
+    module: nn.Module, tables: TableInventory, device: torch.device, state: ShardedState | None
 ) -> Callable[[torch.Tensor], bool]:
     """Get ``module`` ready for ``configure_optimizers`` and tell table parameters from dense ones.
 
-    Before the first sharding, the dense part is materialised on ``device`` (tables stay where they are:
-    DMP allocates their shards). A sharded module's tables are the modules its plan names.
+    Before the first sharding, the dense part is materialised on ``device`` (tables, ``tables``' modules, stay where
+    they are: DMP allocates their shards). A sharded module's tables are the modules its plan names.
 
     Returns:
         a predicate: is this parameter (a table's, or a fused TBE view) owned by the embedding optimizer?
     """
     if state is None:
-        emb_modules = list(embedding_modules(module, module_types).values())
-        dense = dense_parameter_ids(emb_modules)
-        ids = {id(p) for m in emb_modules for p in m.parameters() if id(p) not in dense}
-        materialize_dense(module, device, skip=emb_modules)
+        ids = tables.table_parameter_ids
+        materialize_dense(module, device, skip=list(tables.modules.values()))
     else:  # already sharded (e.g. validate, then fit)
-        ids = {id(p) for _, p in table_parameters(module, state.plan, state.dense_ids)}
+        ids = frozenset(id(p) for _, p in table_parameters(module, state.plan, state.dense_ids))
     return lambda p: id(p) in ids or is_fused_parameter(p)
 
 

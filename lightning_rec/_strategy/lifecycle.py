@@ -31,8 +31,8 @@ from torch.optim import Optimizer
 from lightning_rec import _compat
 from lightning_rec._batch import to_device
 from lightning_rec._inputs.checks import InputChecks
+from lightning_rec._planner.devices import vbe_refusals
 from lightning_rec._strategy.batch_counts import BatchCounts
-from lightning_rec._strategy.device_support import vbe_refusals
 from lightning_rec._strategy.dmp import ShardedState, prepare_for_optimizers, sharded_state, unfused_table_parameters
 from lightning_rec._strategy.faults import FailureBoard, close_process_group_at_exit
 from lightning_rec._strategy.optim import RecOptimizer, combine_optimizers
@@ -143,17 +143,26 @@ def shard_with_optimizers(
     if fitting and state is None and layer_sync is not None:
         # Trainer(sync_batchnorm=True), as Lightning's ddp applies it: before the optimizers see the parameters.
         layer_sync.apply(module)  # converts the BatchNorm layers in place (the root is no BatchNorm)
-    is_embedding = prepare_for_optimizers(module, sharding.module_types, device, state)
+    tables = sharding.inventory(module)  # once per setup: every step below reads it
+    is_embedding = prepare_for_optimizers(module, tables, device, state)
     optimizers: list[Optimizer] = []
     lr_scheduler_configs: list[Any] = []
     # `configure_optimizers` is called before sharding: the fused optimizer is part of the sharded kernels.
     if fitting or (state is None and is_overridden("configure_optimizers", module)):
         optimizers, lr_scheduler_configs = _compat._init_optimizers_and_lr_schedulers(module)
-    emb_opt, lr_source, per_table = sharding.embedding_optimizer_for(module, optimizers, is_embedding, device.type)
+    emb_opt, lr_source, per_table = sharding.embedding_optimizer_for(
+        module, optimizers, is_embedding, device.type, tables
+    )
 
     if state is None:
         state = sharding.shard(
-            module, emb_opt, world_size=world_size, num_processes=num_processes, device=device, per_table=per_table
+            module,
+            emb_opt,
+            world_size=world_size,
+            num_processes=num_processes,
+            device=device,
+            per_table=per_table,
+            tables=tables,
         )
     elif fitting:
         sharding.check_sharded_with(state, emb_opt, per_table)  # the fused optimizer is in the kernels
@@ -174,7 +183,7 @@ def shard_with_optimizers(
 
 def input_refusals(state: ShardedState, device_type: str, world_size: int) -> dict[str, str]:
     """The sharded modules that cannot train on a variable-batch KJT with ``state``'s plan and optimizers, and why
-    (see :func:`~lightning_rec._strategy.device_support.vbe_refusals`)."""
+    (see :func:`~lightning_rec._planner.devices.vbe_refusals`)."""
     names = sorted({o.name for o in [state.embedding_optimizer, *state.table_optimizers.values()]})
     return vbe_refusals(state.plan, names, device_type, world_size)
 

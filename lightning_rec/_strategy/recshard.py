@@ -20,7 +20,7 @@ are split across ranks:
 The mechanics live in :mod:`lightning_rec._strategy.lifecycle` (the work of ``setup_environment``, ``setup`` and
 ``batch_to_device``), :mod:`lightning_rec._strategy.sharding_config` (the sharding configuration, built once from the
 arguments: ``strategy.sharding``), :mod:`lightning_rec._strategy.dmp`, :mod:`lightning_rec._strategy.optim`,
-:mod:`lightning_rec._strategy.plan_report` and :mod:`lightning_rec.checkpoint`; what one hook leaves for another is in
+:mod:`lightning_rec._planner` (the plan and its report) and :mod:`lightning_rec.checkpoint`; what one hook leaves for another is in
 :mod:`lightning_rec._strategy.hook_state`; this file is the list of Lightning hooks.
 """
 
@@ -52,6 +52,7 @@ from typing_extensions import override
 from lightning_rec import _compat
 from lightning_rec._batch import custom_batch_hooks
 from lightning_rec._inputs.checks import InputChecks
+from lightning_rec._planner.report import PlanReport, write_for_trainer
 from lightning_rec._strategy.batch_counts import BatchCounts
 from lightning_rec._strategy.checkpoint_dirs import check_writable, resolve_last_checkpoint, unwritable
 from lightning_rec._strategy.dmp import ManualOptimizationRedirection, dense_ddp, sharded_state
@@ -67,7 +68,6 @@ from lightning_rec._strategy.lifecycle import (
 from lightning_rec._strategy.notebook import NotebookLauncher
 from lightning_rec._strategy.optim import RecOptimizer
 from lightning_rec._strategy.pipeline import SparseDistPipeline, check_pipelinable
-from lightning_rec._strategy.plan_report import PlanReport, write_for_trainer
 from lightning_rec._strategy.preemption import Preemption
 from lightning_rec._strategy.quiet import silence_proven_harmless
 from lightning_rec._strategy.settings import check_fit, check_precision, raised_in, toggle_optimizer_error
@@ -143,7 +143,7 @@ class RecShardStrategy(ParallelStrategy):
             ``False`` keeps FBGEMM's forward. No effect on CUDA.
         report_plan: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
             the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``; without
-            a logger nothing is written (see :mod:`lightning_rec._strategy.plan_report`). The plan is logged as a table either
+            a logger nothing is written (see :mod:`lightning_rec._planner.report`). The plan is logged as a table either
             way. A report that cannot be written only warns.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: set by the
             Trainer, as for any Lightning strategy.
@@ -153,7 +153,7 @@ class RecShardStrategy(ParallelStrategy):
             ``embedding_optimizer``, ``fused_params``, ``bounds_check``, ``static_graph``, ``find_unused_parameters``,
             ``qcomms`` and ``fast_cpu_lookup`` (typed: dicts became configs, ``bounds_check`` is in ``fused_params``);
             read them there, e.g. ``strategy.sharding.constraints``
-            (:class:`~lightning_rec._strategy.sharding_config.ShardingConfig`).
+            (:class:`~lightning_rec.ShardingConfig`).
 
     Example::
 
@@ -329,7 +329,8 @@ class RecShardStrategy(ParallelStrategy):
 
     @property
     def plan_report(self) -> PlanReport | None:
-        """The sharding-plan report (tables, shards, topology, planner estimates; available after setup)."""
+        """The sharding-plan report (tables, shards, topology, planner estimates; available after setup): a
+        :class:`~lightning_rec.PlanReport`."""
         state = sharded_state(self.lightning_module)
         return state.report if state is not None else None
 

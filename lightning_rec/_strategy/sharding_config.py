@@ -1,7 +1,8 @@
 """What the user asked of the sharding (tables' constraints, the machine's topology, extra sharders, a fixed plan,
 the fused optimizer, FBGEMM's arguments), normalised once, and the steps that use it: check a model against it,
-settle the fused embedding optimizer, plan on rank 0 and shard. :class:`~lightning_rec.RecShardStrategy` builds one
-from its arguments (``strategy.sharding``) and calls it from its hooks; it knows nothing of Lightning's loop.
+settle the fused embedding optimizer, ask the planner (one :class:`~lightning_rec._planner.request.PlanRequest`, see
+:mod:`lightning_rec._planner`) and shard. :class:`~lightning_rec.RecShardStrategy` builds one from its arguments
+(``strategy.sharding``) and calls it from its hooks; it knows nothing of Lightning's loop.
 
 Not to be confused with TorchRec's ``ModuleSharder`` objects: those are one of its fields (``sharders``).
 
@@ -9,8 +10,10 @@ Example::
 
     sharding = ShardingConfig.from_arguments(constraints={"t_item": {"sharding_types": ["column_wise"]}})
     sharding.check_model(model, device_type="cpu")                  # before any distributed work
-    emb_opt, lr_source, per_table = sharding.embedding_optimizer_for(model, optimizers, is_embedding, "cpu")
-    state = sharding.shard(model, emb_opt, world_size=2, num_processes=2, device=torch.device("cpu"), per_table=per_table)
+    tables = sharding.inventory(model)                              # the tables, walked once per setup
+    emb_opt, lr_source, per_table = sharding.embedding_optimizer_for(model, optimizers, is_embedding, "cpu", tables)
+    state = sharding.shard(model, emb_opt, world_size=2, num_processes=2, device=torch.device("cpu"),
+                           per_table=per_table, tables=tables)
 """
 
 from __future__ import annotations
@@ -26,13 +29,18 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from lightning_rec import _compat
 from lightning_rec._inputs.specs import input_specs
-from lightning_rec._strategy.device_support import check_managed_collision, check_qcomms, validate_constraints
+from lightning_rec._planner.devices import check_qcomms, validate_constraints
+from lightning_rec._planner.files import read_plan, to_sharding_plan
+from lightning_rec._planner.inventory import TableInventory
+from lightning_rec._planner.planner import make_plan
+from lightning_rec._planner.report import PlanReport
+from lightning_rec._planner.request import PlanRequest
+from lightning_rec._planner.sharders import make_sharders
+from lightning_rec._planner.topology import DevicePreset
 from lightning_rec._strategy.dmp import ShardedState, shard_module
 from lightning_rec._strategy.optim import (
     TableOptimizers,
@@ -40,13 +48,8 @@ from lightning_rec._strategy.optim import (
     optimizer_state_class,
     resolve_embedding_optimizer,
 )
-from lightning_rec._strategy.plan_file import check_plan, read_plan, to_sharding_plan
-from lightning_rec._strategy.plan_report import PlanReport
-from lightning_rec._strategy.plan_table import table_shapes
 from lightning_rec._strategy.quiet import torchrec_noise_silenced
-from lightning_rec._strategy.sharding import make_sharders, plan_module
-from lightning_rec._strategy.topology import DevicePreset, default_preset
-from lightning_rec._tables import embedding_tables, sharded_module_types, table_weights
+from lightning_rec._tables import sharded_module_types
 from lightning_rec.config import BoundsCheck, EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig
 
 __all__ = ["ShardingConfig"]
@@ -55,7 +58,16 @@ __all__ = ["ShardingConfig"]
 @dataclass
 class ShardingConfig:
     """The strategy's sharding configuration (see :class:`~lightning_rec.RecShardStrategy`'s arguments of the same
-    names) and the steps it drives. Build it with :meth:`from_arguments`, which accepts YAML-shaped dicts."""
+    names) and the steps it drives. Build it with :meth:`from_arguments`, which accepts YAML-shaped dicts; a strategy
+    holds its own as ``strategy.sharding``, and :func:`lightning_rec.plan_cluster` plans with one.
+
+    Example::
+
+        sharding = RecShardStrategy(constraints={"t_item": {"sharding_types": ["column_wise"]}}).sharding
+        sharding.constraints["t_item"].sharding_types                   # ['column_wise']
+        sharding = ShardingConfig.from_arguments(topology={"preset": "h100"}, qcomms="fp16")
+        report = lightning_rec.plan_cluster(model, sharding, lightning_rec.Cluster(2, 8, preset="h100"))
+    """
 
     constraints: dict[str, TableConstraints] = field(default_factory=dict)
     topology: TopologyConfig | None = None
@@ -89,7 +101,7 @@ class ShardingConfig:
     ) -> ShardingConfig:
         """The configuration from the strategy's arguments: dicts become the typed configs, ``bounds_check``
         becomes FBGEMM's ``bounds_check_mode`` (under any ``fused_params`` the user gave), a ``plan`` path is read
-        (see :func:`~lightning_rec._strategy.plan_file.read_plan`)."""
+        (see :func:`~lightning_rec._planner.files.read_plan`)."""
         plan_file = read_plan(plan, owner) if isinstance(plan, (str, os.PathLike)) else None
         return cls(
             constraints={
@@ -120,13 +132,14 @@ class ShardingConfig:
         """The module types that get sharded (see :func:`lightning_rec._tables.sharded_module_types`)."""
         return sharded_module_types(self.sharders)
 
-    def tables(self, module: nn.Module) -> dict[str, BaseEmbeddingConfig]:
-        """Every table of ``module`` that gets sharded, by name."""
-        return embedding_tables(module, self.module_types)
+    def inventory(self, module: nn.Module) -> TableInventory:
+        """``module``'s tables that get sharded, walked once (see
+        :class:`~lightning_rec._planner.inventory.TableInventory`): take it once per setup and pass it on."""
+        return TableInventory.of(module, self.module_types)
 
     def check_model(self, module: nn.Module, device_type: str) -> None:
         """Warn about a model without tables; check the constraints against its tables and ``device_type``."""
-        tables = self.tables(module)
+        tables = self.inventory(module).tables
         if not tables:
             rank_zero_warn(
                 f"{self.owner}: {type(module).__name__} has no EmbeddingBagCollection or "
@@ -138,20 +151,27 @@ class ShardingConfig:
         check_qcomms(self.qcomms, tables, self.constraints, device_type)
 
     def embedding_optimizer_for(
-        self, module: nn.Module, optimizers: list[Optimizer], is_embedding: Callable[[Tensor], bool], device_type: str
+        self,
+        module: nn.Module,
+        optimizers: list[Optimizer],
+        is_embedding: Callable[[Tensor], bool],
+        device_type: str,
+        tables: TableInventory | None = None,
     ) -> tuple[EmbeddingOptimizer, dict[str, Any] | None, TableOptimizers | None]:
         """The fused optimizer (the module's ``configure_embedding_optimizer()``, this configuration's, or derived
         from ``optimizers``), the param group whose learning rate it follows (``None``: its own), and each table's own
-        when the tables sit in several param groups (see :func:`~lightning_rec._strategy.optim.resolve_embedding_optimizer`)."""
+        when the tables sit in several param groups (see :func:`~lightning_rec._strategy.optim.resolve_embedding_optimizer`).
+        ``tables``: ``module``'s inventory (default: taken here)."""
+        tables = tables or self.inventory(module)
         declared = getattr(module, "configure_embedding_optimizer", lambda: None)() or self.embedding_optimizer
         return resolve_embedding_optimizer(
             optimizers,
             is_embedding,
             declared=declared,
-            has_tables=bool(self.tables(module)),
+            has_tables=bool(tables.tables),
             device_type=device_type,
             owner=self.owner,
-            table_weights=table_weights(module, self.module_types),
+            table_weights=tables.weights,
         )
 
     def shard(
@@ -163,34 +183,43 @@ class ShardingConfig:
         num_processes: int,
         device: torch.device,
         per_table: TableOptimizers | None = None,
+        tables: TableInventory | None = None,
     ) -> ShardedState:
         """Plan (rank 0, broadcast; or this configuration's ``plan``, checked against this run first), log the plan,
         and shard ``module`` in place with DMP (see :func:`lightning_rec._strategy.dmp.shard_module`); ``per_table``:
-        tables trained by their own fused optimizer (TorchRec groups tables by their fused parameters)."""
+        tables trained by their own fused optimizer (TorchRec groups tables by their fused parameters); ``tables``:
+        ``module``'s inventory (default: taken here)."""
         pg = dist.group.WORLD if _compat._distributed_is_initialized() else None
-        local_world_size = (self.topology or TopologyConfig()).ranks_per_host(num_processes)
-        with self.per_table_fused_params(module, per_table), torchrec_noise_silenced():
-            plan, report, sharders = self._plan(
-                module, embedding_optimizer, world_size, local_world_size, device.type, pg, None, None
-            )
+        tables = tables or self.inventory(module)
+        request = self.request(
+            tables,
+            embedding_optimizer,
+            per_table,
+            world_size=world_size,
+            local_world_size=num_processes,
+            device_type=device.type,
+        )
+        with torchrec_noise_silenced():
+            plan, report = make_plan(module, request, pg)
             rank_zero_info(
-                f"{self.owner}: sharding plan over {world_size} rank(s), {local_world_size} per host\n"
+                f"{self.owner}: sharding plan over {world_size} rank(s), {request.ranks_per_host} per host\n"
                 f"{report.format_table()}"
             )
-            state = shard_module(
-                module,
-                plan,
-                sharders,
-                device,
-                pg,
-                embedding_optimizer=embedding_optimizer,
-                report=report,
-                inputs=input_specs(module, self.module_types),
-                module_types=self.module_types,
-                static_graph=self.static_graph,
-                find_unused_parameters=self.find_unused_parameters,
-                fast_cpu_lookup=self.fast_cpu_lookup,
-            )
+            with _compat.table_fused_params(request.table_fused_params):  # the sharders build each table's kernels
+                state = shard_module(
+                    module,
+                    plan,
+                    list(request.sharders),
+                    device,
+                    pg,
+                    embedding_optimizer=embedding_optimizer,
+                    report=report,
+                    inputs=input_specs(module, self.module_types),
+                    module_types=self.module_types,
+                    static_graph=self.static_graph,
+                    find_unused_parameters=self.find_unused_parameters,
+                    fast_cpu_lookup=self.fast_cpu_lookup,
+                )
         state.table_optimizers = {t: opt for t, (opt, _) in (per_table or {}).items()}
         return state
 
@@ -214,6 +243,45 @@ class ShardingConfig:
                 "uses the same one, or build a fresh model."
             )
 
+    def request(
+        self,
+        tables: TableInventory,
+        embedding_optimizer: EmbeddingOptimizer,
+        per_table: TableOptimizers | None = None,
+        *,
+        world_size: int,
+        local_world_size: int,
+        device_type: str,
+        preset: DevicePreset | None = None,
+        batch_size: int | None = None,
+    ) -> PlanRequest:
+        """What the planner is asked for ``tables`` under this configuration: ``world_size`` ranks,
+        ``local_world_size`` per host as launched, on ``device_type``, the tables trained by ``embedding_optimizer``
+        (``per_table``: those with one of their own); ``preset``/``batch_size`` replace the topology's.
+
+        Raises:
+            ValueError: an extra sharder whose fused optimizer differs from ``embedding_optimizer`` (see
+                :func:`~lightning_rec._planner.sharders.make_sharders`).
+        """
+        own = self.table_fused_params(tables, per_table)
+        return PlanRequest(
+            tables=tables,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            device_type=device_type,
+            sharders=self.sharders_for(embedding_optimizer),
+            constraints=self.constraints,
+            topology=self.topology,
+            qcomms=self.qcomms,
+            preset=preset,
+            batch_size=batch_size,
+            table_fused_params=own,
+            optimizer_states=self.optimizer_state_classes(tables, embedding_optimizer, own),
+            plan=self.plan,
+            plan_file=self.plan_file,
+            owner=self.owner,
+        )
+
     def plan_for(
         self,
         module: nn.Module,
@@ -225,6 +293,7 @@ class ShardingConfig:
         per_table: TableOptimizers | None = None,
         preset: DevicePreset | None = None,
         batch_size: int | None = None,
+        tables: TableInventory | None = None,
     ) -> PlanReport:
         """The plan (with the planner's estimates) :meth:`shard` would make for ``world_size`` ranks,
         ``local_world_size`` per host, on ``device_type``, made here in this process, without any process group:
@@ -233,14 +302,22 @@ class ShardingConfig:
         Raises:
             torchrec.distributed.planner.types.PlannerError: if the tables do not fit.
         """
-        with self.per_table_fused_params(module, per_table), torchrec_noise_silenced():
-            return self._plan(
-                module, embedding_optimizer, world_size, local_world_size, device_type, None, preset, batch_size
-            )[1]
+        request = self.request(
+            tables or self.inventory(module),
+            embedding_optimizer,
+            per_table,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            device_type=device_type,
+            preset=preset,
+            batch_size=batch_size,
+        )
+        with torchrec_noise_silenced():
+            return make_plan(module, request)[1]
 
     def sharders_for(self, embedding_optimizer: EmbeddingOptimizer) -> list[ModuleSharder[nn.Module]]:
         """The sharders of every table module, with ``embedding_optimizer`` and this configuration's FBGEMM
-        arguments and quantized comms (see :func:`~lightning_rec._strategy.sharding.make_sharders`)."""
+        arguments and quantized comms (see :func:`~lightning_rec._planner.sharders.make_sharders`)."""
         return make_sharders(
             {**embedding_optimizer.to_fused_params(), **self.fused_params},
             self.sharders,
@@ -248,78 +325,28 @@ class ShardingConfig:
             qcomms=self.qcomms,
         )
 
-    def optimizer_state_classes(self, module: nn.Module, embedding_optimizer: EmbeddingOptimizer) -> dict[Any, Any]:
+    def optimizer_state_classes(
+        self,
+        tables: TableInventory,
+        embedding_optimizer: EmbeddingOptimizer,
+        own: Mapping[Tensor, Mapping[str, Any]] | None = None,
+    ) -> dict[Tensor, type | None]:
         """Each table weight's optimizer class as TorchRec's planner counts its state: the table's own fused
-        optimizer (see :meth:`per_table_fused_params`) or ``embedding_optimizer``."""
+        optimizer (``own``, see :meth:`table_fused_params`; else one the weight already names) or
+        ``embedding_optimizer``."""
         default = embedding_optimizer.to_fused_params().get("optimizer")
-        classes = {}
-        for weight in table_weights(module, self.module_types).values():
-            own = (getattr(weight, "_optimizer_kwargs", None) or [{}])[0] or {}
-            classes[weight] = optimizer_state_class(own.get("optimizer", default))
+        given = {id(w): fused for w, fused in (own or {}).items()}
+        classes: dict[Tensor, type | None] = {}
+        for weight in tables.weights.values():
+            fused = given.get(id(weight)) or (getattr(weight, "_optimizer_kwargs", None) or [{}])[0] or {}
+            classes[weight] = optimizer_state_class(fused.get("optimizer", default))
         return classes
 
-    def per_table_fused_params(self, module: nn.Module, per_table: TableOptimizers | None) -> Any:
-        """A context in which TorchRec's sharders see each of ``per_table``'s tables with its own fused optimizer
-        (see :func:`lightning_rec._compat.table_fused_params`); planning and sharding run inside it."""
-        own: dict[Tensor, Mapping[str, Any]] = {}
-        if per_table:
-            weights = table_weights(module, self.module_types)
-            own = {weights[t]: opt.to_fused_params() for t, (opt, _) in per_table.items() if t in weights}
-        return _compat.table_fused_params(own)
-
-    def _plan(
-        self,
-        module: nn.Module,
-        embedding_optimizer: EmbeddingOptimizer,
-        world_size: int,
-        local_world_size: int,
-        device_type: str,
-        pg: dist.ProcessGroup | None,
-        preset: DevicePreset | None,
-        batch_size: int | None,
-    ) -> tuple[ShardingPlan, PlanReport, list[ModuleSharder[nn.Module]]]:
-        sharders = self.sharders_for(embedding_optimizer)
-        check_managed_collision(module, self.module_types, self.constraints, world_size, device_type)
-        if self.plan_file is not None:
-            check_plan(
-                self.plan_file,
-                module,
-                self.module_types,
-                world_size=world_size,
-                local_world_size=local_world_size,
-                device_type=device_type,
-                owner=self.owner,
-            )
-        if self.plan is not None:
-            report = self.plan_file or PlanReport.from_plan(
-                self.plan, world_size, device_type, None, local_world_size, shapes=table_shapes(self.tables(module))
-            )
-            return self.plan, report, sharders
-        chosen = preset or default_preset(device_type, self.topology)
-        batch_size = batch_size or (self.topology.batch_size if self.topology else None) or BATCH_SIZE
-        with _compat.optimizer_state_for_planner(self.optimizer_state_classes(module, embedding_optimizer)):
-            plan, options = plan_module(
-                module,
-                sharders,
-                module_types=self.module_types,
-                constraints=self.constraints,
-                topology=self.topology,
-                world_size=world_size,
-                local_world_size=local_world_size,
-                device_type=device_type,
-                pg=pg,
-                qcomms=self.qcomms,
-                preset=chosen,
-                batch_size=batch_size,
-            )
-        report = PlanReport.from_plan(
-            plan,
-            world_size,
-            device_type,
-            options,
-            local_world_size,
-            shapes=table_shapes(self.tables(module)),
-            batch_size=batch_size,
-            preset=chosen.name if chosen is not None else None,
-        )
-        return plan, report, sharders
+    def table_fused_params(
+        self, tables: TableInventory, per_table: TableOptimizers | None
+    ) -> dict[Tensor, Mapping[str, Any]]:
+        """Each table weight trained by a fused optimizer of its own (``per_table``), with that optimizer's fused
+        parameters: what TorchRec's sharders read from the weight while planning and sharding."""
+        if not per_table:
+            return {}
+        return {tables.weights[t]: opt.to_fused_params() for t, (opt, _) in per_table.items() if t in tables.weights}

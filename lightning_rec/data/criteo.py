@@ -415,9 +415,14 @@ class CriteoDataModule(RecDataModule):
         self.files = {"train": train, "val": val, "test": test, "predict": predict if predict is not None else test}
         self.layout = layout
         self.sizes = _table_sizes(num_embeddings)
-        for name, patterns in self.files.items():  # a missing file is named here, before any rank starts
+
+    def check_files(self) -> None:
+        """Name a missing input (``FileNotFoundError``) now: ``lightning-rec fit/validate/test/predict`` calls it in
+        the main process, before any rank starts or table is sharded (planning, ``lightning-rec plan``, needs no
+        files)."""
+        for name, patterns in self.files.items():
             if patterns:
-                _resolve(patterns, layout, name)
+                _resolve(patterns, self.layout, name)
 
     @property
     def sparse_features(self) -> list[SparseFeature]:

@@ -325,16 +325,13 @@ def _served_by(served: int, counts: Sequence[int]) -> tuple[list[int], int]:
 
 
 def _worker_context() -> Any:
-    """How the stream's workers start: forked from a fork server that imported this package once (a spawned worker
-    imports torch, TorchRec and the package itself, ~4 s of CPU each: twice per loader with two workers); where
-    there is no fork server, spawned. Never forked from the main process: its gloo threads could deadlock a fork."""
-    import torch.multiprocessing as mp
+    """How the stream's workers start: forked from the package's fork server (:mod:`lightning_rec._forkserver`: a
+    spawned worker imports torch, TorchRec and the package itself, ~4 s of CPU each: twice per loader with two
+    workers); where there is none, spawned. Never forked from the main process: its gloo threads could deadlock a
+    fork."""
+    from lightning_rec._forkserver import forkserver_context
 
-    if "forkserver" not in mp.get_all_start_methods():
-        return "spawn"
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["lightning_rec.data.tabular"])  # ignored if this process's fork server already runs
-    return ctx
+    return forkserver_context() or "spawn"
 
 
 class StreamLoader(ResumableLoader):

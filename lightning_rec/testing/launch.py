@@ -160,6 +160,7 @@ def launch(
     command: list[str] | None = None,
     scenarios: str | None = None,
     pythonpath: Sequence[str] = (),
+    fresh: bool = False,
     **config: Any,
 ) -> Launch:
     """Start ``scenario`` (a top-level function, ``"module:function"``, or a function name in the module
@@ -183,6 +184,9 @@ def launch(
         wait_for: names of the processes to wait for (default: all); the others are killed once these ended.
         scenarios: the module of the scenarios named without a module.
         pythonpath: folders the ranks need on their path to import the scenarios (e.g. a repository's root).
+        fresh: start each rank as a new interpreter (``python -m lightning_rec.testing.worker``) even where it could
+            be forked from the zygote (see :class:`_ForkedRank`): for what an interpreter's own start or exit
+            decides (its finalisation at exit, modules imported at start, timings of a cold start).
         config: keyword arguments of the scenario (JSON).
 
     Returns:
@@ -202,14 +206,19 @@ def launch(
         "PYTHONWARNINGS": "ignore",
         "PYTHONPATH": os.pathsep.join(filter(None, [*map(str, pythonpath), os.environ.get("PYTHONPATH")])),
     }
-    procs, logs, ended = {}, {}, {}
+    procs: dict[str, Any] = {}
+    logs, ended = {}, {}
     worker = command or _worker_command(scenario, out_dir, config, scenarios)
+    forked = not fresh and command is None and launcher != "torchrun" and _zygote() is not None
     for name, (argv, env) in _commands(launcher, worker, world_size, nodes).items():
         logs[name] = open(out_dir / f"{scenario}.{name}.log", "w")
         # Each rank works in the test's directory (anything written to the cwd lands there).
-        procs[name] = subprocess.Popen(
-            argv, env={**base_env, **env}, cwd=out_dir, stdout=logs[name], stderr=subprocess.STDOUT
-        )
+        if forked:
+            procs[name] = _ForkedRank(argv[1:], {**base_env, **env}, out_dir, Path(logs[name].name))
+        else:
+            procs[name] = subprocess.Popen(
+                argv, env={**base_env, **env}, cwd=out_dir, stdout=logs[name], stderr=subprocess.STDOUT
+            )
 
     def watch(name: str) -> None:
         procs[name].wait()
@@ -256,6 +265,7 @@ def run_ranks(
     nodes: int = 1,
     scenarios: str | None = None,
     pythonpath: Sequence[str] = (),
+    fresh: bool = False,
     **config: Any,
 ) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world_size`` ranks (see :func:`launch`) and expect every process to succeed.
@@ -275,6 +285,7 @@ def run_ranks(
         timeout=timeout,
         scenarios=scenarios,
         pythonpath=pythonpath,
+        fresh=fresh,
         **config,
     )
     results = [r for r in run.results if r is not None]
@@ -285,3 +296,87 @@ def run_ranks(
             + "\n".join(f"----- {p.name} -----\n{p.log[-6000:]}" for p in run.processes)
         )
     return results
+
+
+# --- Ranks forked from a zygote --------------------------------------------------------------------------------------
+# A rank started as a new interpreter spends ~4 s of CPU importing torch, TorchRec, FBGEMM and Lightning before its
+# scenario starts; a suite launches a few hundred. The zygote is multiprocessing's fork server with those imported
+# once (its preload); each rank is forked from it: a real process of its own (its pid takes signals, its exit code is
+# its scenario's), with the launcher's environment, working directory, log file and `sys.path`, and no thread or
+# process group inherited (the fork server never runs one). At its end it runs what an interpreter runs at exit
+# (non-daemon threads joined, atexit handlers), but not the interpreter's own finalisation: `fresh=True` for that.
+# LIGHTNING_REC_FRESH_RANKS=1 starts every rank as a new interpreter.
+
+
+def _zygote() -> Any:
+    """The fork server's multiprocessing context (:mod:`lightning_rec._forkserver`), or ``None`` where there is none
+    or LIGHTNING_REC_FRESH_RANKS=1."""
+    if os.environ.get("LIGHTNING_REC_FRESH_RANKS") == "1":
+        return None
+    from lightning_rec._forkserver import forkserver_context
+
+    return forkserver_context()
+
+
+def _run_forked(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
+    """In the forked rank: become ``python <argv>`` started with ``env`` in ``cwd``, writing to ``log``."""
+    import runpy
+    import warnings
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if env.get("PYTHONWARNINGS") == "ignore":
+        warnings.simplefilter("ignore")
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    assert argv[0] == "-m", argv
+    sys.argv = [argv[1], *argv[2:]]
+    code: Any = 0
+    try:
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        from lightning_rec import _compat
+
+        _compat.interpreter_exit()  # as the interpreter ends: threads told to stop and joined, then atexit handlers
+    if code not in (0, None):
+        raise SystemExit(code)
+
+
+class _ForkedRank:
+    """A rank forked from the zygote, with the part of ``subprocess.Popen``'s interface :func:`launch` uses."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> None:
+        context = _zygote()
+        self._process = context.Process(target=_run_forked, args=(argv, env, str(cwd), str(log)), daemon=False)
+        self._process.start()
+        self.pid = self._process.pid
+        self._lock = threading.Lock()  # the exit status is read from one pipe: one reader at a time
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        with self._lock:
+            self._process.join(0)
+        return self._process.exitcode
+
+    def wait(self) -> int | None:
+        while self.poll() is None:
+            with self._lock:
+                self._process.join(0.05)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()

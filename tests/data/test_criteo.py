@@ -247,16 +247,16 @@ def test_errors_name_the_file_and_line(tmp_path: Path) -> None:
 
 
 def test_missing_inputs_and_bad_config(tmp_path: Path) -> None:
-    """Missing inputs are named when the DataModule is built (in the main process, before any rank starts)."""
+    """Missing inputs are named by ``check_files`` (the CLI calls it before any rank starts) and by the loaders."""
     with pytest.raises(FileNotFoundError, match=r"train input '.*nope\.txt' does not exist; expected a Criteo TSV"):
-        CriteoDataModule(train=[str(tmp_path / "nope.txt")])
+        CriteoDataModule(train=[str(tmp_path / "nope.txt")]).check_files()
     with pytest.raises(FileNotFoundError, match=r"val pattern '.*day_\*\.gz' matches no file"):
-        CriteoDataModule(val=[str(tmp_path / "day_*.gz")])
+        CriteoDataModule(val=[str(tmp_path / "day_*.gz")]).val_dataloader()
     write_criteo_tsv(tmp_path / "d.txt", 20)
     tsv_to_npy(tmp_path / "d.txt", tmp_path / "day_0")
     (tmp_path / "day_0_sparse.npy").unlink()
     with pytest.raises(FileNotFoundError, match=r"day_0_sparse\.npy' does not exist; expected the \.npy set"):
-        CriteoDataModule(test=[str(tmp_path / "day_0")])
+        CriteoDataModule(test=[str(tmp_path / "day_0")]).check_files()
     np.save(tmp_path / "day_0_sparse.npy", np.zeros((20, 25), dtype=np.int64))
     with pytest.raises(ValueError, match=r"day_0_\*\.npy have shapes .*\(20, 25\)"):
         CriteoNpyDataset([tmp_path / "day_0"])

@@ -14,9 +14,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
+from lightning_rec._planner.table import plan_rows
 from lightning_rec._strategy.faults import close_process_group_at_exit
 from lightning_rec._strategy.optim import is_fused_parameter
-from lightning_rec._strategy.plan_table import plan_rows
 from lightning_rec.testing import QUIET_TRAINER, deterministic_init
 from tests.helpers.models import RecModel, as_format, local_weights, make_batches, save_weights
 

@@ -367,7 +367,7 @@ def test_raw_ids_are_checked_against_the_hash_space_not_the_table(tmp_path):
     ],
 )
 def test_managed_collision_tables_torchrec_cannot_shard_are_refused_before_planning(kwargs, constraints, message):
-    from lightning_rec._strategy.device_support import check_managed_collision
+    from lightning_rec._planner.devices import check_managed_collision
     from lightning_rec._tables import TABLE_MODULE_TYPES
     from lightning_rec.config import TableConstraints
 
@@ -385,7 +385,7 @@ def test_torchrecs_own_zch_test_model_trains_and_its_single_bucket_is_refused_on
 
     from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
 
-    from lightning_rec._strategy.device_support import check_managed_collision
+    from lightning_rec._planner.devices import check_managed_collision
     from lightning_rec._tables import TABLE_MODULE_TYPES
     from tests.strategy.test_torchrec_models import TorchRecModel
 

@@ -22,11 +22,13 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_rec import _compat
-from lightning_rec._strategy import plan_estimates, plan_report
-from lightning_rec._strategy.plan_estimates import imbalance
-from lightning_rec._strategy.plan_report import PlanReport, write_plan_report
-from lightning_rec._strategy.plan_table import plan_rows
-from lightning_rec._strategy.sharding import make_planner, make_sharders
+from lightning_rec._planner import estimates as plan_estimates
+from lightning_rec._planner import report as plan_report
+from lightning_rec._planner.estimates import imbalance
+from lightning_rec._planner.planner import make_planner
+from lightning_rec._planner.report import PlanReport, write_plan_report
+from lightning_rec._planner.sharders import make_sharders
+from lightning_rec._planner.table import plan_rows
 from lightning_rec.config import TableConstraints
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import RecModel

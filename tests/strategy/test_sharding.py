@@ -7,9 +7,9 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-from lightning_rec._strategy.device_support import supported_sharding_types, validate_constraints
-from lightning_rec._strategy.plan_table import format_plan, plan_rows
-from lightning_rec._strategy.sharding import make_planner
+from lightning_rec._planner.devices import supported_sharding_types, validate_constraints
+from lightning_rec._planner.planner import make_planner
+from lightning_rec._planner.table import format_plan, plan_rows
 from lightning_rec._tables import embedding_tables
 from lightning_rec.config import TableConstraints
 from tests.helpers.models import RecModel, tables

@@ -398,7 +398,7 @@ def test_a_sharder_the_user_passes_keeps_the_optimizer_of_configure_optimizers(t
 def test_a_sharder_with_another_optimizer_is_refused_naming_both():
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    from lightning_rec._strategy.sharding import make_sharders
+    from lightning_rec._planner.sharders import make_sharders
 
     derived = EmbeddingOptimizer("adagrad", lr=0.5).to_fused_params()
     own = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "eps": 1e-8})
@@ -429,7 +429,7 @@ def test_quantized_comms_halve_what_the_tables_send_and_stay_near_full_precision
 def test_quantized_comms_that_cannot_run_on_cpu_are_refused_naming_why():
     from torchrec import EmbeddingConfig
 
-    from lightning_rec._strategy.device_support import check_qcomms
+    from lightning_rec._planner.devices import check_qcomms
     from lightning_rec.config import QuantizedComms, TableConstraints
 
     tables = {c.name: c for c in _tables()[0]}

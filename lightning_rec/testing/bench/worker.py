@@ -131,7 +131,7 @@ def _planner_hbm(device) -> dict[str, Any]:
 def raw_torchrec(size: Size, lr: float, device):
     """The hand-written TorchRec setup of the ``raw`` variants: the bench model in DMP (planned over the default
     process group) and a ``CombinedOptimizer`` of the fused one and the dense one. Returns ``(dmp, optimizer)``."""
-    from lightning_rec._strategy.sharding import EBCSharder
+    from lightning_rec._planner.sharders import EBCSharder
     from lightning_rec.testing.reference import reference_dmp, reference_optimizer
 
     model = BenchModel.build(size)

@@ -276,6 +276,6 @@ def table_constraints(size: Size) -> dict[str, dict[str, Any]]:
 
 
 def _plan_rows(plan) -> dict[str, Any]:
-    from lightning_rec._strategy.plan_table import plan_rows
+    from lightning_rec._planner.table import plan_rows
 
     return {r.table: [r.sharding_type, r.compute_kernel, r.ranks] for r in plan_rows(plan)}
