@@ -1,85 +1,18 @@
-"""The only home of private imports and version gates.
-
-Lightning keeps several helpers that every strategy needs (process-group start-up, collective reductions,
-the script launcher, optimizer construction from ``configure_optimizers``) behind underscore names. They are
-imported here, once, so that a Lightning upgrade that moves them breaks one file with an obvious fix.
-"""
+"""TorchRec's private attributes and methods recshard relies on: the planner's state, the train pipeline's parts,
+DMP's wrapped module, managed-collision parts, sharders' and tables' fused parameters, the fused kernels."""
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-# Lightning: process-group helpers shared by its own DDP/FSDP/ModelParallel strategies. There is no public
-# equivalent; re-implementing them would fork Lightning's handling of cluster environments and timeouts.
-# Lightning: `torch.set_num_threads(cpus // processes)` + OMP_NUM_THREADS unless the user set OMP_NUM_THREADS. Its
-# launcher calls it in the launching process only, after starting the other ranks, so they keep one intra-op
-# thread per core each: on 2 cores, rank 1's idle OpenMP threads spun for 44 of its 47 CPU seconds in a 2-process
-# job (BENCHMARKS.md). The strategy calls it on every rank.
-from lightning.fabric.utilities.distributed import (  # noqa: F401
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _set_num_threads_if_needed,  # noqa: F401
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group  # noqa: F401
-
-# Lightning's fork launcher (`ddp_notebook`'s), what an interactive session can start ranks with, and whether this
-# is one (Lightning's own test, which refuses any other launcher there).
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE  # noqa: F401
-from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
-
-# Lightning: turns `configure_optimizers()` output into optimizers + LRSchedulerConfigs (all return forms,
-# validation included). The strategy must call it itself because the embedding optimizer has to be known
-# before the tables are sharded.
-# Lightning: what `configure_optimizers` may return (an optimizer, a list, a dict with a scheduler, ...) to the list of
-# optimizers; `lightning-rec plan` calls `configure_optimizers` without a Trainer, so not through the hook above.
-from lightning.pytorch.core.optimizer import (
-    _configure_optimizers,
-    _init_optimizers_and_lr_schedulers,  # noqa: F401
-)
-
-# Lightning's accelerator connector hands string strategies to this registry.
-from lightning.pytorch.strategies import StrategyRegistry  # noqa: F401
-from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: F401
-    _MultiProcessingLauncher,
-    _WorkerOutput,
-)
-
-# Lightning: the `popen` launcher that re-runs the user's script once per local rank (what `ddp` uses).
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher  # noqa: F401
-
-# Lightning: reroutes `training_step` through the wrapper's forward (so DDP sees it); its hooks let a strategy
-# stop DDP's reducer during a manual-optimization forward, as Lightning's own DDPStrategy does.
-from lightning.pytorch.strategies.strategy import _ForwardRedirection  # noqa: F401
-
-# torch: sharded tables' weights and fused-optimizer state are ShardedTensors, a type torch still keeps under a
-# private path (TorchRec imports it from there too); checkpointing has to recognise them.
-from torch.distributed._shard.sharded_tensor import ShardedTensor  # noqa: F401
-
-# torch: the dispatch-mode base class (what sees every aten op, e.g. to count host syncs in
-# lightning_rec.testing) lives only under a private module path; torch's own docs import it from there.
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
-
 if TYPE_CHECKING:
     import torch
-    from lightning.pytorch import LightningModule, Trainer
-    from lightning.pytorch.core.optimizer import LightningOptimizer
-    from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
-    from lightning.pytorch.loops.prediction_loop import _PredictionLoop
-    from torch.optim import Optimizer
 
 # TorchRec tags the per-call `nn.Parameter` views of fused (TBE) tables with this attribute: the optimizer
 # living in the backward pass owns them, so a dense optimizer must never see them.
 IN_BACKWARD_OPTIMIZER_ATTR = "_in_backward_optimizers"
-
-
-def parse_optimizers(optim_conf: Any) -> list:
-    """The optimizers in what ``LightningModule.configure_optimizers`` returned (``None``: none)."""
-    return [] if optim_conf is None else list(_configure_optimizers(optim_conf)[0])
 
 
 def planner_sharding_options(planner: object) -> list | None:
@@ -191,70 +124,11 @@ def pipeline_wait_for_batch(pipeline: Any) -> None:
     pipeline._wait_for_batch()
 
 
-def default_store() -> torch.distributed.Store | None:
-    """The default process group's key-value store, or ``None`` without a process group. torch keeps it private
-    (``_get_default_store``); :mod:`lightning_rec._strategy.faults` uses it so that a failing rank can tell the others why,
-    without opening a second rendezvous."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
-
-
-def tensor_version(tensor: torch.Tensor) -> int:
-    """How many times ``tensor`` (or a view of its storage) was changed in place: torch's autograd version counter,
-    public in behaviour but underscore-named (``Tensor._version``). The input checks use it to notice a checked
-    KJT changed in place inside ``forward``. An inference tensor (made under ``torch.inference_mode``, e.g. the batch
-    ``trainer.predict`` copies to a GPU) keeps no counter: -2, which no recorded version equals."""
-    return -2 if tensor.is_inference() else tensor._version
-
-
-# Lightning: what `move_data_to_device` moves (anything with a `.to`); the strategy moves batches itself so that
-# TorchRec's batches and KJTs are copied without blocking (Lightning passes non_blocking to plain tensors only).
-from lightning.fabric.utilities.apply_func import _TransferableDataType  # noqa: E402, F401
-
-
-def call_batch_hook(module: LightningModule, name: str, *args: object) -> object:
-    """Run the LightningModule's (or the datamodule's) batch hook ``name`` the way Lightning does (its private
-    ``_call_batch_hook``: the datamodule's override wins, with Lightning's profiling)."""
-    return module._call_batch_hook(name, *args)
-
-
 # TorchRec: DMP keeps the module it wrapped for data parallelism (the dense part's DDP, or the module itself) in
 # `_dmp_wrapped_module`; its public `module` property unwraps DDP, so the DDP itself has no public name.
 def dmp_inner_module(dmp: object) -> object:
     """The module DMP wrapped (its dense part's DDP when there is one), or ``None``."""
     return getattr(dmp, "_dmp_wrapped_module", None)
-
-
-# Lightning: where its loops stand (the batch index in the training epoch, the validation loop fit runs, how many
-# batches a loop has fetched). The loops' progress trackers are not a documented API; error messages use them to
-# name the step and batch a failure happened at.
-def training_batch_idx(trainer: Trainer) -> int:
-    return trainer.fit_loop.epoch_loop.batch_idx
-
-
-def fit_validation_loop(trainer: Trainer) -> _EvaluationLoop:
-    return trainer.fit_loop.epoch_loop.val_loop
-
-
-def batches_fetched(loop: _EvaluationLoop | _PredictionLoop) -> int:
-    return loop.batch_progress.current.ready
-
-
-# Lightning: a LightningModule's trainer, or None when it is not attached (the public `trainer` property raises then).
-def attached_trainer(module: object) -> object | None:
-    return getattr(module, "_trainer", None)
-
-
-# Lightning: the optimizer inside a LightningOptimizer (or the optimizer itself).
-def unwrap_optimizer(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
-    from lightning.pytorch.core.optimizer import LightningOptimizer
-
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 # TorchRec: a managed-collision module (`ManagedCollisionEmbeddingBagCollection`/`...EmbeddingCollection`) keeps its
@@ -437,149 +311,3 @@ def fused_tbes(model: object) -> Iterator[tuple]:
                 if id(kernel.emb_module) not in seen:
                     seen.add(id(kernel.emb_module))
                     yield f"{path or '<root>'}/{i}.{j}", kernel.emb_module
-
-
-# The methods recshard replaces on single instances of TorchRec's, FBGEMM's and Lightning's classes, and why (the one seam for
-# such patches: `patch_method` below). A release that renames one fails `patch_method` at once, and the test pinned
-# to the installed versions (tests/test_compat.py) names it.
-PATCHED_METHODS = {
-    # inputs/checks.py: the input checks at the door of every sharded module (its own forward and TorchRec's train
-    # pipeline both call `module.input_dist`)
-    "input_dist": ("torchrec.distributed.types", "ShardedModule"),
-    # strategy/unsharded.py: the outputs put back in the unsharded key order (called by both forwards too)
-    "compute_and_output_dist": ("torchrec.distributed.types", "ShardedModule"),
-    # strategy/cpu_lookup.py: the faster CPU lookup of a fused table-batched embedding
-    "forward": ("fbgemm_gpu.split_table_batched_embeddings_ops_training", "SplitTableBatchedEmbeddingBagsCodegen"),
-    # strategy/preemption.py: Lightning's loop broadcasts a SIGTERM flag from rank 0 after every training batch (a
-    # device tensor read back: one host sync per step on GPUs). Under recshard a signal is agreed on at the batch
-    # boundary on the host instead (and Lightning's flag is never set), so the trainer's epoch loop skips it.
-    "_broadcast_sigterm_tensor": ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop"),
-}
-
-
-def _patched_class(name: str) -> type:
-    import importlib
-
-    if name not in PATCHED_METHODS:
-        raise KeyError(f"lightning_rec._compat does not patch {name!r} (PATCHED_METHODS names what it patches)")
-    module, cls = PATCHED_METHODS[name]
-    return getattr(importlib.import_module(module), cls)
-
-
-# What each patched instance had before recshard's first patch of a name (None: its class's method).
-_ORIGINALS: weakref.WeakKeyDictionary[object, dict[str, object]] = weakref.WeakKeyDictionary()
-
-
-def patchable(obj: object, name: str) -> bool:
-    """Whether ``obj`` is of the class :data:`PATCHED_METHODS` names for ``name`` (e.g. a module the plan sharded)."""
-    return isinstance(obj, _patched_class(name))
-
-
-def patch_method(obj: object, name: str, replacement: object) -> None:
-    """Make ``obj.<name>(...)`` call ``replacement`` (an instance attribute shadows the class's method, which
-    ``nn.Module.__call__`` and every caller look up); ``obj`` must be an instance of the class
-    :data:`PATCHED_METHODS` names for ``name``, and that class must still have the method. Patching again replaces
-    recshard's earlier patch; :func:`unpatch_method` restores what was there before the first."""
-    cls = _patched_class(name)
-    if not isinstance(obj, cls):
-        raise TypeError(f"patch_method({name!r}) patches {cls.__name__} instances, got {type(obj).__name__}")
-    if not callable(getattr(type(obj), name, None)):
-        raise AttributeError(f"{type(obj).__name__} has no method {name!r}: lightning_rec._compat must follow it")
-    originals = _ORIGINALS.setdefault(obj, {})
-    if name not in originals:
-        originals[name] = vars(obj).get(name)
-    object.__setattr__(obj, name, replacement)
-
-
-def unpatch_method(obj: object, name: str) -> None:
-    """Give ``obj`` back what its ``name`` was before recshard patched it (nothing to do if it did not)."""
-    _patched_class(name)
-    originals = _ORIGINALS.get(obj, {})
-    if name not in originals:
-        return
-    before = originals.pop(name)
-    if before is None:
-        vars(obj).pop(name, None)
-    else:
-        object.__setattr__(obj, name, before)
-
-
-def original_method(obj: object, name: str) -> Any:
-    """What ``obj.<name>`` was before recshard patched it: its class's method (bound), or an instance attribute
-    something else had set."""
-    _patched_class(name)
-    originals = _ORIGINALS.get(obj, {})
-    before = originals[name] if name in originals else vars(obj).get(name)
-    return before if before is not None else getattr(type(obj), name).__get__(obj, type(obj))
-
-
-def is_patched(obj: object, name: str) -> bool:
-    """Whether recshard replaced ``obj``'s ``name``."""
-    return name in _ORIGINALS.get(obj, {})
-
-
-# torch: what `Tensor.to(*args, **kwargs)` was asked for (device, dtype, non_blocking, memory_format), parsed as torch
-# parses it; the one parser of every `to` signature (device, dtype, other tensor, keywords) is private.
-def parse_to(*args: Any, **kwargs: Any) -> tuple:
-    """``(device, dtype, non_blocking, memory_format)`` of a ``Tensor.to`` call's arguments."""
-    import torch
-
-    return torch._C._nn._parse_to(*args, **kwargs)
-
-
-# Lightning: the name of the next "hpc" checkpoint in a folder (``hpc_ckpt_<n+1>.ckpt``), the one its SLURM requeue
-# resumes from (``_CheckpointConnector._hpc_resume_path``); the preemption save uses the same name so that a requeued
-# job finds it the way Lightning's own requeue does. Only the private connector computes it.
-def hpc_save_path(folder: Any) -> str:
-    """Where Lightning's next "hpc" checkpoint in ``folder`` goes."""
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-
-    return _CheckpointConnector.hpc_save_path(folder)
-
-
-# Lightning: ``ckpt_path="last"`` is turned into a path by ``_CheckpointConnector._parse_ckpt_path`` in
-# ``Trainer.fit/validate/...`` before any strategy hook runs, and it looks only in the new run's own ``version_N``
-# folder (and nowhere for the "hpc" checkpoints a preempted job saves): a restarted job (torchrun --max-restarts, an
-# operator re-running the command) starts over, silently. A strategy with ``resolve_last_checkpoint(trainer)`` answers
-# "last" itself; this wraps the connector's method once (class-level: there is no hook before it), and changes nothing
-# for other strategies or other values of ``ckpt_path``.
-def route_last_checkpoint() -> None:
-    """Let the trainer's strategy resolve ``ckpt_path="last"`` (idempotent)."""
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
-
-    original = _CheckpointConnector._parse_ckpt_path
-    if getattr(original, "__lightning_rec__", False):
-        return
-
-    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
-        resolve = getattr(self.trainer.strategy, "resolve_last_checkpoint", None)
-        if ckpt_path == "last" and resolve is not None:
-            found = resolve(self.trainer)
-            if found is not None:
-                return found
-        return original(self, state_fn, ckpt_path, model_provided, model_connected)
-
-    _parse_ckpt_path.__lightning_rec__ = True  # type: ignore[attr-defined]
-    _parse_ckpt_path.__wrapped__ = original  # type: ignore[attr-defined]
-    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]
-
-
-def cpp_compiler() -> str | Exception:
-    """The C++ compiler AOTInductor will call, or why there is none (its own search: ``CXX``, then ``g++``)."""
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        return get_cpp_compiler()
-    except Exception as err:  # InvalidCxxCompiler, or a failed probe of the compiler
-        return err
-
-
-def interpreter_exit() -> None:
-    """What the interpreter runs as it ends, for a process that will leave with ``os._exit`` (a multiprocessing
-    child, e.g. a test rank forked from :mod:`lightning_rec._forkserver`): ``threading._shutdown`` (the hooks that
-    stop executor threads, then non-daemon threads joined), then the ``atexit`` handlers."""
-    import atexit
-    import threading
-
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()

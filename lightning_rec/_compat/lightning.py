@@ -1,0 +1,96 @@
+"""Lightning's private names recshard relies on: the process-group helpers, launchers and optimizer parsing its own
+strategies share, where its loops stand, and the two places recshard changes (the "last" checkpoint route)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+# Lightning: what `move_data_to_device` moves (anything with a `.to`); the strategy moves batches itself so that
+# TorchRec's batches and KJTs are copied without blocking (Lightning passes non_blocking to plain tensors only).
+from lightning.fabric.utilities.apply_func import _TransferableDataType  # noqa: F401
+
+# Lightning: what `configure_optimizers` may return (an optimizer, a list, a dict with a scheduler, ...) to the list of
+# optimizers; `lightning-rec plan` calls `configure_optimizers` without a Trainer, so not through Lightning's hook.
+from lightning.pytorch.core.optimizer import _configure_optimizers
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+    from lightning.pytorch.loops.prediction_loop import _PredictionLoop
+    from torch.optim import Optimizer
+
+
+def parse_optimizers(optim_conf: Any) -> list:
+    """The optimizers in what ``LightningModule.configure_optimizers`` returned (``None``: none)."""
+    return [] if optim_conf is None else list(_configure_optimizers(optim_conf)[0])
+
+
+def call_batch_hook(module: LightningModule, name: str, *args: object) -> object:
+    """Run the LightningModule's (or the datamodule's) batch hook ``name`` the way Lightning does (its private
+    ``_call_batch_hook``: the datamodule's override wins, with Lightning's profiling)."""
+    return module._call_batch_hook(name, *args)
+
+
+# Lightning: where its loops stand (the batch index in the training epoch, the validation loop fit runs, how many
+# batches a loop has fetched). The loops' progress trackers are not a documented API; error messages use them to
+# name the step and batch a failure happened at.
+def training_batch_idx(trainer: Trainer) -> int:
+    return trainer.fit_loop.epoch_loop.batch_idx
+
+
+def fit_validation_loop(trainer: Trainer) -> _EvaluationLoop:
+    return trainer.fit_loop.epoch_loop.val_loop
+
+
+def batches_fetched(loop: _EvaluationLoop | _PredictionLoop) -> int:
+    return loop.batch_progress.current.ready
+
+
+# Lightning: a LightningModule's trainer, or None when it is not attached (the public `trainer` property raises then).
+def attached_trainer(module: object) -> object | None:
+    return getattr(module, "_trainer", None)
+
+
+# Lightning: the optimizer inside a LightningOptimizer (or the optimizer itself).
+def unwrap_optimizer(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+# Lightning: the name of the next "hpc" checkpoint in a folder (``hpc_ckpt_<n+1>.ckpt``), the one its SLURM requeue
+# resumes from (``_CheckpointConnector._hpc_resume_path``); the preemption save uses the same name so that a requeued
+# job finds it the way Lightning's own requeue does. Only the private connector computes it.
+def hpc_save_path(folder: Any) -> str:
+    """Where Lightning's next "hpc" checkpoint in ``folder`` goes."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    return _CheckpointConnector.hpc_save_path(folder)
+
+
+# Lightning: ``ckpt_path="last"`` is turned into a path by ``_CheckpointConnector._parse_ckpt_path`` in
+# ``Trainer.fit/validate/...`` before any strategy hook runs, and it looks only in the new run's own ``version_N``
+# folder (and nowhere for the "hpc" checkpoints a preempted job saves): a restarted job (torchrun --max-restarts, an
+# operator re-running the command) starts over, silently. A strategy with ``resolve_last_checkpoint(trainer)`` answers
+# "last" itself; this wraps the connector's method once (class-level: there is no hook before it), and changes nothing
+# for other strategies or other values of ``ckpt_path``.
+def route_last_checkpoint() -> None:
+    """Let the trainer's strategy resolve ``ckpt_path="last"`` (idempotent)."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    original = _CheckpointConnector._parse_ckpt_path
+    if getattr(original, "__lightning_rec__", False):
+        return
+
+    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        resolve = getattr(self.trainer.strategy, "resolve_last_checkpoint", None)
+        if ckpt_path == "last" and resolve is not None:
+            found = resolve(self.trainer)
+            if found is not None:
+                return found
+        return original(self, state_fn, ckpt_path, model_provided, model_connected)
+
+    _parse_ckpt_path.__lightning_rec__ = True  # type: ignore[attr-defined]
+    _parse_ckpt_path.__wrapped__ = original  # type: ignore[attr-defined]
+    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]
