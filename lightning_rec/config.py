@@ -99,17 +99,47 @@ OptimizerName = Literal[
     "sgd", "adagrad", "rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"
 ]
 
-_EMB_OPT_TYPES: dict[str, EmbOptimType] = {
-    "sgd": EmbOptimType.EXACT_SGD,
-    "adagrad": EmbOptimType.EXACT_ADAGRAD,
-    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    "adam": EmbOptimType.ADAM,
-    "partial_rowwise_adam": EmbOptimType.PARTIAL_ROWWISE_ADAM,
-    "lamb": EmbOptimType.LAMB,
-    "partial_rowwise_lamb": EmbOptimType.PARTIAL_ROWWISE_LAMB,
+
+@dataclass(frozen=True)
+class _OptimizerFacts:
+    """What is true of one fused embedding optimizer, in one place (the strategy, the planner's storage estimate,
+    the device checks and checkpoint state conversion all read it here).
+
+    Args:
+        emb_opt_type: FBGEMM's update rule.
+        cpu: FBGEMM ships CPU kernels for it (the others are CUDA-only).
+        variable_batch: FBGEMM's table-batched kernels train variable-batch (VBE) inputs with it.
+        planner_state: the torch optimizer class whose state TorchRec's planner adds to a table's storage estimate
+            (its estimator knows SGD: none, Adam: two copies, RowWiseAdagrad: one float per row; any other class:
+            one copy; partial row-wise Adam/LAMB, a full first moment and a row-wise second, count as one copy).
+        torch_equivalent: the same rule as an ordinary torch optimizer, for tables TorchRec keeps on a non-fused
+            kernel (``None``: it exists only as a fused kernel).
+        state_names: the fused state's names -> the torch equivalent's (``momentum1`` -> ``sum``, ...).
+    """
+
+    emb_opt_type: EmbOptimType
+    cpu: bool
+    variable_batch: bool
+    planner_state: str
+    torch_equivalent: str | None
+    state_names: tuple[tuple[str, str], ...] = ()
+
+
+_OPTIMIZER_FACTS: dict[str, _OptimizerFacts] = {
+    "sgd": _OptimizerFacts(EmbOptimType.EXACT_SGD, True, True, "SGD", "SGD"),
+    "adagrad": _OptimizerFacts(EmbOptimType.EXACT_ADAGRAD, True, False, "Adagrad", "Adagrad", (("momentum1", "sum"),)),
+    "rowwise_adagrad": _OptimizerFacts(
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD, True, True, "RowWiseAdagrad", "RowWiseAdagrad", (("momentum1", "sum"),)
+    ),
+    "adam": _OptimizerFacts(
+        EmbOptimType.ADAM, False, True, "Adam", "Adam", (("momentum1", "exp_avg"), ("momentum2", "exp_avg_sq"))
+    ),
+    "partial_rowwise_adam": _OptimizerFacts(EmbOptimType.PARTIAL_ROWWISE_ADAM, False, False, "Adagrad", None),
+    "lamb": _OptimizerFacts(EmbOptimType.LAMB, False, False, "Adam", None),
+    "partial_rowwise_lamb": _OptimizerFacts(EmbOptimType.PARTIAL_ROWWISE_LAMB, False, False, "Adagrad", None),
 }
-# FBGEMM ships CPU kernels only for these; the others are CUDA-only.
-_CPU_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+_EMB_OPT_TYPES: dict[str, EmbOptimType] = {name: f.emb_opt_type for name, f in _OPTIMIZER_FACTS.items()}
+_CPU_OPTIMIZERS = tuple(name for name, f in _OPTIMIZER_FACTS.items() if f.cpu)
 
 
 def supported_optimizers(device_type: str) -> tuple[str, ...]:
@@ -197,9 +227,10 @@ class EmbeddingOptimizer:
             return RowWiseAdagrad(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
         if self.name == "adam":
             return torch.optim.Adam(params, lr=self.lr, eps=self.eps, betas=self.betas, weight_decay=self.weight_decay)
+        equivalents = [name for name, f in _OPTIMIZER_FACTS.items() if f.torch_equivalent is not None]
         raise ValueError(
             f"EmbeddingOptimizer {self.name!r} exists only as a fused kernel; a table on a non-fused kernel "
-            "needs sgd, adagrad, rowwise_adagrad or adam. HINT: constrain that table to the 'fused' compute kernel."
+            f"needs {', '.join(equivalents)}. HINT: constrain that table to the 'fused' compute kernel."
         )
 
     def as_dict(self) -> dict[str, Any]:

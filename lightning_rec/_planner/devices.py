@@ -24,7 +24,7 @@ from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingC
 
 from lightning_rec import _compat
 from lightning_rec._planner.inventory import TableInventory
-from lightning_rec.config import QuantizedComms, TableConstraints
+from lightning_rec.config import _OPTIMIZER_FACTS, QuantizedComms, TableConstraints
 
 # What TorchRec can train with on each device. TorchRec's EBC sharder lists row_wise, table_row_wise and grid_shard for
 # CUDA only, yet over gloo on CPU they train exactly like the unsharded module (tests/strategy/test_torchrec_models.py),
@@ -238,7 +238,7 @@ def check_managed_collision(
 
 
 # FBGEMM's table-batched kernels train variable-batch (VBE) inputs with these fused optimizers only.
-_VBE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+_VBE_OPTIMIZERS = tuple(name for name, f in _OPTIMIZER_FACTS.items() if f.variable_batch)
 # On CPU TorchRec 1.8 fails on VBE inputs of data-parallel tables (its lookup splits them wrongly), and on several
 # gloo ranks on row-wise ones (their gradients are all-gathered in uneven sizes, and gloo's all-gather takes equal
 # ones); on one rank row-wise ones train exactly. Found by trying each.

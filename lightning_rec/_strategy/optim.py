@@ -22,7 +22,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 
 from lightning_rec import _compat
 from lightning_rec.checkpoint._optimizer_state import ComposedOptimizer
-from lightning_rec.config import BoundsCheck, EmbeddingOptimizer
+from lightning_rec.config import _OPTIMIZER_FACTS, BoundsCheck, EmbeddingOptimizer
 
 _BOUNDS_CHECK_MODES: dict[str, BoundsCheckMode] = {
     "error": BoundsCheckMode.FATAL,
@@ -465,7 +465,8 @@ def _per_table_optimizers(
 def optimizer_state_class(emb_opt_type: Any) -> type | None:
     """The optimizer class whose state TorchRec's planner would add for FBGEMM's ``emb_opt_type`` (its storage
     estimator knows SGD: none, Adam: two copies of the table, TorchRec's RowWiseAdagrad: one float per row, any other
-    class: one copy). Partial row-wise Adam/LAMB (a full first moment, a row-wise second) count as one copy.
+    class: one copy). Partial row-wise Adam/LAMB (a full first moment, a row-wise second) count as one copy. Read
+    from the optimizer's facts (``lightning_rec.config._OPTIMIZER_FACTS``).
 
     Example::
 
@@ -474,13 +475,14 @@ def optimizer_state_class(emb_opt_type: Any) -> type | None:
         ('Adam', 'SGD')
     """
     import torchrec.optim as trec_optim
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     if emb_opt_type is None:
         return None
-    return {
-        EmbOptimType.EXACT_SGD: torch.optim.SGD,
-        EmbOptimType.EXACT_ROWWISE_ADAGRAD: trec_optim.RowWiseAdagrad,
-        EmbOptimType.ADAM: torch.optim.Adam,
-        EmbOptimType.LAMB: torch.optim.Adam,  # two moments, as Adam
-    }.get(emb_opt_type, torch.optim.Adagrad)
+    classes = {
+        "SGD": torch.optim.SGD,
+        "Adagrad": torch.optim.Adagrad,
+        "RowWiseAdagrad": trec_optim.RowWiseAdagrad,
+        "Adam": torch.optim.Adam,
+    }
+    state = next((f.planner_state for f in _OPTIMIZER_FACTS.values() if f.emb_opt_type == emb_opt_type), "Adagrad")
+    return classes[state]

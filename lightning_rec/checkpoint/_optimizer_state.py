@@ -31,14 +31,14 @@ from torch.optim import Optimizer
 from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_rec import _compat
+from lightning_rec.config import _OPTIMIZER_FACTS
 
-# torch optimizer state name -> fused (FBGEMM) state name, for tables on a non-fused kernel.
-_TORCH_TO_FUSED = {"sum": "momentum1", "exp_avg": "momentum1", "exp_avg_sq": "momentum2"}
+# The torch equivalent's class name -> {fused (FBGEMM) state name: its name}, and torch state name -> fused name, for
+# tables on a non-fused kernel: from the optimizers' facts (lightning_rec.config).
 _FUSED_TO_TORCH = {
-    "Adagrad": {"momentum1": "sum"},
-    "RowWiseAdagrad": {"momentum1": "sum"},
-    "Adam": {"momentum1": "exp_avg", "momentum2": "exp_avg_sq"},
+    f.torch_equivalent: dict(f.state_names) for f in _OPTIMIZER_FACTS.values() if f.torch_equivalent and f.state_names
 }
+_TORCH_TO_FUSED = {torch: fused for names in _FUSED_TO_TORCH.values() for fused, torch in names.items()}
 _ROWWISE = "momentum1"
 
 
