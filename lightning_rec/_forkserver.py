@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["forkserver_context"]
+__all__ = ["forkserver_context", "worker_context"]
 
 PRELOAD = ["lightning_rec", "lightning_rec.data.tabular"]
 _START = threading.Lock()
@@ -40,3 +40,9 @@ def forkserver_context() -> Any:
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
     return context
+
+
+def worker_context() -> Any:
+    """How DataLoader workers start: forked from this fork server, where there is one, else spawned; never forked
+    from the training process itself, whose gloo threads could deadlock a fork."""
+    return forkserver_context() or "spawn"

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_rec._forkserver import worker_context
 from lightning_rec.data.resume import ResumableLoader, pass_through
 
 __all__ = ["StreamLoader", "TableStream", "Unit", "list_units", "read_unit"]
@@ -324,16 +325,6 @@ def _served_by(served: int, counts: Sequence[int]) -> tuple[list[int], int]:
     return done, turn % len(counts)
 
 
-def _worker_context() -> Any:
-    """How the stream's workers start: forked from the package's fork server (:mod:`lightning_rec._forkserver`: a
-    spawned worker imports torch, TorchRec and the package itself, ~4 s of CPU each: twice per loader with two
-    workers); where there is none, spawned. Never forked from the main process: its gloo threads could deadlock a
-    fork."""
-    from lightning_rec._forkserver import forkserver_context
-
-    return forkserver_context() or "spawn"
-
-
 class StreamLoader(ResumableLoader):
     """A DataLoader over a :class:`TableStream` that Lightning can resume mid-epoch: it counts the batches it served
     (``state_dict``) and, after ``load_state_dict``, starts the epoch at the next one (see
@@ -350,7 +341,7 @@ class StreamLoader(ResumableLoader):
             batch_size=None,
             collate_fn=pass_through,
             num_workers=num_workers,
-            multiprocessing_context=_worker_context() if num_workers > 0 else None,
+            multiprocessing_context=worker_context() if num_workers > 0 else None,
             persistent_workers=num_workers > 0,
             pin_memory=pin_memory,
         )
