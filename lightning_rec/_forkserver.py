@@ -18,6 +18,7 @@ __all__ = ["forkserver_context", "worker_context"]
 
 PRELOAD = ["lightning_rec", "lightning_rec.data.tabular"]
 _START = threading.Lock()
+_started: list[bool] = []  # the server was started by this process (multiprocessing restarts one that died)
 
 
 def forkserver_context() -> Any:
@@ -29,6 +30,8 @@ def forkserver_context() -> Any:
 
     context = multiprocessing.get_context("forkserver")
     with _START:
+        if _started:
+            return context
         context.set_forkserver_preload(PRELOAD)  # ignored once the server runs
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # the server's environment is this process's when it starts
@@ -39,6 +42,7 @@ def forkserver_context() -> Any:
                 del os.environ["OMP_NUM_THREADS"]
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
+        _started.append(True)  # later calls (a loader per pass, a launch per test) leave the environment alone
     return context
 
 
