@@ -16,6 +16,13 @@ samples/s is every row read (train and validation) / wall time, the workers' sta
 first epoch (what persistent workers leave: no start)::
 
     .venv/bin/python benchmarks/tabular_throughput.py --rows 200000 --batch-size 4096 --workers 0,1,2 --epochs 4
+
+``--fit 0,2`` times instead whole 2-rank fits (``lightning-rec fit``, recshard on 2 CPU processes, a DLRM over 8 of
+the categorical columns hashed into 10,000 rows each and 4 integer columns), streaming the Parquet file with each of
+those worker counts per rank, in turn, ``--rounds`` times; the wall time of the command, its start included (issue
+38's run: 73 s with 2 workers against 15 s with none)::
+
+    .venv/bin/python benchmarks/tabular_throughput.py --rows 200000 --batch-size 4096 --fit 0,1,2 --epochs 2
 """
 
 from __future__ import annotations
@@ -123,6 +130,61 @@ def measure_workers(path: Path, batch_size: int, workers: int | None, epochs: in
     return {"all": rows / seconds, "later": later, "first_s": first}
 
 
+FIT_CONFIG = """\
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy: recshard
+  max_epochs: {epochs}
+  default_root_dir: {root}
+  enable_checkpointing: false
+  logger: false
+  enable_progress_bar: false
+  num_sanity_val_steps: 0
+model:
+  class_path: lightning_rec.models.DLRMModule
+  init_args:
+    embedding_dim: 16
+    dense_arch_layer_sizes: [32, 16]
+    over_arch_layer_sizes: [32, 1]
+data:
+  class_path: lightning_rec.data.TabularDataModule
+  init_args:
+    train: [{path}]
+    val: [{path}]
+    stream: true
+    batch_size: {batch_size}
+    num_workers: {workers}
+    schema:
+      labels: [{{column: label}}]
+      dense: [{dense}]
+      sparse: [{sparse}]
+"""
+
+
+def time_fit(path: Path, batch_size: int, workers: int, epochs: int, directory: Path) -> float:
+    """Seconds of one 2-rank ``lightning-rec fit`` streaming ``path`` with ``workers`` DataLoader workers per rank."""
+    dense = ", ".join(f"{{column: int_{i}, transform: log1p}}" for i in range(4))
+    sparse = ", ".join(f"{{column: cat_{i}, ids: hash, num_embeddings: 10000}}" for i in range(8))
+    run = directory / f"fit_{workers}"
+    config = directory / f"fit_{workers}.yaml"
+    config.write_text(
+        FIT_CONFIG.format(
+            epochs=epochs, root=run, path=path, batch_size=batch_size, workers=workers, dense=dense, sparse=sparse
+        )
+    )
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_rec", "fit", "--config", str(config)], capture_output=True, text=True
+    )
+    seconds = time.perf_counter() - start
+    if out.returncode:
+        raise RuntimeError(f"the fit with {workers} worker(s) failed:\n{out.stderr[-3000:]}")
+    (run / "config.yaml").unlink(missing_ok=True)  # LightningCLI refuses to overwrite it in the next round
+    return seconds
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
@@ -136,11 +198,22 @@ def main() -> None:
     parser.add_argument("--workers", default="", help="comma-separated worker counts: the loaders' comparison instead")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--fit", default="", help="comma-separated worker counts: time 2-rank fits instead")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # "<parquet path>:<workers or mem>", internal
     args = parser.parse_args()
     if args.one:
         path, n = args.one.rsplit(":", 1)
         print(json.dumps(measure_workers(Path(path), args.batch_size, None if n == "mem" else int(n), args.epochs)))
+        return
+    if args.fit:
+        seconds: dict[int, list[float]] = {int(n): [] for n in args.fit.split(",")}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_tables(Path(tmp), args.rows)["parquet"]
+            for _ in range(args.rounds):
+                for n in seconds:
+                    seconds[n].append(time_fit(path, args.batch_size, n, args.epochs, Path(tmp)))
+                    print(f"2-rank fit, {n} worker(s) per rank: {seconds[n][-1]:.1f} s", flush=True)
+        print(json.dumps({f"{n} workers": [round(s, 1) for s in runs] for n, runs in seconds.items()}))
         return
     if args.workers:
         counts: list[int | None] = [None, *map(int, args.workers.split(","))]

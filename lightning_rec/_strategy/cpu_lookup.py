@@ -17,17 +17,24 @@ any other optimizer, pooling, precision, variable batch sizes or a CUDA table ke
 Install with :func:`install_cpu_lookup` (the strategy does, unless ``RecShardStrategy(fast_cpu_lookup=False)``); with
 one intra-op thread per rank it keeps FBGEMM's path, which is as fast there.
 
-**Which path, call by call.** The split is not free: one ``embedding_bag`` per feature, their concatenation, the
-per-group id copies and a hand-off to the thread pool cost a fixed ~0.3-0.5 ms a step on this project's 2-core
-machine, whatever the size. On a small lookup that is more than FBGEMM's whole serial kernel (3 tables x 100 rows
-x 16, batch 64: 0.7 ms against 0.4), so each call first prices its own work, ``ids x mean dim`` (the floats the
-lookup reads and the update writes; batch, pooling and feature count are in the ids): below
-:data:`MIN_FAST_WORK`, or with one thread, FBGEMM's path, always (:func:`choose_path`). Above it the split can win
-by 20% (a quiet machine) or lose by 10% (the same sizes with the cores shared with other processes), so there the
-lookup measures: :class:`PathTrial` times whole training steps (call to call) on each path in turn, takes the
-faster, and measures again every :data:`RETRY_EVERY` calls. Either path gives the same bits, so the choice changes
-the time only. ``benchmarks/cpu_lookup_sweep.py`` measures both paths from tiny to large (BENCHMARKS.md, "Never
-slower than FBGEMM's path").
+**Which path, call by call.** The split is not free. Its own work (one ``embedding_bag`` per feature, their
+concatenation, the per-group id copies, the hand-off to the thread pool) is a fixed ~0.3-0.5 ms a step; and its
+threads slow *everything else* in the process down while they live: each pool thread that runs an op starts an
+OpenMP team of its own, and once a process manages more OpenMP threads than it has cores, GNU OpenMP stops letting
+idle workers spin between parallel regions, so every later region (the MLP's, the loss's, FBGEMM's) waits for its
+workers to wake up. Measured on this project's 2-core machine with 2 threads (``benchmarks/cpu_lookup_sweep.py``):
+FBGEMM's path took 2.9 ms a step at 8 tables x 10,000 x 16, batch 256, the split 5.9, and FBGEMM's path 7.2 ms
+once the split's threads existed; they gone, 2.9 again.
+
+So each call first prices its own work, ``ids x mean dim`` (the floats the lookup reads and the update writes;
+batch, pooling and feature count are in the ids): below :data:`MIN_FAST_WORK`, or with one thread, FBGEMM's path,
+always (:func:`choose_path`), and no thread pool is ever started. Above it the split won by 8-20% on a quiet machine
+and can lose with the cores shared, so there the lookups measure: one :class:`PathTrial` per model (its lookups
+share it: the split's threads are the process's, not one table's) times whole training steps (call to call), a block
+on each path, FBGEMM's with the split's threads stopped (:func:`release_threads`), takes the faster, stops the
+threads if that is FBGEMM's, and measures again every :data:`RETRY_EVERY` calls. Either path gives the same bits, so
+the choice changes the time only. ``benchmarks/cpu_lookup_sweep.py`` measures both paths from tiny to large
+(BENCHMARKS.md, "Never slower than FBGEMM's path").
 """
 
 from __future__ import annotations
@@ -54,13 +61,13 @@ _BACKWARD_OPS = {
     "EXACT_ADAGRAD": "split_embedding_backward_codegen_adagrad_cpu",
 }
 
-#: The least work (ids x mean embedding dim of one call) for which the split path is taken: below it, FBGEMM's own
-#: serial kernels are as fast or faster (BENCHMARKS.md, "Never slower than FBGEMM's path": measured crossover, with
-#: a margin on the side of FBGEMM's path).
+#: The least work (ids x mean embedding dim of one call) for which the split path may be taken, where a trial
+#: measures it faster: below it, FBGEMM's own path was faster at every row of BENCHMARKS.md's "Never slower than
+#: FBGEMM's path", by up to 2x (medium_wide, 2,097,152: 12 ms against 17); above it the split won by 8-20%.
 MIN_FAST_WORK = 1 << 22
 #: Training steps timed on each path before a lookup above :data:`MIN_FAST_WORK` picks one (:class:`PathTrial`),
 #: and the calls after which it measures again (the machine's load changes which path is faster).
-TRIAL_STEPS, RETRY_EVERY = 4, 2000
+TRIAL_STEPS, RETRY_EVERY = 8, 2000
 FAST, FBGEMM = "fast", "fbgemm"
 
 
@@ -88,24 +95,52 @@ class PathTrial:
     """Times whole training steps on each path in turn, then keeps the faster one (see the module docstring).
 
     A step is the time from one training call of the lookup to the next (the forward, its backward and update, the
-    rest of the step and the next batch's loading): what the choice changes, measured where it is made. The first
-    ``2 x steps`` calls alternate the paths (the split first); each interval goes to the path of the call that
-    opened it; the path with the lower median is then kept for ``retry_every`` calls, after which the trial runs
-    again.
+    rest of the step and the next batch's loading): what the choice changes, measured where it is made. A trial runs
+    a block of calls on FBGEMM's path, then a block on the split, each block's first call untimed (it warms its path
+    up: the split's first call starts its threads, and the first steps of a fit warm caches and the allocator) and
+    ``steps`` timed; each interval goes to the path of the call that opened it. Blocks, not alternate calls: the
+    split's threads are stopped whenever FBGEMM's path runs (:func:`release_threads`), so alternating would time a
+    split that starts its threads anew every step. The path with the lower median is then kept for ``retry_every``
+    calls, after which the trial runs again.
 
     Example::
 
         >>> trial = PathTrial(steps=1)
-        >>> trial.next(now=0.0), trial.next(now=1.0), trial.next(now=1.5)   # the split took 1 s, FBGEMM's 0.5 s
-        ('fast', 'fbgemm', 'fbgemm')
+        >>> [trial.next(now=t) for t in (0.0, 5.0, 5.5, 9.0, 10.0)]   # FBGEMM's step took 0.5 s, the split's 1 s
+        ['fbgemm', 'fbgemm', 'fast', 'fast', 'fbgemm']
     """
 
     def __init__(self, steps: int = TRIAL_STEPS, retry_every: int = RETRY_EVERY) -> None:
         self.steps, self.retry_every = steps, retry_every
         self.times: dict[str, list[float]] = {FAST: [], FBGEMM: []}
         self.chosen: str | None = None  # None: on trial
+        self.current = FBGEMM  # the path of the leading lookup's latest training call (see for_call)
         self._since = 0  # calls since the choice
-        self._open: tuple[str, float] | None = None  # the trial call whose step is being timed, and when it began
+        self._calls = 0  # calls of the current trial
+        self._open: tuple[str, float] | None = None  # the timed trial call whose step is open, and when it began
+        self._leader: int | None = None  # id() of the lookup whose calls time the steps
+
+    def for_call(self, lookup: object, now: float) -> str:
+        """The path of a training call by ``lookup``, one of the lookups sharing this trial (a model's): the first
+        one to call leads (its calls, one per step, are timed by :meth:`next`); the others take the path it took
+        in the same step, so that a step runs on one path throughout.
+
+        Example::
+
+            >>> trial = PathTrial(steps=1)
+            >>> calls = ((0.0, "a"), (0.1, "b"), (5.0, "a"), (5.1, "b"), (6.0, "a"), (6.1, "b"))
+            >>> [trial.for_call(lookup, now=t) for t, lookup in calls]
+            ['fbgemm', 'fbgemm', 'fbgemm', 'fbgemm', 'fast', 'fast']
+        """
+        if self._leader is None:
+            self._leader = id(lookup)
+        if self._leader == id(lookup):
+            self.current = self.next(now)
+        return self.current
+
+    def leads(self, lookup: object) -> bool:
+        """Whether ``lookup``'s calls time the steps (see :meth:`for_call`)."""
+        return self._leader == id(lookup)
 
     def next(self, now: float) -> str:
         """The path of the training call made at ``now`` (``time.perf_counter()``)."""
@@ -117,14 +152,16 @@ class PathTrial:
             self._since += 1
             if self._since <= self.retry_every:
                 return self.chosen
-            self.chosen, self.times = None, {FAST: [], FBGEMM: []}
-        done = len(self.times[FAST]) + len(self.times[FBGEMM])
-        if done >= 2 * self.steps:
+            self.chosen, self.times, self._calls = None, {FAST: [], FBGEMM: []}, 0
+        if min(len(t) for t in self.times.values()) >= self.steps:
             fast, fbgemm = (statistics.median(self.times[p]) for p in (FAST, FBGEMM))
             self.chosen, self._since = (FAST if fast < fbgemm else FBGEMM), 1
             return self.chosen
-        path = FAST if done % 2 == 0 else FBGEMM
-        self._open = (path, now)
+        block, call = divmod(self._calls, self.steps + 1)
+        path = (FBGEMM, FAST)[min(block, 1)]
+        if call:  # the first call of a block warms its path up
+            self._open = (path, now)
+        self._calls += 1
         return path
 
 
@@ -210,6 +247,24 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOLS[workers]
 
 
+def release_threads() -> bool:
+    """Stop the split's backward threads, if any run (the next split call starts them again): while they live, every
+    OpenMP region of the process runs slower (see the module docstring). Called where FBGEMM's path is taken after a
+    split, and when a lookup is switched off. Returns whether there were any.
+
+    Example::
+
+        >>> release_threads()      # none started yet
+        False
+    """
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+    for pool in pools:
+        pool.shutdown(wait=True)  # between steps: no backward is running
+    return bool(pools)
+
+
 class CpuLookup:
     """The forward that replaces one CPU TBE's (see the module docstring); ``tbe.forward = CpuLookup(tbe, ...)``.
 
@@ -222,6 +277,8 @@ class CpuLookup:
         min_work: the least ``ids x mean dim`` of a call that may take the split, where it is measured faster
             (:func:`choose_path`, :class:`PathTrial`); default :data:`MIN_FAST_WORK`. ``0`` takes the split on every
             call, unmeasured (with more than one thread).
+        trial: the :class:`PathTrial` this lookup shares with the model's other lookups (:func:`install_cpu_lookup`
+            gives them one); default: one of its own.
 
     Attributes:
         taken: calls per path so far, ``{"fast": n, "fbgemm": m}``; ``last``: the path of the latest call;
@@ -238,6 +295,7 @@ class CpuLookup:
         fbgemm_forward: Callable[..., torch.Tensor],
         threads: int | None = None,
         min_work: int | None = None,
+        trial: PathTrial | None = None,
     ) -> None:
         reason = ineligible_reason(tbe)
         if reason is not None:
@@ -254,7 +312,7 @@ class CpuLookup:
         self.mean_dim = int(tbe.D_offsets[-1]) / max(1, len(self.tables))
         self.taken = {FAST: 0, FBGEMM: 0}
         self.last: str | None = None
-        self.trial = PathTrial()
+        self.trial = trial if trial is not None else PathTrial()
 
     def path(self, ids: int) -> str:
         """The path a call with ``ids`` ids may take (:func:`choose_path` with this lookup's dims and threads)."""
@@ -271,7 +329,12 @@ class CpuLookup:
     ) -> torch.Tensor:
         path = self.path(indices.numel())
         if path == FAST and self.min_work:  # measured: training calls time the paths, the others follow the choice
-            path = self.trial.next(time.perf_counter()) if torch.is_grad_enabled() else self.trial.chosen or FBGEMM
+            if torch.is_grad_enabled():
+                path = self.trial.for_call(self, time.perf_counter())
+                if path == FBGEMM and self.trial.leads(self):
+                    release_threads()  # FBGEMM's path is timed and run as it is without the split: no pool
+            else:
+                path = self.trial.chosen or FBGEMM
         if path == FBGEMM or batch_size_per_feature_per_rank is not None or any(v is not None for v in kwargs.values()):
             self.taken[FBGEMM] += 1
             self.last = FBGEMM
@@ -290,11 +353,13 @@ class CpuLookup:
         )
 
     def enable(self, on: bool = True) -> None:
-        """Route the TBE's calls through this lookup (``on``) or back to FBGEMM's own forward (same bits either way)."""
+        """Route the TBE's calls through this lookup (``on``) or back to FBGEMM's own forward (same bits either way;
+        off, the split's threads are stopped: :func:`release_threads`)."""
         if on:
             _compat.patch_method(self.tbe, "forward", self)
         else:
             _compat.unpatch_method(self.tbe, "forward")
+            release_threads()
 
     def pooled(
         self, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None
@@ -432,7 +497,8 @@ def install_cpu_lookup(model: nn.Module, threads: int | None = None) -> dict[str
     With one intra-op thread (``threads``, default ``torch.get_num_threads()``: a rank per core, say) nothing is
     installed: the backward has nothing to split and torch's forward, plus its concatenation, is no faster than
     FBGEMM's (BENCHMARKS.md, "The CPU step against the sparse peer"). Where it is installed, each call still takes
-    FBGEMM's path when its work is below :data:`MIN_FAST_WORK` (:func:`choose_path`).
+    FBGEMM's path when its work is below :data:`MIN_FAST_WORK` (:func:`choose_path`); above it the model's lookups
+    share one :class:`PathTrial`.
 
     Args:
         model: a ``DistributedModelParallel`` (or any module holding TorchRec sharded embedding modules).
@@ -448,13 +514,14 @@ def install_cpu_lookup(model: nn.Module, threads: int | None = None) -> dict[str
     """
     threads = threads or torch.get_num_threads()
     done: dict[str, str] = {}
+    trial = PathTrial()  # one for the model: its steps run on one path (the split's threads are the process's)
     for where, tbe in _compat.fused_tbes(model):
         if isinstance(tbe.forward, CpuLookup):
             done[where] = "fast"
             continue
         reason = ineligible_reason(tbe) or (None if threads > 1 else "one intra-op thread")
         if reason is None:
-            CpuLookup(tbe, tbe.forward, threads=threads).enable()
+            CpuLookup(tbe, tbe.forward, threads=threads, trial=trial).enable()
         done[where] = reason or "fast"
     return done
 

@@ -20,14 +20,17 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch import nn
 
 from lightning_rec import _compat
+from lightning_rec._strategy import cpu_lookup
 from lightning_rec._strategy.cpu_lookup import (
     FAST,
     FBGEMM,
     MIN_FAST_WORK,
+    TRIAL_STEPS,
     CpuLookup,
     PathTrial,
     choose_path,
     ineligible_reason,
+    release_threads,
 )
 from lightning_rec.testing.bench import LOOKUP_SWEEP
 
@@ -186,8 +189,9 @@ def test_a_tutorial_style_model_takes_the_cpu_lookup_and_trains_like_plain_pytor
 
 
 # The path the default allows at every row of benchmarks/cpu_lookup_sweep.py (BENCHMARKS.md, "Never slower than
-# FBGEMM's path"): FBGEMM's wherever the sweep measured the split slower, whatever the load; at realistic and large
-# (FAST) the split where a trial of both measures it faster; never with one thread.
+# FBGEMM's path"): FBGEMM's wherever the sweep measured the split slower than FBGEMM's path run without the split's
+# threads (up to 2x at small); at realistic and large (FAST) the split where a trial of both measures it faster;
+# never with one thread.
 SWEEP_PATHS = {
     "issue_tiny": FBGEMM,
     "tiny": FBGEMM,
@@ -211,8 +215,9 @@ def _uniform_tbe(tables, rows, dim):
 
 
 def test_a_small_lookup_keeps_fbgemm_s_path_and_a_big_one_splits_call_by_call():
-    """Issue 38's tiny model (3 tables x 100 x 16, batch 64, one id each) with two threads: FBGEMM's path; the same
-    lookup with as many ids as the threshold asks: the split (the first call of its trial). Same bits either way."""
+    """Issue 38's tiny model (3 tables x 100 x 16, batch 64, one id each) with two threads: FBGEMM's path, no trial;
+    the same lookup with as many ids as the threshold asks: on trial (a block on FBGEMM's path, then the split). Same
+    bits on every call."""
     tbe, ref = _uniform_tbe(3, 100, 16), _uniform_tbe(3, 100, 16)
     with torch.no_grad():
         for a, b in zip(tbe.split_embedding_weights(), ref.split_embedding_weights()):
@@ -220,34 +225,39 @@ def test_a_small_lookup_keeps_fbgemm_s_path_and_a_big_one_splits_call_by_call():
     lookup = CpuLookup(tbe, tbe.forward, threads=2)
     lookup.enable()
     g = torch.Generator().manual_seed(0)
-    for batch, path in ((64, FBGEMM), (-(-MIN_FAST_WORK // (3 * 16)), FAST)):  # bags of one id
+    big = -(-MIN_FAST_WORK // (3 * 16))  # bags of one id
+    paths = []
+    for batch in [64] + [big] * (TRIAL_STEPS + 2):  # the tiny call; the trial's FBGEMM block and the split's first
         ids = torch.randint(0, 100, (3 * batch,), generator=g)
         offsets = torch.arange(3 * batch + 1)
         out, want = tbe(ids, offsets), ref(ids, offsets)
-        assert lookup.last == path, (batch, lookup.taken)
+        paths.append(lookup.last)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
         out.sum().backward()
         want.sum().backward()
         for a, b in zip(tbe.split_embedding_weights(), ref.split_embedding_weights()):
             assert torch.equal(a, b)
-    assert lookup.taken == {FAST: 1, FBGEMM: 1}
-    tbe(ids, offsets)  # the trial's second training call: FBGEMM's path, the first call's step timed
-    assert lookup.last == FBGEMM and len(lookup.trial.times[FAST]) == 1
+    assert paths == [FBGEMM] * (TRIAL_STEPS + 2) + [FAST]
+    assert len(lookup.trial.times[FBGEMM]) == TRIAL_STEPS and not lookup.trial.times[FAST]  # the tiny call untimed
+    lookup.enable(False)
 
 
 def test_a_trial_keeps_the_faster_path_and_measures_again():
     trial = PathTrial(steps=2, retry_every=3)
-    # training calls at these times: the split's steps take 3 s, FBGEMM's 1 s
+    # training calls at these times: the split's steps take 3 s, FBGEMM's 1 s, but each block's first step 100 s
     paths, now = [], 0.0
-    for _ in range(4):
+    for _ in range(6):
         paths.append(trial.next(now))
-        now += 3.0 if paths[-1] == FAST else 1.0
-    assert paths == [FAST, FBGEMM, FAST, FBGEMM] and trial.chosen is None
+        now += 100.0 if len(paths) in (1, 4) else 3.0 if paths[-1] == FAST else 1.0
+    assert paths == [FBGEMM] * 3 + [FAST] * 3 and trial.chosen is None
+    assert trial.times == {FAST: [3.0], FBGEMM: [1.0, 1.0]}  # the warm-up steps are not in them (the last is open)
     assert [trial.next(now + i) for i in range(3)] == [FBGEMM] * 3 and trial.chosen == FBGEMM
-    assert trial.next(now + 3) == FAST and trial.chosen is None  # retry_every calls later: on trial again
-    # the other way round: the split faster
+    assert trial.times == {FAST: [3.0, 3.0], FBGEMM: [1.0, 1.0]}
+    assert trial.next(now + 3) == FBGEMM and trial.chosen is None  # retry_every calls later: on trial again
+    assert trial.times == {FAST: [], FBGEMM: []}
+    # the other way round: the split faster (after each block's untimed call)
     trial, now = PathTrial(steps=1), 0.0
-    for _ in range(2):
+    for _ in range(4):
         now += 1.0 if trial.next(now) == FAST else 2.0
     assert trial.next(now) == FAST and trial.chosen == FAST
 
@@ -264,3 +274,36 @@ def test_calls_without_grad_follow_the_trial_s_choice_and_time_nothing():
     with torch.no_grad():
         tbe(ids, offsets)
     assert lookup.last == FAST
+
+
+def test_a_model_s_lookups_share_one_trial_and_fbgemm_s_path_runs_without_the_split_s_threads(monkeypatch):
+    """Two TBEs of one model, sharing a trial as install_cpu_lookup gives them one: the first to be called leads (its
+    calls are timed), the other takes the same path in the same step. Whenever a step is on FBGEMM's path, the split's
+    backward threads are stopped before it runs (alive, they slow every OpenMP region of the process: the module
+    docstring), and they stay stopped once the trial keeps FBGEMM's path."""
+    release_threads()
+    now = [0.0]
+    monkeypatch.setattr(cpu_lookup.time, "perf_counter", lambda: now[0])
+    trial = PathTrial(steps=2, retry_every=100)
+    tbes = [_uniform_tbe(4, 100, 16) for _ in range(2)]  # 4 tables, 2 threads: the split's backward uses the pool
+    lookups = [CpuLookup(tbe, tbe.forward, threads=2, min_work=1, trial=trial) for tbe in tbes]
+    for lookup in lookups:
+        lookup.enable()
+    ids, offsets = torch.arange(4 * 8) % 100, torch.arange(4 * 8 + 1)
+    steps = []
+    for _ in range(10):
+        outs = [tbe(ids, offsets) for tbe in tbes]
+        paths = [lookup.last for lookup in lookups]
+        threads_in_forward = bool(cpu_lookup._POOLS)
+        sum(out.sum() for out in outs).backward()
+        steps.append((paths, threads_in_forward, bool(cpu_lookup._POOLS)))
+        now[0] += 3.0 if paths[0] == FAST else 1.0  # the split's steps take 3 s, FBGEMM's 1 s
+    assert [p for p, _, _ in steps] == [[FBGEMM] * 2] * 3 + [[FAST] * 2] * 3 + [[FBGEMM] * 2] * 4
+    assert trial.chosen == FBGEMM and trial.times == {FAST: [3.0, 3.0], FBGEMM: [1.0, 1.0]}
+    for paths, in_forward, after_backward in steps:
+        if paths[0] == FAST:
+            assert after_backward, "the split's backward ran on its threads"
+        else:
+            assert not in_forward and not after_backward, "FBGEMM's step ran beside the split's threads"
+    lookups[0].enable(False)
+    lookups[1].enable(False)
