@@ -43,7 +43,7 @@ from lightning_rec.testing import cpu_lookup_path, cpu_lookups
 from lightning_rec.testing.bench import LOOKUP_SWEEP, Size, workload
 from lightning_rec.testing.bench.runner import reexec_with_steady_malloc
 from lightning_rec.testing.bench.worker import raw_torchrec
-from lightning_rec.testing.instruments import TRIAL_STEPS
+from lightning_rec.testing.instruments import TRIAL_CALLS
 from lightning_rec.testing.ports import rank_env
 
 
@@ -87,7 +87,7 @@ def measure(size: Size, lr: float = 0.01, distinct: int = 4) -> dict[str, Any]:
     paths: set[str] = set()  # the paths recshard's timed steps took
     # Blocks of steps per variant, in turn: recshard's lookup times its paths call to call (PathTrial), so its warm-up
     # block holds the whole trial.
-    warmup = {name: size.warmup for name in variants} | {"recshard": max(size.warmup, 2 * TRIAL_STEPS + 3)}
+    warmup = {name: size.warmup for name in variants} | {"recshard": max(size.warmup, TRIAL_CALLS)}
     step = 0
     for name, (use, model, optimizer) in variants.items():
         use()

@@ -68,6 +68,9 @@ MIN_FAST_WORK = 1 << 22
 #: Training steps timed on each path before a lookup above :data:`MIN_FAST_WORK` picks one (:class:`PathTrial`),
 #: and the calls after which it measures again (the machine's load changes which path is faster).
 TRIAL_STEPS, RETRY_EVERY = 8, 2000
+#: Training calls from a trial's start to its choice: two blocks of an untimed call and TRIAL_STEPS timed ones, and
+#: the call that closes the last step (a benchmark warms up at least as many).
+TRIAL_CALLS = 2 * (TRIAL_STEPS + 1) + 1
 FAST, FBGEMM = "fast", "fbgemm"
 
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # FBGEMM ships no type information: to the type checker its T
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
 __all__ = [
+    "TRIAL_CALLS",
     "TRIAL_STEPS",
     "OutputReordering",
     "StepInputChecks",
@@ -51,6 +52,8 @@ _OUTPUT_DIST = "compute_and_output_dist"
 #: Training steps a CPU lookup above its work threshold times on each path before it keeps the faster (a benchmark
 #: warms up at least twice as many).
 TRIAL_STEPS = _cpu_lookup.TRIAL_STEPS
+#: Training calls from the start of such a trial to its choice (what a benchmark's warm-up must hold).
+TRIAL_CALLS = _cpu_lookup.TRIAL_CALLS
 
 
 def cpu_lookup(
