@@ -3,7 +3,7 @@ torch's ``embedding_bag`` with a sparse gradient and ``SGD.step`` (the sparse pe
 (issue 26; BENCHMARKS.md, "The CPU step against the sparse peer").
 
 Per ``--size`` of :mod:`lightning_rec.testing.bench` (its tables, batch and ids per sample), medians over ``--repeats``
-interleaved calls, ms:
+calls, one kernel after the other (the split's threads alive for recshard's only), ms:
 
 * ``fwd``: the pooled output ``[batch, tables x dim]``;
 * ``bwd_update``: the backward of that output (a fixed gradient) and the update of the rows (FBGEMM's fused
@@ -52,7 +52,7 @@ def measure(size: Size, threads: int, repeats: int, lr: float = 0.01) -> dict[st
     offsets = torch.arange(0, n + 1, size.pooling)
     grad = torch.randn(size.batch_size, size.tables * size.dim, generator=g)
     fbgemm, ours = _tbe(size, lr), _tbe(size, lr)
-    cpu_lookup(ours, threads=threads, min_work=0)  # the split on every call
+    lookup = cpu_lookup(ours, threads=threads, min_work=0)  # the split on every call
     tables = [torch.nn.Parameter(w.detach().clone()) for w in fbgemm.split_embedding_weights()]
     sgd = torch.optim.SGD(tables, lr=lr)
     per_table = ids.view(size.tables, -1)
@@ -94,8 +94,11 @@ def measure(size: Size, threads: int, repeats: int, lr: float = 0.01) -> dict[st
         }[name]()
 
     times: dict[str, dict[str, list[float]]] = {"fwd": {}, "bwd_update": {}}
-    for r in range(repeats + 1):  # the first round warms up
-        for name in ("fbgemm", "recshard", "torch"):
+    # One kernel after the other, not in turns: while the split's threads live, every OpenMP region of the process is
+    # slower (lightning_rec/_strategy/cpu_lookup.py), so the others run with them stopped (the lookup switched off).
+    for name in ("fbgemm", "recshard", "torch"):
+        lookup.enable(name == "recshard")
+        for r in range(repeats + 1):  # the first round warms up
             start = time.perf_counter()
             kernels["fwd"][name]()
             fwd = time.perf_counter() - start

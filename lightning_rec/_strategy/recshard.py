@@ -137,10 +137,10 @@ class RecShardStrategy(ParallelStrategy):
         fast_cpu_lookup: on CPU, run FBGEMM's fused tables (SGD/Adagrad, sum pooling, fp32) through
             :mod:`lightning_rec._strategy.cpu_lookup`: torch's multi-threaded ``embedding_bag`` forward and FBGEMM's
             own backward op split across threads by table; bitwise identical to FBGEMM's path, faster with more than
-            one thread per rank on big lookups (BENCHMARKS.md; with one thread it is left out). Each call takes the
-            split only when its work (ids x dim) is big enough to pay for it, and FBGEMM's path otherwise, so small
-            tables and batches are never slower than FBGEMM's own (``lightning_rec.testing.cpu_lookup_path``).
-            ``False`` keeps FBGEMM's forward. No effect on CUDA.
+            one thread per rank on big lookups (BENCHMARKS.md; with one thread it is left out). Small lookups (ids x
+            dim of a call) keep FBGEMM's path (``lightning_rec.testing.cpu_lookup_path``); big ones take the split
+            only where a trial of both paths, in the first training steps, measures it faster; so the default is
+            never slower than FBGEMM's own. ``False`` keeps FBGEMM's forward. No effect on CUDA.
         report_plan: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
             the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``; without
             a logger nothing is written (see :mod:`lightning_rec._planner.report`). The plan is logged as a table either
