@@ -257,7 +257,8 @@ def release_threads() -> bool:
 
     Example::
 
-        >>> release_threads()      # none started yet
+        >>> _ = release_threads()   # stops them, if a split started them
+        >>> release_threads()       # none left
         False
     """
     with _POOLS_LOCK:

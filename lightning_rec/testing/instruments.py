@@ -49,8 +49,8 @@ __all__ = [
 ]
 
 _OUTPUT_DIST = "compute_and_output_dist"
-#: Training steps a CPU lookup above its work threshold times on each path before it keeps the faster (a benchmark
-#: warms up at least twice as many).
+#: Training steps a CPU lookup above its work threshold times on each path (in a block each, after an untimed one)
+#: before it keeps the faster.
 TRIAL_STEPS = _cpu_lookup.TRIAL_STEPS
 #: Training calls from the start of such a trial to its choice (what a benchmark's warm-up must hold).
 TRIAL_CALLS = _cpu_lookup.TRIAL_CALLS
