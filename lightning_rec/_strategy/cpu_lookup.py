@@ -22,7 +22,7 @@ concatenation, the per-group id copies, the hand-off to the thread pool) is a fi
 threads slow *everything else* in the process down while they live: each pool thread that runs an op starts an
 OpenMP team of its own, and once a process manages more OpenMP threads than it has cores, GNU OpenMP stops letting
 idle workers spin between parallel regions, so every later region (the MLP's, the loss's, FBGEMM's) waits for its
-workers to wake up. Measured on this project's 2-core machine with 2 threads (``benchmarks/cpu_lookup_sweep.py``):
+workers to wake up. Measured on this project's 2-core machine with 2 threads (``benchmarks/split_threads.py``):
 FBGEMM's path took 2.9 ms a step at 8 tables x 10,000 x 16, batch 256, the split 5.9, and FBGEMM's path 7.2 ms
 once the split's threads existed; they gone, 2.9 again.
 
