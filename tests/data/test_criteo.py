@@ -6,6 +6,7 @@ import gzip
 import io
 import math
 import pickle
+import subprocess
 import sys
 import types
 from collections.abc import Iterable
@@ -195,6 +196,26 @@ def test_datamodule_with_two_workers_never_forked_from_the_training_process(tmp_
     # forked from the package's fork server (or spawned), never from this process (its gloo threads)
     assert loader.num_workers == 2 and loader.multiprocessing_context.get_start_method() in ("forkserver", "spawn")
     assert _rows(loader) == single and len(set(single)) == 700
+
+
+@pytest.mark.dist
+def test_workers_start_for_a_script_read_from_standard_input(tmp_path: Path) -> None:
+    """``python - < script.py``: a worker process runs ``__main__`` again from ``__main__.__file__``, here
+    ``"<stdin>"``, which it cannot open; the loader's workers start all the same and read what no workers read."""
+    path = tmp_path / "day_0.tsv"
+    write_criteo_tsv(path, 300, seed=3)
+    script = f"""
+from lightning_rec.data import CriteoDataModule
+
+def rows(workers):
+    dm = CriteoDataModule(train=[{str(path)!r}], batch_size=50, num_embeddings=1000, num_workers=workers)
+    return [b.sparse_features.values().tolist() for b in dm.train_dataloader()]
+
+print(rows(2) == rows(0), len(rows(0)))
+"""
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["True", "6"]
 
 
 class _CountingRaw(io.RawIOBase):
