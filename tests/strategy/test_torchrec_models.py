@@ -259,10 +259,13 @@ def fit(
     fast_cpu_lookup: bool = True,
     threads: int = 0,
     split_every_call: bool = False,
+    on_trial: bool = False,
 ) -> dict[str, Any]:
     """Train on this rank's slice of every global batch; rank 0 also trains the unsharded reference. ``threads``: the
     intra-op threads of this rank (0: as launched). ``split_every_call``: the CPU lookup takes its split path on
-    every call (this model is far below the work where the default takes it), to compare its bits."""
+    every call (this model is far below the work where the default takes it), to compare its bits. ``on_trial``:
+    every call is big enough to be measured, so the lookups run the default's trial of both paths (timed: which one
+    it keeps may differ from run to run)."""
     if threads:
         torch.set_num_threads(threads)
     model = _model(seed=0, vbe=vbe)
@@ -278,7 +281,9 @@ def fit(
     )
     with (
         warnings.catch_warnings(),
-        mock.patch.object(cpu_lookup, "MIN_FAST_WORK", 0 if split_every_call else cpu_lookup.MIN_FAST_WORK),
+        mock.patch.object(
+            cpu_lookup, "MIN_FAST_WORK", 0 if split_every_call else 1 if on_trial else cpu_lookup.MIN_FAST_WORK
+        ),
     ):
         warnings.simplefilter("ignore")
         trainer.fit(module, DataLoader([local[rank] for _, local in inputs], batch_size=None))
@@ -294,7 +299,8 @@ def fit(
         else ("fbgemm", 1, False)
         for where, tbe in fused_tbes(module)
     }
-    return {**result, "losses": module.losses, "preds": preds, "plan": plan, "lookups": lookups}
+    trials = {id(tbe.forward.trial) for _, tbe in fused_tbes(module) if isinstance(tbe.forward, CpuLookup)}
+    return {**result, "losses": module.losses, "preds": preds, "plan": plan, "lookups": lookups, "trials": len(trials)}
 
 
 def predict_from(
@@ -361,6 +367,23 @@ def test_the_default_cpu_lookup_trains_like_unsharded_torchrec_and_gives_fbgemm_
     # installed, but this model's lookups are far too small for the split: FBGEMM's path, call by call
     assert default["lookups"] and set(default["lookups"].values()) == {("CpuLookup", 2, False)}
     assert (default["losses"], default["preds"]) == (fast["losses"], fast["preds"])
+
+
+def test_a_measured_cpu_lookup_trains_testsparsenn_to_fbgemm_s_bits(tmp_path):
+    """Every call of TorchRec's test model on trial, as a big model's are: its kernels share one trial, which runs a
+    block of steps on FBGEMM's path and one on the split (stopping the split's threads in between), then keeps one;
+    whatever it keeps, the training gives FBGEMM's own bits and the unsharded model's numbers."""
+    steps = cpu_lookup.TRIAL_CALLS + 3
+    own = fit(0, 1, tmp_path, constraints=TABLE_WISE_PLAN, optimizer="adagrad", steps=steps, fast_cpu_lookup=False)
+    measured = fit(
+        0, 1, tmp_path, constraints=TABLE_WISE_PLAN, optimizer="adagrad", steps=steps, threads=2, on_trial=True
+    )
+    assert len(measured["lookups"]) >= 2 and measured["trials"] == 1, measured["lookups"]
+    assert all(v == ("CpuLookup", 2, True) for v in measured["lookups"].values()), measured[
+        "lookups"
+    ]  # split block ran
+    assert (measured["losses"], measured["preds"]) == (own["losses"], own["preds"])  # to the bit
+    assert measured["losses"] == pytest.approx(measured["ref_losses"], abs=TOL)
 
 
 @pytest.mark.dist
