@@ -19,10 +19,9 @@ one intra-op thread per rank it keeps FBGEMM's path, which is as fast there.
 
 **Which path, call by call.** The split is not free. Its own work (one ``embedding_bag`` per feature, their
 concatenation, the per-group id copies, the hand-off to the thread pool) is a fixed ~0.3-0.5 ms a step; and its
-threads slow *everything else* in the process down while they live: each pool thread that runs an op starts an
-OpenMP team of its own, and once a process manages more OpenMP threads than it has cores, GNU OpenMP stops letting
-idle workers spin between parallel regions, so every later region (the MLP's, the loss's, FBGEMM's) waits for its
-workers to wake up. Measured on this project's 2-core machine with 2 threads (``benchmarks/split_threads.py``):
+threads slow *everything else* in the process down while they live: every OpenMP region (the MLP's, the loss's,
+FBGEMM's) runs slower, it seems because GNU OpenMP, with more threads at work than cores, stops letting its idle
+workers spin between regions (``OMP_WAIT_POLICY=ACTIVE`` mostly removes the effect). Measured on this project's 2-core machine with 2 threads (``benchmarks/split_threads.py``):
 FBGEMM's path took 2.9 ms a step at 8 tables x 10,000 x 16, batch 256, the split 5.9, and FBGEMM's path 7.2 ms
 once the split's threads existed; they gone, 2.9 again.
 
