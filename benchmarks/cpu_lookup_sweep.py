@@ -8,13 +8,14 @@ quarter of the timed steps, on the same batches (so that a machine whose speed d
 not single steps, because recshard's trial times its paths call to call), textbook steps (zero_grad, forward,
 backward, step), medians, ms:
 
-* ``raw``: TorchRec by hand (DMP over TorchRec's planner, FBGEMM's CPU forward and serial fused backward);
+* ``raw``: TorchRec by hand (DMP over TorchRec's planner, FBGEMM's CPU forward and serial fused backward), the
+  split's threads stopped first (alive, they slow every other kernel of the process: ``benchmarks/split_threads.py``);
 * ``recshard``: the same DMP and tables with recshard's CPU lookup as the strategy installs it (its default choice,
   call by call: :func:`lightning_rec.testing.cpu_lookup_path`, then a trial above the threshold);
   ``path_taken`` says which path its timed steps took;
 * ``split``: the same with the split forced on every call (``min_work=0``): what the default would cost if it did
   not choose (with 1 thread nothing is split: not run);
-* ``sparse``: ``nn.EmbeddingBag(sparse=True)`` tables and torch's SGD (the sparse peer).
+* ``sparse``: ``nn.EmbeddingBag(sparse=True)`` tables and torch's SGD (the sparse peer), the split's threads stopped.
 
 Lightning's own loop, the same for recshard and the plain-Lightning peer, is not in these
 (``benchmarks/paired_overhead.py``).

@@ -18,7 +18,8 @@ machine whose speed drifts slows them all alike (medians over ``--rounds`` x bat
 
 Variants: ``raw`` (DMP over TorchRec's planner, FBGEMM's CPU forward and serial fused backward, as a TorchRec
 user gets it), ``recshard_kernels`` (the same DMP, tables and weights, with recshard's default CPU lookup,
-:func:`lightning_rec.testing.cpu_lookups`), ``sparse_peer``. What Lightning's loop adds is measured by
+:func:`lightning_rec.testing.cpu_lookups`), ``sparse_peer``. Switching the lookup off stops its split's threads, so
+the others run as in a process without them, and recshard's phases pay for starting them again at each batch. What Lightning's loop adds is measured by
 ``benchmarks/paired_overhead.py``.
 
 Limits (``limits`` in the output): ``copy_gb_s``, the best ``Tensor.copy_`` bandwidth of a 256 MiB buffer (read +
