@@ -17,8 +17,8 @@ machine whose speed drifts slows them all alike (medians over ``--rounds`` x bat
   (the concatenations, ``KeyedTensor`` views, the loss, Python).
 
 Variants: ``raw`` (DMP over TorchRec's planner, FBGEMM's CPU forward and serial fused backward, as a TorchRec
-user gets it), ``recshard_kernels`` (the same DMP, tables and weights, with recshard's default CPU lookup,
-:func:`lightning_rec.testing.cpu_lookups`), ``sparse_peer``. Switching the lookup off stops its split's threads, so
+user gets it), ``recshard_kernels`` (the same DMP, tables and weights, with recshard's CPU lookup taking its split
+on every call, :func:`lightning_rec.testing.cpu_lookups`), ``sparse_peer``. Switching the lookup off stops its split's threads, so
 the others run as in a process without them, and recshard's phases pay for starting them again at each batch. What Lightning's loop adds is measured by
 ``benchmarks/paired_overhead.py``.
 
@@ -89,6 +89,7 @@ class _TorchRec:
     def use(self, fast: bool) -> None:
         for lookup in self.lookups:
             lookup.enable(fast)
+            lookup.min_work = 0  # the split on every call: a trial of both paths would time phases of either
 
     def phases(self, batch, features: list[str]) -> dict[str, float]:
         ebc = self.model.tables
