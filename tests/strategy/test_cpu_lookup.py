@@ -25,6 +25,7 @@ from lightning_rec._strategy.cpu_lookup import (
     FAST,
     FBGEMM,
     MIN_FAST_WORK,
+    TRIAL_CALLS,
     TRIAL_STEPS,
     CpuLookup,
     PathTrial,
@@ -162,28 +163,39 @@ def test_one_thread_keeps_fbgemm_s_path_where_it_is_as_fast(tmp_path, monkeypatc
     assert one["lookups"] and set(one["lookups"].values()) == {("fbgemm", 1, False)}
 
 
-def test_a_tutorial_style_model_takes_the_cpu_lookup_and_trains_like_plain_pytorch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("on_trial", [False, True], ids=["default", "every_call_on_trial"])
+def test_a_tutorial_style_model_takes_the_cpu_lookup_and_trains_like_plain_pytorch(tmp_path, monkeypatch, on_trial):
     """kt.values(), tables built on CPU with their own rows, dict batches, no logger; one rank with two threads (as
     Lightning gives one process on two cores), a plan that splits a table's columns: the same losses and held-out
-    logits as plain PyTorch on the unsharded model."""
-    from lightning_rec._strategy import cpu_lookup
+    logits as plain PyTorch on the unsharded model. ``on_trial``: every call measured, as a big model's are (a
+    block on FBGEMM's path, then the split's)."""
     from tests.helpers import user_scenarios
     from tests.helpers.user_models import REORDERING_PLAN
 
-    calls = []
+    calls: list[str] = []
     original = cpu_lookup.CpuLookup.__call__
-    monkeypatch.setattr(
-        cpu_lookup.CpuLookup, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
-    )
+
+    def counted(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(self.last)
+        return out
+
+    monkeypatch.setattr(cpu_lookup.CpuLookup, "__call__", counted)
+    if on_trial:
+        monkeypatch.setattr(cpu_lookup, "MIN_FAST_WORK", 1)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     threads = torch.get_num_threads()
     try:
-        result = user_scenarios.fit(0, 1, tmp_path, constraints=REORDERING_PLAN)
+        result = user_scenarios.fit(
+            0, 1, tmp_path, constraints=REORDERING_PLAN, steps=TRIAL_CALLS + 2 if on_trial else 5
+        )
     finally:
         torch.set_num_threads(threads)
     if torch.get_num_threads() < 2 and not calls:
         pytest.skip("one core: the CPU lookup is left out with one thread")
     assert calls, "the fused tables went through the CPU lookup"
+    if on_trial:
+        assert FAST in calls and FBGEMM in calls, "the trial ran both paths"
     assert result["losses"] == pytest.approx(result["ref_losses"], abs=1e-5)
     assert result["logits"] == pytest.approx(result["ref_logits"], abs=1e-5)
 
