@@ -260,6 +260,8 @@ def release_threads() -> bool:
         >>> release_threads()       # none left
         False
     """
+    if not _POOLS:  # the common case, every step on FBGEMM's path: no lock taken
+        return False
     with _POOLS_LOCK:
         pools = list(_POOLS.values())
         _POOLS.clear()
