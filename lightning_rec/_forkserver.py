@@ -9,14 +9,12 @@ forked with it. (Python keeps one fork server per process; whichever of the two 
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
-import multiprocessing.context
 import os
-import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
+
+from lightning_rec import _compat
 
 __all__ = ["forkserver_context", "worker_context"]
 
@@ -55,36 +53,4 @@ def worker_context() -> Any:
     from the training process itself, whose gloo threads could deadlock a fork. Either way a worker runs the
     script's ``__main__`` again, from its file; a script that has none (``python - < script.py``: ``__file__`` is
     ``"<stdin>"``) starts its workers as a notebook's do, without it."""
-    context = forkserver_context()
-    return _WorkerContext() if context is not None else "spawn"
-
-
-@contextlib.contextmanager
-def _main_without_missing_file() -> Iterator[None]:
-    # multiprocessing (spawn and forkserver) re-runs ``__main__`` in the child from ``__main__.__file__``; a script
-    # read from standard input names "<stdin>", which the child cannot open (FileNotFoundError, and the DataLoader
-    # then reports its workers "exited unexpectedly"). Without ``__file__`` the child skips that step, as it does for
-    # an interactive session.
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if main is None or path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path):
-        yield
-        return
-    del main.__file__
-    try:
-        yield
-    finally:
-        main.__file__ = path
-
-
-class _WorkerProcess(multiprocessing.context.ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        with _main_without_missing_file():
-            return multiprocessing.context.ForkServerProcess._Popen(process_obj)
-
-
-class _WorkerContext(multiprocessing.context.ForkServerContext):
-    """The fork server's context, its processes started by :class:`_WorkerProcess`."""
-
-    Process = _WorkerProcess
+    return _compat.ForkServerContext() if forkserver_context() is not None else "spawn"

@@ -8,7 +8,7 @@ so that an upgrade that moves one breaks one module with an obvious fix:
 - :mod:`~lightning_rec._compat.torchrec`: the planner, the train pipeline, DMP, managed collision, fused parameters;
 - :mod:`~lightning_rec._compat.patches`: the one seam for patches of TorchRec's, FBGEMM's and Lightning's objects;
 - :mod:`~lightning_rec._compat.torch`: ShardedTensor, dispatch modes, the default store, AOTInductor's compiler;
-- :mod:`~lightning_rec._compat.python`: the interpreter's own exit steps.
+- :mod:`~lightning_rec._compat.python`: the interpreter's own exit steps; multiprocessing's fork-server start.
 
 The rest of the package reaches every name through this one: ``from lightning_rec import _compat``, then
 ``_compat.name`` (tests/test_layout.py checks that private upstream names are imported nowhere else).
@@ -85,7 +85,7 @@ from lightning_rec._compat.patches import (
     patchable,
     unpatch_method,
 )
-from lightning_rec._compat.python import interpreter_exit
+from lightning_rec._compat.python import ForkServerContext, interpreter_exit
 from lightning_rec._compat.torch import (
     cpp_compiler,
     default_store,
@@ -119,6 +119,7 @@ __all__ = [
     "IN_BACKWARD_OPTIMIZER_ATTR",
     "IS_INTERACTIVE",
     "PATCHED_METHODS",
+    "ForkServerContext",
     "ShardedTensor",
     "StrategyRegistry",
     "TorchDispatchMode",

@@ -1,6 +1,14 @@
-"""Python's own private names recshard relies on: what the interpreter runs as it ends."""
+"""Python's own private names recshard relies on: what the interpreter runs as it ends, and how multiprocessing's
+fork server starts a process."""
 
 from __future__ import annotations
+
+import contextlib
+import multiprocessing.context
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
 
 
 def interpreter_exit() -> None:
@@ -12,3 +20,41 @@ def interpreter_exit() -> None:
 
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
+
+
+@contextlib.contextmanager
+def _main_without_missing_file() -> Iterator[None]:
+    # multiprocessing (spawn and forkserver) re-runs ``__main__`` in the child from ``__main__.__file__``; a script
+    # read from standard input names "<stdin>", which the child cannot open (FileNotFoundError, and a DataLoader
+    # then reports its workers "exited unexpectedly"). Without ``__file__`` the child skips that step, as it does for
+    # an interactive session.
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+class _ForkServerProcess(multiprocessing.context.ForkServerProcess):
+    # ``_Popen`` is where multiprocessing reads ``__main__`` for the child (spawn.get_preparation_data).
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        with _main_without_missing_file():
+            return multiprocessing.context.ForkServerProcess._Popen(process_obj)
+
+
+class ForkServerContext(multiprocessing.context.ForkServerContext):
+    """Multiprocessing's fork-server context whose processes also start from a script read from standard input
+    (``python - < script.py``), which has no ``__main__`` file to run again in the child.
+
+    Example::
+
+        DataLoader(dataset, num_workers=2, multiprocessing_context=ForkServerContext())
+    """
+
+    Process = _ForkServerProcess
