@@ -17,19 +17,19 @@ any other optimizer, pooling, precision, variable batch sizes or a CUDA table ke
 Install with :func:`install_cpu_lookup` (the strategy does, unless ``RecShardStrategy(fast_cpu_lookup=False)``); with
 one intra-op thread per rank it keeps FBGEMM's path, which is as fast there.
 
-**Which path, call by call.** The split is not free. Its own work (one ``embedding_bag`` per feature, their
-concatenation, the per-group id copies, the hand-off to the thread pool) is a fixed ~0.3-0.5 ms a step; and its
-threads slow *everything else* in the process down while they live: every OpenMP region (the MLP's, the loss's,
-FBGEMM's) runs slower, it seems because GNU OpenMP, with more threads at work than cores, stops letting its idle
-workers spin between regions (``OMP_WAIT_POLICY=ACTIVE`` mostly removes the effect). Measured on this project's 2-core machine with 2 threads (``benchmarks/split_threads.py``):
-FBGEMM's path took 2.9 ms a step at 8 tables x 10,000 x 16, batch 256, the split 5.9, and FBGEMM's path 7.2 ms
-once the split's threads existed; they gone, 2.9 again.
+**Which path, call by call.** The split is not free: its own work (one ``embedding_bag`` per feature, their
+concatenation, the per-group id copies, the hand-off to the thread pool) is a fixed ~0.3-0.5 ms a step. Its threads
+are born with one intra-op thread each (:func:`_start_threads`): a thread that ran a multi-threaded OpenMP region
+would keep OpenMP workers of its own, and with more OpenMP threads than cores GNU OpenMP makes every parallel region
+of the process (the MLP's, FBGEMM's) wait for its workers to wake, which once made FBGEMM's path 2.4x slower beside
+the split's idle threads (``benchmarks/split_threads.py``; BENCHMARKS.md, "The split's threads slowed the whole
+process").
 
 So each call first prices its own work, ``ids x mean dim`` (the floats the lookup reads and the update writes;
 batch, pooling and feature count are in the ids): below :data:`MIN_FAST_WORK`, or with one thread, FBGEMM's path,
-always (:func:`choose_path`), and no thread pool is ever started. Above it the split won by 8-20% on a quiet machine
-and can lose with the cores shared, so there the lookups measure: one :class:`PathTrial` per model (its lookups
-share it: the split's threads are the process's, not one table's) times whole training steps (call to call), a block
+always (:func:`choose_path`), and no thread pool is ever started. Above it the split won by 10-20% on a quiet
+machine and can lose with the cores shared, so there the lookups measure: one :class:`PathTrial` per model (its
+lookups share it: the split's threads are the process's, not one table's) times whole training steps (call to call), a block
 on each path, FBGEMM's with the split's threads stopped (:func:`release_threads`), takes the faster, stops the
 threads if that is FBGEMM's, and measures again every :data:`RETRY_EVERY` calls. Either path gives the same bits, so
 the choice changes the time only. ``benchmarks/cpu_lookup_sweep.py`` measures both paths from tiny to large
@@ -241,18 +241,50 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
-    # One pool per size, shared by every TBE of the process: the backward of one module runs at a time.
+def _pool(workers: int) -> tuple[ThreadPoolExecutor, bool]:
+    # One pool per size, shared by every TBE of the process: the backward of one module runs at a time. Returns the
+    # pool and whether it is new (its threads are then started by the next calls: :func:`_start_threads`).
     with _POOLS_LOCK:
-        if workers not in _POOLS:
-            _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="lightning_rec-tbe")
-        return _POOLS[workers]
+        if workers in _POOLS:
+            return _POOLS[workers], False
+        _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="lightning_rec-tbe")
+        return _POOLS[workers], True
+
+
+def _start_threads(pool: ThreadPoolExecutor, call: Callable[..., int], calls: Sequence[tuple[Any, ...]]) -> list[int]:
+    """Run a new pool's first ``calls`` (one per thread, all at once), its threads born with one intra-op thread each.
+
+    Why: a thread that runs a GNU OpenMP parallel region with more than one thread keeps a team of OpenMP workers of
+    its own for as long as it lives; with more OpenMP threads alive than cores, libgomp stops letting idle workers
+    spin between regions, and every parallel region of the process (the main thread's, FBGEMM's, the MLP's) then
+    waits for its workers to wake up: 1.5-2.5x slower steps at the small sizes (``benchmarks/split_threads.py``).
+    Each group of the split is one thread's work already: its threads need no team. A new thread's OpenMP thread
+    count is libgomp's default (the cores) until torch's first parallel loop on it sets it from torch's process-wide
+    count, and FBGEMM's libraries run OpenMP regions of their own and set it likewise the first time each runs a
+    parallel loop there: hence torch's count is one while the threads start and make their first calls (the caller
+    waits for them meanwhile: nothing else runs), and the caller's again after. Returns each call's result (its
+    thread's count after it)."""
+    outer = torch.get_num_threads()
+    barrier = threading.Barrier(len(calls))  # no call ends before all have begun: every call gets a thread of its own
+
+    def first(*args: Any) -> int:
+        barrier.wait()
+        torch.get_num_threads()  # torch sets this thread's count (to one) before FBGEMM's OpenMP regions read it
+        return call(*args)
+
+    torch.set_num_threads(1)
+    try:
+        futures = [pool.submit(first, *args) for args in calls]
+        return [future.result() for future in futures]
+    finally:
+        torch.set_num_threads(outer)
 
 
 def release_threads() -> bool:
-    """Stop the split's backward threads, if any run (the next split call starts them again): while they live, every
-    OpenMP region of the process runs slower (see the module docstring). Called where FBGEMM's path is taken after a
-    split, and when a lookup is switched off. Returns whether there were any.
+    """Stop the split's backward threads, if any run (the next split call starts them again), so that FBGEMM's path
+    runs as in a process that never split, and a thread whose intra-op count was set again after its start goes
+    (:func:`_start_threads`). Called where FBGEMM's path is taken after a split, when a lookup is switched off, and
+    after such a thread's call. Returns whether there were any.
 
     Example::
 
@@ -419,9 +451,13 @@ class CpuLookup:
                 torch.cat([weights[bounds[f] : bounds[f + 1]] for f in features]) if weights.numel() else weights
             )
             calls.append((sub_indices, sub_offsets, sub_weights))
-        futures = [_pool(self.threads).submit(self._call, grad, *call) for call in calls]
-        for future in futures:
-            future.result()
+        pool, new = _pool(len(calls))
+        if new:
+            counts = _start_threads(pool, self._call, [(grad, *call) for call in calls])
+        else:
+            counts = [future.result() for future in [pool.submit(self._call, grad, *call) for call in calls]]
+        if max(counts) > 1:  # a library's first parallel loop came after the threads' start: start them anew
+            release_threads()
 
     def _groups(self, bounds: Sequence[int]) -> list[list[int]]:
         # Features of one table stay together (their rows are one memory); tables go to the lightest group by ids.
@@ -440,10 +476,12 @@ class CpuLookup:
             load[g] += sum(bounds[f + 1] - bounds[f] for f in features)
         return [sorted(g) for g in groups if g]
 
-    def _call(self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor) -> None:
+    def _call(self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor) -> int:
+        # FBGEMM's backward + update of one group; returns the calling thread's intra-op thread count after it.
         args = dict(self.static, grad_output=grad, indices=indices, offsets=offsets, indice_weights=weights)
         with torch.no_grad():  # grad mode is per thread; the op updates the weights in place
             self.backward_op(*[args[n] for n in self.names])
+        return torch.get_num_threads()
 
 
 class _Lookup(torch.autograd.Function):

@@ -8,6 +8,8 @@ is compared with unsharded TorchRec in ``test_torchrec_models.py`` (1 and 2 rank
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -319,3 +321,39 @@ def test_a_model_s_lookups_share_one_trial_and_fbgemm_s_path_runs_without_the_sp
             assert not in_forward and not after_backward, "FBGEMM's step ran beside the split's threads"
     lookups[0].enable(False)
     lookups[1].enable(False)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc (Linux)")
+def test_the_split_s_threads_start_no_openmp_workers_of_their_own(monkeypatch):
+    """Each backward thread of the split runs one group of tables on one intra-op thread. A thread that ran an OpenMP
+    region with more would keep a team of OpenMP workers for as long as it lives: more OpenMP threads than cores, and
+    GNU OpenMP then makes every parallel region of the process wait for its workers to wake (the module docstring).
+    So the pool adds exactly its own threads to the process, each with one intra-op thread, and the caller keeps its
+    count. Counted, not timed: the OS threads of the process before and after."""
+    release_threads()
+    torch.exp(torch.ones(1 << 21))  # the main thread's own OpenMP team exists before the count
+    tbe = _uniform_tbe(4, 1000, 16)  # 4 tables: two groups of two on two threads
+    lookup = CpuLookup(tbe, tbe.forward, threads=2, min_work=0)
+    lookup.enable()
+    try:
+        caller = torch.get_num_threads()
+        ids, offsets = torch.arange(4 * 512 * 8) % 1000, torch.arange(0, 4 * 512 * 8 + 1, 8)  # big enough to split
+        before = _os_threads()
+        for _ in range(3):
+            tbe(ids, offsets).sum().backward()
+        assert _os_threads() - before == 2, "the split's two threads, and no OpenMP worker of theirs"
+        assert torch.get_num_threads() == caller
+        pool = cpu_lookup._POOLS[2]
+        assert [f.result() for f in [pool.submit(torch.get_num_threads) for _ in range(4)]] == [1] * 4
+
+        # A thread whose count was set again after it started (a library's first parallel loop, say) makes the pool
+        # start anew at the end of the step, its threads with one intra-op thread again.
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        tbe(ids, offsets).sum().backward()
+        assert not cpu_lookup._POOLS
+    finally:
+        lookup.enable(False)
