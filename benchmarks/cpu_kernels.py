@@ -94,8 +94,8 @@ def measure(size: Size, threads: int, repeats: int, lr: float = 0.01) -> dict[st
         }[name]()
 
     times: dict[str, dict[str, list[float]]] = {"fwd": {}, "bwd_update": {}}
-    # One kernel after the other, not in turns: while the split's threads live, every OpenMP region of the process is
-    # slower (lightning_rec/_strategy/cpu_lookup.py), so the others run with them stopped (the lookup switched off).
+    # One kernel after the other, not in turns, the others with the split's threads stopped (the lookup switched off):
+    # as in a process that never split (until issue 38's fix its threads slowed every OpenMP region of the process).
     for name in ("fbgemm", "recshard", "torch"):
         lookup.enable(name == "recshard")
         for r in range(repeats + 1):  # the first round warms up

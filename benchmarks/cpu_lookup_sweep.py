@@ -9,7 +9,7 @@ not single steps, because recshard's trial times its paths call to call), textbo
 backward, step), medians, ms:
 
 * ``raw``: TorchRec by hand (DMP over TorchRec's planner, FBGEMM's CPU forward and serial fused backward), the
-  split's threads stopped first (alive, they slow every other kernel of the process: ``benchmarks/split_threads.py``);
+  split's threads stopped first (as in a process that never split: ``benchmarks/split_threads.py``);
 * ``recshard``: the same DMP and tables with recshard's CPU lookup as the strategy installs it (its default choice,
   call by call: :func:`lightning_rec.testing.cpu_lookup_path`, then a trial above the threshold);
   ``path_taken`` says which path its timed steps took;

@@ -11,6 +11,9 @@ steps, blocks of ``--steps`` in this order, twice, medians (ms):
 * ``fbgemm_beside_threads``: FBGEMM's path again, the split's threads still alive (idle);
 * ``fbgemm_after_release``: FBGEMM's path with them stopped (what the lookup does whenever it takes FBGEMM's path).
 
+Until the split's threads were born with one intra-op thread each, each kept OpenMP workers of its own and the third
+block ran 1.6-2.4x slower than the first; now the four blocks show what the threads themselves cost (nothing).
+
     .venv/bin/python benchmarks/split_threads.py --sizes small,medium_wide,realistic
 
 Prints one JSON line per size.

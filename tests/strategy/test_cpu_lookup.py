@@ -293,8 +293,8 @@ def test_calls_without_grad_follow_the_trial_s_choice_and_time_nothing():
 def test_a_model_s_lookups_share_one_trial_and_fbgemm_s_path_runs_without_the_split_s_threads(monkeypatch):
     """Two TBEs of one model, sharing a trial as install_cpu_lookup gives them one: the first to be called leads (its
     calls are timed), the other takes the same path in the same step. Whenever a step is on FBGEMM's path, the split's
-    backward threads are stopped before it runs (alive, they slow every OpenMP region of the process: the module
-    docstring), and they stay stopped once the trial keeps FBGEMM's path."""
+    backward threads are stopped before it runs (FBGEMM's path runs as in a process that never split:
+    :func:`release_threads`), and they stay stopped once the trial keeps FBGEMM's path."""
     release_threads()
     now = [0.0]
     monkeypatch.setattr(cpu_lookup.time, "perf_counter", lambda: now[0])
@@ -323,8 +323,8 @@ def test_a_model_s_lookups_share_one_trial_and_fbgemm_s_path_runs_without_the_sp
     lookups[1].enable(False)
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc (Linux)")
@@ -333,7 +333,7 @@ def test_the_split_s_threads_start_no_openmp_workers_of_their_own(monkeypatch):
     region with more would keep a team of OpenMP workers for as long as it lives: more OpenMP threads than cores, and
     GNU OpenMP then makes every parallel region of the process wait for its workers to wake (the module docstring).
     So the pool adds exactly its own threads to the process, each with one intra-op thread, and the caller keeps its
-    count. Counted, not timed: the OS threads of the process before and after."""
+    count. Counted, not timed: the OS threads started in the process during the steps."""
     release_threads()
     torch.exp(torch.ones(1 << 21))  # the main thread's own OpenMP team exists before the count
     tbe = _uniform_tbe(4, 1000, 16)  # 4 tables: two groups of two on two threads
@@ -345,7 +345,7 @@ def test_the_split_s_threads_start_no_openmp_workers_of_their_own(monkeypatch):
         before = _os_threads()
         for _ in range(3):
             tbe(ids, offsets).sum().backward()
-        assert _os_threads() - before == 2, "the split's two threads, and no OpenMP worker of theirs"
+        assert len(_os_threads() - before) == 2, "the split's two threads, and no OpenMP worker of theirs"
         assert torch.get_num_threads() == caller
         pool = cpu_lookup._POOLS[2]
         assert [f.result() for f in [pool.submit(torch.get_num_threads) for _ in range(4)]] == [1] * 4
