@@ -25,15 +25,16 @@ of the process (the MLP's, FBGEMM's) wait for its workers to wake, which once ma
 the split's idle threads (``benchmarks/split_threads.py``; BENCHMARKS.md, "The split's threads slowed the whole
 process").
 
-So each call first prices its own work, ``ids x mean dim`` (the floats the lookup reads and the update writes;
-batch, pooling and feature count are in the ids): below :data:`MIN_FAST_WORK`, or with one thread, FBGEMM's path,
-always (:func:`choose_path`), and no thread pool is ever started. Above it the split won by 10-20% on a quiet
-machine and can lose with the cores shared, so there the lookups measure: one :class:`PathTrial` per model (its
-lookups share it: the split's threads are the process's, not one table's) times whole training steps (call to call), a block
-on each path, FBGEMM's with the split's threads stopped (:func:`release_threads`), takes the faster, stops the
-threads if that is FBGEMM's, and measures again every :data:`RETRY_EVERY` calls. Either path gives the same bits, so
-the choice changes the time only. ``benchmarks/cpu_lookup_sweep.py`` measures both paths from tiny to large
-(BENCHMARKS.md, "Never slower than FBGEMM's path").
+That fixed cost outweighs the gain on small lookups, so each call first prices its own work, ``ids x mean dim`` (the
+floats the lookup reads and the update writes; batch, pooling and feature count are in the ids): below
+:data:`MIN_FAST_WORK`, or with one thread, FBGEMM's path, always (:func:`choose_path`), and no thread pool is ever
+started. Above it the split won by 13-24% on a quiet machine and can lose with the cores shared, so there the
+lookups measure: one :class:`PathTrial` per model (its lookups share it: the split's threads are the process's, not
+one table's) times whole training steps (call to call), a block on each path, FBGEMM's with the split's threads
+stopped (:func:`release_threads`), takes the faster, stops the threads if that is FBGEMM's, and measures again every
+:data:`RETRY_EVERY` calls. Either path gives the same bits, so the choice changes the time only.
+``benchmarks/cpu_lookup_sweep.py`` measures both paths from tiny to large (BENCHMARKS.md, "Never slower than
+FBGEMM's path").
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ _BACKWARD_OPS = {
 
 #: The least work (ids x mean embedding dim of one call) for which the split path may be taken, where a trial
 #: measures it faster: below it, FBGEMM's own path was faster at every row of BENCHMARKS.md's "Never slower than
-#: FBGEMM's path", by up to 2x (medium_wide, 2,097,152: 12 ms against 17); above it the split won by 8-20%.
+#: FBGEMM's path", by 2-20% (medium_wide, 2,097,152: 10.9 ms against 12.0); above it the split won by 13-24%.
 MIN_FAST_WORK = 1 << 22
 #: Training steps timed on each path before a lookup above :data:`MIN_FAST_WORK` picks one (:class:`PathTrial`),
 #: and the calls after which it measures again (the machine's load changes which path is faster).
