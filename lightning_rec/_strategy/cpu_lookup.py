@@ -263,8 +263,9 @@ def _start_threads(pool: ThreadPoolExecutor, call: Callable[..., int], calls: Se
     count is libgomp's default (the cores) until torch's first parallel loop on it sets it from torch's process-wide
     count, and FBGEMM's libraries run OpenMP regions of their own and set it likewise the first time each runs a
     parallel loop there: hence torch's count is one while the threads start and make their first calls (the caller
-    waits for them meanwhile: nothing else runs), and the caller's again after. Returns each call's result (its
-    thread's count after it)."""
+    waits for them meanwhile), and the caller's again after. (Another thread of the process whose first parallel loop
+    fell in that window would get one intra-op thread too: torch's count is process-wide; a user's own threads rarely
+    start during a backward.) Returns each call's result (its thread's count after it)."""
     outer = torch.get_num_threads()
     barrier = threading.Barrier(len(calls))  # no call ends before all have begun: every call gets a thread of its own
 
