@@ -276,7 +276,14 @@ def _start_threads(pool: ThreadPoolExecutor, call: Callable[..., int], calls: Se
 
     torch.set_num_threads(1)
     try:
-        futures = [pool.submit(first, *args) for args in calls]
+        futures = []
+        try:
+            for args in calls:
+                futures.append(pool.submit(first, *args))
+        except BaseException:  # a thread that could not start: the started ones must not wait for it, ever
+            barrier.abort()
+            release_threads()
+            raise
         return [future.result() for future in futures]
     finally:
         torch.set_num_threads(outer)

@@ -9,6 +9,7 @@ is compared with unsharded TorchRec in ``test_torchrec_models.py`` (1 and 2 rank
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -355,5 +356,44 @@ def test_the_split_s_threads_start_no_openmp_workers_of_their_own(monkeypatch):
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
         tbe(ids, offsets).sum().backward()
         assert not cpu_lookup._POOLS
+    finally:
+        lookup.enable(False)
+
+
+def test_a_backward_thread_that_cannot_start_fails_the_step_and_leaves_no_thread_waiting(monkeypatch):
+    """The split starts its threads together (each waits for the others); if one cannot start (the process is out
+    of threads, say), the step fails with that error, the started thread is let go and the pool is dropped: no
+    thread is left waiting, which would hang the process at exit. The caller keeps its intra-op thread count."""
+    release_threads()
+    tbe = _uniform_tbe(4, 100, 8)
+    lookup = CpuLookup(tbe, tbe.forward, threads=2, min_work=0)
+    lookup.enable()
+    submitted = []
+    real_submit = cpu_lookup.ThreadPoolExecutor.submit
+
+    def submit(self, fn, *args, **kwargs):
+        if submitted:
+            raise RuntimeError("can't start new thread")
+        submitted.append(fn)
+        return real_submit(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_lookup.ThreadPoolExecutor, "submit", submit)
+    caller = torch.get_num_threads()
+    errors = []
+
+    def step():  # on a thread of its own, so that a thread left waiting fails the test instead of hanging it
+        ids, offsets = torch.arange(4 * 16) % 100, torch.arange(4 * 16 + 1)
+        try:
+            tbe(ids, offsets).sum().backward()
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    try:
+        runner = threading.Thread(target=step, daemon=True)
+        runner.start()
+        runner.join(timeout=120)
+        assert not runner.is_alive(), "the step waits for a thread that never started"
+        assert errors == ["can't start new thread"]
+        assert not cpu_lookup._POOLS and torch.get_num_threads() == caller
     finally:
         lookup.enable(False)
