@@ -19,7 +19,7 @@ one intra-op thread per rank it keeps FBGEMM's path, which is as fast there.
 
 **Which path, call by call.** The split is not free: its own work (one ``embedding_bag`` per feature, their
 concatenation, the per-group id copies, the hand-off to the thread pool) is a fixed ~0.3-0.5 ms a step. Its threads
-are born with one intra-op thread each (:func:`_start_threads`): a thread that ran a multi-threaded OpenMP region
+are born with one intra-op thread each (:mod:`lightning_rec._strategy.backward_threads`): a thread that ran a multi-threaded OpenMP region
 would keep OpenMP workers of its own, and with more OpenMP threads than cores GNU OpenMP makes every parallel region
 of the process (the MLP's, FBGEMM's) wait for its workers to wake, which once made FBGEMM's path 2.4x slower beside
 the split's idle threads (``benchmarks/split_threads.py``; BENCHMARKS.md, "The split's threads slowed the whole
@@ -40,10 +40,8 @@ FBGEMM's path").
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_rec import _compat
+from lightning_rec._strategy.backward_threads import release_threads, run_on_threads
 
 if TYPE_CHECKING:  # FBGEMM ships no type information: to the type checker its TBE is Any
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
@@ -238,79 +237,6 @@ def _arguments(tbe: SplitTableBatchedEmbeddingBagsCodegen) -> dict[str, Any]:
     return out
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> tuple[ThreadPoolExecutor, bool]:
-    # One pool per size, shared by every TBE of the process: the backward of one module runs at a time. Returns the
-    # pool and whether it is new (its threads are then started by the next calls: :func:`_start_threads`).
-    with _POOLS_LOCK:
-        if workers in _POOLS:
-            return _POOLS[workers], False
-        _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="lightning_rec-tbe")
-        return _POOLS[workers], True
-
-
-def _start_threads(pool: ThreadPoolExecutor, call: Callable[..., int], calls: Sequence[tuple[Any, ...]]) -> list[int]:
-    """Run a new pool's first ``calls`` (one per thread, all at once), its threads born with one intra-op thread each.
-
-    Why: a thread that runs a GNU OpenMP parallel region with more than one thread keeps a team of OpenMP workers of
-    its own for as long as it lives; with more OpenMP threads alive than cores, libgomp stops letting idle workers
-    spin between regions, and every parallel region of the process (the main thread's, FBGEMM's, the MLP's) then
-    waits for its workers to wake up: 1.5-2.5x slower steps at the small sizes (``benchmarks/split_threads.py``).
-    Each group of the split is one thread's work already: its threads need no team. A new thread's OpenMP thread
-    count is libgomp's default (the cores) until torch's first parallel loop on it sets it from torch's process-wide
-    count, and FBGEMM's libraries run OpenMP regions of their own and set it likewise the first time each runs a
-    parallel loop there: hence torch's count is one while the threads start and make their first calls (the caller
-    waits for them meanwhile), and the caller's again after. (Another thread of the process whose first parallel loop
-    fell in that window would get one intra-op thread too: torch's count is process-wide; a user's own threads rarely
-    start during a backward.) Returns each call's result (its thread's count after it)."""
-    outer = torch.get_num_threads()
-    barrier = threading.Barrier(len(calls))  # no call ends before all have begun: every call gets a thread of its own
-
-    def first(*args: Any) -> int:
-        barrier.wait()
-        torch.get_num_threads()  # torch sets this thread's count (to one) before FBGEMM's OpenMP regions read it
-        return call(*args)
-
-    torch.set_num_threads(1)
-    try:
-        futures = []
-        try:
-            for args in calls:
-                futures.append(pool.submit(first, *args))
-        except BaseException:  # a thread that could not start: the started ones must not wait for it, ever
-            barrier.abort()
-            release_threads()
-            raise
-        return [future.result() for future in futures]
-    finally:
-        torch.set_num_threads(outer)
-
-
-def release_threads() -> bool:
-    """Stop the split's backward threads, if any run (the next split call starts them again), so that FBGEMM's path
-    runs as in a process that never split, and a thread whose intra-op count was set again after its start goes
-    (:func:`_start_threads`). Called where FBGEMM's path is taken after a split, when a lookup is switched off, and
-    after such a thread's call. Returns whether there were any.
-
-    Example::
-
-        >>> _ = release_threads()   # stops them, if a split started them
-        >>> release_threads()       # none left
-        False
-    """
-    if not _POOLS:  # the common case, every step on FBGEMM's path: no lock taken
-        return False
-    with _POOLS_LOCK:
-        pools = list(_POOLS.values())
-        _POOLS.clear()
-    for pool in pools:
-        pool.shutdown(wait=True)  # between steps: no backward is running
-    return bool(pools)
-
-
 class CpuLookup:
     """The forward that replaces one CPU TBE's (see the module docstring); ``tbe.forward = CpuLookup(tbe, ...)``.
 
@@ -460,13 +386,7 @@ class CpuLookup:
                 torch.cat([weights[bounds[f] : bounds[f + 1]] for f in features]) if weights.numel() else weights
             )
             calls.append((sub_indices, sub_offsets, sub_weights))
-        pool, new = _pool(len(calls))
-        if new:
-            counts = _start_threads(pool, self._call, [(grad, *call) for call in calls])
-        else:
-            counts = [future.result() for future in [pool.submit(self._call, grad, *call) for call in calls]]
-        if max(counts) > 1:  # a library's first parallel loop came after the threads' start: start them anew
-            release_threads()
+        run_on_threads(self._call, [(grad, *call) for call in calls])
 
     def _groups(self, bounds: Sequence[int]) -> list[list[int]]:
         # Features of one table stay together (their rows are one memory); tables go to the lightest group by ids.
@@ -485,12 +405,10 @@ class CpuLookup:
             load[g] += sum(bounds[f + 1] - bounds[f] for f in features)
         return [sorted(g) for g in groups if g]
 
-    def _call(self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor) -> int:
-        # FBGEMM's backward + update of one group; returns the calling thread's intra-op thread count after it.
+    def _call(self, grad: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor) -> None:
         args = dict(self.static, grad_output=grad, indices=indices, offsets=offsets, indice_weights=weights)
         with torch.no_grad():  # grad mode is per thread; the op updates the weights in place
             self.backward_op(*[args[n] for n in self.names])
-        return torch.get_num_threads()
 
 
 class _Lookup(torch.autograd.Function):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch import nn
 
 from lightning_rec import _compat
-from lightning_rec._strategy import cpu_lookup
+from lightning_rec._strategy import backward_threads, cpu_lookup
 from lightning_rec._strategy.cpu_lookup import (
     FAST,
     FBGEMM,
@@ -309,9 +310,9 @@ def test_a_model_s_lookups_share_one_trial_and_fbgemm_s_path_runs_without_the_sp
     for _ in range(10):
         outs = [tbe(ids, offsets) for tbe in tbes]
         paths = [lookup.last for lookup in lookups]
-        threads_in_forward = bool(cpu_lookup._POOLS)
+        threads_in_forward = bool(backward_threads._POOLS)
         sum(out.sum() for out in outs).backward()
-        steps.append((paths, threads_in_forward, bool(cpu_lookup._POOLS)))
+        steps.append((paths, threads_in_forward, bool(backward_threads._POOLS)))
         now[0] += 3.0 if paths[0] == FAST else 1.0  # the split's steps take 3 s, FBGEMM's 1 s
     assert [p for p, _, _ in steps] == [[FBGEMM] * 2] * 3 + [[FAST] * 2] * 3 + [[FBGEMM] * 2] * 4
     assert trial.chosen == FBGEMM and trial.times == {FAST: [3.0, 3.0], FBGEMM: [1.0, 1.0]}
@@ -348,14 +349,14 @@ def test_the_split_s_threads_start_no_openmp_workers_of_their_own(monkeypatch):
             tbe(ids, offsets).sum().backward()
         assert len(_os_threads() - before) == 2, "the split's two threads, and no OpenMP worker of theirs"
         assert torch.get_num_threads() == caller
-        pool = cpu_lookup._POOLS[2]
+        pool = backward_threads._POOLS[2]
         assert [f.result() for f in [pool.submit(torch.get_num_threads) for _ in range(4)]] == [1] * 4
 
         # A thread whose count was set again after it started (a library's first parallel loop, say) makes the pool
         # start anew at the end of the step, its threads with one intra-op thread again.
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
         tbe(ids, offsets).sum().backward()
-        assert not cpu_lookup._POOLS
+        assert not backward_threads._POOLS
     finally:
         lookup.enable(False)
 
@@ -369,7 +370,7 @@ def test_a_backward_thread_that_cannot_start_fails_the_step_and_leaves_no_thread
     lookup = CpuLookup(tbe, tbe.forward, threads=2, min_work=0)
     lookup.enable()
     submitted = []
-    real_submit = cpu_lookup.ThreadPoolExecutor.submit
+    real_submit = ThreadPoolExecutor.submit
 
     def submit(self, fn, *args, **kwargs):
         if submitted:
@@ -377,7 +378,7 @@ def test_a_backward_thread_that_cannot_start_fails_the_step_and_leaves_no_thread
         submitted.append(fn)
         return real_submit(self, fn, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_lookup.ThreadPoolExecutor, "submit", submit)
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", submit)
     caller = torch.get_num_threads()
     errors = []
 
@@ -394,6 +395,6 @@ def test_a_backward_thread_that_cannot_start_fails_the_step_and_leaves_no_thread
         runner.join(timeout=120)
         assert not runner.is_alive(), "the step waits for a thread that never started"
         assert errors == ["can't start new thread"]
-        assert not cpu_lookup._POOLS and torch.get_num_threads() == caller
+        assert not backward_threads._POOLS and torch.get_num_threads() == caller
     finally:
         lookup.enable(False)
