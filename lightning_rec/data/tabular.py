@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any, Literal
 
 import numpy as np
@@ -363,11 +364,16 @@ class TabularDataModule(RecDataModule):
                 json.dump(self.fill_means, f, indent=2)
 
     def state_dict(self) -> dict[str, Any]:
-        """The vocabularies, dense statistics and fill means (Lightning saves them in every checkpoint)."""
+        """The vocabularies, dense statistics and fill means (Lightning saves them in every checkpoint), with the
+        schema and ``fill`` they apply to, so that a checkpoint alone tells how a raw row becomes the model's input
+        (``lightning_rec.serving`` records it in the serving artifact; :meth:`load_state_dict` reads neither back:
+        the DataModule's own arguments stay authoritative)."""
         return {
             "vocabularies": {f: v.values for f, v in self.vocabularies.items()},
             "dense_stats": {k: list(v) for k, v in self.dense_stats.items()},
             "fill_means": dict(self.fill_means),
+            "schema": asdict(self.schema),
+            "fill": dict(self.fill),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -44,14 +44,17 @@ from lightning_rec.serving.artifact import (
 )
 from lightning_rec.serving.export import Format, TableDtype, export_inference
 from lightning_rec.serving.pt2 import Pt2Model, load_pt2, pt2_spec
+from lightning_rec.serving.requests import RequestEncoder, encode_request
 
 __all__ = [
     "SPEC_FILE",
     "Format",
     "InferenceSpec",
     "Pt2Model",
+    "RequestEncoder",
     "TableDtype",
     "check_inputs",
+    "encode_request",
     "export_inference",
     "inference_spec",
     "load_inference",

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -48,6 +49,10 @@ class InferenceSpec:
         max_lengths: the position-weighted features, with the most ids a sample may bring (its position weights).
         versions: the torch, fbgemm_gpu, torchrec and lightning_rec versions that wrote it (a ``.pt2`` package
             loads only under the same torch and FBGEMM: :func:`lightning_rec.serving.load_pt2` checks).
+        raw_inputs: how a raw request's columns become the inputs, as training made them (each feature's column and
+            id mapping: hash and its size, vocabulary, raw; each dense column's transform, statistics and fill
+            value), recorded from the checkpoint's ``TabularDataModule``; ``None`` without one. Versioned; see
+            :mod:`lightning_rec.serving.requests` and :class:`~lightning_rec.serving.RequestEncoder`.
     """
 
     features: list[str]
@@ -63,6 +68,7 @@ class InferenceSpec:
     raw_id_features: list[str] = field(default_factory=list)
     max_lengths: dict[str, int] = field(default_factory=dict)
     versions: dict[str, str] | None = None  # artifacts written before they were recorded: unknown
+    raw_inputs: dict[str, Any] | None = None  # artifacts written before it was recorded, or without a TabularDataModule
 
 
 @torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact

@@ -28,6 +28,7 @@ from lightning_rec.serving.network import (
     takes_dense,
 )
 from lightning_rec.serving.pt2 import check_compiler, stack_versions, write_pt2
+from lightning_rec.serving.requests import checked_record, datamodule_state
 
 __all__ = ["Format", "TableDtype", "export_inference"]
 
@@ -62,6 +63,7 @@ def export_inference(
     weights_only: bool | None = None,
     init_args: dict[str, Any] | None = None,
     bounds_check: BoundsCheck = "error",
+    datamodule: Any = None,
 ) -> InferenceSpec:
     """Write the serving network of a sharded checkpoint as a quantized TorchScript artifact or ``.pt2`` package
     (one process, CPU).
@@ -92,6 +94,10 @@ def export_inference(
             before the kernels run; they then skip their own check), ``"warn"``/``"ignore"`` (a too large id reads row 0,
             FBGEMM's default for inference kernels), ``"none"`` (no check). As the training strategy's
             ``bounds_check``.
+        datamodule: the ``TabularDataModule`` (set up, or restored with ``load_state_dict``) whose id mappings,
+            transforms and fill values the artifact records as ``raw_inputs`` (see
+            :class:`~lightning_rec.serving.RequestEncoder`); default: the one the checkpoint's DataModule state
+            holds (Lightning saves it in every checkpoint of a run with a ``TabularDataModule``).
 
     Returns:
         the artifact's :class:`InferenceSpec`.
@@ -125,7 +131,8 @@ def export_inference(
     if format == "pt2":
         check_compiler()  # before anything is loaded: minutes of work would end there
     path = Path(checkpoint)
-    cls = _model_class(model_class, with_pinned(path, lambda pinned: safe_io.load_meta(pinned, weights_only)), path)
+    meta = with_pinned(path, lambda pinned: safe_io.load_meta(pinned, weights_only))
+    cls = _model_class(model_class, meta, path)
     module: nn.Module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
     net = serving_network(module, part)
     feature_rows, weighted, tables = network_features(net)
@@ -148,6 +155,12 @@ def export_inference(
         raw_id_features=sorted(raw_id_features(net)),
         max_lengths=position_limits(net),
         versions=stack_versions(),
+        raw_inputs=checked_record(
+            datamodule.state_dict() if datamodule is not None else datamodule_state(meta),
+            features,
+            num_dense_features,
+            weighted,
+        ),
     )
     checked = rows if bounds_check == "error" else None
     serving = ServingWrapper(
