@@ -40,8 +40,9 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_rec  # noqa: F401  (registers the "recshard" strategy)
+from lightning_rec import _compat
 from lightning_rec._cli_errors import OneLineErrors, one_line
-from lightning_rec.callbacks import Throughput
+from lightning_rec.callbacks import ScoreWriter, Throughput
 
 __all__ = ["RecCLI", "main", "run", "shipped_config"]
 
@@ -63,11 +64,13 @@ class RecCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         """Build what the config describes; a model, data or trainer argument their own ``__init__`` refuses
-        (``ValueError``/``TypeError``) prints its message in one line and exits 2 (``JSONARGPARSE_DEBUG=1``: the
-        traceback)."""
+        (``ValueError``/``TypeError``), or a file it names that is not there (``FileNotFoundError``, e.g. a
+        DataModule's input read while its ``sparse_features`` are linked into the model), prints its message in one
+        line and exits 2 (``JSONARGPARSE_DEBUG=1``: the traceback). This runs in the launching process, before any
+        rank starts."""
         try:
             super().instantiate_classes()
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, FileNotFoundError) as err:
             if os.environ.get("JSONARGPARSE_DEBUG"):
                 raise
             root = err
@@ -78,12 +81,15 @@ class RecCLI(LightningCLI):
 
     def _check_data(self) -> None:
         """The DataModule's input files, checked in this process before any rank starts (``check_files``, where
-        the DataModule has one); a missing one is one line and exit 2."""
+        the DataModule has one), and its label columns against the model's heads (``num_labels``, where both say);
+        a mistake is one line and exit 2."""
+        from lightning_rec.models.base import check_labels
+
         check = getattr(self.datamodule, "check_files", None)
-        if check is None:
-            return
         try:
-            check()
+            if check is not None:
+                check()
+            check_labels(self.model, self.datamodule)
         except (FileNotFoundError, ValueError) as err:
             prog = self.parser.prog.replace(" [options]", "") + (f" {self.subcommand}" if self.subcommand else "")
             self.parser.exit(2, f"{prog}: error: {err}\n")
@@ -98,7 +104,35 @@ class RecCLI(LightningCLI):
         self._check_data()
 
     def before_predict(self) -> None:
+        """``--output``: a :class:`~lightning_rec.callbacks.ScoreWriter` to that file, once it is known (here, before
+        any rank starts) that the file type is one it writes and the DataModule can say which rows it scores."""
         self._check_data()
+        output = self.config_init["predict"].get("output")
+        if not output:
+            return
+        try:
+            writer = ScoreWriter(output)
+            keys = getattr(self.datamodule, "predict_keys", None)
+            if callable(keys):
+                keys()
+        except ValueError as err:
+            self.parser.exit(2, f"{self.parser.prog.replace(' [options]', '')} predict: error: {one_line(str(err))}\n")
+        self.trainer.callbacks.append(writer)  # type: ignore[attr-defined]  # a property mypy does not see
+
+    def setup_parser(
+        self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+    ) -> None:
+        """LightningCLI's parsers, and ``predict --output``."""
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        if add_subcommands:
+            _compat.subcommand_parser(self, "predict").add_argument(
+                "--output",
+                type=str | None,
+                default=None,
+                help="Write one row per row scored to this file (.parquet/.pq, or .csv/.tsv): the row's keys (the "
+                "schema's `keys`, e.g. [user_id, item_id]; else `row`, its place in the files) beside predict_step's "
+                "outputs (probability, label where the files have one). Rows to score: --data.predict_files.",
+            )
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         for key in ("sparse_features", "num_dense_features"):

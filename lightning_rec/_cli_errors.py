@@ -12,13 +12,15 @@ Example::
 
 from __future__ import annotations
 
-import difflib
+import ast
 import importlib
 import inspect
 import re
 from collections.abc import Iterable
 
 from lightning.pytorch.cli import LightningArgumentParser
+
+from lightning_rec._choices import did_you_mean
 
 __all__ = ["OneLineErrors", "one_line"]
 
@@ -27,6 +29,9 @@ _CLASS = re.compile(r"class_path '([\w.]+)'")
 _OPTION = re.compile(r"Option '([^']+)' is not accepted")
 _SUBCOMMAND_OPTION = re.compile(r"does not accept option '([^']+)'")
 _CLASS_REPR = re.compile(r"<class '([\w.]+)'>")
+_LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\.? Got value: (.*)")
+_UNION_LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\s*$", re.MULTILINE)  # one of a Union's members
+_GIVEN = re.compile(r"Given value: (.*)")
 _NOISE = ("Given value", "Subtypes:", "Errors:", "Expected a <class 'NoneType'>", "Does not validate against any")
 
 
@@ -42,6 +47,15 @@ def one_line(message: str, known: Iterable[str] = ()) -> str:
         return f"{where}: option '{option.group(1)}' is not accepted{_did_you_mean(option.group(1), accepted)}" + (
             f" (it takes {', '.join(accepted)})" if accepted else ""
         )
+    choice = _LITERAL.search(message)
+    if choice:  # a value outside an enumerated type's values
+        where = _where(message, choice.start(), cls.group(1) if cls else None)
+        return f"{where}{_not_a_choice(choice.group(2).strip(), choice.group(1))}"
+    member = _UNION_LITERAL.search(message)
+    given = _GIVEN.search(message, member.end()) if member else None
+    if member and given:  # the same, where the type is a Union (`float | Literal["mean"] | dict`)
+        where = _where(message, member.start(), cls.group(1) if cls else None)
+        return f"{where}{_not_a_choice(given.group(1).strip(), member.group(1), ' nor of another type it takes')}"
     unknown = _SUBCOMMAND_OPTION.search(message)
     if unknown:
         return message.strip().splitlines()[0] + _did_you_mean(unknown.group(1), known)
@@ -56,6 +70,23 @@ def one_line(message: str, known: Iterable[str] = ()) -> str:
     return f"{where}: {reason}" if where else reason
 
 
+def _where(message: str, end: int, class_path: str | None) -> str:
+    """``"data.fill (lightning_rec.data.TabularDataModule): "``: the parser keys up to ``end``, and the class."""
+    keys = ".".join(_KEY.findall(message[:end]))
+    if not keys:
+        return ""
+    return f"{keys} ({class_path}): " if class_path else f"{keys}: "
+
+
+def _not_a_choice(value: str, literal: str, also: str = "") -> str:
+    """``"'dott' is not one of 'dot', 'dcn'; did you mean 'dot'?"`` from a ``typing.Literal``'s values as printed."""
+    try:
+        choices = list(ast.literal_eval(f"[{literal}]"))
+    except (ValueError, SyntaxError):
+        return f"{value!r} is not one of {literal}{also}"
+    return f"{value!r} is not one of {', '.join(map(repr, choices))}{also}{did_you_mean(value, choices)}"
+
+
 def _parameters(class_path: str) -> list[str]:
     module, _, name = class_path.rpartition(".")
     try:
@@ -67,8 +98,7 @@ def _parameters(class_path: str) -> list[str]:
 
 
 def _did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    return did_you_mean(word, candidates)
 
 
 class OneLineErrors(LightningArgumentParser):

@@ -57,8 +57,8 @@ def _rename(section: str, old: str, new: str):
         (
             None,
             ["--model.init_args.dense_optimizer=adamw"],
-            "model.dense_optimizer (lightning_rec.models.DeepFMModule): Expected a "
-            "typing.Literal['adam', 'adagrad', 'sgd']. Got value: adamw",
+            "model.dense_optimizer (lightning_rec.models.DeepFMModule): 'adamw' is not one of 'adam', 'adagrad', "
+            "'sgd'; did you mean 'adam'?",
         ),
         (
             None,

@@ -16,11 +16,20 @@ import numpy as np
 import torch
 
 from lightning_rec.data.base import Jagged, RecDataset, _Column
-from lightning_rec.data.schema import DataError, DenseColumn, Schema, SparseColumn, Vocabulary, hash_arrow
+from lightning_rec.data.schema import (
+    DataError,
+    DenseColumn,
+    Schema,
+    SparseColumn,
+    Vocabulary,
+    hash_arrow,
+    integer_text,
+)
 from lightning_rec.data.stream import Unit, read_unit
 
 _PARQUET = (".parquet", ".pq")
 _TABLE_SUFFIXES = _PARQUET + (".csv", ".tsv", ".txt", ".csv.gz", ".tsv.gz", ".txt.gz")
+_KINDS = ", ".join(_TABLE_SUFFIXES)
 
 
 def _pa() -> Any:
@@ -35,21 +44,53 @@ def _pa() -> Any:
 
 
 def expand(patterns: str | Sequence[str], what: str) -> list[str]:
-    """The table files ``patterns`` (paths, globs or directories) name, in sorted order per pattern.
+    """The table files ``patterns`` (paths, globs or directories on this machine, or ``file://`` URLs of them) name,
+    in sorted order per pattern.
 
     Raises:
-        FileNotFoundError: naming a pattern that matches nothing.
+        FileNotFoundError: naming a pattern that matches no table file (a missing path, an empty glob or directory,
+            a file of another kind), or a URL of another scheme (``s3://``, ``gs://``, ``https://``, ...), naming
+            the schemes read.
     """
     files: list[str] = []
-    for pattern in [patterns] if isinstance(patterns, str) else patterns:
-        pattern = os.path.expanduser(str(pattern))
-        if os.path.isdir(pattern):  # a directory: its tables
+    for given in [patterns] if isinstance(patterns, str) else patterns:
+        pattern = _local(str(given), what)
+        folder = os.path.isdir(pattern)
+        if folder:  # a directory: its tables
             pattern = os.path.join(pattern, "*")
-        found = sorted(f for f in glob.glob(pattern) if os.path.isfile(f) and f.endswith(_TABLE_SUFFIXES))
+        matched = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+        found = [f for f in matched if f.endswith(_TABLE_SUFFIXES)]
         if not found:
-            raise FileNotFoundError(f"TabularDataModule: {what}: {pattern!r} matches no file.")
+            why = _no_table(pattern, matched) if not folder else f"is a folder with no table file ({_KINDS})."
+            raise FileNotFoundError(f"TabularDataModule: {what}: {given!r} {why}")
         files.extend(found)
     return files
+
+
+def _local(pattern: str, what: str) -> str:
+    """A path on this machine: ``~`` expanded, a ``file://`` URL's path; any other URL scheme refused by name."""
+    scheme, sep, rest = pattern.partition("://")
+    if sep and scheme.isidentifier() and len(scheme) > 1:  # "C://..." is a Windows drive, not a scheme
+        if scheme.lower() != "file":
+            raise FileNotFoundError(
+                f"TabularDataModule: {what}: {pattern!r}: {scheme}:// URLs are not read; the files must be on this "
+                "machine: a path, a glob, a directory or a file:// URL (copy or mount the bucket, e.g. with s3fs or "
+                "gcsfuse)."
+            )
+        pattern = rest if rest.startswith("/") else "/" + rest.partition("/")[2]  # file:///p or file://host/p
+    return os.path.expanduser(pattern)
+
+
+def _no_table(pattern: str, matched: Sequence[str]) -> str:
+    """Why a pattern gave no table file, for :func:`expand`'s message."""
+    if matched:
+        return f"matches {len(matched)} file(s) but none is a table ({_KINDS}), e.g. {matched[0]!r}."
+    if not glob.has_magic(pattern):
+        return "does not exist."
+    folder = os.path.dirname(pattern)
+    if folder and not glob.has_magic(folder) and not os.path.isdir(folder):
+        return f"matches no file: the folder {folder!r} does not exist."
+    return "matches no file."
 
 
 @dataclass
@@ -133,6 +174,28 @@ def read_table(
     if table.num_rows == 0:
         raise DataError(f"{path}: no rows: line 1 is the header and no line follows it.")
     return [Part(table.select(list(columns)), path, "", 1 if csv_columns else 2)]
+
+
+def column_names(path: str, csv_columns: Sequence[str] | None = None, delimiter: str | None = None) -> list[str]:
+    """The columns file ``path`` has (Parquet: its schema; CSV: ``csv_columns`` or its header line), read without
+    its rows.
+
+    Raises:
+        DataError: an empty or unreadable file, named.
+    """
+    pa = _pa()
+    not_empty(path)
+    if path.endswith(_PARQUET):
+        return list(open_parquet(path).schema_arrow.names)
+    if csv_columns:
+        return list(csv_columns)
+    tsv = any(path.endswith(s) for s in (".tsv", ".tsv.gz"))
+    parse = pa.csv.ParseOptions(delimiter=delimiter or ("\t" if tsv else ","))
+    try:
+        with pa.csv.open_csv(path, parse_options=parse) as reader:
+            return list(reader.schema.names)
+    except pa.ArrowInvalid as err:
+        raise DataError(f"{path}: not a readable CSV file: {err}") from None
 
 
 def _at(part: Part, row: int) -> str:
@@ -235,6 +298,23 @@ def _stamps(part: Part, column: str, bad: _Bad) -> np.ndarray:
     return np.where(np.isnat(values), np.zeros(1, dtype=values.dtype), values)
 
 
+def _integer_ids(part: Part, column: str, values: Any, row_of: np.ndarray, bad: _Bad) -> Any:
+    """``ids: raw`` ids that came as text (a CSV column with a stray word, a Parquet string column): integers written
+    in decimal become int64; any other text is a bad row (``row_of``: each value's row), named with its value."""
+    pa = _pa()
+    integers, bits = integer_text(values)
+    rows = np.unique(row_of[~integers])
+    if len(rows):
+        first = int(np.flatnonzero(~integers)[0])
+        bad.found(
+            rows,
+            column,
+            "text in an integer id column (ids: raw reads each id as its row; for text ids declare ids: hash or vocab)",
+            [values[first].as_py()],
+        )
+    return pa.array(np.where(integers, bits.view(np.int64), 0))
+
+
 def _ids(values: Any, column: str, kind: str, file: str, hash_rows: int | None = None) -> np.ndarray:
     """A pyarrow array of ids (integers or text) as numpy for the mapping; with ``hash_rows``, already hashed into
     that many rows (from the array's buffers: no Python object per value)."""
@@ -263,6 +343,8 @@ def _decode_sparse(part: Part, spec: SparseColumn, bad: _Bad) -> tuple[Any, np.n
         nulls = np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))
         bad.found(nulls, spec.column, "null id", [None] * len(nulls))
         filled = col.fill_null(0) if pa.types.is_integer(col.type) else col.fill_null("")
+        if spec.ids == "raw" and _is_text(filled.type):
+            filled = _integer_ids(part, spec.column, filled, np.arange(n), bad)
         ids = _ids(filled, spec.column, "ids", part.file, _hashed(spec))
         return ids, np.ones(n, dtype=np.int64), None
     csv = part.first_line is not None
@@ -290,6 +372,8 @@ def _decode_sparse(part: Part, spec: SparseColumn, bad: _Bad) -> tuple[Any, np.n
         rows = np.unique(np.repeat(np.arange(n), lengths)[value_nulls])
         bad.found(rows, spec.column, "null id in a list", [None] * len(rows))
         flat = flat.fill_null(0 if pa.types.is_integer(flat.type) else "")
+    if spec.ids == "raw" and _is_text(flat.type):
+        flat = _integer_ids(part, spec.column, flat, np.repeat(np.arange(n), lengths), bad)
     ids = _ids(flat, spec.column, "list ids", part.file, _hashed(spec))
     weights = None
     if spec.weights:
@@ -344,13 +428,28 @@ class Decoded:
     sparse: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]  # feature -> (raw ids, lengths, weights)
     timestamps: np.ndarray | None
     keep: np.ndarray  # rows that are good
+    keys: Any = None  # pyarrow.Table: the rows' key columns (predict --output), where read
 
 
-def decode(part: Part, schema: Schema, drop: bool, timestamp: str | None, fill: Collection[str] = ()) -> Decoded:
+def decode(
+    part: Part,
+    schema: Schema,
+    drop: bool,
+    timestamp: str | None,
+    fill: Collection[str] = (),
+    *,
+    labels: bool = True,
+    keys: bool = False,
+) -> Decoded:
     """The schema's columns of ``part`` (and the ``timestamp`` column), checked; bad rows raise, or with ``drop``
-    are marked in ``keep``. Missing values (null, NaN) of the dense columns in ``fill`` stay NaN, to be filled."""
+    are marked in ``keep``. Missing values (null, NaN) of the dense columns in ``fill`` stay NaN, to be filled.
+    Without ``labels`` (a file scored that has no label column) the labels are 0; with ``keys`` the schema's key
+    columns are kept as they are, for the rows' scores."""
     bad = _Bad(part, drop)
-    labels = np.stack([c.apply(_numbers(part, c.column, bad, "label")) for c in schema.labels], axis=1)
+    if labels:
+        label_values = np.stack([c.apply(_numbers(part, c.column, bad, "label")) for c in schema.labels], axis=1)
+    else:
+        label_values = np.zeros((part.table.num_rows, len(schema.labels)), dtype=np.float32)
     dense = (
         np.stack([_numbers(part, c.column, bad, "dense", c.column in fill) for c in schema.dense], axis=1)
         if schema.dense
@@ -358,7 +457,8 @@ def decode(part: Part, schema: Schema, drop: bool, timestamp: str | None, fill: 
     )
     sparse = {c.feature: _decode_sparse(part, c, bad) for c in schema.sparse}
     stamps = _stamps(part, timestamp, bad) if timestamp else None
-    return Decoded(labels, dense, sparse, stamps, ~bad.mask)
+    key_table = part.table.select(schema.keys) if keys and schema.keys else None
+    return Decoded(label_values, dense, sparse, stamps, ~bad.mask, key_table)
 
 
 def concat_jagged(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> tuple[Any, ...]:
@@ -381,7 +481,8 @@ def take(d: Decoded, mask: np.ndarray) -> Decoded:
         values = rows_of(lengths, mask)
         sparse[feature] = (ids[values], lengths[mask], None if weights is None else weights[values])
     stamps = None if d.timestamps is None else d.timestamps[mask]
-    return Decoded(d.labels[mask], d.dense[mask], sparse, stamps, np.ones(int(mask.sum()), dtype=bool))
+    keys = None if d.keys is None else d.keys.filter(_pa().array(mask))
+    return Decoded(d.labels[mask], d.dense[mask], sparse, stamps, np.ones(int(mask.sum()), dtype=bool), keys)
 
 
 class Mapper:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_rec._choices import did_you_mean
 from lightning_rec.data.movielens import _holdout_split
 
 __all__ = ["SplitRule", "fill_spec", "known", "split_rows"]
@@ -33,7 +34,7 @@ class SplitRule:
         >>> SplitRule(random={"val": 0.1, "tset": 0.1})
         Traceback (most recent call last):
         ...
-        ValueError: TabularDataModule: split.random: unknown setting(s) ['tset'] (it takes val, test, seed).
+        ValueError: TabularDataModule: split.random: unknown setting(s) ['tset'] (it takes val, test, seed); did you mean 'test'?
     """
 
     random: dict[str, float] | None = None
@@ -76,7 +77,10 @@ def known(where: str, given: Mapping[str, Any], allowed: Sequence[str]) -> None:
     """Refuse settings other than ``allowed``, naming them and the allowed ones."""
     unknown = sorted(set(given) - set(allowed))
     if unknown:
-        raise ValueError(f"TabularDataModule: {where}: unknown setting(s) {unknown} (it takes {', '.join(allowed)}).")
+        near = did_you_mean(unknown[0], allowed) if len(unknown) == 1 else ""
+        raise ValueError(
+            f"TabularDataModule: {where}: unknown setting(s) {unknown} (it takes {', '.join(allowed)}){near or '.'}"
+        )
 
 
 def fill_spec(fill: Any, dense: Sequence[str]) -> dict[str, float | str]:
@@ -103,7 +107,7 @@ def fill_spec(fill: Any, dense: Sequence[str]) -> dict[str, float | str]:
         if not (value == "mean" or not isinstance(value, str) and _as_number(value) is not None):
             raise ValueError(
                 f"TabularDataModule: fill for dense column {column!r} is {value!r}: a number, or 'mean' (the training "
-                "split's mean), was expected."
+                f"split's mean), was expected{(did_you_mean(value, ['mean']) if isinstance(value, str) else '') or '.'}"
             )
     return {c: v if v == "mean" else float(v) for c, v in spec.items()}
 

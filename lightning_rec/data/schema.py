@@ -8,6 +8,7 @@ In YAML (a ``TabularDataModule``'s ``schema``)::
       dense:
         - {column: price, transform: log1p}
         - {column: age, transform: standardize}              # mean/std of the training split, stored
+      keys: [user_id, item_id]                               # written beside each score (predict --output)
       sparse:
         - {column: user_id, ids: hash, num_embeddings: 1000000}
         - {column: item_id, ids: vocab}                       # first pass over the training split
@@ -35,6 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lightning_rec._choices import check_choices
 from lightning_rec.config import SparseFeature
 
 __all__ = [
@@ -48,6 +50,8 @@ __all__ = [
     "Vocabulary",
     "hash_arrow",
     "hash_ids",
+    "id_text",
+    "integer_text",
 ]
 
 IdMapping = Literal["hash", "vocab", "raw"]
@@ -70,6 +74,9 @@ class LabelColumn:
 
     column: str
     threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        check_choices(self, f"Schema: label column {self.column!r}")
 
     def apply(self, values: np.ndarray) -> np.ndarray:
         """The labels of ``values`` (float32)."""
@@ -99,6 +106,9 @@ class DenseColumn:
     transform: DenseTransform = "none"
     mean: float | None = None
     std: float | None = None
+
+    def __post_init__(self) -> None:
+        check_choices(self, f"Schema: dense column {self.column!r}")  # a misspelled transform is no transform
 
     def apply(self, values: np.ndarray) -> np.ndarray:
         """The transformed feature (float32)."""
@@ -141,12 +151,11 @@ class SparseColumn:
     name: str | None = None
 
     def __post_init__(self) -> None:
+        check_choices(self, f"Schema: sparse column {self.column!r}")
         if self.ids in ("hash", "raw") and (self.num_embeddings is None or self.num_embeddings < 1):
             raise ValueError(
                 f"sparse column {self.column!r}: ids: {self.ids} needs num_embeddings >= 1, got {self.num_embeddings}."
             )
-        if self.ids not in ("hash", "vocab", "raw"):
-            raise ValueError(f"sparse column {self.column!r}: ids must be hash, vocab or raw, got {self.ids!r}.")
         if self.weights is not None and not self.list:
             raise ValueError(
                 f"sparse column {self.column!r}: weights ({self.weights!r}) need a list column (list: true)."
@@ -160,7 +169,13 @@ class SparseColumn:
 
 @dataclass
 class Schema:
-    """Labels, dense and sparse columns of a table (see the module docstring).
+    """Labels, dense and sparse columns of a table (see the module docstring), and its key columns.
+
+    Args:
+        labels, dense, sparse: the columns the model reads.
+        keys: columns that identify a row (e.g. ``[user_id, item_id]``), not model input: ``lightning-rec predict
+            --output`` writes them beside each row's score, so scores join back to the rows they belong to. They
+            may also be features; they are read from the files that are scored.
 
     Example::
 
@@ -172,13 +187,20 @@ class Schema:
     labels: list[LabelColumn] = field(default_factory=list)
     dense: list[DenseColumn] = field(default_factory=list)
     sparse: list[SparseColumn] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.labels = [c if isinstance(c, LabelColumn) else LabelColumn(**c) for c in self.labels]
         self.dense = [c if isinstance(c, DenseColumn) else DenseColumn(**c) for c in self.dense]
         self.sparse = [c if isinstance(c, SparseColumn) else SparseColumn(**c) for c in self.sparse]
+        check_choices(self, "Schema")
         if not self.labels:
             raise ValueError("Schema: at least one label column is needed (labels: [{column: ...}]).")
+        if isinstance(self.keys, str) or not all(isinstance(k, str) and k for k in self.keys):
+            raise ValueError(f"Schema: keys is {self.keys!r}: a list of column names, e.g. [user_id, item_id].")
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"Schema: keys {self.keys} name a column twice.")
+        self.keys = list(self.keys)
         names = [c.feature for c in self.sparse]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
@@ -211,12 +233,58 @@ class Schema:
 
 
 _FNV_OFFSET, _FNV_PRIME = np.uint64(0xCBF29CE484222325), np.uint64(0x100000001B3)
+# An integer written as text: an optional minus sign and ASCII digits, nothing else (what pyarrow's CSV reader reads as
+# an int64, but for its hexadecimal and blank-padded forms). Such text is the integer, so an id is the same whether its
+# file's column came out as numbers or as text ("42" and 42).
+_INTEGER_TEXT = r"^-?[0-9]+$"
+
+
+def _splitmix(bits: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser of 64-bit patterns (uint64)."""
+    with np.errstate(over="ignore"):
+        z = bits + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def integer_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Which values of a ``pyarrow`` string array are integers written in decimal (``"42"``, ``"-7"``, ``"007"``;
+    not ``"4.0"``, ``"+4"``, ``" 4"`` or ``"0x4"``), and their 64-bit patterns (int64 two's complement; an integer
+    in ``[2**63, 2**64)`` as uint64; larger ones are not integers here).
+
+    Example::
+
+        >>> import pyarrow as pa
+        >>> mask, bits = integer_text(pa.array(["42", "007", "abc", "-1", "4.0", None]))
+        >>> mask.tolist(), bits[mask].astype(np.int64).tolist()
+        ([True, True, False, True, False, False], [42, 7, -1])
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    mask = pc.match_substring_regex(values, _INTEGER_TEXT).fill_null(False).to_numpy(zero_copy_only=False)
+    bits = np.zeros(len(values), dtype=np.uint64)
+    at = np.flatnonzero(mask)
+    if not len(at):
+        return mask, bits
+    text = values.take(pa.array(at))
+    short = pc.less_equal(pc.utf8_length(text), 18).to_numpy(zero_copy_only=False)  # |value| < 10**18: an int64
+    bits[at[short]] = pc.cast(text.filter(pa.array(short)), pa.int64()).to_numpy().view(np.uint64)
+    for i, s in zip(at[~short].tolist(), text.filter(pa.array(~short)).to_pylist()):  # rare: Python's int decides
+        value = int(s)
+        if -(2**63) <= value < 2**64:
+            bits[i] = np.uint64(value % 2**64)
+        else:
+            mask[i] = False
+    return mask, bits
 
 
 def hash_ids(values: np.ndarray, num_embeddings: int) -> np.ndarray:
     """Stable ids of ``values`` in ``[0, num_embeddings)``, the same in every process and run (unlike Python's
-    ``hash``), vectorised: integers through SplitMix64 of their value, text through FNV-1a (64 bit) of its UTF-8
-    bytes.
+    ``hash``), vectorised: integers through SplitMix64 of their value (their 64-bit pattern), text through FNV-1a
+    (64 bit) of its UTF-8 bytes, but text that is an integer written in decimal (see :func:`integer_text`) as that
+    integer: ``"42"`` and ``42`` are one id.
 
     Example::
 
@@ -224,24 +292,16 @@ def hash_ids(values: np.ndarray, num_embeddings: int) -> np.ndarray:
         True
         >>> int(hash_ids(np.array(["a"], dtype=object), 2**20)[0]) == int(hash_ids(np.array(["a"]), 2**20)[0])
         True
+        >>> hash_ids(np.array(["42", "-7"]), 2**20).tolist() == hash_ids(np.array([42, -7]), 2**20).tolist()
+        True
     """
     values = np.asarray(values)
     if values.dtype.kind in "iub":
-        with np.errstate(over="ignore"):
-            z = values.astype(np.int64).view(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
-    else:
-        raw = np.char.encode(values.astype(str), "utf-8") if values.dtype.kind != "S" else values
-        width = raw.dtype.itemsize
-        octets = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype=np.uint8).reshape(-1, max(width, 1))
-        z = np.full(len(raw), _FNV_OFFSET, dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            for j in range(width):  # a text's bytes end at its first padding zero
-                byte = octets[:, j].astype(np.uint64)
-                z = np.where(byte != 0, (z ^ byte) * _FNV_PRIME, z)
-    return (z % np.uint64(num_embeddings)).astype(np.int64)
+        return (_splitmix(values.astype(np.int64).view(np.uint64)) % np.uint64(num_embeddings)).astype(np.int64)
+    import pyarrow as pa
+
+    text = np.char.decode(values, "utf-8") if values.dtype.kind == "S" else values.astype(str)
+    return hash_arrow(pa.array(text.reshape(-1), pa.string()), num_embeddings)
 
 
 def hash_arrow(values: Any, num_embeddings: int) -> np.ndarray:
@@ -252,6 +312,8 @@ def hash_arrow(values: Any, num_embeddings: int) -> np.ndarray:
 
         >>> import pyarrow as pa
         >>> hash_arrow(pa.array(["ab", "c"]), 97).tolist() == hash_ids(np.array(["ab", "c"]), 97).tolist()
+        True
+        >>> hash_arrow(pa.array(["42", "x"]), 97).tolist()[0] == hash_arrow(pa.array([42]), 97).tolist()[0]
         True
     """
     import pyarrow as pa
@@ -271,21 +333,49 @@ def hash_arrow(values: Any, num_embeddings: int) -> np.ndarray:
             on = lengths > j
             byte = data[starts[on] + j].astype(np.uint64)
             z[on] = np.where(byte != 0, (z[on] ^ byte) * _FNV_PRIME, z[on])
+    integers, bits = integer_text(arr)
+    z[integers] = _splitmix(bits[integers])
     return (z % np.uint64(num_embeddings)).astype(np.int64)
 
 
-class Vocabulary:
-    """Values to rows: ``i + 1`` for the ``i``-th value, 0 for any other (out of vocabulary).
+def id_text(values: Any) -> np.ndarray:
+    """Ids as the text a :class:`Vocabulary` holds: integers (and text that is an integer written in decimal, see
+    :func:`integer_text`) as ``str(int)``, other text as it is: ``42``, ``"42"`` and ``"042"`` are ``"42"``.
 
     Example::
 
-        >>> v = Vocabulary(["b", "a"])
-        >>> v.rows(np.array(["a", "c", "b"], dtype=object)).tolist(), len(v)
-        ([2, 0, 1], 2)
+        >>> id_text(np.array(["042", "a", "-0"])).tolist(), id_text(np.array([42])).tolist()
+        (['42', 'a', '0'], ['42'])
+    """
+    import pyarrow as pa
+
+    values = np.asarray(values)
+    if values.dtype.kind in "iu":
+        return values.astype(str).reshape(-1)
+    text = values.astype(str).reshape(-1)
+    integers, bits = integer_text(pa.array(text, pa.string()))
+    if not integers.any():
+        return text
+    out = text.astype(object)
+    signed = bits[integers].view(np.int64)
+    big = (bits[integers] >= np.uint64(2**63)) & ~np.char.startswith(text[integers], "-")  # uint64, not negative
+    out[integers] = np.where(big, bits[integers].astype(str), signed.astype(str))
+    return out.astype(str)
+
+
+class Vocabulary:
+    """Values to rows: ``i + 1`` for the ``i``-th value, 0 for any other (out of vocabulary). Values are compared as
+    :func:`id_text`: ``42``, ``"42"`` and ``"042"`` are one value.
+
+    Example::
+
+        >>> v = Vocabulary(["b", "a", "7"])
+        >>> v.rows(np.array(["a", "c", "b"], dtype=object)).tolist(), v.rows(np.array([7])).tolist(), len(v)
+        ([2, 0, 1], [3], 3)
     """
 
     def __init__(self, values: Sequence[str]) -> None:
-        self.values = [str(v) for v in values]
+        self.values = id_text(np.array([str(v) for v in values], dtype=str)).tolist() if len(values) else []
         order = np.argsort(np.array(self.values, dtype=str), kind="stable")
         self._sorted = np.array(self.values, dtype=str)[order]
         self._rows = (order + 1).astype(np.int64)
@@ -294,8 +384,9 @@ class Vocabulary:
         return len(self.values)
 
     def rows(self, values: np.ndarray) -> np.ndarray:
-        """The rows of ``values`` (any type: compared as text), vectorised (a binary search of the sorted values)."""
-        text = np.asarray(values).astype(str).reshape(-1)
+        """The rows of ``values`` (integers or text, compared as :func:`id_text`), vectorised (a binary search of the
+        sorted values)."""
+        text = id_text(values)
         if not self.values:
             return np.zeros(len(text), dtype=np.int64)
         at = np.searchsorted(self._sorted, text).clip(0, len(self._sorted) - 1)

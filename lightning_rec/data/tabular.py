@@ -49,12 +49,14 @@ from typing import Any, Literal
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_rec._choices import check_arguments
 from lightning_rec.config import SparseFeature
 from lightning_rec.data._tabular_read import (
     Decoded,
     Mapper,
     Part,
     UnitReader,
+    column_names,
     concat_jagged,
     decode,
     expand,
@@ -66,7 +68,7 @@ from lightning_rec.data._tabular_read import (
 )
 from lightning_rec.data._tabular_split import SplitRule, fill_spec, known, split_rows
 from lightning_rec.data.base import RecDataModule, RecDataset
-from lightning_rec.data.schema import DataError, Schema, SparseColumn, Vocabulary
+from lightning_rec.data.schema import DataError, Schema, SparseColumn, Vocabulary, id_text
 from lightning_rec.data.stream import TableStream, Unit, list_units, read_unit
 
 __all__ = ["TabularDataModule"]
@@ -95,6 +97,10 @@ class TabularDataModule(RecDataModule):
             (``{price: 0.0, age: mean}``; columns not named stay checked). Counted per split in :attr:`row_counts`.
         csv_null_values: the CSV fields that are missing values, in every column (default ``[""]``: only empty
             fields). Anything else in a numeric column that is not a number is refused, naming line and value.
+        predict_files: files or globs to score: the ``predict`` split (default: the validation split). Their label
+            columns are optional; the schema's ``keys`` are read from them (see "Score a file" in docs/data.md).
+            Read and checked with the other files; ids map through what the training split taught (or, with
+            ``ckpt_path``, the checkpoint's vocabularies and statistics).
 
     Example::
 
@@ -124,6 +130,7 @@ class TabularDataModule(RecDataModule):
         seed: int = 0,
         fill: float | Literal["mean"] | dict[str, float | Literal["mean"]] | None = None,
         csv_null_values: list[str] | None = None,
+        predict_files: str | list[str] | None = None,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         self.stream, self.window, self.chunk_bytes = stream, window, chunk_bytes
@@ -141,10 +148,13 @@ class TabularDataModule(RecDataModule):
             known("split", split, ("random", "timestamp"))
         self.split_rule = split if split is None or isinstance(split, SplitRule) else SplitRule(**dict(split))
         self.fill = fill_spec(fill, [c.column for c in self.schema.dense])
+        check_arguments(TabularDataModule.__init__, "TabularDataModule", locals())  # a misspelled choice, named
         if csv_null_values is not None and not all(isinstance(v, str) for v in csv_null_values):
             raise ValueError(f"TabularDataModule: csv_null_values is {csv_null_values!r}: a list of strings.")
         self.csv_null_values = [""] if csv_null_values is None else list(csv_null_values)
         self.sources = {"all": files} if files is not None else {"train": train, "val": val, "test": test}
+        if predict_files is not None:
+            self.sources["predict"] = predict_files
         self.csv_columns, self.csv_delimiter = csv_columns, csv_delimiter
         self.bad_rows = bad_rows
         self.state_dir = state_dir
@@ -197,19 +207,66 @@ class TabularDataModule(RecDataModule):
                 said.append(f"{c['read']} rows read, {c['dropped']} dropped (bad_rows: {self.bad_rows})")
             if "rows" in c:
                 said.append(f"{c['rows']} rows")
+            if c.get("labels") is False:
+                said.append("no label column: scored without labels")
             for column, n in c.get("filled", {}).items():
                 mean = " (the training split's mean)" if self.fill[column] == "mean" else ""
                 said.append(f"{n} missing {column!r} filled with {fills[column]:g}{mean}")
             rank_zero_info(f"TabularDataModule: {name}: {'; '.join(said)}.")
 
+    def check_files(self) -> None:
+        """What ``lightning-rec fit/validate/test/predict`` calls in the main process before any rank starts: every
+        file and split rule checked (:meth:`check`), also under a model that does not read :attr:`sparse_features`.
+        """
+        self.check()
+
     @property
     def num_dense_features(self) -> int:
         return len(self.schema.dense)
 
+    @property
+    def num_labels(self) -> int:
+        """The label columns the schema declares; ``lightning-rec`` refuses a model that takes fewer (a
+        :class:`~lightning_rec.models.base.CTRModule` has one head: ``num_labels = 1``) before any rank starts."""
+        return len(self.schema.labels)
+
     # ---- reading ----------------------------------------------------------------------------------------------
-    def _columns(self) -> list[str]:
-        extra = [self.split_rule.timestamp["column"]] if self.split_rule and self.split_rule.timestamp else []
-        return list(dict.fromkeys(self.schema.columns + extra))
+    def _columns(self, labels: bool = True, keys: bool = False, stamp: bool = True) -> list[str]:
+        extra = [self.split_rule.timestamp["column"]] if stamp and self.split_rule and self.split_rule.timestamp else []
+        columns = self.schema.columns
+        if not labels:  # a file to score without labels: the features' columns
+            s = self.schema
+            columns = [c.column for c in s.dense] + [x for c in s.sparse for x in (c.column, c.weights) if x]
+        return list(dict.fromkeys(columns + extra + (self.schema.keys if keys else [])))
+
+    def _scored(self, source: str) -> bool:
+        """Whether ``predict`` scores the rows of ``source``: ``predict_files``, else the validation split's."""
+        return source == "predict" or ("predict" not in self.sources and source in ("all", "val"))
+
+    def _labeled(self, files: list[str]) -> bool:
+        """Whether the files to score have labels: every file a label column (then every one is needed, as for
+        training), or none.
+
+        Raises:
+            DataError: some files have a label column and others do not, naming one of each.
+        """
+        labels = [c.column for c in self.schema.labels]
+        has = {f: bool(set(labels) & set(column_names(f, self.csv_columns, self.csv_delimiter))) for f in files}
+        if len(set(has.values())) > 1:
+            with_ = next(f for f, h in has.items() if h)
+            without = next(f for f, h in has.items() if not h)
+            raise DataError(
+                f"{without}: no label column {', '.join(map(repr, labels))}, but {with_} has one: the files to score "
+                "(predict_files) all have their labels, or none has. HINT: score them in two runs."
+            )
+        return all(has.values())
+
+    @property
+    def predict_labeled(self) -> bool:
+        """Whether the rows ``predict`` scores have labels (``False``: ``predict_files`` without a label column;
+        their batches' labels are 0 and :class:`~lightning_rec.callbacks.ScoreWriter` writes none)."""
+        self.check()
+        return self.row_counts.get("predict", {}).get("labels", True) is not False
 
     def _stamp_column(self) -> str | None:
         return self.split_rule.timestamp["column"] if self.split_rule and self.split_rule.timestamp else None
@@ -227,17 +284,24 @@ class TabularDataModule(RecDataModule):
                 continue
             parts: list[Decoded] = []
             kinds: dict[str, tuple[bool, Any]] = {}  # file -> (holds times, its type): one kind in every file
-            for f in expand(patterns, name):
-                for p in read_table(f, self._columns(), self.csv_columns, self.csv_delimiter, self.csv_null_values):
-                    parts.append(decode(p, self.schema, drop, stamp, self.fill))
+            scored = self._scored(name)
+            split_by = None if name == "predict" else stamp  # files to score are not split
+            files = expand(patterns, name)
+            labeled = name != "predict" or self._labeled(files)
+            for f in files:
+                columns = self._columns(labeled, scored, split_by is not None)
+                for p in read_table(f, columns, self.csv_columns, self.csv_delimiter, self.csv_null_values):
+                    parts.append(decode(p, self.schema, drop, split_by, self.fill, labels=labeled, keys=scored))
                     stamps = parts[-1].timestamps
                     if stamps is not None:
                         kinds.setdefault(f, (stamps.dtype.kind == "M", p.table.column(stamp).type))
-            if stamp is not None:
-                self._one_kind(stamp, kinds)
-            out[name] = self._join("files" if name == "all" else name, parts)
+            if split_by is not None:
+                self._one_kind(split_by, kinds)
+            out[name] = self._join("files" if name == "all" else name, parts, scored)
+            if not labeled:
+                self.row_counts[name]["labels"] = False
         if "all" in out:
-            out = self._apply_rule(out.pop("all"))
+            out = {**self._apply_rule(out.pop("all")), **out}  # and the files to score, if any
         for name, d in out.items():
             counts = self.row_counts.setdefault(name, {})
             counts["rows"] = len(d.labels)
@@ -261,7 +325,9 @@ class TabularDataModule(RecDataModule):
         tz = getattr(kind, "tz", None)
         self._stamp_tz = str(tz) if times and tz else None
 
-    def _join(self, name: str, parts: Sequence[Decoded]) -> Decoded:
+    def _join(self, name: str, parts: Sequence[Decoded], scored: bool = False) -> Decoded:
+        """The parts of one source as one, bad rows dropped; ``scored``: with the rows' keys (the schema's key
+        columns, or without any, ``row``: the row's place in the source's files, 0-based, dropped rows counted)."""
         keep = np.concatenate([p.keep for p in parts])
         self.dropped_rows += int((~keep).sum())
         self.row_counts[name] = {"read": len(keep), "dropped": int((~keep).sum())}
@@ -276,12 +342,22 @@ class TabularDataModule(RecDataModule):
             values_kept = rows_of(lengths, keep)
             sparse[c.feature] = (ids[values_kept], lengths[keep], None if weights is None else weights[values_kept])
         stamps = None if parts[0].timestamps is None else np.concatenate([p.timestamps for p in parts])[keep]
+        keys = None
+        if scored:
+            import pyarrow as pa
+
+            keys = (
+                pa.concat_tables([p.keys for p in parts]).filter(pa.array(keep))
+                if self.schema.keys
+                else pa.table({"row": np.flatnonzero(keep)})
+            )
         return Decoded(
             np.concatenate([p.labels for p in parts])[keep],
             np.concatenate([p.dense for p in parts])[keep],
             sparse,
             stamps,
             np.ones(int(keep.sum()), dtype=bool),
+            keys,
         )
 
     def _apply_rule(self, data: Decoded) -> dict[str, Decoded]:
@@ -314,7 +390,7 @@ class TabularDataModule(RecDataModule):
         dense = [c.column for c in self.schema.dense]
         for train in self._train_parts():
             for key, group in needed.items():
-                raw = np.concatenate([train.sparse[c.feature][0].astype(str) for c in group])
+                raw = np.concatenate([id_text(train.sparse[c.feature][0]) for c in group])  # 42 and "42": one value
                 values, n = np.unique(raw, return_counts=True)
                 seen = counts[key]
                 for v, k in zip(values.tolist(), n.tolist()):
@@ -452,13 +528,40 @@ class TabularDataModule(RecDataModule):
     def _mapper(self) -> Mapper:
         return Mapper(self.schema, dict(self.vocabularies), dict(self.dense_stats), self._fills())
 
+    def predict_keys(self) -> Any:
+        """The keys of the rows ``predict`` scores, one per row of its split in order (a ``pyarrow.Table``): the
+        schema's ``keys`` columns as the files hold them, or without keys ``row``, the row's 0-based place in the
+        files scored (rows dropped by ``bad_rows: drop`` counted, so it still points into the files).
+        :class:`~lightning_rec.callbacks.ScoreWriter` writes them beside the scores.
+
+        Raises:
+            ValueError: streaming (``stream: true``): the rows to score are not held in memory.
+
+        Example::
+
+            dm = TabularDataModule(schema={..., "keys": ["user_id", "item_id"]}, train=..., predict_files="pairs.csv")
+            dm.predict_keys().column_names   # ['user_id', 'item_id']
+        """
+        if self.stream:
+            raise ValueError(
+                "TabularDataModule(stream=True) does not keep the rows it scores: keys and scores are written for an "
+                "in-memory DataModule. HINT: `stream: false` to score files with `predict --output`."
+            )
+        self.check()
+        rows = self._read().get("predict" if "predict" in self.sources else "val")
+        if rows is None:
+            raise ValueError(
+                "TabularDataModule: there are no rows to score: give `predict_files` (or a validation split)."
+            )
+        return rows.keys
+
     def split(self, name: str) -> RecDataset | TableStream:
         """In memory: the rows of split ``name`` (after :meth:`setup`); streaming: a :class:`TableStream` of this
-        rank's batches of its files. ``predict`` runs over the validation rows (and, streaming, ``test`` too when
-        there are no test files)."""
+        rank's batches of its files. ``predict`` runs over ``predict_files``, else the validation rows (and,
+        streaming, ``test`` too when there are no test files)."""
         if self.stream:
             return self._stream(name)
-        name = "val" if name == "predict" else name
+        name = "val" if name == "predict" and "predict" not in self.sources else name
         if not self._splits:
             self._build()  # a checkpoint restored after setup() brought other vocabularies or statistics
         if name not in self._splits:
@@ -466,7 +569,7 @@ class TabularDataModule(RecDataModule):
         return self._splits[name]
 
     def _stream(self, name: str) -> TableStream:
-        split = "val" if name == "predict" else name
+        split = "val" if name == "predict" and "predict" not in self.sources else name
         if split == "test" and self.sources.get("test") is None:
             split = "val"
         rank, world_size = self.rank_and_world_size

@@ -16,7 +16,7 @@ from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.errors import ExportError
 from lightning_rec.metrics import ctr_metrics
 
-__all__ = ["CTRModule", "DENSE_OPTIMIZERS", "DenseOptimizerName", "TwoOptimizerModule"]
+__all__ = ["CTRModule", "DENSE_OPTIMIZERS", "DenseOptimizerName", "TwoOptimizerModule", "check_labels"]
 
 DenseOptimizerName = Literal["adam", "adagrad", "sgd"]
 DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
@@ -92,11 +92,19 @@ class CTRModule(TwoOptimizerModule):
     """
 
     model: nn.Module  # set by the subclass
+    # One head, one logit per sample: a DataModule with more label columns (``num_labels``) is refused by name, by
+    # `lightning-rec` before any rank starts, else in `setup`, not by a torchmetrics shape error mid-validation.
+    num_labels: int = 1
 
     def __init__(self) -> None:
         super().__init__()
         self.val_metrics = ctr_metrics(prefix="val/")
         self.test_metrics = ctr_metrics(prefix="test/")
+
+    def setup(self, stage: str) -> None:
+        """Refuse a DataModule with more label columns than the model has heads (see :func:`check_labels`)."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        check_labels(self, datamodule)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits, shape ``(B,)``.
@@ -137,3 +145,33 @@ class CTRModule(TwoOptimizerModule):
             preds = trainer.predict(model, dm)    # one dict per batch
         """
         return {"probability": torch.sigmoid(self(batch)), "label": batch.labels}
+
+
+def check_labels(model: Any, datamodule: Any) -> None:
+    """Refuse ``datamodule``'s label columns when the model takes fewer: both say how many through ``num_labels``
+    (a :class:`CTRModule` takes one; a :class:`~lightning_rec.data.TabularDataModule` has its schema's). Either
+    without ``num_labels`` is not checked.
+
+    Raises:
+        ValueError: naming the label columns, the model and how many it takes.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> check_labels(SimpleNamespace(num_labels=1), SimpleNamespace(num_labels=1))
+        >>> check_labels(SimpleNamespace(num_labels=1), SimpleNamespace(num_labels=2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the data has 2 label columns, more labels than the model takes: SimpleNamespace takes 1 ...
+    """
+    takes, given = getattr(model, "num_labels", None), getattr(datamodule, "num_labels", None)
+    if not isinstance(takes, int) or not isinstance(given, int) or given <= takes:
+        return
+    schema = getattr(datamodule, "schema", None)
+    names = [getattr(c, "column", c) for c in getattr(schema, "labels", [])]
+    which = f" (schema.labels: {', '.join(map(str, names))})" if names else ""
+    raise ValueError(
+        f"{type(datamodule).__name__ if schema is not None else 'the data'} has {given} label columns{which}, more "
+        f"labels than the model takes: {type(model).__name__} takes {takes} (one output head). HINT: keep one label "
+        "column in the schema (one model per label), or use a model with one head per label."
+    )

@@ -245,7 +245,9 @@ def test_a_random_rule_that_empties_a_split_or_misspells_a_setting_is_refused(tm
     )
     with pytest.raises(ValueError) as err:
         _dm([path], {"random": {"val": 0.1, "tset": 0.1}})
-    assert str(err.value) == "TabularDataModule: split.random: unknown setting(s) ['tset'] (it takes val, test, seed)."
+    assert str(err.value) == (
+        "TabularDataModule: split.random: unknown setting(s) ['tset'] (it takes val, test, seed); did you mean 'test'?"
+    )
     with pytest.raises(ValueError) as err:
         _dm([path], {"random": {"val": 0.6, "test": 0.4}})
     assert str(err.value) == (
