@@ -74,6 +74,7 @@ from lightning_rec._compat.lightning import (
     hpc_save_path,
     parse_optimizers,
     route_last_checkpoint,
+    subcommand_parser,
     training_batch_idx,
     unwrap_optimizer,
 )
@@ -168,6 +169,7 @@ __all__ = [
     "reset_seed",
     "route_last_checkpoint",
     "sharder_fused_params",
+    "subcommand_parser",
     "table_fused_params",
     "tensor_version",
     "training_batch_idx",

@@ -47,6 +47,13 @@ def batches_fetched(loop: _EvaluationLoop | _PredictionLoop) -> int:
     return loop.batch_progress.current.ready
 
 
+# Lightning: LightningCLI keeps each subcommand's parser in a private dict, read through its private `_parser`;
+# `lightning-rec predict --output` is an argument of that one subcommand (the others refuse it), added to its parser.
+def subcommand_parser(cli: Any, subcommand: str) -> Any:
+    """The parser of ``cli``'s ``subcommand`` (a ``LightningArgumentParser``), once ``setup_parser`` has run."""
+    return cli._parser(subcommand)
+
+
 # Lightning: a LightningModule's trainer, or None when it is not attached (the public `trainer` property raises then).
 def attached_trainer(module: object) -> object | None:
     return getattr(module, "_trainer", None)
