@@ -1,31 +1,47 @@
-"""The process's fork server, started once with this package imported and one OpenMP thread: what stream workers
-(:mod:`lightning_rec.data.stream`) and test ranks (:mod:`lightning_rec.testing.launch`) are forked from.
+"""The process's fork server, started once with this package imported and one OpenMP thread: what DataLoader workers
+(:func:`worker_context`) and test ranks (:mod:`lightning_rec.testing.launch`) are forked from; and
+:func:`worker_start_method`, the one place that decides when a worker starts otherwise, and why.
 
 A child forked from it skips the ~4 s of CPU a new interpreter spends importing torch, TorchRec, FBGEMM and
-Lightning. The server itself runs with ``OMP_NUM_THREADS=1``: had an import run an OpenMP parallel region with a
-team of threads there, a child using more than one intra-op thread would wait forever on threads that were not
-forked with it. (Python keeps one fork server per process; whichever of the two users starts it, it is this one.)
+Lightning, and is not forked from the training process, whose gloo threads could hold a lock at the fork. The server
+itself runs with ``OMP_NUM_THREADS=1``: had an import run an OpenMP parallel region with a team of threads there, a
+child using more than one intra-op thread would wait forever on threads that were not forked with it. (Python keeps
+one fork server per process; whichever of the two users starts it, it is this one.)
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import io
+import logging
 import multiprocessing
 import os
+import pickle
+import sys
 import threading
+import types
 from typing import Any
+
+import torch
 
 from lightning_rec import _compat
 
-__all__ = ["forkserver_context", "worker_context"]
+__all__ = ["forkserver_context", "worker_context", "worker_start_method"]
 
 PRELOAD = ["lightning_rec", "lightning_rec.data.tabular"]
 _START = threading.Lock()
-_started: list[bool] = []  # the server was started by this process (multiprocessing restarts one that died)
+# The pid of the process that started the server, once it has. A process forked from that one (a notebook launcher's
+# rank) inherits this list and multiprocessing's handle on the server, but cannot use the handle.
+_started: list[int] = []
+_log = logging.getLogger(__name__)
 
 
 def forkserver_context() -> Any:
     """Multiprocessing's ``forkserver`` context, its server started (once) as the module says; ``None`` where the
-    platform has no fork server."""
+    platform has no fork server, or where this process cannot use one: the server was started by a process this one
+    was forked from (multiprocessing keeps one per process, and reaches it only from the process that started it:
+    elsewhere ``ChildProcessError``)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     from multiprocessing import forkserver
@@ -33,24 +49,143 @@ def forkserver_context() -> Any:
     context = multiprocessing.get_context("forkserver")
     with _START:
         if _started:
-            return context
+            return context if _started[0] == os.getpid() else None
         context.set_forkserver_preload(PRELOAD)  # ignored once the server runs
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # the server's environment is this process's when it starts
         try:
             forkserver.ensure_running()
+        except ChildProcessError:
+            return None  # started (by multiprocessing, for anyone) in a process this one was forked from
         finally:
             if saved is None:
                 del os.environ["OMP_NUM_THREADS"]
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
-        _started.append(True)  # later calls (a loader per pass, a launch per test) leave the environment alone
+        _started.append(os.getpid())  # later calls (a loader per pass, a launch per test) leave the environment alone
     return context
 
 
 def worker_context() -> Any:
-    """How DataLoader workers start: forked from this fork server, where there is one, else spawned; never forked
-    from the training process itself, whose gloo threads could deadlock a fork. Either way a worker runs the
-    script's ``__main__`` again, from its file; a script that has none (``python - < script.py``: ``__file__`` is
-    ``"<stdin>"``) starts its workers as a notebook's do, without it."""
-    return _compat.ForkServerContext() if forkserver_context() is not None else "spawn"
+    """The ``multiprocessing_context`` of the package's DataLoaders: each worker starts as
+    :func:`worker_start_method` decides, from the fork server where it can; ``None`` (PyTorch's own choice) where the
+    platform has no fork server."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    return _WorkerContext()
+
+
+def worker_start_method(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """How a DataLoader worker that runs ``target(*args, **kwargs)`` starts: ``"forkserver"``, or ``None``, the start
+    method PyTorch uses for a loader without a context (multiprocessing's default: fork on Linux). The one place
+    this is decided, when the worker starts (not when its loader is built: a loader built in a notebook's kernel
+    starts its workers in the ranks forked from it).
+
+    From the fork server (:func:`forkserver_context`), unless it cannot serve the worker; then as PyTorch would, for
+    these reasons, checked in this order:
+
+    1. ``__main__``'s top-level code, outside ``if __name__ == "__main__":``, is starting the workers: a child of the
+       fork server runs ``__main__`` again to rebuild it, and would start them again (multiprocessing's "bootstrapping
+       phase" error). A fork copies ``__main__`` instead.
+    2. The worker's dataset, sampler or functions cannot be pickled (a lambda, a lock, an open file): a child of the
+       fork server receives them pickled, a fork inherits them.
+    3. They hold a class or function defined in a ``__main__`` that a new process cannot rebuild, one without a file:
+       a notebook's cell, ``python - < script.py``, ``python -c``, an interactive session. The child could not
+       unpickle them; a fork has them.
+    4. This process cannot use a fork server: the server was started by a process this one was forked from (a
+       notebook launcher's rank, after the kernel started it), or the platform has none.
+
+    Example::
+
+        >>> worker_start_method(print, (lambda batch: batch,), {})   # a lambda cannot be pickled: as PyTorch would
+    """
+    reason = _why_not_forkserver(target, args, kwargs)
+    if reason is None:
+        return "forkserver"
+    _log.debug("DataLoader worker started as PyTorch would, not from the fork server: %s", reason)
+    return None
+
+
+class _WorkerProcess(_compat.ForkServerProcess):
+    start_method = staticmethod(worker_start_method)
+
+
+class _WorkerContext(_compat.ForkServerContext):
+    Process = _WorkerProcess
+
+
+def _why_not_forkserver(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    main = sys.modules.get("__main__")
+    if _main_rebuilt_in_child(main) and _main_code_unguarded(main):
+        return "__main__'s top-level code starts the workers outside `if __name__ == '__main__':`"
+    finder = _MainFinder(record_main=not _main_rebuilt_in_child(main))
+    try:
+        finder.dump((target, args, kwargs))
+    except _DefinedInMain as found:
+        return f"{found.args[0]} is defined in a __main__ that a new process cannot rebuild (no file)"
+    except Exception as error:  # whatever pickle raises: the fork server's child could not be given it
+        return f"the worker's arguments cannot be pickled ({type(error).__name__}: {error})"
+    if forkserver_context() is None:
+        return "this process cannot use a fork server (started by a process this one was forked from)"
+    return None
+
+
+def _main_rebuilt_in_child(main: Any) -> bool:
+    # What multiprocessing's spawn.get_preparation_data tells a child: import __main__ by its module name (`python -m`;
+    # a package's __main__ is skipped), or run its file; else nothing, and __main__'s names are missing there.
+    spec = getattr(main, "__spec__", None)
+    if spec is not None:
+        return not (spec.name == "__main__" or spec.name.endswith(".__main__"))
+    path = getattr(main, "__file__", None)
+    return path is not None and os.path.exists(path)
+
+
+def _main_code_unguarded(main: Any) -> bool:
+    """Whether ``__main__``'s module-level code is on the stack at a line outside ``if __name__ == "__main__":``."""
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return False
+    line = frame.f_lineno
+    try:
+        tree = ast.parse(inspect.getsource(main))
+    except (OSError, TypeError, SyntaxError):
+        return True  # unreadable: as if unguarded (a fork is what PyTorch would do anyway)
+    for statement in tree.body:
+        if statement.lineno <= line <= (statement.end_lineno or statement.lineno):
+            return not (isinstance(statement, ast.If) and "__name__" in ast.unparse(statement.test))
+    return True
+
+
+class _DefinedInMain(Exception):
+    pass
+
+
+class _MainFinder(pickle.Pickler):
+    """Pickles to nowhere, as a fork server's child would be sent it, to learn whether it can be; tensors, arrays and
+    multiprocessing's own objects (queues, events: pickled through their own channel) are not walked into, nor are
+    large buffers copied. With ``record_main``, raises :class:`_DefinedInMain` at the first class or function
+    defined in ``__main__``."""
+
+    def __init__(self, record_main: bool) -> None:
+        super().__init__(_Nowhere(), protocol=5, buffer_callback=lambda buffer: False)
+        self.record_main = record_main
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) or torch.is_storage(obj):
+            return 0
+        if type(obj).__module__.partition(".")[0] in ("numpy", "multiprocessing"):
+            return 0
+        owner = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)
+        if self.record_main and getattr(owner, "__module__", None) == "__main__":
+            raise _DefinedInMain(f"{getattr(owner, '__qualname__', owner)!s}")
+        return None
+
+
+class _Nowhere(io.RawIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return len(b)

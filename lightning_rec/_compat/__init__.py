@@ -86,7 +86,7 @@ from lightning_rec._compat.patches import (
     patchable,
     unpatch_method,
 )
-from lightning_rec._compat.python import ForkServerContext, interpreter_exit
+from lightning_rec._compat.python import ForkServerContext, ForkServerProcess, interpreter_exit
 from lightning_rec._compat.torch import (
     cpp_compiler,
     default_store,
@@ -121,6 +121,7 @@ __all__ = [
     "IS_INTERACTIVE",
     "PATCHED_METHODS",
     "ForkServerContext",
+    "ForkServerProcess",
     "ShardedTensor",
     "StrategyRegistry",
     "TorchDispatchMode",

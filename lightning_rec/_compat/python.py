@@ -40,21 +40,36 @@ def _main_without_missing_file() -> Iterator[None]:
         main.__file__ = path
 
 
-class _ForkServerProcess(multiprocessing.context.ForkServerProcess):
-    # ``_Popen`` is where multiprocessing reads ``__main__`` for the child (spawn.get_preparation_data).
+class ForkServerProcess(multiprocessing.context.ForkServerProcess):
+    """A process of :class:`ForkServerContext`: forked from the fork server unless its :meth:`start_method` says
+    otherwise (a subclass overrides it)."""
+
+    @staticmethod
+    def start_method(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """How a process that runs ``target(*args, **kwargs)`` starts: ``"forkserver"``, another of
+        multiprocessing's start methods, or ``None`` for multiprocessing's default (what a ``DataLoader`` without a
+        context uses)."""
+        return "forkserver"
+
+    # ``_Popen`` is where multiprocessing starts the child, reading ``__main__`` for it (spawn.get_preparation_data);
+    # ``_target``, ``_args`` and ``_kwargs`` are where a Process keeps what it will run.
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
+        method = process_obj.start_method(process_obj._target, process_obj._args, process_obj._kwargs)
+        if method != "forkserver":
+            return multiprocessing.get_context(method).Process._Popen(process_obj)
         with _main_without_missing_file():
             return multiprocessing.context.ForkServerProcess._Popen(process_obj)
 
 
 class ForkServerContext(multiprocessing.context.ForkServerContext):
     """Multiprocessing's fork-server context whose processes also start from a script read from standard input
-    (``python - < script.py``), which has no ``__main__`` file to run again in the child.
+    (``python - < script.py``), which has no ``__main__`` file to run again in the child, and whose
+    :class:`ForkServerProcess` may start one elsewhere (a subclass sets ``Process`` to its own).
 
     Example::
 
         DataLoader(dataset, num_workers=2, multiprocessing_context=ForkServerContext())
     """
 
-    Process = _ForkServerProcess
+    Process = ForkServerProcess

@@ -269,8 +269,10 @@ def batch_loader(
     ``dataset[(epoch, indices)]`` with ``with_epoch``).
 
     Worker processes are forked from the package's fork server (:mod:`lightning_rec._forkserver`: the package
-    imported once, not ~4 s of imports per worker), else spawned; never forked from the training process, whose gloo
-    threads could deadlock a fork. With
+    imported once, not ~4 s of imports per worker, and not forked from the training process, whose gloo threads could
+    hold a lock at the fork) where it can serve them, else started as PyTorch would (a dataset class defined in a
+    notebook cell or a script read from standard input, a lambda, a kernel's fork server seen from a rank forked
+    from it: ``worker_start_method`` says when and why). With
     ``pin_memory`` (for CUDA training) batches land in pinned host memory, from which the strategy's non-blocking
     copy overlaps the GPU's work.
 
