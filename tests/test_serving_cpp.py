@@ -3,7 +3,8 @@ written (from a folder laid out like the repository root: the example, ``.venv``
 name differs, its tables being fp32), building once per module against the installed libtorch; the program then serves a trained DeepFM's held-out samples from
 the TorchScript artifact and from the ``.pt2`` package as Python does (the fp32 package: the trained module's
 ``predict`` probabilities to 1e-6), and refuses a package compiled under another torch. ``examples/serve.py``
-serves the package in a process without lightning_rec or torchrec."""
+serves the package in a process without lightning_rec or torchrec. The same build's ``hash_ids``
+(``examples/serve_cpp/hash_ids.h``) hashes raw ids to the rows Python's request encoding gives them."""
 
 from __future__ import annotations
 
@@ -28,7 +29,15 @@ from torch.utils.data import DataLoader
 from lightning_rec import RecShardStrategy
 from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.models import DeepFMModule
-from lightning_rec.serving import export_inference, load_inference, load_pt2, serving_inputs
+from lightning_rec.serving import (
+    InferenceSpec,
+    encode_request,
+    export_inference,
+    load_inference,
+    load_pt2,
+    serving_inputs,
+)
+from lightning_rec.serving.requests import raw_inputs_record
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers import zoo_deepfm
 from tests.helpers.data import REPO
@@ -189,3 +198,38 @@ def test_serve_py_serves_the_package_without_lightning_rec(served, tmp_path):
     with torch.inference_mode():
         want = load_pt2(served.work / "model.pt2")(*args)
     assert torch.equal(got, want)
+
+
+# Raw ids a request may bring for an `ids: hash` feature: integers (negative, the int64 extremes) and text (unicode,
+# empty, integer-looking text, which is the integer, and text that only looks close to one).
+RAW_INTS = [0, 1, -1, 42, -7, -(2**63), 2**63 - 1, 987_654_321_012]
+RAW_TEXTS = ["", "a", "user-42", "crème brûlée", "商品", "🙂", "tv ☂", "42", "-7", "007", "-0", "+4", "4.0", " 4",
+             str(2**63), str(2**64 - 1), str(2**64), "-" + str(2**63), "-" + str(2**63 + 1)]  # fmt: skip
+
+
+def test_cpp_hashes_raw_ids_to_the_rows_the_python_request_encoding_gives(served):
+    """``hash_ids`` (built by the Serving page's commands) against :func:`encode_request` of an artifact spec
+    recording one ``ids: hash`` feature, computed now (whatever the DataModule's hashing is today): every id, of
+    every kind, goes to the same row, for several table sizes."""
+    lines = [f"int {v}" for v in RAW_INTS] + [f"text {t}" for t in RAW_TEXTS]
+    for rows in (1, 97, 1_000_003, 2**40 + 15):
+        state = {
+            "schema": {
+                "labels": [{"column": "y"}],
+                "sparse": [{"column": "id", "ids": "hash", "num_embeddings": rows}],
+            },
+            "vocabularies": {},
+            "dense_stats": {},
+        }
+        spec = InferenceSpec(["id"], 0, False, "fp32", {}, "users.Model", raw_inputs=raw_inputs_record(state))
+        want = [encode_request(spec, {"id": ids})[0].tolist() for ids in (RAW_INTS, RAW_TEXTS)]
+        out = subprocess.run(
+            [str(served.work / "build" / "serve_cpp" / "hash_ids"), str(rows)],
+            input="".join(f"{line}\n" for line in lines),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        got = [int(v) for v in out.stdout.split()]
+        assert got == want[0] + want[1], [(line, g, w) for line, g, w in zip(lines, got, want[0] + want[1]) if g != w]

@@ -40,7 +40,7 @@ from lightning_rec.serving import (
     load_inference,
     serving_inputs,
 )
-from lightning_rec.serving.requests import HASH, raw_inputs_record
+from lightning_rec.serving.requests import HASH, checked_record, datamodule_state, raw_inputs_record
 from lightning_rec.testing import QUIET_TRAINER
 
 SCHEMA: dict[str, Any] = {
@@ -379,3 +379,15 @@ def test_the_recorded_hash_is_the_one_the_datamodule_hashes_with():
     for n in (1, 97, 2**31 - 1):
         assert hash_arrow(pa.array(ints, pa.int64()), n).tolist() == [_recorded_hash(v, n) for v in ints]
         assert hash_arrow(pa.array(texts), n).tolist() == [_recorded_hash(v, n) for v in texts]
+
+
+def test_export_records_the_checkpoints_datamodule_state_only_when_it_describes_the_network():
+    """The DataModule state is found among a checkpoint's entries; a state whose features or dense width differ
+    from the served network's is not recorded, with a warning naming the difference."""
+    meta = {"epoch": 0, "TabularDataModule": _STATE, "lightning_rec": {"module_class": "x.Y"}}
+    assert datamodule_state(meta) is _STATE and datamodule_state({"epoch": 0}) is None
+    assert checked_record(_STATE, ["c", "u"], 1, False) == raw_inputs_record(_STATE)
+    with pytest.warns(UserWarning, match=r"reads features \['x'\] the DataModule does not make"):
+        assert checked_record(_STATE, ["u", "x"], 1, False) is None
+    with pytest.warns(UserWarning, match=r"reads 4 dense features, the DataModule makes 1"):
+        assert checked_record(_STATE, ["u"], 4, False) is None

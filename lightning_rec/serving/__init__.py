@@ -21,7 +21,10 @@ The artifact takes plain tensors, one sample per row::
             weights: Optional[Tensor[N]] = None)    # per-id weights, for weighted collections
         -> Tensor                                  # what the network returns (CTR models: probabilities [B])
 
-The feature order ``F`` is fixed at export and written in ``extra/lightning_rec.json`` (``"features"``).
+The feature order ``F`` is fixed at export and written in ``extra/lightning_rec.json`` (``"features"``). A model
+trained on a :class:`~lightning_rec.data.TabularDataModule` also records there how raw ids and values become these
+inputs (``"raw_inputs"``: each feature's hash, vocabulary or raw ids, each dense column's transform and fill), and
+:class:`RequestEncoder` (:func:`encode_request`) applies it to a raw request, as training did.
 
 Example::
 

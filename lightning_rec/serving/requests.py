@@ -159,8 +159,8 @@ def checked_record(
     state: Mapping[str, Any] | None, features: Sequence[str], num_dense_features: int, weighted: bool
 ) -> dict[str, Any] | None:
     """:func:`raw_inputs_record` of ``state`` if it describes the served network's inputs (every feature it reads,
-    its dense width and, for a weighted network, weights for every feature), else ``None`` with a warning naming
-    what differs: export does not fail for a mapping it cannot record."""
+    its dense width), else ``None`` with a warning naming what differs: export does not fail for a mapping it cannot
+    record."""
     if state is None:
         return None
     record = raw_inputs_record(state)
