@@ -62,3 +62,32 @@ def test_the_seam_refuses_what_it_was_not_written_for():
     renamed.__class__ = Renamed
     with pytest.raises(AttributeError, match="Renamed has no method 'forward'"):
         _compat.patch_method(renamed, "forward", lambda *a: None)
+
+
+@pytest.mark.parametrize("key", sorted(_compat.PATCHED_CLASS_ATTRIBUTES))
+def test_every_patched_class_attribute_exists_in_the_installed_torchrec(key):
+    cls_name, attr = key.split(".")
+    cls = getattr(importlib.import_module(_compat.PATCHED_CLASS_ATTRIBUTES[key]), cls_name)
+    assert attr in vars(cls), key
+
+
+def test_the_uneven_batch_patch_is_installed_once_delegates_and_can_be_undone():
+    from torchrec.distributed.comm_ops import ReduceScatterV_Wait
+
+    from lightning_rec._strategy.uneven_batches import allow_uneven_batches_over_gloo
+
+    key = "ReduceScatterV_Wait.backward"
+    was_patched = _compat.is_class_attribute_patched(key)
+    _compat.unpatch_class_attribute(key)
+    original = vars(ReduceScatterV_Wait)["backward"]
+    try:
+        allow_uneven_batches_over_gloo()
+        patched = vars(ReduceScatterV_Wait)["backward"]
+        assert isinstance(patched, staticmethod) and patched is not original
+        allow_uneven_batches_over_gloo()  # once per process: a second call changes nothing
+        assert vars(ReduceScatterV_Wait)["backward"] is patched
+        _compat.unpatch_class_attribute(key)
+        assert vars(ReduceScatterV_Wait)["backward"] is original
+    finally:
+        if was_patched:
+            allow_uneven_batches_over_gloo()

@@ -79,11 +79,15 @@ from lightning_rec._compat.lightning import (
     unwrap_optimizer,
 )
 from lightning_rec._compat.patches import (
+    PATCHED_CLASS_ATTRIBUTES,
     PATCHED_METHODS,
+    is_class_attribute_patched,
     is_patched,
     original_method,
+    patch_class_attribute,
     patch_method,
     patchable,
+    unpatch_class_attribute,
     unpatch_method,
 )
 from lightning_rec._compat.python import ForkServerContext, ForkServerProcess, interpreter_exit
@@ -111,6 +115,7 @@ from lightning_rec._compat.torchrec import (
     planner_constraints,
     planner_sharding_options,
     planner_topology,
+    reduce_scatter_v_backward,
     sharder_fused_params,
     table_fused_params,
     with_sharder_fused_params,
@@ -119,6 +124,7 @@ from lightning_rec._compat.torchrec import (
 __all__ = [
     "IN_BACKWARD_OPTIMIZER_ATTR",
     "IS_INTERACTIVE",
+    "PATCHED_CLASS_ATTRIBUTES",
     "PATCHED_METHODS",
     "ForkServerContext",
     "ForkServerProcess",
@@ -151,6 +157,7 @@ __all__ = [
     "hpc_save_path",
     "in_backward_optimizer",
     "interpreter_exit",
+    "is_class_attribute_patched",
     "is_patched",
     "managed_collision_parts",
     "optimizer_state_for_planner",
@@ -158,6 +165,7 @@ __all__ = [
     "original_method",
     "parse_optimizers",
     "parse_to",
+    "patch_class_attribute",
     "patch_method",
     "patchable",
     "pipeline_rewrite",
@@ -167,6 +175,7 @@ __all__ = [
     "planner_constraints",
     "planner_sharding_options",
     "planner_topology",
+    "reduce_scatter_v_backward",
     "reset_seed",
     "route_last_checkpoint",
     "sharder_fused_params",
@@ -174,6 +183,7 @@ __all__ = [
     "table_fused_params",
     "tensor_version",
     "training_batch_idx",
+    "unpatch_class_attribute",
     "unpatch_method",
     "unwrap_optimizer",
     "with_sharder_fused_params",

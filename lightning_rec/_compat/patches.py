@@ -24,6 +24,61 @@ PATCHED_METHODS = {
 }
 
 
+# Class attributes recshard replaces for the whole process, and why: a TorchRec autograd Function's static method, which
+# runs for instances TorchRec creates lazily inside its sharded modules (no instance patch reaches them). Each
+# replacement delegates to the original wherever it does not change anything (`patch_class_attribute` below).
+PATCHED_CLASS_ATTRIBUTES = {
+    # strategy/uneven_batches.py: the backward of TorchRec's reduce-scatter of unequal pieces (row-wise, table-row-wise
+    # and grid shardings when the ranks' batch sizes differ) all-gathers unequal pieces, which gloo refuses; over gloo
+    # it all-gathers them padded to equal sizes instead.
+    "ReduceScatterV_Wait.backward": "torchrec.distributed.comm_ops",
+}
+
+# What each patched class attribute was before recshard replaced it.
+_CLASS_ORIGINALS: dict[str, object] = {}
+
+
+def _attribute_owner(key: str) -> tuple[type, str]:
+    import importlib
+
+    if key not in PATCHED_CLASS_ATTRIBUTES:
+        raise KeyError(f"lightning_rec._compat does not patch {key!r} (PATCHED_CLASS_ATTRIBUTES names what it patches)")
+    cls_name, attr = key.split(".")
+    cls = getattr(importlib.import_module(PATCHED_CLASS_ATTRIBUTES[key]), cls_name)
+    if attr not in vars(cls):
+        raise AttributeError(
+            f"{cls.__name__} has no attribute {attr!r} of its own: lightning_rec._compat must follow it"
+        )
+    return cls, attr
+
+
+def patch_class_attribute(key: str, make_replacement: Any) -> None:
+    """Replace the class attribute ``key`` (``"Class.attribute"``, named in :data:`PATCHED_CLASS_ATTRIBUTES`) with
+    ``make_replacement(original)``, once per process (later calls do nothing): the replacement receives the original
+    (a plain function for a static method) to delegate to."""
+    if key in _CLASS_ORIGINALS:
+        return
+    cls, attr = _attribute_owner(key)
+    original = vars(cls)[attr]
+    function = original.__func__ if isinstance(original, staticmethod) else original
+    replacement = make_replacement(function)
+    _CLASS_ORIGINALS[key] = original
+    setattr(cls, attr, staticmethod(replacement) if isinstance(original, staticmethod) else replacement)
+
+
+def unpatch_class_attribute(key: str) -> None:
+    """Put back what ``key`` was before :func:`patch_class_attribute` (nothing to do if it was not patched)."""
+    if key not in _CLASS_ORIGINALS:
+        return
+    cls, attr = _attribute_owner(key)
+    setattr(cls, attr, _CLASS_ORIGINALS.pop(key))
+
+
+def is_class_attribute_patched(key: str) -> bool:
+    """Whether recshard replaced the class attribute ``key``."""
+    return key in _CLASS_ORIGINALS
+
+
 def _patched_class(name: str) -> type:
     import importlib
 

@@ -311,3 +311,28 @@ def fused_tbes(model: object) -> Iterator[tuple]:
                 if id(kernel.emb_module) not in seen:
                     seen.add(id(kernel.emb_module))
                     yield f"{path or '<root>'}/{i}.{j}", kernel.emb_module
+
+
+# TorchRec: the backward of its reduce-scatter of unequal pieces (`comm_ops.ReduceScatterV_Wait.backward`) all-gathers
+# the gradient's unequal pieces with `dist.all_gather`, which NCCL takes and gloo refuses. Its replacement (patched in
+# through `patches.patch_class_attribute`, by strategy/uneven_batches.py) does what the original does, reading the
+# request's private fields as it does, except that the unequal all-gather is `all_gather_v`'s; every other case (equal
+# pieces, another backend) is the original's.
+def reduce_scatter_v_backward(original: Any, all_gather_v: Any, replace: Any) -> Any:
+    """A ``ReduceScatterV_Wait.backward`` that hands the unequal all-gather to ``all_gather_v(pieces, tensor, group)``
+    (which returns an object with ``wait()``) wherever ``replace(group)`` says so, and calls ``original`` otherwise."""
+    from torchrec.distributed.comm_ops import Request
+
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
+        request: Request = ctx.myreq
+        info = request.rsi
+        if info.equal_splits or not replace(ctx.pg):
+            return original(ctx, grad_output)
+        if info.codecs is not None:
+            grad_output = info.codecs.backward.encode(grad_output)
+        grad_input = grad_output.new_empty(info.total_input_size)
+        request.req = all_gather_v(list(grad_input.split(info.input_splits)), grad_output.contiguous(), ctx.pg)
+        request.tensor = grad_input
+        return (None, None, request.dummy_tensor)
+
+    return backward

@@ -85,6 +85,20 @@ def check_finite(tensor: torch.Tensor, what: str, where: str | Callable[[], str]
     )
 
 
+def has_no_samples(batch: Any) -> bool:
+    """Whether every ``KeyedJaggedTensor`` of ``batch`` (at least one) holds no samples (stride 0); metadata only.
+
+    Example::
+
+        >>> empty = KeyedJaggedTensor(keys=["user"], values=torch.tensor([], dtype=torch.long),
+        ...                           lengths=torch.tensor([], dtype=torch.long))
+        >>> has_no_samples({"sparse": empty}), has_no_samples(torch.ones(2))
+        (True, False)
+    """
+    kjts = [t for _, t in batch_leaves(batch) if isinstance(t, KeyedJaggedTensor)]
+    return bool(kjts) and all(not kjt.keys() or kjt.lengths().numel() == 0 for kjt in kjts)
+
+
 def batch_leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, Any]]:
     """Every tensor and ``KeyedJaggedTensor`` of a batch (``Batch``, dataclass, mapping, sequence), with its path.
 
@@ -179,6 +193,7 @@ class InputChecks:
         self.door_reads = 0  # KJTs whose contents were read at a module's door (not checked on the host)
         self._named_unread: set = set()  # (path, features) already warned about
         self._vbe_refusals: dict = {}  # module path -> why it cannot train on a variable-batch KJT
+        self.empty_step = False  # this rank's current training batch has no samples (see check_loss)
 
     @contextlib.contextmanager
     def ahead(self, batches: int = 1) -> Iterator[None]:
@@ -346,6 +361,10 @@ class InputChecks:
         """Check the loss before the backward pass (which would write a NaN into the tables): at once in
         ``"strict"`` mode, else by reading earlier steps' losses and sending this one to host memory."""
         if self.nonfinite == "ignore" or not isinstance(loss, torch.Tensor):
+            return
+        if self.empty_step:
+            # A mean over no samples is NaN, but nothing flows back from it: the gradients of an empty batch's
+            # outputs are empty, so its tables and layers get nothing (zeros, averaged with the other ranks').
             return
         if self.nonfinite == "strict":
             message = check_finite(loss.detach(), "the loss", self.where)

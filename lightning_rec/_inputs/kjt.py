@@ -219,11 +219,8 @@ def _check_form(kjt: KeyedJaggedTensor, keys: list[str], fail: Callable[[str], I
     if used is None:
         raise fail("the KeyedJaggedTensor has neither lengths nor offsets.")
     per_key = _samples_per_key(kjt, keys, used, fail)
-    if sum(per_key) == 0:
-        raise fail(
-            "the batch has no samples (stride 0). HINT: drop empty batches in the data pipeline "
-            "(e.g. `DataLoader(..., drop_last=True)`) or skip them before they reach the model."
-        )
+    # A batch of no samples (stride 0) is not refused: TorchRec trains it (the rank's lookups are empty and its
+    # collectives carry nothing), e.g. the last batch of a rank whose share of an odd row count ran out first.
     weights = kjt.weights_or_none()
     if weights is not None:
         _tensor(weights, "weights", fail)

@@ -34,8 +34,10 @@ from lightning_rec.errors import InputError, NonFiniteError
 __all__ = [
     "FailureBoard",
     "close_process_group_at_exit",
+    "collective_mismatch",
     "describe_position",
     "explain",
+    "explain_mismatch",
     "is_communication_error",
     "note_failure",
 ]
@@ -52,6 +54,18 @@ _TRANSPORT_MARKERS = (
     "ProcessGroupNCCL",
     "ProcessGroupGloo",
     "Broken pipe",
+)
+# What a collective says when the tensors the ranks gave it do not fit together: gloo checks each rank's tensors
+# against the sizes it expects before sending (`ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected
+# (4, 24), got (5, 24))`), and its transport stops a peer that sends more than was expected (`op.preamble.length <=
+# op.nbytes`); torch checks an all-gather's output against the world size. Every rank is alive: the cause is what a rank
+# sent, not a lost rank.
+_MISMATCH_MARKERS = (
+    "invalid tensor size",
+    "invalid tensor shape",
+    "op.preamble.length <= op.nbytes",
+    "must be equal to world_size times input tensor size",
+    "Tensor list mustn't be larger",
 )
 _MAX_MESSAGE = 4000
 
@@ -129,6 +143,48 @@ def is_communication_error(exception: BaseException) -> bool:
     return False
 
 
+def collective_mismatch(exception: BaseException) -> str | None:
+    """The message of the collective error in ``exception`` (or what caused it) that says the ranks' tensors do not
+    fit together (sizes or shapes that differ where the collective needs them equal), or ``None``.
+
+    Example::
+
+        >>> collective_mismatch(RuntimeError("ProcessGroupGloo::allgather: invalid tensor size at index 0 "
+        ...                                  "(expected (4, 24), got (5, 24))"))
+        'ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (4, 24), got (5, 24))'
+        >>> collective_mismatch(RuntimeError("Connection closed by peer")) is None
+        True
+    """
+    seen = set()
+    current: BaseException | None = exception
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current).strip()
+        if any(m in text for m in _MISMATCH_MARKERS):
+            return text.splitlines()[0] if text else type(current).__name__
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def explain_mismatch(detail: str) -> str:
+    """What a rank says of a collective that failed because the ranks' tensors do not fit together (see
+    :func:`collective_mismatch`): what the collective said, and the likely cause. No rank was lost.
+
+    Example::
+
+        >>> print(explain_mismatch("ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (4, 24), "
+        ...                        "got (5, 24))"))
+        a collective operation failed because the ranks gave it tensors whose sizes differ where it needs them equal: ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (4, 24), got (5, 24)). ...
+    """
+    return (
+        "a collective operation failed because the ranks gave it tensors whose sizes differ where it needs them equal: "
+        f"{detail}. No rank was lost: this is what the ranks sent. Likely cause: a tensor whose size depends on the "
+        "rank's data (e.g. its batch size) gathered or reduced with `dist.all_gather`/`all_reduce` or "
+        "`self.all_gather` in the model, a callback or a metric. HINT: gather the sizes first and pad to the largest, "
+        "or reduce per-rank sums and counts instead of per-sample tensors."
+    )
+
+
 class FailureBoard:
     """Ranks tell each other why they stopped, through the process group's key-value store.
 
@@ -176,6 +232,15 @@ class FailureBoard:
     ) -> None:
         """What a rank does with the exception that stops it: publish it if it is its own, or, if a collective failed
         (a consequence of another rank's failure), log :func:`explain`'s message and attach it to the exception."""
+        detail = collective_mismatch(exception)
+        if detail is not None:  # every rank raises it (gloo checks sizes on each): its own error, no rank was lost
+            where = f" at {position}" if position else ""
+            self.publish(f"{type(exception).__name__}{where}: {explain_mismatch(detail)}")
+            message = f"{owner}: rank {self.rank} of {world_size} stopped{where}: {explain_mismatch(detail)}"
+            log.error(message)
+            if hasattr(exception, "add_note"):
+                exception.add_note(message)
+            return
         if not is_communication_error(exception):
             # The input checks' errors say where they happened themselves.
             named = isinstance(exception, (InputError, NonFiniteError))
@@ -226,7 +291,8 @@ def explain(
     else:
         cause = (
             "and no rank reported an error of its own: a rank was most likely killed (out of memory, preempted, "
-            "SIGKILL), lost its network, or stopped answering for longer than the collective timeout "
+            "SIGKILL), was aborted by its collective library (gloo aborts a rank whose peer sent more than it expected: "
+            "that rank's log then says 'collective mismatch'), lost its network, or stopped answering for longer than the collective timeout "
             f"({timeout if timeout is not None else 'default'}; `{owner}(timeout=...)`). Check the other ranks' logs "
             "and the launcher's or scheduler's"
         )

@@ -1,7 +1,8 @@
 """The work behind :class:`~lightning_rec.RecShardStrategy`'s lifecycle hooks, as functions of what they need.
 
 - :func:`start_process_group` (``setup_environment``): the process group, gloo on CPU and nccl on CUDA, with the
-  strategy's timeout, closed at exit; :func:`rank_boards`: where the ranks tell each other of failures and count
+  strategy's timeout, closed at exit, and over gloo able to train batches of different sizes on each rank
+  (:mod:`~lightning_rec._strategy.uneven_batches`); :func:`rank_boards`: where the ranks tell each other of failures and count
   their batches.
 - :func:`shard_with_optimizers` (``setup``): the user's optimizers built before sharding (the fused embedding
   optimizer is part of the sharded kernels), the module sharded (or, when it already is, checked against them),
@@ -37,6 +38,7 @@ from lightning_rec._strategy.dmp import ShardedState, prepare_for_optimizers, sh
 from lightning_rec._strategy.faults import FailureBoard, close_process_group_at_exit
 from lightning_rec._strategy.optim import RecOptimizer, combine_optimizers
 from lightning_rec._strategy.sharding_config import ShardingConfig
+from lightning_rec._strategy.uneven_batches import allow_uneven_batches_over_gloo
 
 __all__ = [
     "ShardedSetup",
@@ -64,6 +66,8 @@ def start_process_group(
         kwargs["store"] = store
     _compat._init_dist_connection(cluster_environment, backend, **kwargs)
     close_process_group_at_exit(timeout)  # a finished job must exit 0, not abort in gloo's threads
+    if backend == dist.Backend.GLOO:
+        allow_uneven_batches_over_gloo()  # row-wise tables train batches of different sizes on each rank
     return backend
 
 

@@ -51,7 +51,7 @@ from typing_extensions import override
 
 from lightning_rec import _compat
 from lightning_rec._batch import custom_batch_hooks
-from lightning_rec._inputs.checks import InputChecks
+from lightning_rec._inputs.checks import InputChecks, has_no_samples
 from lightning_rec._planner.report import PlanReport, write_for_trainer
 from lightning_rec._strategy.batch_counts import BatchCounts
 from lightning_rec._strategy.checkpoint_dirs import check_writable, resolve_last_checkpoint, unwritable
@@ -483,6 +483,8 @@ class RecShardStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        self._input_checks.empty_step = has_no_samples(batch)  # its loss is a mean over nothing: NaN, and harmless
         try:
             if self._steps.redirect_steps:
                 return super().training_step(*args, **kwargs)  # through DDP's forward, as Lightning's ddp does

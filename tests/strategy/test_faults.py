@@ -12,7 +12,13 @@ import time
 import pytest
 import torch
 
-from lightning_rec._strategy.faults import FailureBoard, describe_position, explain, is_communication_error
+from lightning_rec._strategy.faults import (
+    FailureBoard,
+    collective_mismatch,
+    describe_position,
+    explain,
+    is_communication_error,
+)
 from lightning_rec.testing import failure_time
 from tests.helpers import checkpoint_scenarios
 from tests.helpers.dist import REPO, launch, run_ranks
@@ -126,6 +132,13 @@ def test_communication_errors_are_told_from_causes():
         assert is_communication_error(outer)
     assert not is_communication_error(ValueError("feature 'user' has id 12"))
     assert not is_communication_error(RuntimeError("CUDA out of memory"))
+    # Sizes that do not fit together are the ranks' own error (every rank is alive), never a lost rank.
+    sizes = RuntimeError("ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (4, 24), got (5, 24))")
+    assert collective_mismatch(sizes) == str(sizes) and collective_mismatch(gloo) is None
+    bytes_sent = RuntimeError(
+        "[enforce fail at ../gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. 8 vs 4"
+    )
+    assert collective_mismatch(bytes_sent) is not None
 
 
 def test_failure_board_reports_the_first_failure_only_under_its_run_token():
@@ -189,3 +202,42 @@ def test_a_rank_publishes_its_own_error_and_explains_a_consequence():
     assert waiting.first() == (1, "RuntimeError at training step 4 (epoch 0, batch 4): boom"), (
         "consequences are not published"
     )
+
+
+def gathers_per_rank_sizes(rank: int, world_size: int, out_dir) -> dict:
+    """A model whose step 2 all-gathers its labels (5 on rank 0, 4 on rank 1) into pieces sized for the largest batch,
+    as a per-sample metric gathered by hand would: gloo refuses rank 1's 4 where it expects 5, before sending."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.models import RecModel, make_batches
+    from tests.helpers.scenarios import make_trainer
+
+    class Gathers(RecModel):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                mine = batch.labels.detach()
+                dist.all_gather([torch.empty(5) for _ in range(world_size)], mine)
+            return super().training_step(batch, batch_idx)
+
+    loader = DataLoader(make_batches(4, 5 - rank, seed=rank), batch_size=None)
+    make_trainer(world_size, 4).fit(Gathers(), loader)
+    return {}
+
+
+@pytest.mark.dist
+def test_a_collective_given_unequal_sizes_names_them_and_the_cause_not_a_lost_rank(tmp_path):
+    run = launch(gathers_per_rank_sizes, 2, tmp_path)
+    rank0, rank1 = run.processes
+    mismatch = (
+        "a collective operation failed because the ranks gave it tensors whose sizes differ where it needs them equal: "
+        "ProcessGroupGloo::allgather: invalid tensor size at index 0"
+    )
+    assert rank1.returncode not in (0, None) and rank0.returncode not in (0, None)
+    assert f"rank 1 of 2 stopped at training step 2 (epoch 0, batch 2): {mismatch}" in rank1.log
+    told = "because rank 1 failed first: RuntimeError at training step 2 (epoch 0, batch 2): " + mismatch
+    assert "rank 0 of 2 stopped at training step 2 (epoch 0, batch 2): a collective operation failed " + told in (
+        rank0.log
+    )
+    for process in run.processes:
+        assert "Likely cause:" in process.log and "most likely killed" not in process.log, process.log[-3000:]

@@ -1,0 +1,172 @@
+"""Batches of different sizes on each rank, with every sharding type, on 2 and 3 gloo ranks: the numbers of one
+process training the unsharded model on the same rows.
+
+A data set's row count is rarely a multiple of the ranks: the last batch of an epoch then has a row more on some ranks
+(by one), a user's own loader may give ranks very different batches (by many), and a rank whose share ran out first
+gets an empty one. The model is TorchRec's ``TestSparseNN`` (plain, position-weighted and weighted tables, its own
+loss), its inputs TorchRec's ``ModelInput.generate``, one per rank at that rank's batch size.
+
+The reference is one process, the unsharded model, plain PyTorch: each step's loss is the mean of the ranks' own
+(each the model's mean over that rank's rows), which is what DDP and TorchRec optimise (every rank's gradient weighs
+the same; an empty batch adds nothing and still counts as a rank).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torchrec.distributed.test_utils.test_model import ModelInput
+
+from tests.helpers.dist import run_ranks
+from tests.strategy.test_torchrec_models import (
+    LR,
+    MIXED_PLAN,
+    NUM_FLOAT,
+    TOL,
+    TorchRecModel,
+    _eval_input,
+    _model,
+    _tables,
+    _trainer,
+)
+
+# Per step, each rank's batch size: by one (an odd row count's last batch), by many, a rank with an empty batch.
+SIZES = {
+    2: [(5, 4), (1, 6), (3, 0), (4, 4)],
+    3: [(5, 4, 4), (7, 1, 3), (2, 0, 1), (3, 3, 3)],
+}
+# Every sharding type the planner may pick on CPU, in two plans: MIXED_PLAN has row-wise, grid, column-wise,
+# table-row-wise and data-parallel tables; this one is table-wise throughout.
+TABLE_WISE = {t: {"sharding_types": ["table_wise"]} for t in MIXED_PLAN}
+PLANS = {"mixed": MIXED_PLAN, "table_wise": TABLE_WISE}
+
+
+def _rank_inputs(world_size: int) -> list[list[ModelInput | None]]:
+    """Per step, each rank's batch (``None``: an empty one, built from a non-empty one by slicing)."""
+    tables, weighted = _tables()
+    steps = []
+    for step, sizes in enumerate(SIZES[world_size]):
+        batches = []
+        for rank, size in enumerate(sizes):
+            batch, _ = ModelInput.generate(
+                batch_size=max(size, 1),
+                world_size=1,
+                num_float_features=NUM_FLOAT,
+                tables=tables,
+                weighted_tables=weighted,
+                random_seed=1000 * step + rank,
+                max_feature_lengths=[5] * len(tables),
+            )
+            batches.append(batch if size else None)
+        steps.append(batches)
+    return steps
+
+
+def _empty_like(batch: ModelInput) -> ModelInput:
+    """``batch`` with no samples: every KJT with its keys and no lengths, tensors with no rows."""
+
+    def empty(kjt: Any) -> Any:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        if kjt is None:
+            return None
+        return KeyedJaggedTensor(
+            keys=kjt.keys(),
+            values=kjt.values()[:0],
+            lengths=kjt.lengths()[:0],
+            weights=None if kjt.weights_or_none() is None else kjt.weights()[:0],
+        )
+
+    return ModelInput(
+        float_features=batch.float_features[:0],
+        idlist_features=empty(batch.idlist_features),
+        idscore_features=empty(batch.idscore_features),
+        label=batch.label[:0],
+    )
+
+
+def _reference(model: torch.nn.Module, steps: list[list[ModelInput | None]], eval_input: ModelInput) -> dict:
+    """One process, the unsharded model: per step the ranks' mean loss (an empty batch adds 0), SGD."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for batches in steps:
+        opt.zero_grad()
+        per_rank = [model(b)[0] if b is not None else None for b in batches]
+        total = sum((loss for loss in per_rank if loss is not None), torch.zeros(()))
+        (total / len(batches)).backward()
+        opt.step()
+        losses.append([float(loss) if loss is not None else None for loss in per_rank])
+    model.eval()
+    with torch.no_grad():
+        return {"ref_losses": losses, "ref_preds": model(eval_input).tolist()}
+
+
+def uneven(rank: int, world_size: int, out_dir: Path) -> dict[str, Any]:
+    """Train each plan on this rank's batches; rank 0 also trains the reference."""
+    steps = _rank_inputs(world_size)
+    mine = [b[rank] if b[rank] is not None else _empty_like(next(x for x in b if x is not None)) for b in steps]
+    result: dict[str, Any] = _reference(_model(seed=0), steps, _eval_input(0, 1)) if rank == 0 else {}
+    for name, plan in PLANS.items():
+        module = TorchRecModel(_model(seed=0), "sgd")
+        trainer = _trainer(world_size, len(steps), constraints=plan)
+        trainer.fit(module, DataLoader(mine, batch_size=None))
+        sharding = {s.sharding_type for m in trainer.strategy.sharding_plan.plan.values() for s in m.values()}
+        # Every rank predicts the whole held-out batch: the weights, compared.
+        preds = torch.cat(trainer.predict(module, DataLoader([_eval_input(0, 1)], batch_size=None))).tolist()
+        result[name] = {"losses": module.losses, "preds": preds, "sharding": sorted(sharding)}
+    return result
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_batches_of_different_sizes_train_every_sharding_type_like_one_process(tmp_path, world_size):
+    results = run_ranks(uneven, world_size, tmp_path)
+    ref = results[0]
+    assert set(results[0]["mixed"]["sharding"]) == {
+        "row_wise",
+        "grid_shard",
+        "column_wise",
+        "table_row_wise",
+        "data_parallel",
+    }
+    assert results[0]["table_wise"]["sharding"] == ["table_wise"]
+    for name in PLANS:
+        for rank, result in enumerate(results):
+            expected = [step[rank] for step in ref["ref_losses"]]
+            got = result[name]["losses"]
+            for step, (want, have) in enumerate(zip(expected, got, strict=True)):
+                if want is None:  # an empty batch: its loss is a mean over nothing
+                    assert have != have, (name, rank, step, have)  # NaN
+                else:
+                    assert have == pytest.approx(want, abs=TOL), (name, rank, step)
+            assert result[name]["preds"] == pytest.approx(ref["ref_preds"], abs=TOL), (name, rank)
+
+
+def padded_gathers(rank: int, world_size: int, out_dir: Path) -> dict[str, Any]:
+    """padded_all_gather of pieces of different lengths (one rank with none) against gloo's gather of each piece."""
+    import torch.distributed as dist
+
+    from lightning_rec._strategy.uneven_batches import padded_all_gather
+
+    dist.init_process_group("gloo")
+    lengths = [3, 0, 5][:world_size]
+    mine = torch.arange(lengths[rank] * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
+    pieces = [torch.full((n, 2), -1.0) for n in lengths]
+    padded_all_gather(pieces, mine).wait()
+    dist.destroy_process_group()
+    return {"pieces": [p.tolist() for p in pieces]}
+
+
+@pytest.mark.dist
+def test_padded_all_gather_delivers_each_rank_s_rows_exactly(tmp_path):
+    results = run_ranks(padded_gathers, 3, tmp_path)
+    expected = [
+        (torch.arange(n * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r).tolist() for r, n in enumerate([3, 0, 5])
+    ]
+    assert all(r["pieces"] == expected for r in results)
