@@ -228,7 +228,12 @@ def _export(argv: list[str]) -> None:
     print(
         f"wrote {args.output}: {spec.model}{f' ({spec.part})' if spec.part else ''}, {len(spec.tables)} "
         f"{spec.table_dtype} tables; forward({dense}values, lengths{', weights' if spec.weighted else ''}) with "
-        f"features {spec.features}"
+        f"features {spec.features}; raw ids: "
+        + (
+            "the id mappings, transforms and fills recorded (lightning_rec.serving.RequestEncoder applies them)"
+            if spec.raw_inputs
+            else "no mapping recorded (the checkpoint holds no TabularDataModule state)"
+        )
     )
 
 

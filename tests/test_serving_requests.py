@@ -391,3 +391,47 @@ def test_export_records_the_checkpoints_datamodule_state_only_when_it_describes_
         assert checked_record(_STATE, ["u", "x"], 1, False) is None
     with pytest.warns(UserWarning, match=r"reads 4 dense features, the DataModule makes 1"):
         assert checked_record(_STATE, ["u"], 4, False) is None
+
+
+@pytest.mark.dist
+def test_the_cli_path_fit_export_then_encode_a_raw_request(tmp_path, capsys):
+    """As a user does it: ``lightning-rec fit --config`` on a ``TabularDataModule`` (the checkpoint Lightning
+    writes), ``lightning-rec export ... --format inference``, which says the mapping is recorded; then the raw
+    validation rows, encoded from the artifact alone, are the arguments the DataModule's own batch gives."""
+    import yaml
+
+    from lightning_rec._cli import run
+
+    pq.write_table(click_log(400, seed=2, unseen=False), tmp_path / "train.parquet")
+    pq.write_table(click_log(30, seed=3, unseen=True), tmp_path / "val.parquet")
+    data = {
+        "schema": SCHEMA,
+        "train": [str(tmp_path / "train.parquet")],
+        "val": [str(tmp_path / "val.parquet")],
+        "fill": FILL,
+        "batch_size": 128,
+    }
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 1, "strategy": "recshard", "max_epochs": 1},
+        "model": {
+            "class_path": "lightning_rec.models.DLRMModule",
+            "init_args": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [8, 1]},
+        },
+        "data": {"class_path": "lightning_rec.data.TabularDataModule", "init_args": data},
+    }
+    (tmp_path / "clicks.yaml").write_text(yaml.safe_dump(config))
+    run(["fit", "--config", str(tmp_path / "clicks.yaml"), f"--trainer.default_root_dir={tmp_path}"])
+    (ckpt,) = (tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt")
+    capsys.readouterr()
+    run(["export", str(ckpt), str(tmp_path / "model.pt"), "--format", "inference", "--table-dtype", "fp32"])
+    assert "raw ids: the id mappings, transforms and fills recorded" in capsys.readouterr().out
+    dm = TabularDataModule(**data)
+    dm.setup("fit")
+    val = pq.read_table(tmp_path / "val.parquet")
+    want = dm.split("val")[torch.arange(val.num_rows)]
+    spec = inference_spec(tmp_path / "model.pt")
+    for got, expected in zip(
+        encode_request(tmp_path / "model.pt", val.to_pydict()),
+        serving_inputs(spec, want.sparse_features, want.dense_features),
+    ):
+        _same(got, expected)
