@@ -474,10 +474,14 @@ def test_quantized_comms_that_cannot_run_on_cpu_are_refused_naming_why():
 
 
 @pytest.mark.dist
-def test_variable_batch_per_feature_trains_like_unsharded_torchrec_where_torchrec_runs_it(tmp_path):
-    plan = {t: {"sharding_types": ["table_wise"]} for t in ("table_0", "table_1")}
+@pytest.mark.parametrize("types", [("table_wise", "table_wise"), ("row_wise", "table_row_wise")])
+def test_variable_batch_per_feature_trains_like_unsharded_torchrec_where_torchrec_runs_it(tmp_path, types):
+    """Row-wise and table-row-wise tables over gloo too: their gradients' unequal all-gather is padded
+    (lightning_rec._strategy.uneven_batches)."""
+    plan = {"table_0": {"sharding_types": [types[0]]}, "table_1": {"sharding_types": [types[1]]}}
     plan["table_2"] = {"sharding_types": ["column_wise"], "min_partition": 8}
     results = run_ranks(fit, 2, tmp_path, constraints=plan, optimizer="sgd", vbe=True)
+    assert results[0]["plan"] == {t: c["sharding_types"][0] for t, c in plan.items()}
     assert _mean_losses(results) == pytest.approx(results[0]["ref_losses"], abs=TOL)
     assert _preds(results) == pytest.approx(results[0]["ref_preds"], abs=TOL)
 
