@@ -24,6 +24,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMo
 from torch.optim import Optimizer
 from torchrec.distributed.planner import ParameterConstraints
 
+from lightning_rec._choices import did_you_mean
+
 __all__ = [
     "BoundsCheck",
     "EmbeddingOptimizer",
@@ -182,7 +184,8 @@ class EmbeddingOptimizer:
     def __post_init__(self) -> None:
         if self.name not in _EMB_OPT_TYPES:
             raise ValueError(
-                f"EmbeddingOptimizer: unknown optimizer {self.name!r}. Choose one of {sorted(_EMB_OPT_TYPES)}."
+                f"EmbeddingOptimizer: unknown optimizer {self.name!r}. Choose one of {sorted(_EMB_OPT_TYPES)}"
+                f"{did_you_mean(self.name, sorted(_EMB_OPT_TYPES)) or '.'}"
             )
         if not (self.lr >= 0 and math.isfinite(self.lr)):
             raise ValueError(f"EmbeddingOptimizer: lr must be a finite number >= 0, got {self.lr!r}.")
@@ -357,7 +360,8 @@ class QuantizedComms:
         for direction, value in (("forward", self.forward), ("backward", self.backward)):
             if value not in _COMM_PRECISIONS:
                 raise ValueError(
-                    f"QuantizedComms: {direction} precision {value!r} is not one of {', '.join(_COMM_PRECISIONS)}."
+                    f"QuantizedComms: {direction} precision {value!r} is not one of {', '.join(_COMM_PRECISIONS)}"
+                    f"{did_you_mean(value, _COMM_PRECISIONS) or '.'}"
                 )
 
     @classmethod

@@ -81,3 +81,81 @@ def test_missing_data_files_are_one_line_before_any_rank_starts(tmp_path, capsys
     line = _error(capsys, ["fit", "--config", "criteo_dlrm", "--trainer.devices=2"])
     assert "CriteoDataModule: train input 'data/criteo/train.txt' does not exist" in line, line
     assert not (tmp_path / "lightning_logs").exists()
+
+
+# ---- your own files (issue 44): every file mistake is one line and exit 2, before any rank starts -------------------
+def _own_data(tmp_path: Path, **init_args) -> Path:
+    """A TabularDataModule + DLRM config on 2 ranks; ``init_args`` replace the DataModule's."""
+    (tmp_path / "train.csv").write_text("clicked,bought,user_id\n" + "".join(f"{i % 2},0,{i}\n" for i in range(8)))
+    (tmp_path / "val.csv").write_text("clicked,bought,user_id\n1,0,3\n0,1,FR\n")
+    schema = {"labels": [{"column": "clicked"}], "sparse": [{"column": "user_id", "ids": "hash", "num_embeddings": 9}]}
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "recshard", "logger": False},
+        "model": {"class_path": "lightning_rec.models.DLRMModule"},
+        "data": {
+            "class_path": "lightning_rec.data.TabularDataModule",
+            "init_args": {"schema": schema, "train": [str(tmp_path / "train.csv")], **init_args},
+        },
+    }
+    path = tmp_path / "own.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+RAW = {"labels": [{"column": "clicked"}], "sparse": [{"column": "user_id", "ids": "raw", "num_embeddings": 9}]}
+TWO_LABELS = {
+    "labels": [{"column": "clicked"}, {"column": "bought"}],
+    "sparse": [{"column": "user_id", "ids": "hash", "num_embeddings": 9}],
+}
+
+
+@pytest.mark.parametrize(
+    "init_args, expected",
+    [
+        ({"val": ["{tmp}/nope.csv"]}, "TabularDataModule: val: '{tmp}/nope.csv' does not exist."),
+        ({"val": ["{tmp}/*.parquet"]}, "TabularDataModule: val: '{tmp}/*.parquet' matches no file."),
+        (
+            {"val": ["{tmp}/missing/*.csv"]},
+            "TabularDataModule: val: '{tmp}/missing/*.csv' matches no file: the folder '{tmp}/missing' does not exist.",
+        ),
+        (
+            {"val": ["s3://bucket/clicks/*.parquet"]},
+            "TabularDataModule: val: 's3://bucket/clicks/*.parquet': s3:// URLs are not read; the files must be on this "
+            "machine: a path, a glob, a directory or a file:// URL (copy or mount the bucket, e.g. with s3fs or "
+            "gcsfuse).",
+        ),
+        ({"val": ["file://{tmp}/nope.csv"]}, "TabularDataModule: val: 'file://{tmp}/nope.csv' does not exist."),
+        (
+            {"val": ["{tmp}/val.csv"], "schema": RAW},
+            "{tmp}/val.csv, line 3: column 'user_id': text in an integer id column (ids: raw reads each id as its row; "
+            "for text ids declare ids: hash or vocab) (value 'FR'). HINT: fix the data, or set `bad_rows: drop` to drop "
+            "such rows (they are counted).",
+        ),
+        (
+            {"schema": TWO_LABELS},
+            "TabularDataModule has 2 label columns (schema.labels: clicked, bought), more labels than the model takes: "
+            "DLRMModule takes 1 (one output head). HINT: keep one label column in the schema (one model per label), or "
+            "use a model with one head per label.",
+        ),
+    ],
+    ids=["missing-path", "empty-glob", "missing-folder", "s3-url", "file-url", "text-in-raw-ids", "two-labels"],
+)
+def test_a_file_mistake_is_one_line_and_exit_2_before_any_rank_starts(
+    tmp_path, capsys, monkeypatch, init_args, expected
+):
+    import lightning.pytorch as pl
+
+    monkeypatch.setattr(pl.Trainer, "fit", lambda *a, **k: pytest.fail("Trainer.fit ran: its ranks would start"))
+    init_args = {k: [v.format(tmp=tmp_path) for v in x] if k == "val" else x for k, x in init_args.items()}
+    line = _error(capsys, ["fit", "--config", str(_own_data(tmp_path, **init_args))])
+    assert line.partition(": error: ")[2] == expected.format(tmp=tmp_path), line
+
+
+def test_a_file_url_reads_the_file(tmp_path):
+    from lightning_rec.data import TabularDataModule
+
+    _own_data(tmp_path)
+    schema = {"labels": [{"column": "clicked"}], "sparse": [{"column": "user_id", "ids": "hash", "num_embeddings": 9}]}
+    dm = TabularDataModule(schema=schema, train=[f"file://{tmp_path}/train.csv"])
+    dm.check()
+    assert dm.row_counts["train"]["rows"] == 8

@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from lightning_rec._choices import check_choices
 from lightning_rec.config import SparseFeature, checkpoint_safe
 from lightning_rec.data.base import Jagged, RecDataModule, RecDataset, _Column
 
@@ -58,8 +59,7 @@ class SyntheticTable:
         where = f"SyntheticTable {self.name!r}"
         if self.num_embeddings < 1:
             raise ValueError(f"{where}: num_embeddings must be >= 1, got {self.num_embeddings}.")
-        if self.distribution not in ("uniform", "power_law"):
-            raise ValueError(f"{where}: distribution must be 'uniform' or 'power_law', got {self.distribution!r}.")
+        check_choices(self, where)
         if self.pooling_factor <= 0:
             raise ValueError(f"{where}: pooling_factor must be > 0, got {self.pooling_factor}.")
         if not self.multi_hot and self.pooling_factor != 1.0:
