@@ -66,7 +66,7 @@ class RecCLI(LightningCLI):
         """Build what the config describes; a model, data or trainer argument their own ``__init__`` refuses
         (``ValueError``/``TypeError``), or a file it names that is not there (``FileNotFoundError``, e.g. a
         DataModule's input read while its ``sparse_features`` are linked into the model), prints its message in one
-        line and exits 2 (``JSONARGPARSE_DEBUG=1``: the traceback). This runs in the launching process, before any
+        line and exits 2 (``JSONARGPARSE_DEBUG=true``: the traceback). This runs in the launching process, before any
         rank starts."""
         try:
             super().instantiate_classes()
