@@ -170,3 +170,79 @@ def test_padded_all_gather_delivers_each_rank_s_rows_exactly(tmp_path):
         (torch.arange(n * 2, dtype=torch.float32).reshape(-1, 2) + 100 * r).tolist() for r, n in enumerate([3, 0, 5])
     ]
     assert all(r["pieces"] == expected for r in results)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The user's path: their own click log with an odd row count, `lightning-rec fit` on 2 processes, row-wise tables.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _click_log(path: Path, rows: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    users, items = torch.randint(0, 5000, (rows,), generator=g), torch.randint(0, 800, (rows,), generator=g)
+    price = torch.rand(rows, generator=g) * 100
+    clicked = (torch.rand(rows, generator=g) < 0.3).int()
+    lines = ["user_id,item_id,price,clicked"] + [
+        f"{u},{i},{p:.2f},{c}" for u, i, p, c in zip(users.tolist(), items.tolist(), price.tolist(), clicked.tolist())
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+CONFIG = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 2
+  max_epochs: 2
+  enable_checkpointing: false
+  enable_progress_bar: false
+  logger: false
+  strategy:
+    class_path: lightning_rec.RecShardStrategy
+    init_args:
+      constraints:
+        t_user_id: {{sharding_types: [row_wise]}}
+        t_item_id: {{sharding_types: [table_row_wise]}}
+model:
+  class_path: lightning_rec.models.DLRMModule
+  init_args:
+    embedding_dim: 8
+    dense_arch_layer_sizes: [16, 8]
+    over_arch_layer_sizes: [16, 1]
+data:
+  class_path: lightning_rec.data.TabularDataModule
+  init_args:
+    train: {train}
+    val: {val}
+    batch_size: 64
+    stream: {stream}
+    schema:
+      labels: [{{column: clicked}}]
+      dense: [{{column: price, transform: log1p}}]
+      sparse:
+        - {{column: user_id, ids: hash, num_embeddings: 4001}}
+        - {{column: item_id, ids: hash, num_embeddings: 997}}
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_odd_row_count_trains_row_wise_tables_through_the_cli_on_two_ranks(tmp_path, stream):
+    """2,001 training rows (the ranks' last batches differ by a row), 301 validation rows: before the padded all-gather,
+    gloo refused the row-wise backward at the epoch's last batch."""
+    import subprocess
+    import sys
+
+    _click_log(tmp_path / "train.csv", 2001, seed=1)
+    _click_log(tmp_path / "val.csv", 301, seed=2)
+    config = tmp_path / "clicks.yaml"
+    config.write_text(CONFIG.format(train=tmp_path / "train.csv", val=tmp_path / "val.csv", stream=str(stream).lower()))
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_rec", "fit", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "Traceback" not in out.stderr and "invalid tensor size" not in out.stderr
