@@ -3,6 +3,7 @@ own launcher (the popen launcher re-runs the script for rank 1), logging the pla
 
 from __future__ import annotations
 
+import collections
 import re
 import subprocess
 import sys
@@ -49,3 +50,9 @@ def test_quickstart_trains_on_two_processes_and_saves_a_sharded_checkpoint(tmp_p
     shown = re.search(r"rank 0 logs the plan.*?\n```\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
     for line in shown.strip().splitlines():
         assert line in proc.stdout + proc.stderr, line
+    # A quiet console (issue 44) on this row-wise run: no FutureWarning (torch's for TorchRec's row-wise collectives
+    # included), and no log line twice, from one rank or from each ("[rank: 1] " prefixes dropped before comparing).
+    assert "FutureWarning" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    logged = [re.sub(r"^\[rank: \d+\] ", "", line) for line in proc.stderr.splitlines()]
+    repeated = {line for line, n in collections.Counter(logged).items() if n > 1 and line.strip("- ")}
+    assert not repeated, repeated

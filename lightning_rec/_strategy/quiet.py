@@ -72,13 +72,24 @@ PROVEN_HARMLESS: tuple[tuple[str, str], ...] = (
         "and load; nothing a user can change (tests/checkpoint round-trips them exactly).",
     ),
     (
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        "TorchRec's row-wise sharding (and table-row-wise, grid) runs its collectives through these names (comm_ops); "
+        "torch deprecates the names, not what they do, and says so (FutureWarning) on every run with such a table, "
+        "the quickstart's included; nothing a user can change (tests/strategy compare row-wise training with "
+        "unsharded training).",
+    ),
+    (
         r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         "Lightning's own code (utilities/_pytree.py) calls torch's deprecated pytree API; nothing a user can change.",
     ),
 )
 # Logged, not warned: torch's fx says this once per process when TorchRec's KeyedJaggedTensor asks whether it is
-# being traced; a recshard step is never traced.
-_LOGGED_HARMLESS = {"torch.fx._symbolic_trace": ("is_fx_tracing will return true",)}
+# being traced; a recshard step is never traced. Lightning's seed_everything, which Lightning's launcher runs again in
+# every other rank (it re-runs the script), logs the same seed there with a "[rank: N] " prefix: rank 0's line says it.
+_LOGGED_HARMLESS = {
+    "torch.fx._symbolic_trace": ("is_fx_tracing will return true",),
+    "lightning.fabric.utilities.seed": ("] Seed set to ",),
+}
 
 
 def silence_proven_harmless() -> None:
