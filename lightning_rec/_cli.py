@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_rec  # noqa: F401  (registers the "recshard" strategy)
@@ -45,6 +45,20 @@ from lightning_rec._cli_errors import OneLineErrors, one_line
 from lightning_rec.callbacks import ScoreWriter, Throughput
 
 __all__ = ["RecCLI", "main", "run", "shipped_config"]
+
+
+class ConfigBesideLogs(SaveConfigCallback):
+    """Lightning's ``SaveConfigCallback``, writing the run's ``config.yaml`` only beside a logger's files.
+
+    Without a logger (``trainer.logger: false``), Lightning writes it into ``default_root_dir``, the working directory
+    by default: a file the user did not ask for, which makes the next run there fail ("SaveConfigCallback expected
+    config.yaml to NOT exist"), as does a first run whose own config is ``./config.yaml``. With a logger it is
+    Lightning's callback unchanged (every rank takes the same branch: the logger is in the config every rank reads).
+    """
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:  # noqa: D102
+        if trainer.logger is not None:
+            super().setup(trainer, pl_module, stage)
 
 
 class RecCLI(LightningCLI):
@@ -60,6 +74,7 @@ class RecCLI(LightningCLI):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("parser_class", OneLineErrors)  # config mistakes in one line, exit 2
+        kwargs.setdefault("save_config_callback", ConfigBesideLogs)  # no config.yaml where no logger writes
         super().__init__(*args, **kwargs)
 
     def instantiate_classes(self) -> None:

@@ -201,3 +201,20 @@ def test_help_lists_every_subcommand(capsys) -> None:
         with pytest.raises(SystemExit) as ended:
             run([command, "--help"])
         assert ended.value.code == 0 and f"lightning-rec {command}" in capsys.readouterr().out
+
+
+@pytest.mark.dist
+def test_without_a_logger_a_run_writes_no_config_file_and_runs_again_beside_the_user_s_config_yaml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``logger: false`` and no ``default_root_dir``: Lightning would write ``./config.yaml`` (refusing the user's own
+    ``config.yaml`` there, and every later run); nothing is written, and the same command runs twice."""
+    config = yaml.safe_load((REPO / "examples" / "configs" / "synthetic_dlrm.yaml").read_text())
+    config["trainer"].pop("default_root_dir")
+    config["trainer"].update(logger=False, enable_checkpointing=False, max_steps=2, devices=1)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        run(["fit", "--config", "config.yaml", "--trainer.limit_val_batches=0"])
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == config  # the user's file, untouched
