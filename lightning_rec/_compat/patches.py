@@ -21,6 +21,12 @@ PATCHED_METHODS = {
     # device tensor read back: one host sync per step on GPUs). Under recshard a signal is agreed on at the batch
     # boundary on the host instead (and Lightning's flag is never set), so the trainer's epoch loop skips it.
     "_broadcast_sigterm_tensor": ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop"),
+    # strategy/quiet.py: Lightning's default progress bar prints each new bar's first line twice ("Training: 0/?" when
+    # created and again when reset at the epoch's start; a log file or a notebook keeps both): the first reset of a
+    # bar it creates is silent.
+    "init_train_tqdm": ("lightning.pytorch.callbacks.progress.tqdm_progress", "TQDMProgressBar"),
+    "init_validation_tqdm": ("lightning.pytorch.callbacks.progress.tqdm_progress", "TQDMProgressBar"),
+    "reset": ("lightning.pytorch.callbacks.progress.tqdm_progress", "Tqdm"),
 }
 
 

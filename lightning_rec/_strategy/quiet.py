@@ -1,6 +1,7 @@
 """TorchRec's log lines and warnings that do not apply to a recshard run, silenced where recshard causes them.
 
-Each is named with why it does not apply; anything else TorchRec says still reaches the user.
+Each is named with why it does not apply; anything else TorchRec says still reaches the user. Also: Lightning's
+default progress bar prints each bar's first line once, not twice (:func:`print_bar_lines_once`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lightning_rec import _compat
 
 # logger name -> messages (their start or a part) dropped while recshard plans and shards.
 _LOGGED: dict[str, tuple[str, ...]] = {
@@ -113,3 +117,47 @@ def silence_proven_harmless() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) and f.parts == parts for f in logger.filters):
             logger.addFilter(_Drop(parts))
+
+
+# The bars of Lightning's TQDMProgressBar that print their first line twice: created ("Training: 0/?"), then reset to
+# the epoch's (or the validation loader's) total before their description changes (the same line again).
+_BAR_FACTORIES = ("init_train_tqdm", "init_validation_tqdm")
+
+
+def print_bar_lines_once(trainer: Any) -> None:
+    """Make the trainer's progress bar, if it is Lightning's ``TQDMProgressBar`` with its own bar factories, print
+    each bar's first line once: the first reset of a bar it creates is silent (the next line, with the epoch or the
+    loader's name, follows at once). Idempotent; a bar of the user's own making is left as it is.
+
+    Example::
+
+        print_bar_lines_once(trainer)   # the strategy's setup does it
+    """
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    bar = trainer.progress_bar_callback
+    if not isinstance(bar, TQDMProgressBar):
+        return
+    for name in _BAR_FACTORIES:
+        if getattr(type(bar), name) is not getattr(TQDMProgressBar, name) or _compat.is_patched(bar, name):
+            continue  # a subclass's own bars, or done already
+        _compat.patch_method(bar, name, _first_reset_silent(_compat.original_method(bar, name)))
+
+
+def _first_reset_silent(factory: Callable[[], Any]) -> Callable[[], Any]:
+    def create() -> Any:
+        tqdm_bar = factory()
+        reset = _compat.original_method(tqdm_bar, "reset")
+
+        def silent_reset(total: Any = None) -> None:
+            _compat.unpatch_method(tqdm_bar, "reset")  # later resets print as tqdm's do
+            disabled, tqdm_bar.disable = tqdm_bar.disable, True  # tqdm's reset prints nothing for a disabled bar
+            try:
+                reset(total)
+            finally:
+                tqdm_bar.disable = disabled
+
+        _compat.patch_method(tqdm_bar, "reset", silent_reset)
+        return tqdm_bar
+
+    return create

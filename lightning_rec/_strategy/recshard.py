@@ -69,7 +69,7 @@ from lightning_rec._strategy.notebook import NotebookLauncher
 from lightning_rec._strategy.optim import RecOptimizer
 from lightning_rec._strategy.pipeline import SparseDistPipeline, check_pipelinable
 from lightning_rec._strategy.preemption import Preemption
-from lightning_rec._strategy.quiet import silence_proven_harmless
+from lightning_rec._strategy.quiet import print_bar_lines_once, silence_proven_harmless
 from lightning_rec._strategy.settings import check_fit, check_precision, raised_in, toggle_optimizer_error
 from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec.checkpoint._io import load, remove, save
@@ -387,6 +387,7 @@ class RecShardStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
+        print_bar_lines_once(trainer)
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None

@@ -41,3 +41,36 @@ def test_a_fit_with_a_data_parallel_table_prints_none_of_them(tmp_path, caplog):
     assert result["plan"]["weighted_table_1"] == "data_parallel"
     said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "Sharding spec not found" in m or "caching params will be ignored" in m], said
+
+
+def test_each_progress_bar_line_is_printed_once(capsys, tmp_path):
+    """Lightning's default bar printed "Training: 0/?" twice (created, then reset at the epoch's start), and likewise
+    "Validation: 0/?": in a log file or a notebook both stay. Under recshard each line is printed once."""
+    import re
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_rec import RecShardStrategy
+    from tests.helpers.models import RecModel, make_batches
+
+    trainer = L.Trainer(
+        strategy=RecShardStrategy(),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(
+        RecModel(),
+        DataLoader(make_batches(3, 8, seed=0), batch_size=None),
+        DataLoader(make_batches(2, 8, seed=1), batch_size=None),
+    )
+    lines = [line.strip() for line in re.split(r"[\r\n]", capsys.readouterr().out) if line.strip()]
+    firsts = [line for line in lines if line.startswith(("Training", "Validation"))]
+    assert any(line.startswith("Training") for line in firsts), lines  # the bar ran
+    assert len(firsts) == len(set(firsts)), firsts
