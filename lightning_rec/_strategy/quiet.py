@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -61,6 +62,8 @@ def torchrec_noise_silenced() -> Iterator[None]:
             logger.removeFilter(drop)
 
 
+# The environment variable that keeps every warning and log line below (`=1`): the filters' opt-out.
+ALL_WARNINGS = "LIGHTNING_REC_ALL_WARNINGS"
 # Warnings a recshard run raises on every step or checkpoint that this project has shown to be harmless, with why
 # (README "What you will not see"). Matched by their text: anything else, of any category, still reaches the user.
 PROVEN_HARMLESS: tuple[tuple[str, str], ...] = (
@@ -97,8 +100,9 @@ _LOGGED_HARMLESS = {
 
 
 def silence_proven_harmless() -> None:
-    """Drop the warnings and log lines in :data:`PROVEN_HARMLESS` for the rest of the process (idempotent); the
-    strategy calls it in each rank's process.
+    """Drop the warnings and log lines in :data:`PROVEN_HARMLESS` for the rest of the process (idempotent); importing
+    the package and the strategy in each rank's process call it. The opt-out: ``LIGHTNING_REC_ALL_WARNINGS=1`` in the
+    environment keeps every one of them.
 
     Example::
 
@@ -111,6 +115,8 @@ def silence_proven_harmless() -> None:
         >>> caught
         []
     """
+    if os.environ.get(ALL_WARNINGS) == "1":
+        return
     for message, _ in PROVEN_HARMLESS:
         warnings.filterwarnings("ignore", message=message)
     for name, parts in _LOGGED_HARMLESS.items():

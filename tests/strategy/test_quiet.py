@@ -74,3 +74,19 @@ def test_each_progress_bar_line_is_printed_once(capsys, tmp_path):
     firsts = [line for line in lines if line.startswith(("Training", "Validation"))]
     assert any(line.startswith("Training") for line in firsts), lines  # the bar ran
     assert len(firsts) == len(set(firsts)), firsts
+
+
+def test_the_proven_harmless_filters_can_be_turned_off_by_the_environment():
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings; warnings.simplefilter('default'); import lightning_rec; "
+        "warnings.warn('`torch.distributed.reduce_scatter_tensor` is deprecated', FutureWarning)"
+    )
+    for value, shown in (("1", True), ("", False)):
+        env = {**os.environ, "LIGHTNING_REC_ALL_WARNINGS": value}
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert ("reduce_scatter_tensor` is deprecated" in out.stderr) is shown, (value, out.stderr[-2000:])
