@@ -121,3 +121,38 @@ def test_warnings_proven_harmless_are_silenced_and_nothing_else(tmp_path):
     for message in ("an autograd kernel was not registered", "deprecating ShardedTensor", "LeafSpec", "is_fx_tracing"):
         assert message not in console, [line for line in console.splitlines() if message in line]
     assert console.count("sharding plan over 2 rank(s)") == 2, console  # one table per fit
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "config", ["synthetic_dlrm", "movielens_deepfm", "movielens_dlrm", "movielens_sasrec", "movielens_two_tower"]
+)
+def test_a_shipped_config_prints_no_future_warning_and_no_line_twice(config, tmp_path):
+    """A few steps of a shipped config as a user runs it (2 ranks, progress bar on, its own sharding: row-wise tables
+    where it has them): no FutureWarning (torch's for TorchRec's row-wise collectives included), and no line twice
+    but the rules of Lightning's own banners (and an epoch bar's redraw)."""
+    import re
+
+    from tests.helpers.data import movielens_dir
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "ml-100k").symlink_to(movielens_dir())
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_rec", "fit", "--config", config, "--trainer.max_steps=3"]
+        + ["--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env=shell_env(),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "FutureWarning" not in out.stdout + out.stderr, out.stderr[-3000:]
+    # tqdm draws a bar's last state again when it closes (in place on a terminal): an epoch bar's redraw is not a line.
+    lines = [
+        line.strip()
+        for line in re.split(r"[\r\n]", out.stdout + out.stderr)
+        if line.strip("- \t") and not line.startswith("Epoch ")
+    ]
+    twice = {line for line in lines if lines.count(line) > 1}
+    assert not twice, (twice, out.stdout[-3000:] + out.stderr[-3000:])
