@@ -148,8 +148,9 @@ class ScoreWriter(pl.Callback):
     The keys are the DataModule's ``predict_keys()`` (:meth:`~lightning_rec.data.TabularDataModule.predict_keys`:
     the schema's ``keys`` columns, e.g. ``[user_id, item_id]``, or ``row``, the row's place in the files scored);
     for any other DataModule, ``row``: the row's index in the predict split. Each of ``predict_step``'s outputs is a
-    column (``probability``, ``label``, ...; a ``(B, D)`` output a list column); ``label`` is left out when the
-    DataModule's ``predict_labeled`` is false (files scored without a label column).
+    column, of its own type (``probability``, ``label``, ...; a ``(B, D)`` output a list column, in CSV its values as
+    ``"[x, y, ...]"``); ``label`` is left out when the DataModule's ``predict_labeled`` is false (files scored
+    without a label column).
 
     On several ranks each rank writes its rows to ``<output>.parts/``; rank 0 puts them in order by row index (the
     rows each rank predicted, from its predict loader's sampler: the DataModules'
@@ -200,7 +201,10 @@ class ScoreWriter(pl.Callback):
         outputs = outputs if isinstance(outputs, dict) else {"prediction": outputs}
         for name, value in outputs.items():
             if isinstance(value, torch.Tensor) and value.dim() in (1, 2):
-                self._columns.setdefault(name, []).append(value.detach().float().cpu().numpy())
+                value = value.detach().cpu()
+                if value.dtype in (torch.float16, torch.bfloat16):  # numpy has no bfloat16
+                    value = value.float()
+                self._columns.setdefault(name, []).append(value.numpy())
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         columns = {name: np.concatenate(parts) for name, parts in self._columns.items()}
@@ -247,11 +251,12 @@ class ScoreWriter(pl.Callback):
                 raise ValueError(f"ScoreWriter: predict_step's output {name!r} has the name of a key column.")
             if name == "label" and getattr(_datamodule(trainer), "predict_labeled", True) is False:
                 continue  # files scored without labels
-            column = (
-                pa.array(values)
-                if values.ndim == 1
-                else pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
-            )
+            if values.ndim == 1:
+                column = pa.array(values)
+            elif self.output.suffix in (".csv", ".tsv"):  # CSV has no lists: a (B, D) output as "[x, y, ...]"
+                column = pa.array(["[" + ", ".join(map(repr, row)) + "]" for row in values.tolist()])
+            else:
+                column = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
             table = table.append_column(name, column)
         _write_table(table, self.output)
         shutil.rmtree(self.parts, ignore_errors=True)

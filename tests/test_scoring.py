@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -26,7 +27,8 @@ import torch
 import yaml
 
 from lightning_rec.callbacks import ScoreWriter
-from lightning_rec.data import DataError, TabularDataModule
+from lightning_rec.config import SparseFeature
+from lightning_rec.data import DataError, RecDataModule, RecDataset, TabularDataModule
 from lightning_rec.data.schema import Schema, hash_ids
 
 USERS = 100  # hash rows of user_id
@@ -306,3 +308,61 @@ def test_predict_output_is_checked_before_any_rank_starts_and_only_predict_takes
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert said.lower() in err.lower(), err
+
+
+class _Rows(RecDataModule):
+    """Any DataModule (no ``predict_keys``): 11 rows, ids 100..110."""
+
+    sparse_features = [SparseFeature("user", 200)]
+    num_dense_features = 1
+
+    def split(self, name: str) -> RecDataset:
+        return RecDataset(torch.arange(11.0)[:, None], torch.ones(11), {"user": torch.arange(100, 111)})
+
+
+class _Echo(pl.LightningModule):
+    """predict_step: an int64 per row, a float, and a (B, 2) output."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        ids = batch.sparse_features["user"].values()
+        x = batch.dense_features[:, 0]
+        return {"id": ids + 2**40, "score": x / 4, "pair": torch.stack([x, -x], 1)}
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv"])
+def test_any_datamodule_s_rows_are_written_in_order_with_their_own_types(tmp_path: Path, suffix: str) -> None:
+    out = tmp_path / f"scores{suffix}"
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[ScoreWriter(str(out))]
+    )
+    dm = _Rows(batch_size=4)
+    trainer.predict(_Echo(), datamodule=dm, return_predictions=False)
+    table = _read(out)
+    assert table.column_names == ["row", "id", "score", "pair"]
+    assert table["row"].to_pylist() == list(range(11))
+    assert table["id"].to_pylist() == [2**40 + 100 + i for i in range(11)]  # int64 kept, not rounded to float
+    assert table["score"].to_pylist() == [i / 4 for i in range(11)]
+    pairs = table["pair"].to_pylist()
+    assert pairs == (
+        [[float(i), -float(i)] for i in range(11)]
+        if suffix == ".parquet"
+        else [f"[{float(i)!r}, {-float(i)!r}]" for i in range(11)]
+    )
+
+
+@pytest.mark.dist
+def test_a_1m_row_file_scores_on_2_ranks_at_no_less_than_training_s_rows_per_s() -> None:
+    """benchmarks/scoring_throughput.py (docs/benchmarks/data.md): fit one epoch on a 1M-row Parquet log and score the
+    same file with ``predict --output``, 2 ranks each, in one run; scoring, the file written included, is not slower
+    per row than training."""
+    import json
+
+    from lightning_rec.testing import shell_env
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scoring_throughput.py"
+    cmd = [sys.executable, str(script), "--rows", "1000000", "--batch-size", "8192"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=shell_env())
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert record["rows_written"] == 1_000_000
+    assert record["score_rows_per_s"] >= record["train_rows_per_s"], record
