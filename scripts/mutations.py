@@ -170,6 +170,30 @@ MUTATIONS: list[Mutation] = [
         "    if (false) {\n",
         ("tests/test_serving_cpp.py::test_a_package_from_another_torch_is_refused_by_cpp_and_by_serve_py",),
     ),
+    Mutation(
+        "score_output_types",
+        "predict --output writes every output as float32 (ids above 2**24 rounded)",
+        "lightning_rec/callbacks.py",
+        "                value = value.detach().cpu()\n",
+        "                value = value.detach().cpu().float()\n",
+        ("tests/test_scoring.py::test_any_datamodule_s_rows_are_written_in_order_with_their_own_types",),
+    ),
+    Mutation(
+        "score_row_order",
+        "the rows a rank scored are taken in another order than its loader gave them (scores beside other rows' keys)",
+        "lightning_rec/callbacks.py",
+        "    return np.concatenate([np.asarray(b, dtype=np.int64) for b in batches]) if batches else np.zeros(0, np.int64)\n",
+        "    return np.concatenate([np.asarray(b, dtype=np.int64) for b in batches])[::-1].copy()\n",
+        ("tests/test_scoring.py::test_any_datamodule_s_rows_are_written_in_order_with_their_own_types",),
+    ),
+    Mutation(
+        "score_keys_of_dropped_rows",
+        "the keys of rows bad_rows: drop dropped stay in the keys of the rows scored",
+        "lightning_rec/data/tabular.py",
+        "                pa.concat_tables([p.keys for p in parts]).filter(pa.array(keep))\n",
+        "                pa.concat_tables([p.keys for p in parts])\n",
+        ("tests/test_scoring.py::test_predict_files_keep_their_keys_in_order_and_drop_bad_rows_counted",),
+    ),
 ]
 
 
