@@ -366,3 +366,14 @@ def test_a_1m_row_file_scores_on_2_ranks_at_no_less_than_training_s_rows_per_s()
     record = json.loads(out.stdout.strip().splitlines()[-1])
     assert record["rows_written"] == 1_000_000
     assert record["score_rows_per_s"] >= record["train_rows_per_s"], record
+
+
+def test_streamed_files_to_score_without_labels_are_refused_by_check(tmp_path: Path) -> None:
+    pcsv.write_csv(_pairs().drop_columns(["clicked"]).slice(0, 20), tmp_path / "p.csv")
+    dm = _dm(tmp_path, predict_files=str(tmp_path / "p.csv"), stream=True)
+    with pytest.raises(DataError, match=r"stream=True\): the files to score .* have no label column 'clicked'"):
+        dm.check()
+    pcsv.write_csv(_pairs().slice(0, 20), tmp_path / "q.csv")  # with labels: streamed and scored
+    dm = _dm(tmp_path, predict_files=str(tmp_path / "q.csv"), stream=True)
+    dm.check()
+    assert sum(len(b.labels) for b in dm.split("predict")) == 20

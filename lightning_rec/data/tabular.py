@@ -193,6 +193,13 @@ class TabularDataModule(RecDataModule):
             for split, patterns in self.sources.items():
                 if patterns is not None:
                     self._units(split)
+            predict = self.sources.get("predict")
+            if predict is not None and not self._labeled(expand(predict, "predict")):
+                raise DataError(
+                    f"TabularDataModule(stream=True): the files to score ({predict!r}) have no label column "
+                    f"{', '.join(repr(c.column) for c in self.schema.labels)}: a stream reads labels. HINT: "
+                    "`stream: false` scores files without labels."
+                )
         else:
             self._read()
         self._learn()
