@@ -133,6 +133,8 @@ class RecCLI(LightningCLI):
         except ValueError as err:
             self.parser.exit(2, f"{self.parser.prog.replace(' [options]', '')} predict: error: {one_line(str(err))}\n")
         self.trainer.callbacks.append(writer)  # type: ignore[attr-defined]  # a property mypy does not see
+        if self.config_init["predict"].get("return_predictions") is None:  # the file holds them: not memory too
+            self.config_init["predict"]["return_predictions"] = False
 
     def setup_parser(
         self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]

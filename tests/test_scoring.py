@@ -309,6 +309,26 @@ def test_predict_output_is_checked_before_any_rank_starts_and_only_predict_takes
         err = capsys.readouterr().err
         assert said.lower() in err.lower(), err
 
+    # accepted: the writer is among the callbacks, and the predictions are not also kept in memory
+    calls = []
+
+    def predict(  # Trainer.predict's signature: the CLI takes the subcommand's arguments from it
+        trainer: pl.Trainer,
+        model: Any = None,
+        dataloaders: Any = None,
+        datamodule: Any = None,
+        return_predictions: bool | None = None,
+        ckpt_path: str | None = None,
+        weights_only: bool | None = None,
+    ) -> None:
+        calls.append((trainer, {"return_predictions": return_predictions}))
+
+    monkeypatch.setattr(pl.Trainer, "predict", predict)
+    run(["predict", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "s.parquet")])
+    [(trainer, kwargs)] = calls
+    [writer] = [c for c in trainer.callbacks if isinstance(c, ScoreWriter)]
+    assert writer.output == tmp_path / "s.parquet" and kwargs["return_predictions"] is False
+
 
 class _Rows(RecDataModule):
     """Any DataModule (no ``predict_keys``): 11 rows, ids 100..110."""
