@@ -55,22 +55,24 @@ def _kjt_cases():
         if change == "drop":
             keys = keys[:-1]
             defects.append("missing feature")
-        elif change == "unknown":
+        elif change == "unknown":  # a feature no table reads: valid (as in TorchRec, the module ignores it)
             keys = keys + ["age"]
-            defects.append("unknown feature")
         elif change == "duplicate":
             keys = keys + [keys[0]]
             defects.append("duplicate feature")
         lengths = [draw(st.integers(0, 3)) for _ in range(batch * len(keys))]
         values: list[int] = []
+        feature_of: list[str] = []  # the feature of each value
         for k, key in enumerate(keys):
             rows = TABLE_ROWS.get(key, 10)
             for n in lengths[k * batch : (k + 1) * batch]:
                 values += [draw(st.integers(0, rows - 1)) for _ in range(n)]
+                feature_of += [key] * n
         if values and draw(st.booleans()) and draw(st.booleans()):
             i = draw(st.integers(0, len(values) - 1))
             values[i] = draw(st.sampled_from([-1, -(2**31), 10**9, 2**40])) if draw(st.booleans()) else values[i] + 100
-            if not 0 <= values[i] < 10:  # ids of "age" have no table; 100+ is outside every table here
+            # 100+ is outside every table here; ids of "age" have no table to be outside of
+            if feature_of[i] in TABLE_ROWS and not 0 <= values[i] < 10:
                 defects.append("id out of range")
         if lengths and draw(st.integers(0, 5)) == 0:
             i = draw(st.integers(0, len(lengths) - 1))
@@ -158,7 +160,9 @@ def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60)
             assert _same(before, local_weights(model)), "a refused batch changed the weights"
             outcomes["refused"] = outcomes.get("refused", 0) + 1
             return
-        assert not defects, f"a batch with defects {defects} was trained on"
+        assert not defects, (
+            f"a batch with defects {defects} was trained on: {kjt.keys()} {kjt.lengths()} {kjt.values()}"
+        )
         if batch_size == 0:  # its loss is a mean over nothing; no gradient, no change
             assert math.isnan(model.losses[-1]) and _same(before, local_weights(model))
             outcomes["empty"] = outcomes.get("empty", 0) + 1
@@ -172,7 +176,8 @@ def fuzz_kjts(rank: int, world_size: int, out_dir: Path, max_examples: int = 60)
             kjt.lengths(),
             kjt.weights_or_none(),
         )
-        assert not _same(before, local_weights(model)), "a correct step trains"
+        # A correct step trains, unless the model already fits the batch (a loss near 0: updates below float resolution)
+        assert model.losses[-1] < 1e-6 or not _same(before, local_weights(model)), "a correct step trains"
         outcomes["trained"] = outcomes.get("trained", 0) + 1
 
     one_step()
