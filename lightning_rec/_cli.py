@@ -215,6 +215,13 @@ def _export(argv: list[str]) -> None:
         default="error",
         help="inference: an id outside its table raises (error), or reads row 0 (warn, ignore), or is not checked",
     )
+    parser.add_argument(
+        "--cpu",
+        choices=["portable", "native"],
+        default=None,
+        help="pt2: the CPUs the compiled code runs on: portable (default; x86-64-v3, AVX2) or native (this CPU's "
+        "instruction sets); recorded in the package and checked by every loader",
+    )
     args = parser.parse_args(argv)
     from lightning_rec.errors import CheckpointError, ExportError
 
@@ -238,6 +245,7 @@ def _export(argv: list[str]) -> None:
             model_class=args.model_class,
             num_dense_features=args.num_dense_features,
             bounds_check=args.bounds_check,
+            cpu=args.cpu,
         )
     except (CheckpointError, ExportError) as err:  # the user's input: the message, not a traceback
         parser.exit(2, f"{parser.prog}: error: {err}\n")

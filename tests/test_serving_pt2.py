@@ -10,7 +10,13 @@ the eager model. The C++ loader is in ``test_serving_cpp.py``. Each package comp
 from __future__ import annotations
 
 import json
+import platform
+import re
 import shutil
+import struct
+import subprocess
+import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +33,10 @@ from lightning_rec.serving import (
     load_pt2,
     pt2_spec,
     serving_inputs,
+    verify,
 )
+from lightning_rec.serving.cpu import check_cpu, compile_options, host_features
+from lightning_rec.serving.integrity import MANIFEST_RECORD, seal
 from lightning_rec.serving.pt2 import SPEC_RECORD, stack_versions
 from tests.helpers import zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
 from tests.test_serving import (
@@ -156,10 +165,17 @@ def test_quantized_packages_equal_the_torchscript_artifacts_and_keep_the_tables_
 @pytest.fixture(scope="module")
 def tutorial(tmp_path_factory):
     """A tutorial-style user model (tables built on CPU with their own weights, dict batches, its own forward)
-    trained for 2 steps, exported with fp32 tables through ``lightning-rec export --format pt2``."""
+    trained for 2 steps, exported with fp32 tables through ``lightning-rec export --format pt2``, in a process
+    running one intra-op thread (which AOTInductor would otherwise plan its loops for: see
+    ``test_the_package_is_compiled_for_portable_cpus_and_any_thread_count``)."""
     work = tmp_path_factory.mktemp("tutorial")
     ckpt = trained_checkpoint(TutorialModel(), [tutorial_batch(i) for i in range(2)], work / "ckpt")
-    run(["export", str(ckpt), str(work / "model.pt2"), "--format", "pt2", "--table-dtype", "fp32"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(["export", str(ckpt), str(work / "model.pt2"), "--format", "pt2", "--table-dtype", "fp32"])
+    finally:
+        torch.set_num_threads(threads)
     return ckpt, work / "model.pt2"
 
 
@@ -188,16 +204,18 @@ def test_a_users_model_exports_from_the_shell_and_keeps_its_tables_out_of_the_co
 
 
 def _rewritten(package: Path, target: Path, edit) -> Path:
-    """A copy of ``package`` whose spec record is ``edit(spec_dict)``."""
+    """A copy of ``package`` whose spec record is ``edit(spec_dict)``, with its manifest made again (a package
+    exported as such: see ``test_a_modified_file_is_refused_by_name_before_it_loads`` for one modified after)."""
     reader = PT2ArchiveReader(str(package))
     writer = PT2ArchiveWriter(str(target))
     for name in reader.get_file_names():
         data = reader.read_bytes(name)
         if name == SPEC_RECORD:
             data = json.dumps(edit(json.loads(data))).encode()
-        if not writer.has_record(name):
+        if not writer.has_record(name) and name != MANIFEST_RECORD:
             writer.write_bytes(name, data)
     writer.close()
+    seal(target)
     return target
 
 
@@ -220,7 +238,7 @@ def test_a_package_loads_only_under_the_versions_that_compiled_it(tmp_path, tuto
     with pytest.raises(ServingError, match=r"fbgemm_gpu 1\.7\.0 and this process has fbgemm_gpu"):
         load_pt2(_rewritten(package, tmp_path / "old_fbgemm.pt2", other_fbgemm))
     (tmp_path / "junk.pt2").write_bytes(b"not a zip")
-    with pytest.raises(ServingError, match="is not a .pt2 package"):
+    with pytest.raises(ServingError, match=r"junk\.pt2' is not a serving artifact \(a zip archive\)"):
         load_pt2(tmp_path / "junk.pt2")
     assert load_pt2(_rewritten(package, tmp_path / "same.pt2", lambda spec: spec)).spec == pt2_spec(package)
 
@@ -248,7 +266,7 @@ def test_the_package_checks_its_inputs_host_side_by_name_and_in_the_graph(tutori
             unchecked(dense, values, lens)
     with pytest.raises(ValueError, match=r"lengths has 4 entries; the artifact reads 3 features"):
         checked(dense, good, torch.tensor([1, 1, 1, 0], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"dense_features has shape \(2, 3\); .* expects \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"dense_features has shape \[2, 3\]; .* expects \[1, 3\]"):
         checked(torch.zeros(2, 3), good, lengths)
 
 
@@ -301,3 +319,172 @@ def test_a_model_export_cannot_capture_is_named_and_nothing_is_written(tmp_path)
     with pytest.raises(ExportError, match=r"BranchingModel cannot be captured by torch\.export: .*\.item\(\)"):
         export_inference(ckpt, tmp_path / "model.pt2", table_dtype="fp32", num_dense_features=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _tampered(package: Path, target: Path, suffix: str, *, rewrite: bool) -> Path:
+    """A copy of ``package`` with one byte of its record ending in ``suffix`` flipped (bit 4 of its middle byte):
+    ``rewrite=False`` in the file's bytes (as a disk or a copy would: the zip's CRC-32 no longer matches);
+    ``rewrite=True`` in the record, the archive written again around it (the CRC-32 matches the new bytes)."""
+    with zipfile.ZipFile(package) as src:
+        (info,) = [i for i in src.infolist() if i.filename.endswith(suffix)]
+        if rewrite:
+            with zipfile.ZipFile(target, "w") as dst:
+                for entry in src.infolist():
+                    data = bytearray(src.read(entry))
+                    if entry is info:
+                        data[len(data) // 2] ^= 0x10
+                    dst.writestr(entry, bytes(data))
+            return target
+    data = bytearray(package.read_bytes())
+    # the record's bytes start after its local header, whose extra field (torch pads it to align the data) is not
+    # the central directory's
+    name_length, extra_length = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_length + extra_length
+    assert data[start : start + info.file_size] == zipfile.ZipFile(package).read(info)
+    data[start + info.file_size // 2] ^= 0x10
+    target.write_bytes(bytes(data))
+    return target
+
+
+@pytest.fixture(scope="module")
+def tutorial_ts(tutorial):
+    """The tutorial checkpoint as a TorchScript artifact (no compiler: seconds)."""
+    ckpt, package = tutorial
+    export_inference(ckpt, package.with_name("model.pt"), table_dtype="fp32")
+    return package.with_name("model.pt")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    ("artifact", "suffix"),
+    [("pt2", ".so"), ("pt2", "_weights.blob"), ("pt2", "extra/lightning_rec.json"), ("pt", "data/0")],
+)
+@pytest.mark.parametrize("rewrite", [False, True], ids=["bytes", "record"])
+def test_a_modified_file_is_refused_by_name_before_it_loads(tutorial, tutorial_ts, tmp_path, artifact, suffix, rewrite):
+    """One flipped bit in the compiled library, in the tables' blob, in the spec or in a TorchScript tensor: every
+    loader of ours (``verify``, ``load_pt2``/``load_inference``) refuses the file before loading any of it, naming
+    the file and the record, within seconds (a flipped byte in the library made torch's own load spin). Flipped in
+    the file's bytes, or in a record written again with a matching zip CRC-32 (which only the SHA-256 catches)."""
+    source = tutorial[1] if artifact == "pt2" else tutorial_ts
+    assert verify(source) == verify(source)  # the untouched file passes, and its content hash is stable
+    bad = _tampered(source, tmp_path / f"bad.{artifact}", suffix, rewrite=rewrite)
+    load = load_pt2 if artifact == "pt2" else load_inference
+    for loader in (verify, load):
+        start = time.perf_counter()
+        with pytest.raises(
+            ServingError,
+            match=rf"'{re.escape(str(bad))}' (was modified after export|is damaged): its record '[^']*{re.escape(suffix)}'",
+        ):
+            loader(bad)
+        assert time.perf_counter() - start < 30
+
+
+@pytest.mark.dist
+def test_a_record_added_or_removed_or_no_manifest_is_refused(tutorial, tmp_path):
+    """A record the manifest does not list, a listed record that is gone, an artifact without a manifest (written
+    before there was one, or by another tool) and a file that is not an archive: each refused by name."""
+    package = tutorial[1]
+    with zipfile.ZipFile(package) as src:
+        root = src.namelist()[0].split("/")[0]
+        entries = [(e, src.read(e)) for e in src.infolist()]
+
+    def rebuilt(name: str, keep, extra: dict[str, bytes]) -> Path:
+        with zipfile.ZipFile(tmp_path / name, "w") as dst:
+            for entry, data in entries:
+                if keep(entry.filename):
+                    dst.writestr(entry, data)
+            for record, data in extra.items():
+                dst.writestr(f"{root}/{record}", data)
+        return tmp_path / name
+
+    added = rebuilt("added.pt2", lambda n: True, {"extra/other.json": b"{}"})
+    with pytest.raises(ServingError, match=r"holds a record 'extra/other.json' its manifest does not list"):
+        load_pt2(added)
+    gone = rebuilt("gone.pt2", lambda n: not n.endswith("custom_obj_0"), {})
+    with pytest.raises(ServingError, match=r"its record 'data/constants/custom_obj_0' is missing"):
+        load_pt2(gone)
+    unsealed = rebuilt("unsealed.pt2", lambda n: not n.endswith(MANIFEST_RECORD), {})
+    with pytest.raises(ServingError, match=r"carries no content hash \(extra/lightning_rec\.sha256\)"):
+        verify(unsealed)
+    assert load_pt2(unsealed, verify=False).spec == pt2_spec(package)  # the caller's explicit choice
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")
+    with pytest.raises(ServingError, match=r"'.*junk\.pt' is not a serving artifact"):
+        load_inference(tmp_path / "junk.pt")
+
+
+@pytest.mark.dist
+def test_the_package_is_compiled_for_portable_cpus_and_any_thread_count(tutorial):
+    """The package exported by a process running one thread: compiled for x86-64-v3 (no -march=native, no AVX-512
+    instruction in its library), which its spec declares; its parallel loops are OpenMP regions whose thread count
+    is decided when they run (no ``num_threads(N)``, and not left serial)."""
+    spec = pt2_spec(tutorial[1])
+    if platform.machine() != "x86_64":
+        pytest.skip("the portable target is defined for x86-64")
+    assert spec.cpu == {
+        "machine": "x86_64",
+        "target": "x86-64-v3",
+        "features": compile_options("portable")[1]["features"],
+    }
+    assert {"avx2", "fma", "f16c"} <= set(spec.cpu["features"]) and not any("avx512" in f for f in spec.cpu["features"])
+    with zipfile.ZipFile(tutorial[1]) as package:
+        sources = {n: package.read(n).decode() for n in package.namelist() if n.endswith(".cpp")}
+        (library,) = [n for n in package.namelist() if n.endswith(".so")]
+        so = package.read(library)
+    code = "\n".join(sources.values())
+    assert "march=x86-64-v3" in code and "march=native" not in code and "-mavx512" not in code
+    assert code.count("#pragma omp parallel") >= 1 and "num_threads(" not in code
+    if shutil.which("objdump"):
+        (Path(tutorial[1]).parent / "lib.so").write_bytes(so)
+        dump = subprocess.run(
+            ["objdump", "-d", str(Path(tutorial[1]).parent / "lib.so")], capture_output=True, text=True
+        )
+        assert dump.returncode == 0 and "%zmm" not in dump.stdout and "%ymm" in dump.stdout
+
+
+def test_compile_options_declare_what_they_compile_for():
+    """``portable``: x86-64-v3 and AVX2 kernels, whatever this CPU has; ``native``: this CPU's instruction-set flags
+    (a subset of /proc/cpuinfo's); both leave the thread count to OpenMP at run time."""
+    portable, record = compile_options("portable")
+    native, native_record = compile_options("native")
+    for options in (portable, native):
+        assert options["cpp.dynamic_threads"] is True and options["cpp.threads"] >= 1
+    if platform.machine() == "x86_64":
+        assert (
+            portable["cpp.march"] == "x86-64-v3" and portable["cpp.simdlen"] == 256 and record["target"] == "x86-64-v3"
+        )
+    assert native_record["target"] == "native" and "cpp.march" not in native
+    flags = host_features()
+    if flags is not None:
+        assert set(native_record["features"]) <= flags and native_record["features"]
+    with pytest.raises(ExportError, match=r"cpu must be 'portable' or 'native', got 'avx512'"):
+        export_inference("no-checkpoint-needed", "model.pt2", cpu="avx512")  # type: ignore[arg-type]
+    with pytest.raises(ExportError, match=r"cpu='native' applies to --format pt2"):
+        export_inference("no-checkpoint-needed", "model.pt", cpu="native")
+
+
+@pytest.mark.dist
+def test_a_cpu_without_the_packages_features_is_refused_in_one_line(tutorial, tmp_path):
+    """A package whose spec requires an instruction set this CPU lacks (or another machine type) is refused by
+    ``load_pt2`` in one line naming what is missing, before its code is loaded."""
+    flags = host_features()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo")
+    lacking = sorted({"amx_tile", "avx512_fp16", "avx512f", "sve", "asimd", "xop"} - flags)[0]
+
+    def needs(feature=None, machine=None):
+        def edit(spec):
+            spec["cpu"] = {**spec["cpu"], "features": [*spec["cpu"]["features"], *([feature] if feature else [])]}
+            if machine:
+                spec["cpu"]["machine"] = machine
+            return spec
+
+        return edit
+
+    with pytest.raises(
+        ServingError, match=rf"compiled for x86-64-v3 CPUs, and this CPU lacks {lacking} \(its /proc/cpuinfo flags\)"
+    ) as err:
+        load_pt2(_rewritten(tutorial[1], tmp_path / "lacking.pt2", needs(lacking)))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ServingError, match=r"compiled for riscv64 CPUs and this machine is"):
+        load_pt2(_rewritten(tutorial[1], tmp_path / "riscv.pt2", needs(machine="riscv64")))
+    check_cpu(None, "model.pt")  # TorchScript: nothing compiled, nothing to check

@@ -46,6 +46,7 @@ from lightning_rec.serving.artifact import (
     serving_inputs,
 )
 from lightning_rec.serving.export import Format, TableDtype, export_inference
+from lightning_rec.serving.integrity import verify
 from lightning_rec.serving.pt2 import Pt2Model, load_pt2, pt2_spec
 from lightning_rec.serving.requests import RequestEncoder, encode_request
 
@@ -64,4 +65,5 @@ __all__ = [
     "load_pt2",
     "pt2_spec",
     "serving_inputs",
+    "verify",
 ]

@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 SPEC_FILE = "lightning_rec.json"
+ARTIFACT_VERSION = 1  # the spec's layout and the artifact's records (1: with its manifest, checkpoint and cpu)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,13 @@ class InferenceSpec:
             id mapping: hash and its size, vocabulary, raw; each dense column's transform, statistics and fill
             value), recorded from the checkpoint's ``TabularDataModule``; ``None`` without one. Versioned; see
             :mod:`lightning_rec.serving.requests` and :class:`~lightning_rec.serving.RequestEncoder`.
+        artifact_version: the version of this spec's layout (``ARTIFACT_VERSION``; 0: written before it was
+            recorded); a loader refuses a newer one by name.
+        checkpoint: the checkpoint it was exported from: ``{"step": global step, "id": the SHA-256 of its COMPLETE
+            manifest}`` (one save, wherever it is copied); ``None`` for artifacts written before it was recorded.
+        cpu: what a ``.pt2`` package's compiled code needs of the CPU, ``{"machine", "target", "features"}`` (the
+            ``/proc/cpuinfo`` flags; see :mod:`lightning_rec.serving.cpu`); ``None`` for TorchScript (no compiled
+            code) and for packages written before it was recorded.
     """
 
     features: list[str]
@@ -69,6 +77,9 @@ class InferenceSpec:
     max_lengths: dict[str, int] = field(default_factory=dict)
     versions: dict[str, str] | None = None  # artifacts written before they were recorded: unknown
     raw_inputs: dict[str, Any] | None = None  # artifacts written before it was recorded, or without a TabularDataModule
+    artifact_version: int = 0  # artifacts written before it was recorded
+    checkpoint: dict[str, Any] | None = None
+    cpu: dict[str, Any] | None = None
 
 
 @torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact
@@ -248,10 +259,20 @@ def serving_inputs(
     return (dense_features, *sparse)
 
 
-def load_inference(path: str | Path, map_location: str = "cpu") -> torch.jit.ScriptModule:
-    """Load an artifact in Python (what any program does: ``import fbgemm_gpu`` then ``torch.jit.load``)."""
+def load_inference(path: str | Path, map_location: str = "cpu", *, verify: bool = True) -> torch.jit.ScriptModule:
+    """Load an artifact in Python (what any program does: ``import fbgemm_gpu`` then ``torch.jit.load``), after
+    checking that it is the file export wrote (:func:`~lightning_rec.serving.verify`: each record's SHA-256;
+    ``verify=False`` skips it).
+
+    Raises:
+        ServingError: the file was modified after export (naming the record), or carries no manifest.
+    """
     import fbgemm_gpu  # noqa: F401  (registers the operators and classes the kernels use)
 
+    from lightning_rec.serving.integrity import verify as verify_file
+
+    if verify:
+        verify_file(path)
     return torch.jit.load(str(path), map_location=map_location)
 
 

@@ -14,7 +14,16 @@ from torch import nn
 
 from lightning_rec.config import BoundsCheck
 from lightning_rec.errors import ExportError
-from lightning_rec.serving.artifact import SPEC_FILE, InferenceSpec, ServingWrapper, SparseOnly, example_inputs
+from lightning_rec.serving.artifact import (
+    ARTIFACT_VERSION,
+    SPEC_FILE,
+    InferenceSpec,
+    ServingWrapper,
+    SparseOnly,
+    example_inputs,
+)
+from lightning_rec.serving.cpu import CpuTarget, compile_options
+from lightning_rec.serving.integrity import seal
 from lightning_rec.serving.network import (
     KERNELS,
     call_failed,
@@ -64,6 +73,7 @@ def export_inference(
     init_args: dict[str, Any] | None = None,
     bounds_check: BoundsCheck = "error",
     datamodule: Any = None,
+    cpu: CpuTarget | None = None,
 ) -> InferenceSpec:
     """Write the serving network of a sharded checkpoint as a quantized TorchScript artifact or ``.pt2`` package
     (one process, CPU).
@@ -98,6 +108,9 @@ def export_inference(
             transforms and fill values the artifact records as ``raw_inputs`` (see
             :class:`~lightning_rec.serving.RequestEncoder`); default: the one the checkpoint's DataModule state
             holds (Lightning saves it in every checkpoint of a run with a ``TabularDataModule``).
+        cpu: ``"pt2"`` only: the CPUs the compiled code is for, recorded in the spec and checked by every loader:
+            ``"portable"`` (the default: on x86-64 the ``x86-64-v3`` level, AVX2) or ``"native"`` (the exporting
+            CPU's instruction sets, AVX-512 and AMX where it has them); see :mod:`lightning_rec.serving.cpu`.
 
     Returns:
         the artifact's :class:`InferenceSpec`.
@@ -128,10 +141,15 @@ def export_inference(
         raise ExportError(
             f"{str(output)!r}: a .pt2 package's name must end in .pt2 (PyTorch's loaders refuse any other name)."
         )
+    if cpu is not None and format != "pt2":
+        raise ExportError(f"cpu={cpu!r} applies to --format pt2 (compiled code); TorchScript artifacts hold none.")
+    if cpu not in (None, "portable", "native"):
+        raise ExportError(f"cpu must be 'portable' or 'native', got {cpu!r}.")
+    options, cpu_record = compile_options(cpu or "portable") if format == "pt2" else ({}, None)
     if format == "pt2":
         check_compiler()  # before anything is loaded: minutes of work would end there
     path = Path(checkpoint)
-    meta = with_pinned(path, lambda pinned: safe_io.load_meta(pinned, weights_only))
+    meta, identity = with_pinned(path, lambda pinned: (safe_io.load_meta(pinned, weights_only), pinned.identity))
     cls = _model_class(model_class, meta, path)
     module: nn.Module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
     net = serving_network(module, part)
@@ -155,6 +173,9 @@ def export_inference(
         raw_id_features=sorted(raw_id_features(net)),
         max_lengths=position_limits(net),
         versions=stack_versions(),
+        artifact_version=ARTIFACT_VERSION,
+        checkpoint={"step": int(meta.get("global_step", 0)), "id": identity},
+        cpu=cpu_record,
         raw_inputs=checked_record(
             datamodule.state_dict() if datamodule is not None else datamodule_state(meta),
             features,
@@ -184,12 +205,13 @@ def export_inference(
         raise ExportError(call_failed(module, net, dense, err)) from err
     served = SparseOnly(quantized) if not dense else quantized
     if format == "pt2":
-        write_pt2(served, spec, output)
+        write_pt2(served, spec, output, options)
         return spec
     scripted = _script(served, type(net).__name__)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
     scripted.save(str(partial), _extra_files={SPEC_FILE: json.dumps(asdict(spec))})
+    seal(partial)
     os.replace(partial, output)
     return spec
 

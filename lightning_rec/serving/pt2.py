@@ -27,6 +27,9 @@ from torch import Tensor, nn
 
 from lightning_rec.errors import ExportError, ServingError
 from lightning_rec.serving.artifact import InferenceSpec, check_inputs
+from lightning_rec.serving.cpu import check_cpu, quiet_isa_mismatch
+from lightning_rec.serving.integrity import seal
+from lightning_rec.serving.integrity import verify as verify_file
 
 __all__ = ["SPEC_RECORD", "Pt2Model", "check_compiler", "load_pt2", "pt2_spec", "stack_versions", "write_pt2"]
 
@@ -70,10 +73,12 @@ def stack_versions() -> dict[str, str]:
     return {k: versions[k] for k in _RECORDED if k in versions}
 
 
-def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path) -> None:
+def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path, options: dict[str, Any] | None = None) -> None:
     """Export ``model`` (plain tensors in: ``[dense_features,] values, lengths[, weights]``), compile it with
-    AOTInductor, package it with ``spec``, load the package back and compare it with ``model`` on a seeded random
-    batch (:func:`_check_batch`), and only then move it to ``output`` (an existing file is replaced only then).
+    AOTInductor (with ``options``: the CPU target's, :func:`~lightning_rec.serving.cpu.compile_options`), package it
+    with ``spec`` and its manifest (:func:`~lightning_rec.serving.integrity.seal`), load the package back and compare
+    it with ``model`` on a seeded random batch (:func:`_check_batch`), and only then move it to ``output`` (an
+    existing file is replaced only then).
 
     Raises:
         ExportError: no C++ compiler, a network ``torch.export`` cannot capture, or a package that does not give
@@ -95,7 +100,11 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path) -> None:
         ) from err
     with tempfile.TemporaryDirectory(prefix="lightning_rec_pt2_") as scratch:
         compiled = Path(scratch) / "compiled.pt2"
-        configs = {**_INDUCTOR_CONFIGS, "aot_inductor.metadata": {"lightning_rec": json.dumps(asdict(spec))}}
+        configs = {
+            **_INDUCTOR_CONFIGS,
+            **(options or {}),
+            "aot_inductor.metadata": {"lightning_rec": json.dumps(asdict(spec))},
+        }
         torch._inductor.aoti_compile_and_package(exported, package_path=str(compiled), inductor_configs=configs)
         output.parent.mkdir(parents=True, exist_ok=True)
         # Written beside the output (a rename is atomic within one file system) under the output's own name: the
@@ -104,6 +113,7 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path) -> None:
         partial = staging / output.name
         try:
             _with_spec(compiled, partial, spec)
+            seal(partial)
             _round_trip(partial, model, _check_batch(spec), spec)
             os.replace(partial, output)
         finally:
@@ -146,7 +156,8 @@ class Pt2Model:
         no_limit = torch.iinfo(torch.long).max
         limits = [spec.max_lengths.get(f, no_limit) for f in spec.features]
         self._max_lengths = torch.tensor(limits, dtype=torch.long) if spec.max_lengths else None
-        self._runner = torch._inductor.aoti_load_package(str(path))
+        with quiet_isa_mismatch():
+            self._runner = torch._inductor.aoti_load_package(str(path))
 
     def __call__(self, *args: Tensor | None) -> Tensor:
         if self.check:
@@ -179,9 +190,12 @@ class Pt2Model:
                 )
 
 
-def load_pt2(path: str | Path, *, check_inputs: bool = True) -> Pt2Model:
+def load_pt2(path: str | Path, *, check_inputs: bool = True, verify: bool = True) -> Pt2Model:
     """Load a ``.pt2`` package written by ``export_inference(..., format="pt2")``, after checking that this torch and
-    FBGEMM are the ones that compiled it (a mismatch is a :class:`~lightning_rec.errors.ServingError` naming both).
+    FBGEMM are the ones that compiled it (a mismatch is a :class:`~lightning_rec.errors.ServingError` naming both),
+    that this CPU has what its compiled code uses (:func:`~lightning_rec.serving.cpu.check_cpu`, one line naming the
+    missing flags) and that the file is the one export wrote (:func:`~lightning_rec.serving.verify`: each record's
+    SHA-256, naming the record that differs; ``verify=False`` skips it).
 
     Example::
 
@@ -190,6 +204,8 @@ def load_pt2(path: str | Path, *, check_inputs: bool = True) -> Pt2Model:
     """
     import fbgemm_gpu  # noqa: F401  (registers the operators and classes the compiled code calls)
 
+    if verify:  # first: nothing in the file is trusted before (its spec included)
+        verify_file(path)
     spec = pt2_spec(path)
     written = spec.versions or {}
     here = stack_versions()
@@ -203,6 +219,7 @@ def load_pt2(path: str | Path, *, check_inputs: bool = True) -> Pt2Model:
             + ": a .pt2 package runs only under the torch and FBGEMM that compiled it. HINT: export it again here "
             "(`lightning-rec export CKPT OUT --format pt2`), or serve the TorchScript artifact (--format inference)."
         )
+    check_cpu(spec.cpu, path)
     return Pt2Model(path, spec, check_inputs)
 
 
@@ -312,7 +329,8 @@ def _round_trip(package: Path, model: nn.Module, check: tuple[Tensor | None, ...
     lengths, weights)``)."""
     args = _arguments(spec, check)
     try:
-        loaded = torch._inductor.aoti_load_package(str(package))
+        with quiet_isa_mismatch():
+            loaded = torch._inductor.aoti_load_package(str(package))
         with torch.inference_mode():
             got, expected = loaded(*args), model(*args)
     except Exception as err:
