@@ -1,6 +1,7 @@
 """Serve an artifact written by ``lightning-rec export CKPT OUT --format inference`` (TorchScript) or ``--format pt2``
-(a ``.pt2`` package: torch.export + AOTInductor), with torch and FBGEMM only (no lightning_rec, no torchrec): load it,
-read what it expects, predict.
+(a ``.pt2`` package: torch.export + AOTInductor), with torch and FBGEMM only (no lightning_rec, no torchrec): check
+that it is the file export wrote (each record's SHA-256) and, for a package, that this torch and CPU can run it; load
+it, read what it expects, predict.
 
     python examples/serve.py model_int8.pt inputs.pt predictions.pt
     python examples/serve.py model_int8.pt2 inputs.pt predictions.pt
@@ -9,16 +10,60 @@ read what it expects, predict.
 ``lightning_rec.serving.serving_inputs``; ``predictions.pt``: the outputs, concatenated.
 """
 
+import hashlib
 import json
+import platform
 import sys
+import zipfile
 
 import fbgemm_gpu  # noqa: F401  (registers the operators and classes of FBGEMM's inference kernels)
 import torch
 from torch.export.pt2_archive import PT2ArchiveReader
 
 
+def verify(artifact: str) -> None:
+    """Exit unless every record of the artifact has the SHA-256 its manifest (``extra/lightning_rec.sha256``, one
+    ``<hex>  <record>`` line per record, written at export) records, and no record was added or removed
+    (``lightning_rec.serving.verify`` does the same)."""
+    with zipfile.ZipFile(artifact) as archive:
+        records = {i.filename.partition("/")[2]: i for i in archive.infolist()}
+        records.pop(".data/serialization_id", None)  # torch's random id of each write: no content
+        manifest = records.pop("extra/lightning_rec.sha256", None)
+        if manifest is None:
+            sys.exit(f"{artifact} carries no content hash (extra/lightning_rec.sha256): export it again.")
+        expected = dict(line.split("  ", 1)[::-1] for line in archive.read(manifest).decode().splitlines())
+        if set(expected) != set(records):
+            sys.exit(f"{artifact} was modified after export: its records {sorted(set(expected) ^ set(records))}.")
+        for name, sha in expected.items():
+            digest = hashlib.sha256()
+            try:
+                with archive.open(records[name]) as record:
+                    while chunk := record.read(1 << 20):
+                        digest.update(chunk)
+            except zipfile.BadZipFile as err:  # the zip's CRC-32
+                sys.exit(f"{artifact} is damaged: its record {name!r}: {err}")
+            if digest.hexdigest() != sha:
+                sys.exit(f"{artifact} was modified after export: its record {name!r} does not match its SHA-256.")
+
+
+def check_cpu(artifact: str, cpu: dict | None) -> None:
+    """Exit if this CPU lacks an instruction set the package's compiled code uses (its spec's ``cpu``)."""
+    if not cpu:
+        return
+    if cpu["machine"] != platform.machine():
+        sys.exit(f"{artifact} was compiled for {cpu['machine']} CPUs; this machine is {platform.machine()}.")
+    with open("/proc/cpuinfo") as info:
+        flags = next(
+            (set(line.split(":", 1)[1].split()) for line in info if line.startswith(("flags", "Features"))), None
+        )
+    missing = [f for f in cpu["features"] if flags is not None and f not in flags]
+    if missing:
+        sys.exit(f"{artifact} was compiled for {cpu['target']} CPUs, and this CPU lacks {', '.join(missing)}.")
+
+
 def load(artifact: str):
-    """The callable model and its spec (features, tables, ...)."""
+    """The callable model and its spec (features, tables, ...), after checking the file is the one export wrote."""
+    verify(artifact)
     if not artifact.endswith(".pt2"):
         extra = {"lightning_rec.json": ""}
         model = torch.jit.load(artifact, map_location="cpu", _extra_files=extra)
@@ -27,6 +72,7 @@ def load(artifact: str):
     written = spec["versions"]["torch"]
     if written != torch.__version__:  # its compiled code calls into the torch that compiled it
         sys.exit(f"{artifact} was compiled under torch {written}, this is torch {torch.__version__}: export it again.")
+    check_cpu(artifact, spec.get("cpu"))
     return torch._inductor.aoti_load_package(artifact), spec
 
 

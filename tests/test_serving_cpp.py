@@ -12,6 +12,7 @@ import copy
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -37,12 +38,15 @@ from lightning_rec.serving import (
     load_pt2,
     serving_inputs,
 )
+from lightning_rec.serving.cpu import host_features
+from lightning_rec.serving.integrity import MANIFEST_RECORD, seal
 from lightning_rec.serving.requests import raw_inputs_record
 from lightning_rec.testing import QUIET_TRAINER
-from tests.helpers import zoo_deepfm
+from tests.helpers import zoo_deepfm, zoo_two_tower
 from tests.helpers.data import REPO
 from tests.helpers.serving import serve_fresh
 from tests.helpers.zoo import ZooCase, seeded_module
+from tests.test_serving_pt2 import _rewritten, _tampered
 
 pytestmark = [
     pytest.mark.dist,
@@ -105,9 +109,21 @@ def served(tmp_path_factory):
     return SimpleNamespace(work=work, spec=spec, stdout=out.stdout, trained=trained, heldout=case.heldout())
 
 
-def serve(served, artifact: str | Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [str(served.work / "build" / "serve_cpp" / "serve"), str(artifact), FBGEMM_GPU_DIR, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=served.work)
+def serve(
+    served, artifact: str | Path, requests: str = "", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The C++ server on ``artifact``, given ``requests`` (lines) on its standard input until it ends."""
+    cmd = [str(served.work / "build" / "serve_cpp" / "serve"), str(artifact), FBGEMM_GPU_DIR]
+    return subprocess.run(
+        cmd, input=requests, capture_output=True, text=True, timeout=120, cwd=served.work, env=env or os.environ.copy()
+    )
+
+
+def request(*args: torch.Tensor, dense: bool = True, weights: bool = False) -> str:
+    """One request line for the C++ server from an artifact's arguments (``[dense_features,] values, lengths[,
+    weights]``)."""
+    names = ["dense", "values", "lengths", "weights"][(0 if dense else 1) :][: len(args)]
+    return "; ".join(f"{n}: " + " ".join(repr(v) for v in a.reshape(-1).tolist()) for n, a in zip(names, args)) + "\n"
 
 
 def outputs(stdout: str) -> list[torch.Tensor]:
@@ -147,9 +163,7 @@ def test_cpp_serves_held_out_samples_like_python(served, name, tmp_path):
     dense, values, lengths = serving_inputs(spec, heldout.sparse_features, heldout.dense_features)
     rows, features = dense.shape[0], len(spec.features)
     assert len(dense.unique(dim=0)) > 1 and len(values) > features * rows and len(values.unique()) > rows
-    lines = [dense.reshape(-1).tolist(), lengths.tolist(), values.tolist()]
-    (tmp_path / "inputs.txt").write_text("".join(" ".join(repr(v) for v in line) + "\n" for line in lines))
-    out = serve(served, served.work / name, str(rows), str(dense.shape[1]), str(features), str(tmp_path / "inputs.txt"))
+    out = serve(served, served.work / name, request(dense, values, lengths))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (cpp,) = outputs(out.stdout)
     with torch.inference_mode():
@@ -173,8 +187,10 @@ def test_a_package_from_another_torch_is_refused_by_cpp_and_by_serve_py(served, 
             data = src.read(info)
             if info.filename.endswith(".json"):
                 data = data.replace(torch.__version__.encode(), other.encode())
-            dst.writestr(info, data)
-    out = serve(served, bad, "2", "2", str(len(served.spec.features)))
+            if not info.filename.endswith(MANIFEST_RECORD):
+                dst.writestr(info, data)
+    seal(bad)  # as that torch's export would have written it
+    out = serve(served, bad)
     assert out.returncode == 1 and "output:" not in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"compiled under torch 2.12.0 and this program runs under libtorch {torch.__version__.split('+')[0]}" in (
         out.stderr
@@ -233,3 +249,176 @@ def test_cpp_hashes_raw_ids_to_the_rows_the_python_request_encoding_gives(served
         assert out.returncode == 0, out.stderr
         got = [int(v) for v in out.stdout.split()]
         assert got == want[0] + want[1], [(line, g, w) for line, g, w in zip(lines, got, want[0] + want[1]) if g != w]
+
+
+def _python_answer(path: Path, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    with torch.inference_mode():
+        return python_model(path)(*args).reshape(-1)
+
+
+@pytest.mark.parametrize("name", ["model_int8.pt", "model.pt2"])
+def test_a_bad_request_is_answered_with_its_error_and_the_server_goes_on(served, name, tmp_path):
+    """One process, one request per line: every kind of bad request (feature count, dense width, an id outside its
+    table, a negative length, lengths that do not add up, text for a number, an unknown section, weights the
+    artifact does not read, an empty batch) is answered by one error line naming it, between good requests that are
+    answered as Python's loader answers them; the input's end is a clean exit with nothing left in the temp
+    directory."""
+    spec, F = served.spec, len(served.spec.features)
+    dense, values, lengths = serving_inputs(spec, served.heldout.sparse_features, served.heldout.dense_features)
+    good = request(dense, values, lengths)
+    rows = spec.feature_rows
+    one = torch.ones(F, dtype=torch.long)
+    bad = {
+        request(torch.zeros(1, 2), torch.zeros(F - 1, dtype=torch.long), one[1:]): rf"lengths has {F - 1} entries; "
+        rf"the artifact reads {F} features",
+        request(torch.zeros(1, 3), torch.zeros(F, dtype=torch.long), one): r"dense has 3 values; lengths holds 1 "
+        r"samples and the artifact reads 2 dense features, so it expects 2",
+        request(torch.zeros(1, 2), torch.tensor([0] * (F - 1) + [rows[-1]]), one): rf"feature '{spec.features[-1]}'"
+        rf": id {rows[-1]} is outside its table of {rows[-1]} rows",
+        request(torch.zeros(1, 2), torch.tensor([-1] + [0] * (F - 1)), one): rf"feature '{spec.features[0]}': id -1",
+        request(torch.zeros(1, 2), torch.zeros(F, dtype=torch.long), torch.tensor([2, -1] + [1] * (F - 2))): "lengths "
+        "holds a negative length",
+        request(torch.zeros(1, 2), torch.zeros(F + 1, dtype=torch.long), one): rf"lengths add up to {F} ids, but "
+        rf"values holds {F + 1}",
+        good.replace("values: ", "values: x", 1): r"values: 'x[0-9]+' is not an integer",
+        "dense: 0 0; lenghts: 1; values: 0\n": r"'lenghts' is not a section",
+        good.rstrip("\n") + "; weights: 1\n": r"the artifact reads no weights",
+        good.replace("lengths:", "values: 1; lengths:", 1): r"section 'values' given twice",
+    }
+    lines = [good, *bad, "\n", "dense: ; lengths: ; values: \n", good]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = serve(served, served.work / name, "".join(lines), env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    answers = [line for line in out.stdout.splitlines() if not line.startswith("spec: ")]
+    assert len(answers) == len(bad) + 3, answers  # the blank line is skipped
+    want = _python_answer(served.work / name, (dense, values, lengths))
+    for answer in (answers[0], answers[-1]):
+        assert answer.startswith("output:") and torch.allclose(outputs(answer)[0], want, rtol=0, atol=1e-6)
+    for answer, message in zip(answers[1:-2], bad.values()):
+        assert answer.startswith("error: ") and re.search(message, answer), (answer, message)
+    assert answers[-2] == "output:"  # no samples: no outputs
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def query_tower(served):
+    """The zoo's two-tower model trained 2 steps in this process, its query tower (a collection pooled with per-id
+    weights) exported as a TorchScript artifact."""
+    from tests.test_serving import trained_checkpoint
+
+    case, saved, cwd = zoo_two_tower.CASE, dict(os.environ), os.getcwd()
+    try:
+        os.chdir(served.work)
+        ckpt = trained_checkpoint(case.build(), case.batches(2), served.work / "two_tower_ckpt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved)
+    spec = export_inference(ckpt, served.work / "query.pt", table_dtype="fp32", part="query")
+    assert spec.weighted
+    return SimpleNamespace(path=served.work / "query.pt", spec=spec, heldout=case.heldout()["query"])
+
+
+def test_cpp_serves_per_id_weights(served, query_tower):
+    """The query tower reads per-id weights: sent as the request's ``weights``, C++ answers what Python does (the
+    embeddings, row-major); other weights give other answers; a request without them is refused by name."""
+    values, lengths, weights = serving_inputs(query_tower.spec, query_tower.heldout)
+    assert len(weights.unique()) > 1
+    lines = [
+        request(values, lengths, weights, dense=False),
+        request(values, lengths, torch.ones_like(weights), dense=False),
+        request(values, lengths, dense=False),
+        request(values, lengths, weights[:-1], dense=False),
+    ]
+    out = serve(served, query_tower.path, "".join(lines))
+    assert out.returncode == 0, out.stderr[-3000:]
+    answers = [line for line in out.stdout.splitlines() if not line.startswith("spec: ")]
+    weighted, unweighted = outputs("\n".join(answers[:2]))
+    assert torch.allclose(weighted, _python_answer(query_tower.path, (values, lengths, weights)), rtol=0, atol=1e-6)
+    assert torch.allclose(unweighted, _python_answer(query_tower.path, (values, lengths, torch.ones_like(weights))))
+    assert not torch.allclose(weighted, unweighted, atol=1e-4)
+    assert answers[2] == "error: the artifact reads per-id weights: add 'weights: ...'"
+    assert answers[3].startswith(f"error: weights has {len(weights) - 1} entries, values {len(weights)}")
+
+
+def _running(served, artifact: Path, tmp: Path) -> subprocess.Popen:
+    """The server started with ``tmp`` as its temp directory, once it has printed its spec (it is serving)."""
+    cmd = [str(served.work / "build" / "serve_cpp" / "serve"), str(artifact), FBGEMM_GPU_DIR]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )  # fmt: skip
+    line = proc.stdout.readline()  # blocks until the program is ready (or has ended)
+    assert line.startswith("spec: "), line + proc.stderr.read()
+    return proc
+
+
+def test_the_unpacked_package_is_removed_on_every_exit_path(served, tmp_path):
+    """The package's unpacked files (in $TMPDIR, one directory per process) are there while it serves and gone
+    after the end of the input, SIGTERM, SIGINT, a crash (SIGSEGV, SIGABRT) and a refused start; SIGKILL cannot be
+    caught and leaves one directory, which the next start removes (its process is gone)."""
+    package = served.work / "model.pt2"
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGSEGV, signal.SIGABRT):
+        proc = _running(served, package, tmp_path)
+        (unpacked,) = tmp_path.iterdir()
+        assert unpacked.name == f"lightning_rec_serve.{proc.pid}" and any(unpacked.rglob("*.so"))
+        proc.send_signal(sig)
+        proc.communicate(timeout=60)
+        assert proc.returncode == -sig, (sig, proc.returncode)
+        assert list(tmp_path.iterdir()) == [], sig
+    proc = _running(served, package, tmp_path)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert [p.name for p in tmp_path.iterdir()] == [f"lightning_rec_serve.{proc.pid}"]
+    out = serve(served, package, "", env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0 and list(tmp_path.iterdir()) == [], out.stderr[-3000:]
+    bad = _tampered(package, tmp_path.parent / "refused.pt2", ".so", rewrite=False)  # refused once unpacking
+    out = serve(served, bad, "", env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 1 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "suffix"), [("model.pt2", ".so"), ("model.pt2", "_weights.blob"), ("model_int8.pt", "data/0")]
+)
+def test_cpp_and_serve_py_refuse_a_modified_file_by_name(served, tmp_path, name, suffix):
+    """One flipped bit in the compiled library, the tables' blob or a TorchScript tensor: the C++ server (and
+    ``examples/serve.py``) refuses the file before loading it, naming the record, within seconds, and serves
+    nothing."""
+    bad = _tampered(served.work / name, tmp_path / f"bad{Path(name).suffix}", suffix, rewrite=False)
+    start = time.perf_counter()
+    out = serve(served, bad, "dense: 0 0; lengths: 1; values: 0\n", env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert time.perf_counter() - start < 30
+    assert out.returncode == 1 and "output:" not in out.stdout and "spec:" not in out.stdout, out.stdout[-2000:]
+    assert re.fullmatch(rf"\S*bad\.pt2? was modified after export: its record '[^']*{re.escape(suffix)}' has SHA-256 \S+, "
+                        r"its manifest records \S+; refusing to serve it\. .*\n", out.stderr), out.stderr  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == [bad.name]
+    py = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "serve.py"), str(bad), str(tmp_path / "in.pt"), str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert py.returncode != 0 and re.search(
+        rf"(modified after export|is damaged): its record '[^']*{re.escape(suffix)}'", py.stderr
+    ), py.stderr[-2000:]
+
+
+def test_cpp_refuses_a_cpu_without_the_packages_features_in_one_line(served, tmp_path):
+    """A package whose spec requires an instruction set this CPU lacks: the C++ server exits 1 with one line naming
+    it, before loading the compiled code."""
+    flags = host_features()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo")
+    lacking = sorted({"amx_tile", "avx512_fp16", "avx512f", "sve", "asimd", "xop"} - flags)[0]
+
+    def needs(spec):
+        spec["cpu"]["features"].append(lacking)
+        return spec
+
+    bad = _rewritten(served.work / "model.pt2", tmp_path / "lacking.pt2", needs)
+    out = serve(served, bad, "", env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 1 and "spec:" not in out.stdout
+    assert out.stderr.count("\n") == 1 and f"this CPU lacks {lacking} (its /proc/cpuinfo flags)" in out.stderr, (
+        out.stderr
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lacking.pt2"]
