@@ -168,7 +168,8 @@ def test_the_shipped_configs_name_only_public_classes():
     assert not found, "\n".join(found)
 
 
-_FILE_SUFFIXES = ("json", "py", "ckpt", "pt")  # lightning_rec.json is a file inside an artifact, not a module
+# lightning_rec.json and lightning_rec.sha256 are files inside an artifact, not modules
+_FILE_SUFFIXES = ("json", "sha256", "py", "ckpt", "pt")
 
 
 def _dotted_names(text: str) -> set[str]:

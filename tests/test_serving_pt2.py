@@ -36,7 +36,7 @@ from lightning_rec.serving import (
     verify,
 )
 from lightning_rec.serving.cpu import check_cpu, compile_options, host_features
-from lightning_rec.serving.integrity import MANIFEST_RECORD, seal
+from lightning_rec.serving.integrity import ARTIFACT_VERSION, MANIFEST_RECORD, seal
 from lightning_rec.serving.pt2 import SPEC_RECORD, stack_versions
 from tests.helpers import zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
 from tests.test_serving import (
@@ -266,7 +266,7 @@ def test_the_package_checks_its_inputs_host_side_by_name_and_in_the_graph(tutori
             unchecked(dense, values, lens)
     with pytest.raises(ValueError, match=r"lengths has 4 entries; the artifact reads 3 features"):
         checked(dense, good, torch.tensor([1, 1, 1, 0], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"dense_features has shape \[2, 3\]; .* expects \[1, 3\]"):
+    with pytest.raises(ValueError, match=r"dense_features has shape \(2, 3\); .* expects \(1, 3\)"):
         checked(torch.zeros(2, 3), good, lengths)
 
 
@@ -488,3 +488,17 @@ def test_a_cpu_without_the_packages_features_is_refused_in_one_line(tutorial, tm
     with pytest.raises(ServingError, match=r"compiled for riscv64 CPUs and this machine is"):
         load_pt2(_rewritten(tutorial[1], tmp_path / "riscv.pt2", needs(machine="riscv64")))
     check_cpu(None, "model.pt")  # TorchScript: nothing compiled, nothing to check
+
+
+@pytest.mark.dist
+def test_an_artifact_of_a_newer_layout_is_refused_by_name(tutorial, tmp_path):
+    """A package whose spec says a layout version newer than this lightning_rec reads (with a field it does not
+    know) is refused naming both versions, by ``pt2_spec`` and ``load_pt2``; this one's version is recorded."""
+    assert pt2_spec(tutorial[1]).artifact_version == ARTIFACT_VERSION >= 1
+    newer = _rewritten(tutorial[1], tmp_path / "newer.pt2", lambda s: {**s, "artifact_version": 99, "shards": 4})
+    for read in (pt2_spec, load_pt2):
+        with pytest.raises(
+            ServingError,
+            match=r"is an artifact of version 99, written by a newer lightning_rec; this one reads versions up to 1",
+        ):
+            read(newer)

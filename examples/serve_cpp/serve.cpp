@@ -436,6 +436,10 @@ int serve(int argc, char** argv) {
   verify_and_unpack(path, *reader, dir);  // first: nothing in the file is trusted before (its spec included)
   reader.reset();
   const Json spec = Json::parse(spec_text);
+  if (spec["artifact_version"].number > 1) {  // the spec's layout this program reads
+    throw Refusal(path + " is an artifact of version " + std::to_string(int(spec["artifact_version"].number)) +
+                  ", written by a newer lightning_rec; this program reads versions up to 1.");
+  }
   if (pt2) {
     // The compiled code calls into the libtorch that compiled it: the version its spec records, without its local
     // part ("+cpu"), as TORCH_VERSION spells it.

@@ -13,7 +13,11 @@ import torch
 from torch import Tensor, nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_rec.serving.integrity import ARTIFACT_VERSION, check_version
+from lightning_rec.serving.integrity import verify as verify_file
+
 __all__ = [
+    "ARTIFACT_VERSION",
     "SPEC_FILE",
     "InferenceSpec",
     "ServingWrapper",
@@ -27,7 +31,6 @@ __all__ = [
 ]
 
 SPEC_FILE = "lightning_rec.json"
-ARTIFACT_VERSION = 1  # the spec's layout and the artifact's records (1: with its manifest, checkpoint and cpu)
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,9 @@ def inference_spec(path: str | Path) -> InferenceSpec:
     """The :class:`InferenceSpec` stored in the artifact at ``path`` (no model is loaded)."""
     extra = {SPEC_FILE: ""}
     torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
-    return InferenceSpec(**json.loads(extra[SPEC_FILE]))
+    record = json.loads(extra[SPEC_FILE])
+    check_version(record, path)
+    return InferenceSpec(**record)
 
 
 def serving_inputs(
@@ -269,11 +274,13 @@ def load_inference(path: str | Path, map_location: str = "cpu", *, verify: bool 
     """
     import fbgemm_gpu  # noqa: F401  (registers the operators and classes the kernels use)
 
-    from lightning_rec.serving.integrity import verify as verify_file
-
     if verify:
         verify_file(path)
-    return torch.jit.load(str(path), map_location=map_location)
+    extra = {SPEC_FILE: ""}
+    module = torch.jit.load(str(path), map_location=map_location, _extra_files=extra)
+    if extra[SPEC_FILE]:  # an archive written by lightning_rec's export
+        check_version(json.loads(extra[SPEC_FILE]), path)
+    return module
 
 
 def example_inputs(spec: InferenceSpec) -> tuple[Tensor | None, ...]:

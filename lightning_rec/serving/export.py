@@ -15,7 +15,6 @@ from torch import nn
 from lightning_rec.config import BoundsCheck
 from lightning_rec.errors import ExportError
 from lightning_rec.serving.artifact import (
-    ARTIFACT_VERSION,
     SPEC_FILE,
     InferenceSpec,
     ServingWrapper,
@@ -23,7 +22,7 @@ from lightning_rec.serving.artifact import (
     example_inputs,
 )
 from lightning_rec.serving.cpu import CpuTarget, compile_options
-from lightning_rec.serving.integrity import seal
+from lightning_rec.serving.integrity import ARTIFACT_VERSION, seal
 from lightning_rec.serving.network import (
     KERNELS,
     call_failed,

@@ -19,10 +19,13 @@ from __future__ import annotations
 import hashlib
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from lightning_rec.errors import ServingError
 
-__all__ = ["MANIFEST_RECORD", "seal", "verify"]
+__all__ = ["ARTIFACT_VERSION", "MANIFEST_RECORD", "check_version", "seal", "verify"]
+
+ARTIFACT_VERSION = 1  # the spec's layout and the artifact's records (1: with its manifest, checkpoint and cpu)
 
 MANIFEST_RECORD = "extra/lightning_rec.sha256"
 # torch's archive writer draws a new random id for every file it writes (no content): left out, so that an artifact
@@ -123,6 +126,18 @@ def verify(path: str | Path) -> str:
                     "export wrote it, or export again."
                 )
     return hashlib.sha256(manifest).hexdigest()
+
+
+def check_version(spec: dict[str, Any], path: str | Path) -> None:
+    """Refuse (``ServingError``) an artifact whose spec (``spec``, as read from its JSON) has a layout newer than this
+    lightning_rec reads (``artifact_version`` above ``ARTIFACT_VERSION``): its records may mean other things."""
+    version = spec.get("artifact_version", 0)
+    if not isinstance(version, int) or version > ARTIFACT_VERSION:
+        raise ServingError(
+            f"{str(path)!r} is an artifact of version {version!r}, written by a newer lightning_rec; this one reads "
+            f"versions up to {ARTIFACT_VERSION}. HINT: upgrade lightning_rec where it is loaded, or export it with "
+            "this one."
+        )
 
 
 def _parse(text: str) -> dict[str, str]:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from lightning_rec.errors import ExportError, ServingError
 from lightning_rec.serving.artifact import InferenceSpec, check_inputs
 from lightning_rec.serving.cpu import check_cpu, quiet_isa_mismatch
-from lightning_rec.serving.integrity import seal
+from lightning_rec.serving.integrity import check_version, seal
 from lightning_rec.serving.integrity import verify as verify_file
 
 __all__ = ["SPEC_RECORD", "Pt2Model", "check_compiler", "load_pt2", "pt2_spec", "stack_versions", "write_pt2"]
@@ -134,7 +134,9 @@ def pt2_spec(path: str | Path) -> InferenceSpec:
             f"{str(path)!r} is a .pt2 package without {SPEC_RECORD}: it was not written by lightning_rec's export "
             "(load it with torch._inductor.aoti_load_package)."
         )
-    return InferenceSpec(**json.loads(reader.read_string(SPEC_RECORD)))
+    record = json.loads(reader.read_string(SPEC_RECORD))
+    check_version(record, path)
+    return InferenceSpec(**record)
 
 
 class Pt2Model:
