@@ -52,10 +52,12 @@ def check_cpu(artifact: str, cpu: dict | None) -> None:
         return
     if cpu["machine"] != platform.machine():
         sys.exit(f"{artifact} was compiled for {cpu['machine']} CPUs; this machine is {platform.machine()}.")
-    with open("/proc/cpuinfo") as info:
-        flags = next(
-            (set(line.split(":", 1)[1].split()) for line in info if line.startswith(("flags", "Features"))), None
-        )
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = [line for line in info if line.startswith(("flags", "Features"))]
+    except OSError:  # not Linux: nothing to check against
+        return
+    flags = set(lines[0].split(":", 1)[1].split()) if lines else None
     missing = [f for f in cpu["features"] if flags is not None and f not in flags]
     if missing:
         sys.exit(f"{artifact} was compiled for {cpu['target']} CPUs, and this CPU lacks {', '.join(missing)}.")
