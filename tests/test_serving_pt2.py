@@ -502,3 +502,16 @@ def test_an_artifact_of_a_newer_layout_is_refused_by_name(tutorial, tmp_path):
             match=r"is an artifact of version 99, written by a newer lightning_rec; this one reads versions up to 1",
         ):
             read(newer)
+
+
+def test_the_cli_takes_the_cpu_target_and_refuses_it_for_torchscript(capsys):
+    """``lightning-rec export --cpu`` reaches ``export_inference``: ``native`` with ``--format inference`` (nothing
+    compiled) is refused in one line before the checkpoint is read (exit 2); a target that is not one is refused by
+    the parser."""
+    with pytest.raises(SystemExit) as exit_:
+        run(["export", "no-checkpoint-needed", "model.pt", "--format", "inference", "--cpu", "native"])
+    assert exit_.value.code == 2
+    assert "cpu='native' applies to --format pt2 (compiled code)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        run(["export", "no-checkpoint-needed", "model.pt2", "--format", "pt2", "--cpu", "avx512"])
+    assert exit_.value.code == 2 and "invalid choice: 'avx512'" in capsys.readouterr().err
