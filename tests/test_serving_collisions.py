@@ -295,12 +295,12 @@ def test_a_managed_collision_and_position_weighted_model_serves_its_trained_stat
             packaged(dense, *raw)
         with pytest.raises(RuntimeError, match=r"outside its feature's table or managed-collision id space"):
             unchecked(dense, *raw)
-        message = r"feature 'history': sample 0 has 5 ids, more than the 4 positions its position weights cover"
+        message = r"feature 'history': sample 0 has 5 ids, more than the 4 it may bring \(max_lengths: the positions"
         with pytest.raises(Exception, match=message):
             scripted(dense, *long)
         with pytest.raises(ValueError, match=message):
             packaged(dense, *long)
-        with pytest.raises(RuntimeError, match=r"a sample has more ids than its feature's position weights cover"):
+        with pytest.raises(RuntimeError, match=r"a sample has more ids than its feature may bring"):
             unchecked(dense, *long)
 
 

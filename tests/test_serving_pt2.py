@@ -37,6 +37,7 @@ from lightning_rec.serving import (
 )
 from lightning_rec.serving.cpu import check_cpu, compile_options, host_features
 from lightning_rec.serving.integrity import ARTIFACT_VERSION, MANIFEST_RECORD, seal
+from lightning_rec.serving.network import network_features
 from lightning_rec.serving.pt2 import SPEC_RECORD, stack_versions
 from tests.helpers import zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
 from tests.test_serving import (
@@ -132,8 +133,15 @@ def _synthetic(spec, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def _eager_on_tensors(net: torch.nn.Module, spec, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``net`` on the artifact's arguments; the features of its collections the artifact does not take (SASRec's
+    target, negatives, catalog) empty."""
     dense, (values, lengths, *weights) = args[: bool(spec.num_dense_features)], args[bool(spec.num_dense_features) :]
-    kjt = KeyedJaggedTensor(keys=spec.features, values=values, lengths=lengths, weights=(weights or [None])[0])
+    batch = lengths.numel() // len(spec.features)
+    every = list(network_features(net)[0])
+    per_feature = lengths.view(len(spec.features), batch)
+    empty = lengths.new_zeros(batch)
+    full = torch.cat([per_feature[spec.features.index(f)] if f in spec.features else empty for f in every])
+    kjt = KeyedJaggedTensor(keys=every, values=values, lengths=full, weights=(weights or [None])[0])
     return net(*dense, kjt)
 
 
@@ -266,7 +274,7 @@ def test_the_package_checks_its_inputs_host_side_by_name_and_in_the_graph(tutori
             unchecked(dense, values, lens)
     with pytest.raises(ValueError, match=r"lengths has 4 entries; the artifact reads 3 features"):
         checked(dense, good, torch.tensor([1, 1, 1, 0], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"dense_features has shape \(2, 3\); .* expects \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"dense_features has shape \[2, 3\]; .* expects \[1, 3\]"):
         checked(torch.zeros(2, 3), good, lengths)
 
 

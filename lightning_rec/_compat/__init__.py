@@ -92,6 +92,7 @@ from lightning_rec._compat.patches import (
 )
 from lightning_rec._compat.python import ForkServerContext, ForkServerProcess, interpreter_exit
 from lightning_rec._compat.torch import (
+    aoti_input_checks,
     cpp_compiler,
     default_store,
     parse_to,
@@ -148,6 +149,7 @@ __all__ = [
     "batches_fetched",
     "call_batch_hook",
     "collision_output_segments",
+    "aoti_input_checks",
     "cpp_compiler",
     "create_topology",
     "default_store",

@@ -1,9 +1,11 @@
 """torch's private names recshard relies on (ShardedTensor and the dispatch-mode base class are imported by the
 package's ``__init__``): the default store, a tensor's version counter, ``Tensor.to``'s argument parser,
-AOTInductor's compiler search."""
+AOTInductor's compiler search and its input checks, compiled into every package."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -48,3 +50,89 @@ def cpp_compiler() -> str | Exception:
         return get_cpp_compiler()
     except Exception as err:  # InvalidCxxCompiler, or a failed probe of the compiler
         return err
+
+
+# torch: AOTInductor generates a check of every input's dtype, shape, strides and device in each package, but runs it
+# only when the serving process sets AOTI_RUNTIME_CHECK_INPUTS=1 (read once by the generated code); a package then
+# reads whatever memory a wrong tensor points at. No public option compiles the check in, so while a package is
+# generated the private code generator (CppWrapperCpu.generate_input_output_runtime_checks) is wrapped: the generated
+# gate returns true, each message names the input and the dtype it got.
+_AOTI_GATE = "env_var_value != nullptr && env_var_value[0] != '0'"
+_AOTI_DTYPE_NAMES = (
+    "static const char* lightning_rec_dtype_name(int32_t code) {\n"
+    "    switch (code) {\n"
+    + "".join(
+        f'        case {code}: return "{name}";\n'
+        for code, name in (
+            (0, "uint8"), (1, "int8"), (2, "int16"), (3, "int32"), (4, "int64"), (5, "float16"),
+            (6, "float32"), (7, "float64"), (11, "bool"), (15, "bfloat16"),
+        )
+    )
+    + '        default: return "another dtype";\n    }\n}'
+)  # fmt: skip
+
+
+def aoti_input_checks_class() -> Any:
+    """The code generator :func:`aoti_input_checks` wraps (a test pins it to the installed torch)."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    if not callable(getattr(CppWrapperCpu, "generate_input_output_runtime_checks", None)):
+        raise AttributeError(
+            "torch's CppWrapperCpu has no generate_input_output_runtime_checks: lightning_rec._compat must follow it"
+        )
+    return CppWrapperCpu
+
+
+@contextlib.contextmanager
+def aoti_input_checks(names: Sequence[str]) -> Iterator[None]:
+    """While in this context, AOTInductor compiles packages that always check their inputs (dtype, static sizes and
+    strides, the bounds of dynamic sizes, device) and raise ``std::runtime_error`` naming the input (``names``, in the
+    package's argument order) and, for a dtype, the one it got; without it they check only under
+    ``AOTI_RUNTIME_CHECK_INPUTS=1``. Raises ``RuntimeError`` if the generated code no longer has the gate (the
+    package would not check)."""
+    import re
+
+    cls = aoti_input_checks_class()
+    original = cls.generate_input_output_runtime_checks
+    gated: list[bool] = []
+
+    def generate(self: Any) -> None:
+        original(self)
+        buffer = getattr(self.prefix, "aot", self.prefix)  # a dual (JIT + AOT) buffer keeps the AOT lines apart
+        lines = buffer._lines
+        for i, line in enumerate(lines):
+            if not isinstance(line, str):
+                continue
+            if _AOTI_GATE in line:
+                line = line.replace(_AOTI_GATE, "true")
+                gated.append(True)
+            line = re.sub(
+                r'"input_handles\[(\d+)\]: ',
+                lambda m: f'"lightning_rec: input {m[1]} ({_input_name(names, int(m[1]))}): ',
+                line,
+            )
+            line = re.sub(
+                r'<< "but got: " << (\w+_dtype) << "\\n";',
+                r'<< "but got: " << \1 << "(" << lightning_rec_dtype_name(\1) << ")\\n";',
+                line,
+            )
+            lines[i] = line
+        first = next(
+            (i for i, line in enumerate(lines) if isinstance(line, str) and "static void check_input_0(" in line), 0
+        )
+        lines[first:first] = _AOTI_DTYPE_NAMES.splitlines()
+
+    cls.generate_input_output_runtime_checks = generate
+    try:
+        yield
+    finally:
+        cls.generate_input_output_runtime_checks = original
+    if not gated:
+        raise RuntimeError(
+            "lightning_rec: AOTInductor generated no AOTI_RUNTIME_CHECK_INPUTS gate to turn on: the package would not "
+            "check its inputs (lightning_rec._compat.torch.aoti_input_checks must follow this torch)"
+        )
+
+
+def _input_name(names: Sequence[str], index: int) -> str:
+    return names[index] if index < len(names) else f"input {index}"

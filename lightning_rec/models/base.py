@@ -67,6 +67,8 @@ class Probability(nn.Module):
         [0.5, 0.5, 0.5]
     """
 
+    serving_output = "the probability of a click (the sigmoid of the model's logit), [B]"  # the served spec's words
+
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
         self.net = net

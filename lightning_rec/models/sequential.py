@@ -182,10 +182,19 @@ class NextItemQuery(nn.Module):
         torch.Size([2, 8])
     """
 
+    # what a serving artifact takes and says it returns (see lightning_rec.serving.export_inference): only the history,
+    # at most max_len ids a user (a longer one has no position to take)
+    serving_features = ("history",)
+    serving_output = (
+        "each user's next-item query, [B, D]: the hidden state at the last position of their history; an item's "
+        "score is its dot product with the item's row of the table"
+    )
+
     def __init__(self, net: SASRec) -> None:
         super().__init__()
         self.item_ec = net.item_ec
         self.encoder = net.encoder
+        self.serving_max_lengths = {"history": net.encoder.max_len}
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         return self.encoder.encode(self.item_ec(sparse_features)["history"])[2]

@@ -63,6 +63,8 @@ class Tower(nn.Module):
         (torch.Size([2, 4]), True)
     """
 
+    serving_output = "each sample's L2-normalised embedding, [B, D] (a query and a candidate score by dot product)"
+
     def __init__(
         self,
         tables: list[EmbeddingBagConfig],

@@ -44,6 +44,7 @@ from lightning_rec.serving.artifact import (
     inference_spec,
     load_inference,
     serving_inputs,
+    warm_up,
 )
 from lightning_rec.serving.export import Format, TableDtype, export_inference
 from lightning_rec.serving.integrity import verify
@@ -66,4 +67,5 @@ __all__ = [
     "pt2_spec",
     "serving_inputs",
     "verify",
+    "warm_up",
 ]

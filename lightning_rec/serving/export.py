@@ -1,6 +1,7 @@
 """``export_inference``: a sharded checkpoint -> a quantized TorchScript artifact (see :mod:`lightning_rec.serving`)."""
 
 import copy
+import dataclasses
 import importlib
 import json
 import os
@@ -20,6 +21,8 @@ from lightning_rec.serving.artifact import (
     ServingWrapper,
     SparseOnly,
     example_inputs,
+    input_records,
+    warmup_record,
 )
 from lightning_rec.serving.cpu import CpuTarget, compile_options
 from lightning_rec.serving.integrity import ARTIFACT_VERSION, seal
@@ -29,9 +32,11 @@ from lightning_rec.serving.network import (
     check_row_width,
     network_features,
     num_dense,
+    output_meaning,
     position_limits,
     quantize,
     raw_id_features,
+    served_features,
     serving_network,
     takes_dense,
 )
@@ -153,11 +158,13 @@ def export_inference(
     module: nn.Module = load_module(cls, path, weights_only=weights_only, **(init_args or {})).eval()
     net = serving_network(module, part)
     feature_rows, weighted, tables = network_features(net)
-    features = list(feature_rows)
+    all_features = list(feature_rows)
+    features = served_features(net, all_features)  # what the artifact takes (the rest passed empty)
     check_row_width(tables, table_dtype, type(net).__name__)
     dense = takes_dense(net)
-    num_dense_features = num_dense(module, num_dense_features, net, features, weighted) if dense else 0
-    rows = list(feature_rows.values())
+    num_dense_features = num_dense(module, num_dense_features, net, all_features, weighted) if dense else 0
+    rows = [feature_rows[f] for f in features]
+    limits = position_limits(net)
     spec = InferenceSpec(
         features=features,
         num_dense_features=num_dense_features,
@@ -170,7 +177,7 @@ def export_inference(
         format=format,
         feature_rows=rows,
         raw_id_features=sorted(raw_id_features(net)),
-        max_lengths=position_limits(net),
+        max_lengths={f: n for f, n in limits.items() if f in features},
         versions=stack_versions(),
         artifact_version=ARTIFACT_VERSION,
         checkpoint={"step": int(meta.get("global_step", 0)), "id": identity},
@@ -181,16 +188,21 @@ def export_inference(
             num_dense_features,
             weighted,
         ),
+        inputs=input_records(num_dense_features, len(features), weighted),
     )
-    checked = rows if bounds_check == "error" else None
     serving = ServingWrapper(
         copy.deepcopy(net),
         features,
         dense,
-        checked,
+        rows,
         exported=format == "pt2",
         raw_id_features=spec.raw_id_features,
         max_lengths=spec.max_lengths,
+        num_dense=num_dense_features,
+        network_features=all_features,
+        # FBGEMM's warn/ignore bounds checks set a too large id to 0 in the tensor they are given: never the caller's
+        copy_values=bounds_check in ("warn", "ignore"),
+        check_ids=bounds_check == "error",  # the lengths and dense shapes are checked under every policy
     ).eval()
     quantized = quantize(serving, _DTYPES[table_dtype])
     for kernel in quantized.modules():
@@ -203,6 +215,13 @@ def export_inference(
     except Exception as err:
         raise ExportError(call_failed(module, net, dense, err)) from err
     served = SparseOnly(quantized) if not dense else quantized
+    warmup = warmup_record(spec, served)
+    out = torch.tensor(warmup["output"])
+    spec = dataclasses.replace(
+        spec,
+        output={"meaning": output_meaning(net), "dtype": "float32", "shape": ["B", *out.shape[1:]]},
+        warmup=warmup,
+    )
     if format == "pt2":
         write_pt2(served, spec, output, options)
         return spec

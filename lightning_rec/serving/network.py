@@ -29,7 +29,9 @@ __all__ = [
     "num_dense",
     "position_limits",
     "quantize",
+    "output_meaning",
     "raw_id_features",
+    "served_features",
     "serving_network",
     "takes_dense",
 ]
@@ -100,10 +102,43 @@ def raw_id_features(net: nn.Module) -> set[str]:
     return found
 
 
+def served_features(net: nn.Module, features: list[str]) -> list[str]:
+    """The features the artifact takes, in ``features``' (the collections') order: those the network declares as its
+    ``serving_features`` (the features its forward reads; the others are passed to its collections empty), else all.
+
+    Example::
+
+        >>> class History(nn.Module):
+        ...     serving_features = ("history",)
+        >>> served_features(History(), ["history", "target", "catalog"])
+        ['history']
+    """
+    declared = getattr(net, "serving_features", None)
+    if declared is None:
+        return features
+    unknown = [f for f in declared if f not in features]
+    if unknown or not declared:
+        raise ExportError(
+            f"{type(net).__name__}.serving_features names {unknown or 'no feature'}; its collections read {features}."
+        )
+    return [f for f in features if f in declared]
+
+
+def output_meaning(net: nn.Module) -> str:
+    """What the served network's output is, for the spec: its ``serving_output`` if it says, else the first
+    sentence of its class's docstring."""
+    said = getattr(net, "serving_output", None)
+    if isinstance(said, str):
+        return said
+    doc = inspect.getdoc(type(net)) or f"what {type(net).__name__}.forward returns"
+    return " ".join(doc.split("\n\n")[0].split())
+
+
 def position_limits(net: nn.Module) -> dict[str, int]:
-    """The position-weighted features of the network (``PositionWeightedModuleCollection``) with the longest list
-    of ids a sample may bring: its position weights' length (a longer one reads past them)."""
-    limits: dict[str, int] = {}
+    """The features of the network with the longest list of ids a sample may bring: a position-weighted feature's
+    (``PositionWeightedModuleCollection``) its position weights' length (a longer one reads past them), and those the
+    network declares as ``serving_max_lengths`` (a sequence model's ``max_len``: a longer history has no position)."""
+    limits: dict[str, int] = {k: int(v) for k, v in (getattr(net, "serving_max_lengths", None) or {}).items()}
     for sub in embedding_modules(net).values():
         if isinstance(sub, FeatureProcessedEmbeddingBagCollection):
             processors = sub.split()[0]

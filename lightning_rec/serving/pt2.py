@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_rec import _compat
 from lightning_rec.errors import ExportError, ServingError
-from lightning_rec.serving.artifact import InferenceSpec, check_inputs
+from lightning_rec.serving.artifact import InferenceSpec, as_ids, check_dense, check_inputs
 from lightning_rec.serving.cpu import check_cpu, quiet_isa_mismatch
 from lightning_rec.serving.integrity import check_version, seal
 from lightning_rec.serving.integrity import verify as verify_file
@@ -39,13 +40,17 @@ SPEC_RECORD = "extra/lightning_rec.json"  # a name under the archive's root fold
 _BINDING = ("torch", "fbgemm_gpu")
 _RECORDED = ("torch", "fbgemm_gpu", "torchrec", "lightning_rec")
 
-# The package's inputs: dense_features (when it reads them), values, lengths, weights (when weighted).
-_DTYPES = (torch.float32, torch.int64, torch.int32, torch.float32)
+# The package's inputs: dense_features (when it reads them), values, lengths, weights (when weighted); packages
+# written before the spec listed its inputs took int32 lengths.
+_OLD_DTYPES = (torch.float32, torch.int64, torch.int32, torch.float32)
 
 # The compiled graph keeps the tables out of the .so, in one blob beside it (TorchRec's tables are large).
 _INDUCTOR_CONFIGS = {
     "aot_inductor.package_constants_in_so": False,
     "aot_inductor.package_constants_on_disk_format": "binary_blob",
+    # The input checks compiled in (see write_pt2) test a dynamic size against the range export inferred, whose lower
+    # bound is 2 (torch specialises 0 and 1): a batch of one sample, or a request with no ids, is a correct input.
+    "aot_inductor.check_lowerbound": False,
 }
 
 
@@ -105,7 +110,11 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path, options: dict
             **(options or {}),
             "aot_inductor.metadata": {"lightning_rec": json.dumps(asdict(spec))},
         }
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(compiled), inductor_configs=configs)
+        # Every call checks its inputs' dtypes, static sizes (the dense width), strides and device in the compiled
+        # code, whoever loads it (Python, C++), and raises naming the input; AOTInductor would check only under
+        # AOTI_RUNTIME_CHECK_INPUTS=1 and otherwise read a wrong tensor's memory as the dtype and shape it expects.
+        with _compat.aoti_input_checks([record["name"] for record in spec.inputs or []]):
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(compiled), inductor_configs=configs)
         output.parent.mkdir(parents=True, exist_ok=True)
         # Written beside the output (a rename is atomic within one file system) under the output's own name: the
         # archive's root folder is named after the file.
@@ -152,7 +161,8 @@ class Pt2Model:
 
     def __init__(self, path: str | Path, spec: InferenceSpec, check: bool = True) -> None:
         self.spec = spec
-        self.check = check and spec.bounds_check == "error" and spec.feature_rows is not None
+        self.check = check and spec.feature_rows is not None
+        self._check_ids = spec.bounds_check == "error"  # the lengths and dense shapes under every policy
         self._rows = torch.tensor(spec.feature_rows or [], dtype=torch.long)
         self._raw_ids = [f in spec.raw_id_features for f in spec.features]
         no_limit = torch.iinfo(torch.long).max
@@ -162,14 +172,31 @@ class Pt2Model:
             self._runner = torch._inductor.aoti_load_package(str(path))
 
     def __call__(self, *args: Tensor | None) -> Tensor:
+        # Any integer dtype and layout is taken here: the package itself takes only the dtypes its spec lists, dense
+        # (contiguous) tensors, and refuses the others by name (packages written before it checked read them wrong).
+        offset = 1 if self.spec.num_dense_features else 0
+        given = [a for a in args if a is not None]
+        for i, name in ((offset, "values"), (offset + 1, "lengths")):
+            if i < len(given):
+                as_ids(given[i], name)  # a float id is refused, not rounded
+        inputs = [a.to(dtype).contiguous() for a, dtype in zip(given, self._dtypes)]
         if self.check:
             self._check(args)
-        # The compiled code reads each input as the dtype it was exported with and checks none (AOTInductor's
-        # input checks are off unless AOTI_RUNTIME_CHECK_INPUTS=1): int64 lengths would be read as int32 pairs.
-        dtypes = _DTYPES[1:] if not self.spec.num_dense_features else _DTYPES
-        inputs = [a.to(dtype) for a, dtype in zip((a for a in args if a is not None), dtypes)]
         with torch.inference_mode():
             return self._runner(*inputs)
+
+    def warm_up(self) -> Tensor:
+        """Call the package on the request its spec records and check the answer (see
+        :func:`~lightning_rec.serving.warm_up`): a server's first call and health check."""
+        from lightning_rec.serving.artifact import warm_up
+
+        return warm_up(self, self.spec)
+
+    @property
+    def _dtypes(self) -> tuple[torch.dtype, ...]:
+        if self.spec.inputs is not None:
+            return tuple(getattr(torch, record["dtype"]) for record in self.spec.inputs)
+        return _OLD_DTYPES[1:] if not self.spec.num_dense_features else _OLD_DTYPES
 
     def _check(self, args: tuple[Tensor | None, ...]) -> None:
         spec = self.spec
@@ -179,17 +206,11 @@ class Pt2Model:
             raise ValueError(f"the package takes ({first}values, lengths{', weights' if spec.weighted else ''}).")
         values, lengths = args[offset], args[offset + 1]
         assert values is not None and lengths is not None
-        check_inputs(values, lengths, spec.features, self._rows, self._raw_ids, self._max_lengths)
-        batch = lengths.numel() // len(spec.features)
+        check_inputs(values, lengths, spec.features, self._rows, self._raw_ids, self._max_lengths, self._check_ids)
         if offset:
-            dense = args[0]
-            expected = (batch, spec.num_dense_features)
-            if dense is None or tuple(dense.shape) != expected:
-                got = None if dense is None else tuple(dense.shape)
-                raise ValueError(
-                    f"dense_features has shape {got}; lengths holds {batch} samples of {len(spec.features)} features, "
-                    f"so the package expects {expected}."
-                )
+            if args[0] is None:
+                raise ValueError("dense_features is None; the package reads dense features.")
+            check_dense(args[0], lengths, len(spec.features), spec.num_dense_features)
 
 
 def load_pt2(path: str | Path, *, check_inputs: bool = True, verify: bool = True) -> Pt2Model:
@@ -228,7 +249,7 @@ def load_pt2(path: str | Path, *, check_inputs: bool = True, verify: bool = True
 def _trace_inputs(spec: InferenceSpec) -> tuple[Tensor | None, ...]:
     """Three samples with 0, 1 and 2 ids per feature (no size is 0 or 1, so none is specialised), ids all 0."""
     batch = 3
-    lengths = torch.tensor([0, 1, 2] * len(spec.features), dtype=torch.int32)
+    lengths = torch.tensor([0, 1, 2] * len(spec.features), dtype=torch.long)
     n = int(lengths.sum())
     return (
         torch.zeros(batch, spec.num_dense_features),
@@ -274,9 +295,9 @@ def _register_fake_classes() -> None:
 def _check_batch(spec: InferenceSpec, batch: int = 5) -> tuple[Tensor | None, ...]:
     """``batch`` samples with 0 to 3 ids per feature, drawn over each feature's whole table (seeded)."""
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(0, 4, (len(spec.features) * batch,), generator=g, dtype=torch.int32)
+    lengths = torch.randint(0, 4, (len(spec.features) * batch,), generator=g, dtype=torch.long)
     rows = torch.tensor(spec.feature_rows or [1] * len(spec.features)).repeat_interleave(batch)
-    limit = rows.repeat_interleave(lengths.long())
+    limit = rows.repeat_interleave(lengths)
     values = (torch.rand(int(lengths.sum()), generator=g) * limit).long()
     return (
         torch.randn(batch, spec.num_dense_features, generator=g),
@@ -300,13 +321,18 @@ def _arguments(spec: InferenceSpec, full: tuple[Tensor | None, ...]) -> tuple[Te
 
 
 def _dynamic_shapes(spec: InferenceSpec) -> tuple[dict[int, Any], ...]:
-    """Any batch size, any number of ids, ``lengths`` derived as features x batch (in :func:`_arguments`' order)."""
+    """Any batch size, any number of ids, and ``lengths`` of a size of its own (in :func:`_arguments`' order): the
+    compiled code trusts a size derived from another input's (features x batch) and would read past a shorter
+    ``lengths``; its own size is checked against features x batch in the graph (:func:`assert_inputs`)."""
     batch = torch.export.Dim("batch", min=1, max=2**20)
     ids = torch.export.Dim("ids", min=1, max=2**31 - 2)
+    # (export specialises a batch of 0 or 1, so a batch taken from lengths, F x B, starts at 2 x F; the compiled
+    # checks leave lower bounds out: see _INDUCTOR_CONFIGS)
+    lengths = torch.export.Dim("lengths", min=1 if spec.num_dense_features else 2 * len(spec.features), max=2**31 - 2)
     return (
         *(({0: batch},) if spec.num_dense_features else ()),
         {0: ids},
-        {0: len(spec.features) * batch},
+        {0: lengths},
         *(({0: ids},) if spec.weighted else ()),
     )
 
