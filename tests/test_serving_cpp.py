@@ -422,3 +422,45 @@ def test_cpp_refuses_a_cpu_without_the_packages_features_in_one_line(served, tmp
         out.stderr
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lacking.pt2"]
+
+
+def test_cpp_names_raw_ids_and_lengths_over_a_features_limit(served, tmp_path):
+    """A model with managed-collision features (raw ids) and a position-weighted one (at most ``MAX_HISTORY`` ids a
+    sample), as TorchScript: C++ answers a probe of seen raw ids as Python does, and words its refusals as the
+    artifact's own check: a raw id outside the collision module's id space, a sample with too many ids."""
+    from tests import test_serving_collisions as zch
+
+    saved, cwd = dict(os.environ), os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        trainer = zch._trainer(1, steps=2)
+        trainer.fit(zch.ZchModel(), DataLoader(zch.training_batches(0)[:2], batch_size=None, collate_fn=lambda b: b))
+        trainer.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved)
+    spec = export_inference(tmp_path / "ckpt", tmp_path / "zch.pt", table_dtype="fp32")
+    assert spec.raw_id_features == ["item", "user"] and spec.max_lengths == {"history": zch.MAX_HISTORY}
+    batch = zch.probe(zch.slots(zch.ZchModel.load_from_checkpoint(tmp_path / "ckpt")))
+    dense, values, lengths = serving_inputs(spec, batch["sparse"], batch["dense"])
+    B, limit = dense.shape[0], zch.MAX_HISTORY
+    one = torch.ones(3, dtype=torch.long)
+    lines = [
+        request(dense, values, lengths),
+        request(dense[:1], torch.tensor([zch.HASH_SIZE, 0, 0]), one),
+        request(dense[:1], torch.zeros(limit + 3, dtype=torch.long), torch.tensor([1, 1, limit + 1])),
+    ]
+    out = serve(served, tmp_path / "zch.pt", "".join(lines))
+    assert out.returncode == 0, out.stderr[-3000:]
+    answers = [line for line in out.stdout.splitlines() if not line.startswith("spec: ")]
+    assert B > 1 and torch.allclose(
+        outputs(answers[0])[0], _python_answer(tmp_path / "zch.pt", (dense, values, lengths)), rtol=0, atol=1e-6
+    )
+    assert answers[1] == (
+        f"error: feature 'user': raw id {zch.HASH_SIZE} is outside its managed-collision id space of {zch.HASH_SIZE} "
+        f"ids (input_hash_size: raw ids run from 0 to {zch.HASH_SIZE - 1})"
+    )
+    assert answers[2].startswith(f"error: feature 'history': sample 0 has {limit + 1} ids, more than the {limit}")

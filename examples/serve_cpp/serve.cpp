@@ -246,6 +246,7 @@ struct Inputs {
   int64_t dense = 0;
   bool weighted = false;
   std::vector<int64_t> rows;         // ids each feature takes (empty: not checked)
+  std::vector<bool> raw_ids;         // a managed-collision feature: raw ids, remapped inside the artifact
   std::vector<int64_t> max_lengths;  // per feature (-1: no limit)
   std::vector<torch::ScalarType> dtypes;  // of each argument, in order
 };
@@ -258,7 +259,10 @@ Inputs read_inputs(const Json& spec) {
   if (spec["bounds_check"].text == "error") {
     for (const auto& r : spec["feature_rows"].items) in.rows.push_back(static_cast<int64_t>(r.number));
   }
+  std::set<std::string> raw;
+  for (const auto& f : spec["raw_id_features"].items) raw.insert(f.text);
   for (const auto& f : in.features) {
+    in.raw_ids.push_back(raw.count(f) > 0);
     const Json& limit = spec["max_lengths"][f];
     in.max_lengths.push_back(limit.is_null() ? -1 : static_cast<int64_t>(limit.number));
   }
@@ -359,6 +363,12 @@ std::vector<torch::Tensor> parse_request(const std::string& line, const Inputs& 
     for (int64_t f = 0; f < F; ++f) {
       for (int64_t s = 0; s < B; ++s) {
         for (int64_t k = 0; k < lengths[f * B + s]; ++k, ++i) {
+          if ((values[i] < 0 || values[i] >= in.rows[f]) && in.raw_ids[f]) {
+            throw std::invalid_argument("feature '" + in.features[f] + "': raw id " + std::to_string(values[i]) +
+                                        " is outside its managed-collision id space of " + std::to_string(in.rows[f]) +
+                                        " ids (input_hash_size: raw ids run from 0 to " +
+                                        std::to_string(in.rows[f] - 1) + ")");
+          }
           if (values[i] < 0 || values[i] >= in.rows[f]) {
             throw std::invalid_argument("feature '" + in.features[f] + "': id " + std::to_string(values[i]) +
                                         " is outside its table of " + std::to_string(in.rows[f]) +
