@@ -246,3 +246,27 @@ def test_an_odd_row_count_trains_row_wise_tables_through_the_cli_on_two_ranks(tm
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert "Traceback" not in out.stderr and "invalid tensor size" not in out.stderr
+
+
+@pytest.mark.dist
+def test_pipelined_input_distribution_trains_row_wise_batches_of_different_sizes_as_the_plain_step(tmp_path):
+    """TorchRec's train pipeline (``pipeline=True``) reaches the same reduce-scatter: the same losses as without it."""
+    from tests.helpers import scenarios
+
+    row_wise = {t: {"sharding_types": ["row_wise"]} for t in ("t_user", "t_item", "t_genre")}
+    runs = [
+        run_ranks(
+            scenarios.train,
+            2,
+            tmp_path / str(pipeline),
+            tag="uneven",
+            steps=4,
+            batch_size=[9, 4],
+            strategy={"constraints": row_wise, "pipeline": pipeline},
+        )
+        for pipeline in (False, True)
+    ]
+    assert all(r["plan"][0]["sharding_type"] == "row_wise" for run in runs for r in run)
+    for plain, piped in zip(*runs, strict=True):
+        assert len(plain["losses"]) == 4
+        assert piped["losses"] == pytest.approx(plain["losses"], abs=1e-6)
