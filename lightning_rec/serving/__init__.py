@@ -15,11 +15,18 @@ it from C++.
 
 The artifact takes plain tensors, one sample per row::
 
-    forward(dense_features: Tensor[B, D],          # only if the served network reads dense features
-            values: Tensor[N] (int64 or int32),     # every id, feature by feature (feature-major, as a KJT)
-            lengths: Tensor[F * B] (int),           # ids per (feature, sample), feature-major
-            weights: Optional[Tensor[N]] = None)    # per-id weights, for weighted collections
+    forward(dense_features: Tensor[B, D] float32,  # only if the served network reads dense features
+            values: Tensor[N] int64,                # every id, feature by feature (feature-major, as a KJT)
+            lengths: Tensor[F * B] int64,           # ids per (feature, sample), feature-major
+            weights: Optional[Tensor[N]] = None)    # float32 per-id weights, for weighted collections
         -> Tensor                                  # what the network returns (CTR models: probabilities [B])
+
+TorchScript artifacts and :func:`load_pt2` take any integer dtype and layout (converted); a ``.pt2`` package called
+directly (``aoti_load_package``, C++) takes exactly these and refuses others naming the input. Whatever a caller
+passes, the artifact answers as the eager model would or raises: lengths not ``F x B`` long, negative, not adding
+up to ``values`` or longer than a feature may bring (the spec's ``max_lengths``), ids outside their tables, a wrong
+dense shape. The spec (``extra/lightning_rec.json``) lists the ``inputs``, the ``output`` and a ``warmup`` request
+(:func:`warm_up`).
 
 The feature order ``F`` is fixed at export and written in ``extra/lightning_rec.json`` (``"features"``). A model
 trained on a :class:`~lightning_rec.data.TabularDataModule` also records there how raw ids and values become these
