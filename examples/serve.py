@@ -1,4 +1,4 @@
-"""Serve an artifact written by ``lightning-rec export CKPT OUT --format inference`` (TorchScript) or ``--format pt2``
+"""Serve an artifact written by ``lightning-rec export CKPT OUT --format torchscript`` (TorchScript) or ``--format pt2``
 (a ``.pt2`` package: torch.export + AOTInductor), with torch and FBGEMM only (no lightning_rec, no torchrec): check
 that it is the file export wrote (each record's SHA-256) and, for a package, that this torch and CPU can run it; load
 it, read what it expects, predict.

@@ -4,8 +4,8 @@ Subcommands are LightningCLI's (``fit``, ``validate``, ``test``, ``predict``; ``
 plus ``prepare``, which fetches a dataset ahead of time (the DataModules also fetch on first use), ``plan``, which
 makes the sharding plan of a config for a cluster of any size on this machine (tables on ``meta``; see README
 "Planning for a cluster"), and ``export``, which turns a sharded checkpoint into one unsharded state dict file, or
-(``--format inference``) into a servable TorchScript artifact with quantized tables, or (``--format pt2``) a
-``torch.export`` + AOTInductor package::
+(``--format torchscript``; ``inference``, its former name, is still accepted) into a servable TorchScript artifact
+with quantized tables, or (``--format pt2``) a ``torch.export`` + AOTInductor package::
 
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml --trainer.max_epochs=2 --data.batch_size=1024
@@ -13,7 +13,7 @@ makes the sharding plan of a config for a cluster of any size on this machine (t
     lightning-rec plan --config examples/configs/criteo_dlrm.yaml --hosts 2 --devices-per-host 8 --device h100
     lightning-rec fit --config examples/configs/criteo_dlrm.yaml --trainer.strategy.init_args.plan=plan/plan.json
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model.safetensors
-    lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt --format inference
+    lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt --format torchscript
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt2 --format pt2
 
 ``--config`` takes a YAML file or the name of a config shipped in the package (``lightning_rec/configs``; the
@@ -189,13 +189,21 @@ def _export(argv: list[str]) -> None:
         description="Turn a sharded checkpoint (any world size, any plan) into one file: the unsharded state dict "
         "(--format weights: safetensors for *.safetensors, else a torch.save file that loads with weights_only=True), "
         "or a servable artifact with quantized tables that loads without lightning_rec: TorchScript (--format "
-        "inference) or a torch.export + AOTInductor package (--format pt2, for C++ and Python; see README 'Serving').",
+        "torchscript; 'inference', its former name, is accepted) or a torch.export + AOTInductor package (--format "
+        "pt2, for C++ and Python; see docs/serving.md).",
     )
     parser.add_argument(
         "checkpoint", help="a checkpoint directory, e.g. lightning_logs/version_0/checkpoints/last.ckpt"
     )
     parser.add_argument("output", help="e.g. model.safetensors, model.pt, model_int8.pt or model_int8.pt2")
-    parser.add_argument("--format", choices=["weights", "inference", "pt2"], default="weights")
+    parser.add_argument(
+        "--format",
+        # export_inference's names; "inference", this option's earlier name for TorchScript, still works
+        type=lambda name: "torchscript" if name == "inference" else name,
+        choices=["weights", "torchscript", "pt2"],
+        default="weights",
+        help="weights (the unsharded state dict), torchscript (alias: inference) or pt2; as export_inference's format",
+    )
     parser.add_argument(
         "--prefix", default="", help='weights: export only the weights under this prefix, without it (e.g. "model.")'
     )
@@ -239,7 +247,7 @@ def _export(argv: list[str]) -> None:
         spec = export_inference(
             args.checkpoint,
             args.output,
-            format="pt2" if args.format == "pt2" else "torchscript",
+            format=args.format,
             table_dtype=args.table_dtype,
             part=args.part,
             model_class=args.model_class,

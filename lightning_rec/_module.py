@@ -87,7 +87,7 @@ class RecLightningModule(pl.LightningModule):
 
     def inference_module(self, part: str | None = None) -> torch.nn.Module:
         """The network that serves, for :func:`lightning_rec.serving.export_inference` (``lightning-rec export
-        --format inference``): an ``nn.Module`` of this module's own layers whose ``forward`` takes
+        --format torchscript``): an ``nn.Module`` of this module's own layers whose ``forward`` takes
         ``(dense_features: Tensor, sparse_features: KeyedJaggedTensor)`` or ``(sparse_features: KeyedJaggedTensor)``
         and returns a tensor (scores, probabilities, embeddings). Called on the unsharded module loaded from a
         checkpoint. ``part`` names one of several networks (e.g. a two-tower model's ``"query"`` tower).

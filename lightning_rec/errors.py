@@ -100,7 +100,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 
 class ExportError(ValueError):
     """A model (or a part of it) that cannot become a serving artifact, naming the part and why; nothing was
-    written. Raised by :func:`lightning_rec.serving.export_inference` (``lightning-rec export --format inference``
+    written. Raised by :func:`lightning_rec.serving.export_inference` (``lightning-rec export --format torchscript``
     or ``--format pt2``).
     """
 

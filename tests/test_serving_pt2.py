@@ -29,6 +29,7 @@ from lightning_rec._cli import run
 from lightning_rec.errors import ExportError, ServingError
 from lightning_rec.serving import (
     export_inference,
+    inference_spec,
     load_inference,
     load_pt2,
     pt2_spec,
@@ -513,13 +514,39 @@ def test_an_artifact_of_a_newer_layout_is_refused_by_name(tutorial, tmp_path):
 
 
 def test_the_cli_takes_the_cpu_target_and_refuses_it_for_torchscript(capsys):
-    """``lightning-rec export --cpu`` reaches ``export_inference``: ``native`` with ``--format inference`` (nothing
+    """``lightning-rec export --cpu`` reaches ``export_inference``: ``native`` with ``--format torchscript`` (nothing
     compiled) is refused in one line before the checkpoint is read (exit 2); a target that is not one is refused by
     the parser."""
     with pytest.raises(SystemExit) as exit_:
-        run(["export", "no-checkpoint-needed", "model.pt", "--format", "inference", "--cpu", "native"])
+        run(["export", "no-checkpoint-needed", "model.pt", "--format", "torchscript", "--cpu", "native"])
     assert exit_.value.code == 2
     assert "cpu='native' applies to --format pt2 (compiled code)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         run(["export", "no-checkpoint-needed", "model.pt2", "--format", "pt2", "--cpu", "avx512"])
     assert exit_.value.code == 2 and "invalid choice: 'avx512'" in capsys.readouterr().err
+
+
+@pytest.mark.dist
+def test_the_cli_and_python_name_the_torchscript_format_alike(tutorial, tmp_path, capsys):
+    """``--format torchscript`` is the CLI's name for what Python calls ``format="torchscript"``, as ``--help`` says;
+    ``inference``, the CLI's earlier name, still works on both sides: all four write the same TorchScript artifact
+    (its spec says ``"torchscript"``, its predictions are the same)."""
+    ckpt, _ = tutorial
+    with pytest.raises(SystemExit) as exit_:
+        run(["export", "--help"])
+    assert exit_.value.code == 0
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "--format {weights,torchscript,pt2}" in usage and "torchscript (alias: inference)" in usage
+    written = []
+    for name in ("torchscript", "inference"):
+        run(["export", str(ckpt), str(tmp_path / f"cli_{name}.pt"), "--format", name, "--table-dtype", "fp32"])
+        export_inference(ckpt, tmp_path / f"py_{name}.ts", format=name, table_dtype="fp32")
+        written += [tmp_path / f"cli_{name}.pt", tmp_path / f"py_{name}.ts"]
+    batch = tutorial_batch(7)
+    outputs = []
+    for path in written:
+        spec = inference_spec(path)
+        assert spec.format == "torchscript", path
+        with torch.no_grad():
+            outputs.append(load_inference(path)(*serving_inputs(spec, batch["sparse"], batch["dense"])))
+    assert all(torch.equal(out, outputs[0]) for out in outputs)

@@ -1,5 +1,5 @@
 // A server, in C++ (libtorch and FBGEMM's operator libraries, no Python), for what `lightning-rec export` writes: a
-// TorchScript artifact (`--format inference`, any name but *.pt2) or a `.pt2` package (`--format pt2`: torch.export
+// TorchScript artifact (`--format torchscript`, any name but *.pt2) or a `.pt2` package (`--format pt2`: torch.export
 // + AOTInductor). Build and run from the repository root (docs/serving.md, "Load from C++"):
 //
 //   cmake -S examples/serve_cpp -B build/serve_cpp \

@@ -46,7 +46,7 @@ from lightning_rec.serving.requests import checked_record, datamodule_state
 __all__ = ["Format", "TableDtype", "export_inference"]
 
 TableDtype = Literal["fp32", "fp16", "int8", "int4"]
-Format = Literal["torchscript", "pt2"]
+Format = Literal["torchscript", "pt2", "inference"]  # "inference": the CLI's earlier name for "torchscript"
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float,
@@ -91,7 +91,8 @@ def export_inference(
             :func:`~lightning_rec.serving.load_pt2`, ``torch._inductor.aoti_load_package`` or C++'s
             ``AOTIModelPackageLoader``, only under the torch and FBGEMM that wrote it: see
             :mod:`lightning_rec.serving.pt2`). Default: ``"pt2"`` for an ``output`` ending in ``.pt2``, else
-            ``"torchscript"``.
+            ``"torchscript"``. ``"inference"``, the CLI's earlier name for TorchScript, is accepted as ``"torchscript"``
+            (the spec records ``"torchscript"``).
         table_dtype: the tables' storage: ``"fp32"`` (the trained rows, bit for bit), ``"fp16"``, ``"int8"`` or
             ``"int4"`` (row-wise quantized, with a per-row scale and bias). The dense layers stay fp32.
         part: which network to export, for modules that serve more than one (the two-tower model's ``"query"`` or
@@ -135,8 +136,10 @@ def export_inference(
 
     output = Path(output)
     format = format or ("pt2" if output.suffix == ".pt2" else "torchscript")
+    if format == "inference":  # the CLI's earlier name (`--format inference`): what a user wrote keeps working
+        format = "torchscript"
     if format not in ("torchscript", "pt2"):
-        raise ExportError(f"format must be 'torchscript' or 'pt2', got {format!r}.")
+        raise ExportError(f"format must be 'torchscript' (alias 'inference') or 'pt2', got {format!r}.")
     if table_dtype not in _DTYPES:
         raise ExportError(f"table_dtype must be one of {sorted(_DTYPES)}, got {table_dtype!r}.")
     if bounds_check not in _BOUNDS_CHECK:

@@ -101,7 +101,7 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path, options: dict
             f"{spec.model}{f' ({spec.part})' if spec.part else ''} cannot be captured by torch.export: "
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. HINT: the served network must not "
             "branch on tensor values or read them as Python numbers (.item(), .tolist(), int(t)); or export "
-            "--format inference (TorchScript)."
+            "--format torchscript."
         ) from err
     with tempfile.TemporaryDirectory(prefix="lightning_rec_pt2_") as scratch:
         compiled = Path(scratch) / "compiled.pt2"
@@ -240,7 +240,7 @@ def load_pt2(path: str | Path, *, check_inputs: bool = True, verify: bool = True
             + " and this process has "
             + ", ".join(f"{k} {h}" for k, (_, h) in wrong.items())
             + ": a .pt2 package runs only under the torch and FBGEMM that compiled it. HINT: export it again here "
-            "(`lightning-rec export CKPT OUT --format pt2`), or serve the TorchScript artifact (--format inference)."
+            "(`lightning-rec export CKPT OUT --format pt2`), or serve the TorchScript artifact (--format torchscript)."
         )
     check_cpu(spec.cpu, path)
     return Pt2Model(path, spec, check_inputs)
@@ -268,7 +268,7 @@ def check_compiler() -> None:
         raise ExportError(
             f"--format pt2 compiles the package with a C++ compiler (AOTInductor), and none was found: {compiler}. "
             "HINT: install one (Debian/Ubuntu: `apt install g++`; conda: `conda install -c conda-forge gxx`) or "
-            "point the CXX environment variable at it; or export --format inference (TorchScript), which needs none."
+            "point the CXX environment variable at it; or export --format torchscript, which needs none."
         )
 
 
