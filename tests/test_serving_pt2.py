@@ -550,3 +550,18 @@ def test_the_cli_and_python_name_the_torchscript_format_alike(tutorial, tmp_path
         with torch.no_grad():
             outputs.append(load_inference(path)(*serving_inputs(spec, batch["sparse"], batch["dense"])))
     assert all(torch.equal(out, outputs[0]) for out in outputs)
+
+
+def test_the_api_reference_says_torch_export_serves():
+    """The API reference (the ``lightning_rec.serving`` modules' docstrings) names ``torch.export`` as a format that
+    serves, not as one that refuses the quantized kernels (it did before TorchRec's fake classes)."""
+    import importlib
+    import pkgutil
+
+    import lightning_rec.serving as serving
+
+    names = [serving.__name__] + [f"{serving.__name__}.{m.name}" for m in pkgutil.iter_modules(serving.__path__)]
+    for name in names:
+        text = " ".join((importlib.import_module(name).__doc__ or "").split())
+        assert not re.search(r"torch\.export`*\s+(refuses|is refused|cannot capture the quantized)", text), name
+    assert "torch.export`` + AOTInductor" in " ".join((serving.__doc__ or "").split())

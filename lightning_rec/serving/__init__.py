@@ -1,17 +1,21 @@
-"""From a sharded checkpoint to a model that serves: a quantized TorchScript artifact that loads without this
-package (only ``torch`` and FBGEMM's operators), in Python or C++.
+"""From a sharded checkpoint to a model that serves: a ``.pt2`` package (``torch.export`` + AOTInductor) or a
+TorchScript artifact, with quantized tables, that loads without this package (only ``torch`` and FBGEMM's
+operators), in Python or C++.
 
 :func:`export_inference` loads the checkpoint unsharded (saved at any world size, with any plan), asks the module
 for the network that serves (:meth:`~lightning_rec.RecLightningModule.inference_module`), swaps every
 ``EmbeddingBagCollection``/``EmbeddingCollection`` for TorchRec's quantized inference module with tables in the
 chosen dtype (FBGEMM's ``IntNBitTableBatchedEmbeddingBagsCodegen`` kernels), traces it with TorchRec's ``fx``
-tracer (the kernels stay leaves), compiles it with TorchScript and saves it, with a JSON description of its inputs
-(``extra/lightning_rec.json`` in the archive). TorchRec's own recipe (``torchrec/inference/dlrm_predict.py``).
+tracer (the kernels stay leaves), compiles it with TorchScript (``format="torchscript"``) and saves it, with a JSON
+description of its inputs (``extra/lightning_rec.json`` in the archive). TorchRec's own recipe (``torchrec/inference/dlrm_predict.py``).
 
-Why TorchScript rather than ``torch.export``: the quantized kernels hold a ``torch.classes.fbgemm.AtomicCounter``
-that has no fake implementation, so ``torch.export`` refuses them (torch 2.13, FBGEMM 1.8); TorchScript saves the
-``KeyedJaggedTensor`` code into the archive, so loading needs neither TorchRec nor this package, and libtorch loads
-it from C++.
+Both formats serve (``format=``, ``lightning-rec export --format torchscript|pt2``). ``format="pt2"`` (the
+default for an output ending in ``.pt2``) captures the same network with ``torch.export``, the quantized kernels'
+FBGEMM ``AtomicCounter``/``TensorQueue`` registered as fake classes as TorchRec does, and compiles it ahead of time
+with AOTInductor (:mod:`lightning_rec.serving.pt2`; :func:`load_pt2`, ``aoti_load_package``, C++'s
+``AOTIModelPackageLoader``); it needs a C++ compiler at export and runs only under the torch and FBGEMM that wrote
+it. TorchScript saves the ``KeyedJaggedTensor`` code into the archive, so loading needs neither TorchRec nor this
+package, no compiler, and the archive outlives torch upgrades (``torch.jit`` is deprecated). See docs/serving.md.
 
 The artifact takes plain tensors, one sample per row::
 
