@@ -15,6 +15,7 @@ import re
 import shutil
 import struct
 import subprocess
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -565,3 +566,55 @@ def test_the_api_reference_says_torch_export_serves():
         text = " ".join((importlib.import_module(name).__doc__ or "").split())
         assert not re.search(r"torch\.export`*\s+(refuses|is refused|cannot capture the quantized)", text), name
     assert "torch.export`` + AOTInductor" in " ".join((serving.__doc__ or "").split())
+
+
+@pytest.mark.dist
+def test_artifacts_do_not_embed_the_exporting_machines_paths(tutorial, tutorial_ts, tmp_path_factory):
+    """Neither format carries the exporting machine's folders (working directory, home, temp directory, the
+    checkpoint's folder, Python's and torch's install folders, the inductor cache) in any record: not in the spec,
+    the compiled library (no line tables), the generated sources kept in a ``.pt2`` (placeholders), nor a TorchScript
+    archive's source ranges (dropped). The one exception is the compiler's: the library's assertion messages name
+    torch's headers and the generated sources by their absolute paths (``__FILE__``)."""
+    import sys
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    ckpt, package = tutorial
+    folders = {
+        Path.cwd(),
+        Path.home(),
+        Path(tempfile.gettempdir()),
+        tmp_path_factory.getbasetemp(),
+        ckpt.parent,
+        Path(torch.__file__).parent,
+        Path(sys.prefix),
+        Path(cache_dir()),
+    }
+    needles = {str(form).encode() for f in folders for form in (f, f.resolve())}
+    # What the compiler bakes into the library's assertion messages (__FILE__): torch's headers and the generated
+    # sources' names, nothing else (docs/serving.md says so)
+    baked = re.compile(
+        rb"(%s)/include/[\w/.+-]+\.h(?=\x00)|(%s)/\w+/\w+\.(wrapper|kernel)\.cpp(?=\x00)"
+        % (
+            b"|".join(
+                re.escape(str(p).encode()) for p in {Path(torch.__file__).parent, Path(torch.__file__).resolve().parent}
+            ),
+            b"|".join(re.escape(str(p).encode()) for p in {Path(cache_dir()), Path(cache_dir()).resolve()}),
+        )
+    )
+    for artifact in (package, tutorial_ts):
+        with zipfile.ZipFile(artifact) as archive:
+            for name in archive.namelist():
+                data = archive.read(name)
+                if name.endswith(".so"):
+                    data = baked.sub(b"", data)
+                found = [needle for needle in needles if needle in data]
+                assert not found, f"{artifact.name}: {name} holds {found}"
+    # still artifacts that serve, alike
+    batch = tutorial_batch(3)
+    model = load_pt2(package)
+    spec = inference_spec(tutorial_ts)
+    with torch.no_grad():
+        want = load_inference(tutorial_ts)(*serving_inputs(spec, batch["sparse"], batch["dense"]))
+    got = model(*serving_inputs(model.spec, batch["sparse"], batch["dense"]))
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)

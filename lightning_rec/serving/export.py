@@ -231,10 +231,29 @@ def export_inference(
     scripted = _script(served, type(net).__name__)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
-    scripted.save(str(partial), _extra_files={SPEC_FILE: json.dumps(asdict(spec))})
+    raw = output.with_name(f".{output.name}.raw")
+    try:
+        scripted.save(str(raw), _extra_files={SPEC_FILE: json.dumps(asdict(spec))})
+        _without_debug_info(raw, partial)
+    finally:
+        raw.unlink(missing_ok=True)
     seal(partial)
     os.replace(partial, output)
     return spec
+
+
+def _without_debug_info(source: Path, target: Path) -> None:
+    """Copy the TorchScript archive ``source`` to ``target`` without its ``*.debug_pkl`` records: the source ranges
+    of error messages, which hold the absolute path of every Python file the code came from (this machine's
+    site-packages and working copy). ``torch.jit.load`` (Python, C++) reads an archive without them; a runtime error
+    then names the TorchScript code's line instead of the Python source's."""
+    reader = torch._C.PyTorchFileReader(str(source))
+    writer = torch._C.PyTorchFileWriter(str(target))
+    for name in reader.get_all_records():
+        if not name.endswith(".debug_pkl"):
+            data = reader.get_record(name)
+            writer.write_record(name, data, len(data))
+    writer.write_end_of_file()
 
 
 def _model_class(model_class: str | type | None, meta: dict[str, Any], path: Path) -> type:

@@ -51,6 +51,8 @@ _INDUCTOR_CONFIGS = {
     # The input checks compiled in (see write_pt2) test a dynamic size against the range export inferred, whose lower
     # bound is 2 (torch specialises 0 and 1): a batch of one sample, or a request with no ids, is a correct input.
     "aot_inductor.check_lowerbound": False,
+    # No line tables (-g1, on by default): their DWARF names this machine's torch, Python and inductor cache folders
+    "aot_inductor.enable_line_tables": False,
 }
 
 
@@ -343,13 +345,42 @@ def _with_spec(compiled: Path, output: Path, spec: InferenceSpec) -> None:
 
     reader = PT2ArchiveReader(str(compiled))
     writer = PT2ArchiveWriter(str(output))
+    places = _machine_paths()
     try:
         for name in reader.get_file_names():  # names under the archive's root folder
             if not writer.has_record(name):
-                writer.write_bytes(name, reader.read_bytes(name))
+                data = reader.read_bytes(name)
+                if name.endswith(".cpp"):  # the generated sources, kept for reading: no loader compiles them
+                    for path, placeholder in places:
+                        data = data.replace(path, placeholder)
+                writer.write_bytes(name, data)
         writer.write_string(SPEC_RECORD, json.dumps(asdict(spec)))
     finally:
         writer.close()
+
+
+def _machine_paths() -> list[tuple[bytes, bytes]]:
+    """The exporting machine's folders that AOTInductor writes into the generated sources it packages (their
+    compile commands, include paths and file names), longest first, each with the placeholder it becomes."""
+    import sys
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    named = [
+        (cache_dir(), "<inductor-cache>"),
+        (os.path.dirname(torch.__file__), "<torch>"),
+        (sys.prefix, "<python>"),
+        (sys.base_prefix, "<python>"),
+        (os.getcwd(), "<cwd>"),
+        (os.path.expanduser("~"), "<home>"),
+        (tempfile.gettempdir(), "<tmp>"),
+    ]
+    pairs = {}
+    for path, placeholder in named:
+        for form in {path, os.path.realpath(path)}:
+            if len(form) > 1:  # never "/"
+                pairs[form.encode()] = placeholder.encode()
+    return sorted(pairs.items(), key=lambda pair: -len(pair[0]))
 
 
 def _round_trip(package: Path, model: nn.Module, check: tuple[Tensor | None, ...], spec: InferenceSpec) -> None:
