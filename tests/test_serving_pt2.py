@@ -577,7 +577,7 @@ def test_artifacts_do_not_embed_the_exporting_machines_paths(tutorial, tutorial_
     torch's headers and the generated sources by their absolute paths (``__FILE__``)."""
     import sys
 
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from lightning_rec._compat import inductor_cache_dir as cache_dir
 
     ckpt, package = tutorial
     folders = {

@@ -95,6 +95,7 @@ from lightning_rec._compat.torch import (
     aoti_input_checks,
     cpp_compiler,
     default_store,
+    inductor_cache_dir,
     parse_to,
     tensor_version,
 )
@@ -158,6 +159,7 @@ __all__ = [
     "fused_tbes",
     "hpc_save_path",
     "in_backward_optimizer",
+    "inductor_cache_dir",
     "interpreter_exit",
     "is_class_attribute_patched",
     "is_patched",

@@ -136,3 +136,12 @@ def aoti_input_checks(names: Sequence[str]) -> Iterator[None]:
 
 def _input_name(names: Sequence[str], index: int) -> str:
     return names[index] if index < len(names) else f"input {index}"
+
+
+# torch: AOTInductor's cache folder (where it writes the sources it compiles, whose paths end up in a package's
+# generated sources) is named only by a private runtime helper.
+def inductor_cache_dir() -> str:
+    """The folder AOTInductor compiles in (``TORCHINDUCTOR_CACHE_DIR``, else torch's default under the temp folder)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()

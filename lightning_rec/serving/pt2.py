@@ -364,10 +364,8 @@ def _machine_paths() -> list[tuple[bytes, bytes]]:
     compile commands, include paths and file names), longest first, each with the placeholder it becomes."""
     import sys
 
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     named = [
-        (cache_dir(), "<inductor-cache>"),
+        (_compat.inductor_cache_dir(), "<inductor-cache>"),
         (os.path.dirname(torch.__file__), "<torch>"),
         (sys.prefix, "<python>"),
         (sys.base_prefix, "<python>"),
