@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,14 +114,26 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _check_directory(path: Path) -> None:
-    if not path.exists():
-        raise CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
-    if not path.is_dir():
-        raise CheckpointError(
-            f"{str(path)!r} is a file; checkpoints of the recshard strategy are directories (torch.distributed."
-            "checkpoint). HINT: a single-file state dict comes from `lightning-rec export`; to load it, build the "
-            "plain model and call `load_state_dict`."
-        )
+    # One stat, not exists() then is_dir(): a publish renaming `path` away between the two made a directory look
+    # like a file to a concurrent reader.
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise _missing(path) from None
+    if not stat.S_ISDIR(mode):
+        raise _not_a_directory(path)
+
+
+def _missing(path: Path) -> CheckpointError:
+    return CheckpointError(f"Checkpoint {str(path)!r} does not exist.")
+
+
+def _not_a_directory(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{str(path)!r} is a file; checkpoints of the recshard strategy are directories (torch.distributed."
+        "checkpoint). HINT: a single-file state dict comes from `lightning-rec export`; to load it, build the "
+        "plain model and call `load_state_dict`."
+    )
 
 
 def _incomplete(path: Path) -> CheckpointError:
@@ -204,16 +217,7 @@ def pin(path: Path, last_try: bool = True) -> Iterator[Pinned]:
         CheckpointError: ``path`` is not a complete checkpoint directory.
         CheckpointReplacedError: ``path`` was replaced between opening it and opening its files.
     """
-    path = Path(path)
-    if not path.exists() and _aside_path(path, "replaced").exists():
-        if not last_try:  # most likely between the two renames of a publish: the new one is a moment away
-            raise replaced_error(path)
-        path = recover(path)  # or a crash there left the old one aside
-    _check_directory(path)
-    try:
-        directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except (FileNotFoundError, NotADirectoryError):
-        raise replaced_error(path) from None
+    path, directory = _open_directory(Path(path), last_try)
     pinned: Pinned | None = None
     try:
         try:
@@ -239,6 +243,28 @@ def pin(path: Path, last_try: bool = True) -> Iterator[Pinned]:
         yield pinned
     finally:
         pinned.close()
+
+
+def _open_directory(path: Path, last_try: bool) -> tuple[Path, int]:
+    """``path`` (or, on the last try, the checkpoint a crashed publish left aside) opened as a directory.
+
+    Opened first and asked afterwards why that failed: every check before the open is a window in which a
+    concurrent publish renames ``path`` away.
+    """
+    try:
+        return path, os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except NotADirectoryError:
+        raise _not_a_directory(path) from None
+    except FileNotFoundError:
+        if not (_aside_path(path, "replaced").exists() or path.exists()):  # now there: published meanwhile
+            raise _missing(path) from None
+    if not last_try:  # most likely between the two renames of a publish: the new one is a moment away
+        raise replaced_error(path)
+    aside = recover(path)  # or a crash there left the old one aside
+    try:
+        return aside, os.open(aside, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        raise replaced_error(path) from None
 
 
 def _fd_digest(fd: int) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import shutil
 import subprocess
 import time
@@ -89,6 +90,48 @@ def test_a_reader_beside_a_writer_gets_one_whole_save_or_is_told_it_was_replaced
     writer.join()
     assert done["run"].processes[0].returncode == 0, done["run"].processes[0].log[-3000:]
     assert whole >= 5 and len(values) >= 3, (whole, replaced, values)  # it really read while the writer wrote
+
+
+def test_a_checkpoint_renamed_away_under_a_reader_is_never_called_a_file(tmp_path, monkeypatch):
+    """The writer's first rename landing just after the reader looked (the flake CI met once: "is a file")."""
+    ckpt, aside = tmp_path / "last.ckpt", layout._aside_path(tmp_path / "last.ckpt", "replaced")
+    ckpt.mkdir()
+    aside.parent.mkdir()
+    layout.mark_complete(ckpt, {}, {"step": 1})
+    real_exists = Path.exists
+
+    def the_writer_renames_it_right_after(self: Path, *args: Any, **kwargs: Any) -> bool:
+        there = real_exists(self, *args, **kwargs)
+        if self == ckpt and there:
+            os.rename(ckpt, aside)  # publish's first rename
+        return there
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "exists", the_writer_renames_it_right_after)
+        try:
+            with layout.pin(ckpt, last_try=False) as pinned:
+                assert pinned.manifest["step"] == 1  # read whole, before the rename
+        except CheckpointReplacedError:
+            pass  # or told to read again; never "is a file"
+    if not ckpt.exists():  # between the publish's two renames: told to try again, and the last try reads the old one
+        with pytest.raises(CheckpointReplacedError):
+            with layout.pin(ckpt, last_try=False):
+                pass
+        with layout.pin(ckpt, last_try=True) as pinned:
+            assert pinned.manifest["step"] == 1
+        os.rename(aside, ckpt)
+    aside.mkdir()  # a stale aside never stands in for a checkpoint that is there
+    with layout.pin(ckpt, last_try=False) as pinned:
+        assert pinned.manifest["step"] == 1
+    shutil.rmtree(ckpt)
+    shutil.rmtree(aside)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        with layout.pin(ckpt):
+            pass
+    ckpt.write_text("a state dict")
+    with pytest.raises(CheckpointError, match="is a file"):
+        with layout.pin(ckpt):
+            pass
 
 
 # --- a full disk, a read-only directory ---------------------------------------------------------------------------
