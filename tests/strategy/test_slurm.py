@@ -12,56 +12,25 @@ SLURM itself starts the tasks, delivers the signal and runs the requeued job.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from lightning_rec.checkpoint import export, is_checkpoint, load_exported
-from lightning_rec.testing import shell_env
+from lightning_rec.checkpoint import is_checkpoint
+from tests.helpers.cluster_jobs import CONFIG, assert_same_weights, small_run, user_env, wait_for, weights
 from tests.helpers.dist import REPO
 
 pytestmark = pytest.mark.dist
 
 SETUP = REPO / "scripts" / "setup_slurm.sh"
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
-CONFIG = REPO / "examples" / "configs" / "synthetic_dlrm.yaml"
-STEPS, BATCH, EVERY = 160, 64, 20  # 2 ranks x 160 steps x 64 rows; a checkpoint every 20 steps
-# The shipped config made small, and a checkpoint every EVERY steps: the one at step EVERY tells that the job is
-# mid-epoch, the last one (step STEPS) holds the final weights.
-ARGS = [
-    "--trainer.max_epochs=1",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.limit_val_batches=0",
-    f"--data.init_args.train_rows={2 * STEPS * BATCH}",
-    f"--data.init_args.batch_size={BATCH}",
-    "--data.init_args.val_rows=64",
-    "--trainer.callbacks="
-    + json.dumps(
-        [
-            {
-                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                "init_args": {"every_n_train_steps": EVERY, "save_top_k": -1},
-            }
-        ]
-    ),
-]
+STEPS, BATCH, EVERY = 160, 64, 20  # per rank; a checkpoint every EVERY steps
+ARGS = small_run(STEPS, BATCH, EVERY)
 FINAL = f"epoch=0-step={STEPS}.ckpt"
-
-
-def _env() -> dict[str, str]:
-    """A user's shell with the project's environment active (sbatch hands it on to the job)."""
-    env = shell_env()
-    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}  # a test run inside an allocation
-    bin_dir = str(Path(sys.executable).parent)
-    return {**env, "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "PYTHONWARNINGS": "ignore"}
 
 
 @pytest.fixture(scope="module")
@@ -80,22 +49,12 @@ def _job(job: str) -> dict[str, str]:
     return dict(field.split("=", 1) for field in out.stdout.split() if "=" in field)
 
 
-def _wait(what: str, ready, timeout: float, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            tail = log.read_text()[-4000:] if log is not None and log.exists() else ""
-            raise AssertionError(f"{what}: not after {timeout:.0f} s\n{tail}")
-        time.sleep(0.1)  # polling SLURM and the job's files, with the deadline above
-
-
-def _weights(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
-    export(checkpoint, out)
-    return load_exported(out)
+def _wait_job(what: str, ready, log: Path) -> None:
+    wait_for(what, ready, 300, lambda: log.read_text() if log.exists() else "")
 
 
 def test_scancel_usr1_mid_epoch_saves_requeues_and_the_requeued_job_resumes_exactly(slurm, tmp_path):
-    env = _env()
+    env = user_env()
     # The uninterrupted run: the same command under Lightning's launcher, beside the SLURM job (both are short).
     reference = subprocess.Popen(
         ["lightning-rec", "fit", "--config", str(CONFIG), *ARGS, f"--trainer.default_root_dir={tmp_path / 'ref'}"],
@@ -115,15 +74,11 @@ def test_scancel_usr1_mid_epoch_saves_requeues_and_the_requeued_job_resumes_exac
     job = submitted.stdout.strip().split(";")[0]
     try:
         first = root / "lightning_logs" / "version_0" / "checkpoints" / f"epoch=0-step={EVERY}.ckpt"
-        _wait("the job's first periodic checkpoint", lambda: is_checkpoint(first), 300, log)
+        _wait_job("the job's first periodic checkpoint", lambda: is_checkpoint(first), log)
         signalled = subprocess.run(["scancel", "--signal=USR1", job], capture_output=True, text=True, check=False)
         assert signalled.returncode == 0, signalled.stderr
-        _wait(
-            "the requeued job's end",
-            lambda: _job(job).get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"},
-            300,
-            log,
-        )
+        ended = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
+        _wait_job("the requeued job's end", lambda: _job(job).get("JobState") in ended, log)
     finally:
         if _job(job).get("JobState") in {"PENDING", "RUNNING", "REQUEUED", "COMPLETING"}:
             subprocess.run(["scancel", job], check=False)
@@ -142,13 +97,10 @@ def test_scancel_usr1_mid_epoch_saves_requeues_and_the_requeued_job_resumes_exac
 
     out, _ = reference.communicate(timeout=600)
     assert reference.returncode == 0, out[-4000:]
-    expected = _weights(next((tmp_path / "ref").rglob(FINAL)), tmp_path / "ref.pt")
+    expected = weights(next((tmp_path / "ref").rglob(FINAL)), tmp_path / "ref.pt")
     finals = sorted(root.rglob(FINAL))
     assert [p.parent.parent.name for p in finals] == ["version_1"], finals  # written by the requeued job
-    got = _weights(finals[0], tmp_path / "slurm.pt")
-    assert got.keys() == expected.keys()
-    for key in expected:
-        assert torch.equal(got[key], expected[key]), key
+    assert_same_weights(weights(finals[0], tmp_path / "slurm.pt"), expected)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
