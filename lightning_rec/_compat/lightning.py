@@ -101,3 +101,16 @@ def route_last_checkpoint() -> None:
     _parse_ckpt_path.__lightning_rec__ = True  # type: ignore[attr-defined]
     _parse_ckpt_path.__wrapped__ = original  # type: ignore[attr-defined]
     _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]
+
+
+# Lightning: the training loader's state a fit resumed from a checkpoint is about to load (the FitLoop's private
+# `_combined_loader_states_to_load`, set when the loops are restored). Lightning takes the loader's length before it
+# loads that state, and an elastically resumed epoch's length is known only from the state: the DataModule loads it
+# first (loading it again is a no-op), so Lightning counts the resumed epoch's steps right.
+def pending_loader_state(trainer: Trainer | None) -> dict[str, Any] | None:
+    """The state Lightning will load into the one training loader it is asking for, or ``None``."""
+    loop = getattr(trainer, "fit_loop", None)
+    states = getattr(loop, "_combined_loader_states_to_load", None)
+    if loop is None or not loop.restarting or not isinstance(states, list) or len(states) != 1:
+        return None
+    return states[0] if isinstance(states[0], dict) else None

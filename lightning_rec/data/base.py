@@ -19,8 +19,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_rec._compat.lightning import pending_loader_state
 from lightning_rec._forkserver import worker_context
 from lightning_rec.config import SparseFeature
+from lightning_rec.data.elastic import Leg, Remaining, sampler_read
 from lightning_rec.data.resume import ResumableLoader, pass_through
 from lightning_rec.data.stream import StreamLoader, TableStream
 
@@ -190,12 +192,19 @@ def rank_batches(
         raise ValueError(
             f"Cannot give each of {world_size} ranks at least one of {num_rows} rows; use fewer processes or more data."
         )
+    return _stripe(_epoch_order(num_rows, shuffle, seed, epoch), batch_size, rank, world_size)
+
+
+def _epoch_order(num_rows: int, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
     if shuffle:
-        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
-    else:
-        order = torch.arange(num_rows)
+        return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    return torch.arange(num_rows)
+
+
+def _stripe(order: torch.Tensor, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s batches of the rows ``order`` (see :func:`rank_batches`)."""
     mine = torch.tensor_split(order, world_size)[rank]
-    num_batches = math.ceil(math.ceil(num_rows / world_size) / batch_size)
+    num_batches = math.ceil(math.ceil(len(order) / world_size) / batch_size)
     return list(torch.tensor_split(mine, num_batches))
 
 
@@ -205,7 +214,8 @@ class DistributedBatchSampler(DistributedSampler):
     It is a ``DistributedSampler`` so that Lightning keeps it (instead of injecting its own, which would pad
     with repeated rows) and calls :meth:`set_epoch` on it, which reshuffles each epoch. A pass skips the epoch's
     first ``start_batch`` batches (a resumed epoch: :class:`~lightning_rec.data.resume.ResumableLoader` sets it;
-    ``len()`` stays the epoch's). With ``with_epoch`` it
+    ``len()`` stays the epoch's). After an elastic resume (``legs``: the epoch's earlier layouts, see
+    :mod:`lightning_rec.data.elastic`) the pass cuts only the rows they left, the same way. With ``with_epoch`` it
     yields ``(epoch, indices)``, for a dataset whose rows depend on the epoch (e.g. sampled negatives) whatever the
     rank and the DataLoader worker that reads them.
 
@@ -230,9 +240,30 @@ class DistributedBatchSampler(DistributedSampler):
         self.batch_size = batch_size
         self.with_epoch = with_epoch
         self.start_batch = 0  # batches of the epoch the next pass skips (a resumed epoch, see ResumableLoader)
+        self.legs: list[Leg] = []  # the earlier layouts of an elastically resumed epoch (see ResumableLoader)
         self._num_batches = len(self._batches())
 
+    @property
+    def total_rows(self) -> int:
+        """The rows an epoch reads."""
+        return len(cast(Sized, self.dataset))
+
+    def remaining(self, legs: Sequence[Leg]) -> Remaining:
+        """The positions of an epoch's row order that ``legs`` (saved layouts, in turn) did not read."""
+        left, before = Remaining.whole(self.total_rows), 0
+        for leg in legs:
+            left, before = left.without(sampler_read(len(left), leg, leg.served - before)), leg.served
+        return left
+
+    def rows_left(self, epoch: int, legs: Sequence[Leg]) -> int:
+        """How many rows of an epoch ``legs`` left (the same in every epoch)."""
+        return len(self.remaining(legs))
+
     def _batches(self) -> list[torch.Tensor]:
+        if self.legs:
+            order = _epoch_order(self.total_rows, self.shuffle, self.seed, self.epoch)
+            left = order[torch.from_numpy(self.remaining(self.legs).positions())]
+            return _stripe(left, self.batch_size, self.rank, self.num_replicas)
         return rank_batches(
             len(cast(Sized, self.dataset)),  # a map-style dataset (DistributedSampler's too)
             self.batch_size,
@@ -250,6 +281,9 @@ class DistributedBatchSampler(DistributedSampler):
         return iter(batches)
 
     def __len__(self) -> int:
+        if self.legs:
+            left = self.rows_left(self.epoch, self.legs)
+            return self.legs[-1].served + math.ceil(math.ceil(left / self.num_replicas) / self.batch_size)
         return self._num_batches
 
 
@@ -342,6 +376,7 @@ class RecDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.eval_batch_size = batch_size
+        self._reload_setting: int | None = None  # the trainer's, while an elastic epoch has it reload the loader
 
     @property
     def sparse_features(self) -> list[SparseFeature]:
@@ -377,7 +412,8 @@ class RecDataModule(pl.LightningDataModule):
         if dataset is None:
             return []  # Lightning runs no batches from an empty list
         if isinstance(dataset, TableStream):
-            return StreamLoader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory)
+            stream = StreamLoader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory)
+            return self._resumed(stream) if name == "train" else stream
         if isinstance(dataset, IterableDataset):
             resumable = name == "train" and isinstance(getattr(dataset, "start_batch", None), int)
             loader = DataLoader(
@@ -412,9 +448,33 @@ class RecDataModule(pl.LightningDataModule):
         if not train:
             return loader  # Lightning's evaluation loops want the DataLoader itself (predict tracks its indices)
         # The sampler orders the epoch in this process, whatever the workers: a worker count change resumes exactly.
-        return ResumableLoader(
-            loader, loader.sampler, world_size=world_size, batch_size=batch_size, num_workers=self.num_workers
+        return self._resumed(
+            ResumableLoader(
+                loader, loader.sampler, world_size=world_size, batch_size=batch_size, num_workers=self.num_workers
+            )
         )
+
+    def _resumed(self, loader: ResumableLoader) -> ResumableLoader:
+        """``loader`` with the state a resumed fit will load already loaded.
+
+        Lightning takes the training loader's length, which fixes the epoch's steps and when it validates, before it
+        loads the checkpoint's loader state, and keeps that length for the following epochs. An elastically resumed
+        epoch (:mod:`lightning_rec.data.elastic`) has its own length: the state is loaded here first, and Lightning
+        is asked (``reload_dataloaders_every_n_epochs``, for one epoch) to take the loader again after that epoch.
+        """
+        # The Trainer's `reload_dataloaders_every_n_epochs` argument, kept as an attribute (not declared on the class).
+        setting = "reload_dataloaders_every_n_epochs"
+        if self._reload_setting is not None and self.trainer is not None:  # the epoch after an elastic one
+            setattr(self.trainer, setting, self._reload_setting)
+            self._reload_setting = None
+        state = pending_loader_state(self.trainer)
+        if state is None:
+            return loader
+        loader.load_state_dict(state)
+        if loader.resumes_elastically and self.trainer is not None:
+            self._reload_setting = getattr(self.trainer, setting)
+            setattr(self.trainer, setting, 1)
+        return loader
 
     def train_dataloader(self) -> Any:
         return self.dataloader("train")

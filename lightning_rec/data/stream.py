@@ -12,13 +12,15 @@ How an epoch is cut (:class:`TableStream`):
    batches at a time (a bounded buffer), permutes them (seeded by seed, epoch, rank and window) and yields batches.
 4. :class:`StreamLoader` keeps how many batches it served in its ``state_dict``; Lightning saves it in mid-epoch
    checkpoints and, on resume, the stream starts at the next batch (each worker skips whole windows unread). Which
-   rows a batch holds depends on the rank and worker counts: a mid-epoch checkpoint resumed with other counts is
-   refused, naming both (:mod:`lightning_rec.data.resume`).
+   rows a batch holds depends on the rank and worker counts: a mid-epoch checkpoint resumed with other counts
+   (ranks, workers, batch size) reads the rest of the epoch elastically: the rows the saved layout read are dropped
+   and the others cut over the new ranks and workers as above (:mod:`lightning_rec.data.elastic`; the stream's
+   ``legs``). Only a change of ``window`` (it decides which rows a half-read window held) is refused, by name.
 5. The DataLoader's workers persist across epochs and validations (a fresh worker imports the package, opens the
    files and builds its state: seconds, every pass), and are forked from a fork server that imported the package
    once per process. Each worker holds the copy of the stream it was started with;
-   the epoch and the batches to skip live in a small shared-memory tensor that the main process writes before each
-   pass and every worker reads when the pass starts.
+   the epoch, the batches to skip and whether the pass reads an elastic resume's remainder live in a small
+   shared-memory tensor that the main process writes before each pass and every worker reads when the pass starts.
 
 Only the columns the schema names are read; a worker holds one window of rows and one unit at a time.
 """
@@ -39,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_rec._forkserver import worker_context
+from lightning_rec.data.elastic import Leg, Remaining, cut, stream_read
 from lightning_rec.data.resume import ResumableLoader, pass_through
 
 __all__ = ["StreamLoader", "TableStream", "Unit", "list_units", "read_unit"]
@@ -173,6 +176,11 @@ class TableStream(IterableDataset):
         batch_size, rank, world_size: batching (every rank gets the same number of batches).
         shuffle, seed: seeded unit order and window permutation (reshuffled every epoch).
         window: batches a worker buffers and permutes at once.
+
+    Attributes:
+        legs: the earlier legs of an elastically resumed epoch (:mod:`lightning_rec.data.elastic`; set by
+            :class:`~lightning_rec.data.resume.ResumableLoader` before the pass's workers start); the next pass of
+            that epoch reads only the rows they left, cut over this stream's rank count and workers.
     """
 
     def __init__(
@@ -189,9 +197,11 @@ class TableStream(IterableDataset):
         self.units, self.read = list(units), read
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.shuffle, self.seed, self.window = shuffle, seed, max(1, window)
-        # [epoch, batches of this epoch already served (a resumed epoch)], in shared memory: a persistent worker's
-        # copy of this stream reads the values the main process set for the pass it starts (see the module docstring).
-        self._position = torch.zeros(2, dtype=torch.int64).share_memory_()
+        # [epoch, batches of this leg of the epoch already served (a resumed epoch), 1 if the pass reads what `legs`
+        # left], in shared memory: a persistent worker's copy of this stream reads the values the main process set for
+        # the pass it starts (see the module docstring).
+        self._position = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self._legs: list[Leg] = []
         total = sum(u.rows for u in self.units)
         if total < world_size:
             raise ValueError(f"Cannot give each of {world_size} ranks at least one of {total} rows.")
@@ -199,7 +209,53 @@ class TableStream(IterableDataset):
         self.num_batches = math.ceil(math.ceil(total / world_size) / batch_size)
 
     def __len__(self) -> int:
-        return self.num_batches
+        if not self.elastic:
+            return self.num_batches
+        return self._legs[-1].served + self._leg_batches(self.rows_left(self.epoch, self._legs))
+
+    def _leg_batches(self, n: int) -> int:
+        return math.ceil(math.ceil(n / self.world_size) / self.batch_size)
+
+    @property
+    def legs(self) -> list[Leg]:
+        """The earlier legs of the epoch the next pass resumes (empty: a whole epoch, or a same-layout resume)."""
+        return list(self._legs) if self.elastic else []
+
+    @legs.setter
+    def legs(self, legs: Sequence[Leg]) -> None:
+        self._legs = list(legs)  # in this process: a persistent worker keeps the copy it started with
+        self._position[2] = int(bool(legs))
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the next pass reads what earlier legs of its epoch left (see :attr:`legs`)."""
+        return bool(self._position[2])
+
+    def rows_left(self, epoch: int, legs: Sequence[Leg]) -> int:
+        """How many rows of ``epoch`` the ``legs`` left unread."""
+        return len(self.remaining(epoch, legs))
+
+    def remaining(self, epoch: int, legs: Sequence[Leg]) -> Remaining:
+        """The positions of ``epoch``'s row order that ``legs`` (saved layouts, in turn) did not read."""
+        left = Remaining.whole(self.total_rows)
+        before = 0
+        for number, leg in enumerate(legs):
+
+            def permutation(rank: int, w0: int, rows: int, number: int = number) -> np.ndarray:
+                return self._permutation(epoch, number, rank, w0, rows).numpy()
+
+            read = stream_read(
+                len(left), leg, leg.served - before, self.window, permutation if self.shuffle else None, _served_by
+            )
+            left, before = left.without(read), leg.served
+        return left
+
+    def _permutation(self, epoch: int, leg: int, rank: int, w0: int, rows: int) -> torch.Tensor:
+        """The order of a window's rows (seeded by seed, epoch, rank, window and, after an elastic resume, leg)."""
+        key = ((self.seed * 1_000_003 + epoch) * 1_000_003 + rank) * 1_000_003 + w0
+        if leg:
+            key = key * 1_000_003 + leg
+        return torch.randperm(rows, generator=torch.Generator().manual_seed(key & 0x7FFF_FFFF_FFFF))
 
     @property
     def epoch(self) -> int:
@@ -229,28 +285,34 @@ class TableStream(IterableDataset):
         perm = torch.randperm(len(self.units), generator=torch.Generator().manual_seed(self.seed + epoch))
         return [self.units[i] for i in perm.tolist()]
 
-    def batch_bounds(self) -> list[tuple[int, int]]:
-        """This rank's batches as ``[start, stop)`` row ranges of the epoch's row order."""
-        lo, hi = _cut(self.total_rows, self.world_size)[self.rank : self.rank + 2]
-        edges = _cut(hi - lo, self.num_batches)
+    def batch_bounds(self, rows: int | None = None) -> list[tuple[int, int]]:
+        """This rank's batches as ``[start, stop)`` row ranges of the epoch's row order (of ``rows`` rows: the
+        rows an elastic resume left, in their order; default all)."""
+        rows = self.total_rows if rows is None else rows
+        lo, hi = _cut(rows, self.world_size)[self.rank : self.rank + 2]
+        edges = _cut(hi - lo, self._leg_batches(rows))
         return [(lo + a, lo + b) for a, b in zip(edges[:-1], edges[1:])]
 
-    def worker_runs(self, workers: int) -> list[tuple[int, int]]:
+    def worker_runs(self, workers: int, rows: int | None = None) -> list[tuple[int, int]]:
         """Each worker's contiguous run of batch numbers ``[first, stop)``."""
-        edges = _cut(self.num_batches, workers)
+        edges = _cut(self._leg_batches(self.total_rows if rows is None else rows), workers)
         return list(zip(edges[:-1], edges[1:]))
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         physical, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, start = self.epoch, self.start_batch  # read once: the main process set them for this pass
-        done, turn = _served_by(start, [b - a for a, b in self.worker_runs(workers)])
+        legs = self.legs
+        left = self.remaining(epoch, legs) if legs else None
+        rows = self.total_rows if left is None else len(left)
+        runs = self.worker_runs(workers, rows)
+        done, turn = _served_by(start, [b - a for a, b in runs])
         # The DataLoader asks its workers in turn from worker 0: on a resumed epoch, worker 0 plays the part whose
         # turn is next, so the batches keep the order of the uninterrupted epoch.
         worker = (physical + turn) % workers
-        first, stop = self.worker_runs(workers)[worker]
+        first, stop = runs[worker]
         skip = done[worker]
-        bounds = self.batch_bounds()
+        bounds = self.batch_bounds(rows)
         order = self._order(epoch)
         offsets = np.cumsum([0] + [u.rows for u in order])
         for w0 in range(first, stop, self.window):
@@ -258,17 +320,19 @@ class TableStream(IterableDataset):
             if w1 - first <= skip:
                 continue  # a resumed epoch: this window was served before the checkpoint
             lo, hi = bounds[w0][0], bounds[w1 - 1][1]
-            rows = self._rows(order, offsets, lo, hi)
-            perm = torch.arange(hi - lo)
-            if self.shuffle:
-                key = ((self.seed * 1_000_003 + epoch) * 1_000_003 + self.rank) * 1_000_003 + w0
-                g = torch.Generator().manual_seed(key & 0x7FFF_FFFF_FFFF)
-                perm = torch.randperm(hi - lo, generator=g)
+            if left is None:
+                window = self._rows(order, offsets, lo, hi)
+            else:  # an elastic resume's leg: its rows, where they are in the epoch's order
+                parts = [self._rows(order, offsets, a, b) for a, b in left.ranges(lo, hi)]
+                window = parts[0] if len(parts) == 1 else _cat_datasets(parts)
+            perm = (
+                self._permutation(epoch, len(legs), self.rank, w0, hi - lo) if self.shuffle else torch.arange(hi - lo)
+            )
             for b in range(w0, w1):
                 if b - first < skip:
                     continue
                 a, z = bounds[b][0] - lo, bounds[b][1] - lo
-                yield rows[perm[a:z]]
+                yield window[perm[a:z]]
 
     def _rows(self, order: list[Unit], offsets: np.ndarray, lo: int, hi: int) -> Any:
         """Rows ``[lo, hi)`` of the epoch's order, one dataset (units read in turn, sliced)."""
