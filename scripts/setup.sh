@@ -28,8 +28,9 @@ FIND=()
 
 "${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" torch
 "${PIP[@]}" install "${FIND[@]}" -c "$CONSTRAINTS" -r requirements/torchrec-deps.txt "$FBGEMM"
-# pyproject's requirements and its test extra, less torchrec and fbgemm-gpu (above and below): as requirements, they
-# would bring the CUDA fbgemm-gpu and torchrec's torchmetrics==1.0.3 pin. Then the project itself, editable.
+# pyproject's requirements, its test extra and its `ray` extra, less torchrec and fbgemm-gpu (above and below): as
+# requirements, they would bring the CUDA fbgemm-gpu and torchrec's torchmetrics==1.0.3 pin. Then the project itself,
+# editable.
 REQS=$(mktemp)
 trap 'rm -f "$REQS"' EXIT
 .venv/bin/python - >"$REQS" <<'PY'
@@ -39,7 +40,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-for requirement in project["dependencies"] + project["optional-dependencies"]["test"]:
+extras = project["optional-dependencies"]
+# The test extra, and the optional integrations the tests exercise (`ray`: tests/integrations/test_ray.py).
+for requirement in project["dependencies"] + extras["test"] + extras["ray"]:
     if not re.match(r"(torchrec|fbgemm-gpu)\b", requirement):
         print(requirement)
 PY

@@ -1,11 +1,11 @@
 """The public/private line, checked on the source.
 
-Public: ``lightning_rec`` (the top level), ``.data``, ``.models``, ``.serving``, ``.testing``, ``.metrics``,
-``.callbacks``, ``.config``, ``.errors`` and ``.checkpoint`` (its load/export functions). Everything else is private
-by its name: a module or package whose name starts with an underscore (``_strategy/``, ``_inputs/``, ``_cli.py``,
-``checkpoint/_layout.py``, ...). Public modules say what they export (``__all__``); the package imports every name
-from the module that defines it (no aliases, no re-export hops); and what users read and copy (the examples, the
-benchmarks, the shipped configs, the README and the docs site's pages) imports public modules only.
+Public: ``lightning_rec`` (the top level), ``.data``, ``.integrations``, ``.models``, ``.serving``, ``.testing``,
+``.metrics``, ``.callbacks``, ``.config``, ``.errors`` and ``.checkpoint`` (its load/export functions). Everything
+else is private by its name: a module or package whose name starts with an underscore (``_strategy/``, ``_inputs/``,
+``_cli.py``, ``checkpoint/_layout.py``, ...). Public modules say what they export (``__all__``); the package imports
+every name from the module that defines it (no aliases, no re-export hops); and what users read and copy (the
+examples, the benchmarks, the shipped configs, the README and the docs site's pages) imports public modules only.
 """
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ PUBLIC_MODULES = {
     "lightning_rec.metrics",
 }
 # Packages whose modules are public unless their own name is private.
-PUBLIC_PACKAGES = ("lightning_rec.data", "lightning_rec.models", "lightning_rec.serving", "lightning_rec.testing")
+PUBLIC_PACKAGES = (
+    "lightning_rec.data",
+    "lightning_rec.integrations",
+    "lightning_rec.models",
+    "lightning_rec.serving",
+    "lightning_rec.testing",
+)
 
 
 def _all_modules() -> list[str]:

@@ -70,6 +70,12 @@ from lightning_rec._strategy.optim import RecOptimizer
 from lightning_rec._strategy.pipeline import SparseDistPipeline, check_pipelinable
 from lightning_rec._strategy.preemption import Preemption
 from lightning_rec._strategy.quiet import print_bar_lines_once, silence_proven_harmless
+from lightning_rec._strategy.ray_worker import (
+    adopt_ray_environment,
+    is_ray_environment,
+    ray_device,
+    ray_local_world_size,
+)
 from lightning_rec._strategy.settings import check_fit, check_precision, raised_in, toggle_optimizer_error
 from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec.checkpoint._io import load, remove, save
@@ -237,8 +243,22 @@ class RecShardStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
+        if is_ray_environment(self.cluster_environment):  # one process per worker: its device list is not per node
+            return ray_device()
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @property  # ParallelStrategy's plain attribute, given a setter
+    def cluster_environment(self) -> ClusterEnvironment | None:
+        """Where the ranks come from (set by the Trainer). Inside a Ray Train worker, Lightning's fallback
+        ``LightningEnvironment`` is replaced by Ray's ``RayLightningEnvironment``, so that plain
+        ``strategy="recshard"`` with ``devices="auto"`` takes its ranks and device from Ray (see
+        :mod:`lightning_rec.integrations.ray`)."""
+        return self._cluster_environment
+
+    @cluster_environment.setter
+    def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
+        self._cluster_environment = adopt_ray_environment(environment)
 
     @property
     def is_distributed(self) -> bool:
@@ -274,6 +294,8 @@ class RecShardStrategy(ParallelStrategy):
 
     @property
     def num_processes(self) -> int:
+        if is_ray_environment(self.cluster_environment):  # Ray's workers on this node, not one worker's devices
+            return ray_local_world_size()
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     def set_world_ranks(self) -> None:
@@ -292,7 +314,7 @@ class RecShardStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @property
     def process_group_backend(self) -> str | None:
