@@ -79,13 +79,14 @@ class RecCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         """Build what the config describes; a model, data or trainer argument their own ``__init__`` refuses
-        (``ValueError``/``TypeError``), or a file it names that is not there (``FileNotFoundError``, e.g. a
-        DataModule's input read while its ``sparse_features`` are linked into the model), prints its message in one
-        line and exits 2 (``JSONARGPARSE_DEBUG=true``: the traceback). This runs in the launching process, before any
+        (``ValueError``/``TypeError``), or a file it names that is not there or may not be read
+        (``FileNotFoundError``, ``PermissionError``: e.g. a DataModule's input read while its ``sparse_features`` are
+        linked into the model, a bucket without credentials), prints its message in one line and exits 2
+        (``JSONARGPARSE_DEBUG=true``: the traceback). This runs in the launching process, before any
         rank starts."""
         try:
             super().instantiate_classes()
-        except (ValueError, TypeError, FileNotFoundError) as err:
+        except (ValueError, TypeError, FileNotFoundError, PermissionError) as err:
             if os.environ.get("JSONARGPARSE_DEBUG"):
                 raise
             root = err
@@ -105,7 +106,7 @@ class RecCLI(LightningCLI):
             if check is not None:
                 check()
             check_labels(self.model, self.datamodule)
-        except (FileNotFoundError, ValueError) as err:
+        except (FileNotFoundError, PermissionError, ValueError) as err:  # PermissionError: a bucket's access
             prog = self.parser.prog.replace(" [options]", "") + (f" {self.subcommand}" if self.subcommand else "")
             self.parser.exit(2, f"{prog}: error: {err}\n")
 

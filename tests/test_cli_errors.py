@@ -119,10 +119,9 @@ TWO_LABELS = {
             "TabularDataModule: val: '{tmp}/missing/*.csv' matches no file: the folder '{tmp}/missing' does not exist.",
         ),
         (
-            {"val": ["s3://bucket/clicks/*.parquet"]},
-            "TabularDataModule: val: 's3://bucket/clicks/*.parquet': s3:// URLs are not read; the files must be on this "
-            "machine: a path, a glob, a directory or a file:// URL (copy or mount the bucket, e.g. with s3fs or "
-            "gcsfuse).",
+            {"val": ["https://example.com/clicks/day-1.parquet"]},
+            "TabularDataModule: val: 'https://example.com/clicks/day-1.parquet': https:// URLs are not read; a path, a "
+            "glob, a directory, a file:// URL or object storage (s3://, gs://, gcs://, az://) is.",
         ),
         ({"val": ["file://{tmp}/nope.csv"]}, "TabularDataModule: val: 'file://{tmp}/nope.csv' does not exist."),
         (
@@ -138,7 +137,7 @@ TWO_LABELS = {
             "use a model with one head per label.",
         ),
     ],
-    ids=["missing-path", "empty-glob", "missing-folder", "s3-url", "file-url", "text-in-raw-ids", "two-labels"],
+    ids=["missing-path", "empty-glob", "missing-folder", "https-url", "file-url", "text-in-raw-ids", "two-labels"],
 )
 def test_a_file_mistake_is_one_line_and_exit_2_before_any_rank_starts(
     tmp_path, capsys, monkeypatch, init_args, expected

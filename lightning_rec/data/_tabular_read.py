@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_rec.data import _filesystems
 from lightning_rec.data.base import Jagged, RecDataset, _Column
 from lightning_rec.data.schema import (
     DataError,
@@ -44,16 +45,21 @@ def _pa() -> Any:
 
 
 def expand(patterns: str | Sequence[str], what: str) -> list[str]:
-    """The table files ``patterns`` (paths, globs or directories on this machine, or ``file://`` URLs of them) name,
-    in sorted order per pattern.
+    """The table files ``patterns`` name, in sorted order per pattern: paths, globs or directories on this machine,
+    ``file://`` URLs of them, or object-storage URLs of objects, prefixes or globs (``s3://``, ``gs://``, ``az://``:
+    :mod:`lightning_rec.data._filesystems`).
 
     Raises:
         FileNotFoundError: naming a pattern that matches no table file (a missing path, an empty glob or directory,
-            a file of another kind), or a URL of another scheme (``s3://``, ``gs://``, ``https://``, ...), naming
-            the schemes read.
+            a file of another kind, no such bucket), or a URL of a scheme not read (``https://``, ...), naming the
+            schemes read.
+        PermissionError: an object-storage URL without credentials or with access denied, naming it.
     """
     files: list[str] = []
     for given in [patterns] if isinstance(patterns, str) else patterns:
+        if _filesystems.is_url(str(given)):
+            files.extend(_filesystems.expand_url(str(given), what, _TABLE_SUFFIXES))
+            continue
         pattern = _local(str(given), what)
         folder = os.path.isdir(pattern)
         if folder:  # a directory: its tables
@@ -68,14 +74,15 @@ def expand(patterns: str | Sequence[str], what: str) -> list[str]:
 
 
 def _local(pattern: str, what: str) -> str:
-    """A path on this machine: ``~`` expanded, a ``file://`` URL's path; any other URL scheme refused by name."""
+    """A path on this machine: ``~`` expanded, a ``file://`` URL's path; a URL of a scheme not read refused by
+    name."""
     scheme, sep, rest = pattern.partition("://")
     if sep and scheme.isidentifier() and len(scheme) > 1:  # "C://..." is a Windows drive, not a scheme
         if scheme.lower() != "file":
+            read = ", ".join(f"{s}://" for s in _filesystems.SCHEMES)
             raise FileNotFoundError(
-                f"TabularDataModule: {what}: {pattern!r}: {scheme}:// URLs are not read; the files must be on this "
-                "machine: a path, a glob, a directory or a file:// URL (copy or mount the bucket, e.g. with s3fs or "
-                "gcsfuse)."
+                f"TabularDataModule: {what}: {pattern!r}: {scheme}:// URLs are not read; a path, a glob, a directory, "
+                f"a file:// URL or object storage ({read}) is."
             )
         pattern = rest if rest.startswith("/") else "/" + rest.partition("/")[2]  # file:///p or file://host/p
     return os.path.expanduser(pattern)
@@ -115,13 +122,13 @@ def not_empty(path: str) -> None:
     Raises:
         DataError: naming the file.
     """
-    if os.path.getsize(path) == 0:
+    if _filesystems.size(path) == 0:
         kind = "Parquet file" if path.endswith(_PARQUET) else "CSV file with a header line or `csv_columns`"
         raise DataError(f"{path}: the file is empty (0 bytes), a {kind} was expected.")
 
 
 def open_parquet(path: str) -> Any:
-    """``pyarrow.parquet.ParquetFile(path)``, its errors naming the file.
+    """``pyarrow.parquet.ParquetFile(path)`` (a local path or an object-storage URL), its errors naming the file.
 
     Raises:
         DataError: an empty or unreadable file, named.
@@ -129,8 +136,10 @@ def open_parquet(path: str) -> Any:
     pa = _pa()
     not_empty(path)
     try:
-        return pa.parquet.ParquetFile(path)
+        return pa.parquet.ParquetFile(_filesystems.source(path), pre_buffer=_filesystems.is_url(path))
     except (pa.ArrowInvalid, OSError) as err:
+        if _filesystems.is_url(path) and isinstance(err, (FileNotFoundError, PermissionError)):
+            raise  # a bucket's error, already named by the filesystem layer
         raise DataError(f"{path}: not a readable Parquet file ({err}).") from None
 
 
@@ -165,7 +174,9 @@ def read_table(
     read = pa.csv.ReadOptions(column_names=list(csv_columns) if csv_columns else None)
     parse = pa.csv.ParseOptions(delimiter=delimiter or ("\t" if tsv else ","))
     try:
-        table = pa.csv.read_csv(path, read_options=read, parse_options=parse, convert_options=csv_convert(null_values))
+        table = pa.csv.read_csv(
+            _filesystems.source(path), read_options=read, parse_options=parse, convert_options=csv_convert(null_values)
+        )
     except pa.ArrowInvalid as err:
         raise DataError(f"{path}: not a readable CSV file: {err}") from None
     missing = [c for c in columns if c not in table.column_names]
@@ -192,7 +203,7 @@ def column_names(path: str, csv_columns: Sequence[str] | None = None, delimiter:
     tsv = any(path.endswith(s) for s in (".tsv", ".tsv.gz"))
     parse = pa.csv.ParseOptions(delimiter=delimiter or ("\t" if tsv else ","))
     try:
-        with pa.csv.open_csv(path, parse_options=parse) as reader:
+        with pa.csv.open_csv(_filesystems.source(path), parse_options=parse) as reader:
             return list(reader.schema.names)
     except pa.ArrowInvalid as err:
         raise DataError(f"{path}: not a readable CSV file: {err}") from None
@@ -564,11 +575,15 @@ class UnitReader:
         self.drop = bad_rows == "drop"
         self.null_values = list(null_values)
         self._last: tuple[Unit, Any] | None = None
+        self._environment = _filesystems.environment()  # object storage's credentials, for the workers
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_last": None}
+        return {**self.__dict__, "_last": None, "_adopted": False}
 
     def __call__(self, unit: Unit, a: int, b: int) -> RecDataset:
+        if not self.__dict__.get("_adopted", True):  # a worker process: the loader's process's variables
+            _filesystems.adopt_environment(self._environment)
+            self._adopted = True
         if self._last is None or self._last[0] != unit:
             self._last = (unit, read_unit(unit, self.columns, self.csv_columns, self.delimiter, self.null_values))
         table = self._last[1].slice(a, b - a)

@@ -31,7 +31,6 @@ import csv
 import gzip
 import io
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_rec._forkserver import worker_context
+from lightning_rec.data._filesystems import open_file, size, source
 from lightning_rec.data.elastic import Leg, Remaining, cut, stream_read
 from lightning_rec.data.resume import ResumableLoader, pass_through
 
@@ -61,8 +61,7 @@ class Unit:
 
 
 def _csv_header(path: str) -> tuple[bytes, int]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
+    with open_file(path) as raw, gzip.open(raw) if path.endswith(".gz") else raw as f:
         header = f.readline()
     return header, len(header)
 
@@ -82,14 +81,16 @@ def list_units(files: Sequence[str], chunk_bytes: int = 32 << 20, header: bool =
     for path in files:
         if path.endswith((".parquet", ".pq")):
             try:
-                meta = pq.ParquetFile(path).metadata
+                meta = pq.ParquetFile(source(path)).metadata
             except (pa.ArrowInvalid, OSError) as err:  # pyarrow's message names no file
+                if isinstance(err, (FileNotFoundError, PermissionError)) and "://" in path:
+                    raise  # a bucket's error, named by the filesystem layer
                 from lightning_rec.data.schema import DataError
 
                 raise DataError(f"{path}: not a readable Parquet file ({err}).") from None
             units += [Unit(path, meta.row_group(g).num_rows, row_group=g) for g in range(meta.num_row_groups)]
         elif path.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
+            with open_file(path) as raw, gzip.open(raw) as f:
                 lines = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
             units.append(Unit(path, lines - int(header), first_line=1 + int(header)))
         else:
@@ -98,16 +99,16 @@ def list_units(files: Sequence[str], chunk_bytes: int = 32 << 20, header: bool =
 
 
 def _csv_units(path: str, chunk_bytes: int, header: bool) -> list[Unit]:
-    size = os.path.getsize(path)
+    total = size(path)
     start = _csv_header(path)[1] if header else 0
     line = 1 + int(header)
     units = []
-    with open(path, "rb") as f:
+    with open_file(path) as f:
         f.seek(start)
-        while start < size:
-            f.seek(min(start + chunk_bytes, size))
+        while start < total:
+            f.seek(min(start + chunk_bytes, total))
             f.readline()  # to the end of the line the cut falls in
-            end = min(f.tell(), size)
+            end = min(f.tell(), total)
             f.seek(start)
             block = f.read(end - start)
             rows = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
@@ -130,7 +131,10 @@ def read_unit(
     import pyarrow.parquet as pq
 
     if unit.row_group is not None:
-        return pq.ParquetFile(unit.file).read_row_group(unit.row_group, columns=list(columns))
+        remote = "://" in unit.file  # object storage: the columns' byte ranges fetched together (pre_buffer)
+        return pq.ParquetFile(source(unit.file), pre_buffer=remote).read_row_group(
+            unit.row_group, columns=list(columns)
+        )
     sep = delimiter or ("\t" if ".tsv" in unit.file else ",")
     names = list(csv_columns) if csv_columns else next(csv.reader([_csv_header(unit.file)[0].decode()], delimiter=sep))
     missing = [c for c in columns if c not in names]
@@ -139,12 +143,12 @@ def read_unit(
 
         raise DataError(f"{unit.file}: no column {', '.join(map(repr, missing))} (it has {names}).")
     if unit.start is None:
-        with gzip.open(unit.file, "rb") as f:
+        with open_file(unit.file) as raw, gzip.open(raw) as f:
             data = f.read()
         if not csv_columns:
             data = data.split(b"\n", 1)[1] if b"\n" in data else b""
     else:
-        with open(unit.file, "rb") as f:
+        with open_file(unit.file) as f:
             f.seek(unit.start)
             assert unit.end is not None  # a byte range has both ends
             data = f.read(unit.end - unit.start)
