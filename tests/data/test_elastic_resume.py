@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_rec import RecShardStrategy
@@ -34,7 +35,6 @@ from tests.helpers.models import local_weights
 
 ROWS = 150
 BATCH = 8
-EVERY = 3  # a checkpoint every 3 steps
 EPOCHS = 2
 SCALE = 1024  # rid = id / SCALE, exact in float32
 
@@ -79,8 +79,8 @@ def _ids(batch: Any) -> list[int]:
     return torch.round(batch.dense_features[:, 0] * SCALE).long().tolist()
 
 
-class _Rows(L.Callback):
-    """Each trained step's ``[epoch, step, row ids]`` and loss on this rank."""
+class RowIds(L.Callback):
+    """Records each trained step's ``[epoch, step, row ids]`` and loss on this rank."""
 
     def __init__(self) -> None:
         self.steps: list[list[Any]] = []
@@ -98,7 +98,8 @@ def _ckpt(out: Path, tag: str, step: int) -> Path:
 
 def _fit(out: Path, rank: int, devices: int, run: dict[str, Any]) -> dict[str, Any]:
     """One fit of ``run`` (``tag``, ``stream``, ``workers``, optionally ``resume``: ``[tag, step]``), saving a
-    checkpoint every 3 steps into ``out/<tag>``; its steps and losses on this rank (weights into ``out``)."""
+    checkpoint every ``save_every`` steps into ``out/<tag>``; its steps and losses on this rank (weights into
+    ``out``)."""
     dm = _dm(out, run["stream"], run["workers"])
     L.seed_everything(7)
     model = DLRMModule(
@@ -108,16 +109,17 @@ def _fit(out: Path, rank: int, devices: int, run: dict[str, Any]) -> dict[str, A
         dense_arch_layer_sizes=[8],
         over_arch_layer_sizes=[8, 1],
     )
-    rows = _Rows()
-    saver = ModelCheckpoint(dirpath=out / run["tag"], every_n_train_steps=EVERY, save_top_k=-1, filename="{step}")
+    rows = RowIds()
+    every = run.get("save_every")  # only the checkpoints a later run resumes from: each save costs
+    saver = ModelCheckpoint(dirpath=out / run["tag"], every_n_train_steps=every, save_top_k=-1, filename="{step}")
     trainer = L.Trainer(
-        **{**QUIET_TRAINER, "enable_checkpointing": True},
+        **{**QUIET_TRAINER, "enable_checkpointing": every is not None},
         accelerator="cpu",
         devices=devices,
         strategy=RecShardStrategy(),
         max_epochs=EPOCHS,
         limit_val_batches=0,
-        callbacks=[saver, rows],
+        callbacks=[rows] if every is None else [saver, rows],
     )
     resume = run.get("resume")
     trainer.fit(model, dm, ckpt_path=None if resume is None else _ckpt(out, *resume))
@@ -142,7 +144,8 @@ def _runs(chain: list[tuple[str, int, int, int | None]], stream: bool, ranks: in
     for i, (tag, devices, workers, step) in enumerate(chain):
         if devices == ranks:
             resume = None if step is None else [chain[i - 1][0], step]
-            runs.append({"tag": tag, "stream": stream, "workers": workers, "resume": resume})
+            every = chain[i + 1][3] if i + 1 < len(chain) else None
+            runs.append({"tag": tag, "stream": stream, "workers": workers, "resume": resume, "save_every": every})
     return runs
 
 
@@ -213,7 +216,7 @@ def test_the_epoch_after_an_elastic_one_is_whole_on_the_new_layout(
 def test_a_resumed_elastic_epoch_resumes_exactly_on_its_own_layout(
     chains: tuple[Path, dict[str, list[dict[str, Any]]]],
 ) -> None:
-    """ "s4" resumes "s2" (itself resumed elastically) from its step 12 on s2's layout: the same batches, losses and
+    """The run "s4" resumes "s2" (itself resumed elastically) from its step 12 on s2's layout: the same batches, losses and
     final weights bitwise, as any resume of an unchanged layout."""
     out, results = chains
     (s2,), (s4,) = results["s2"], results["s4"]
@@ -224,6 +227,42 @@ def test_a_resumed_elastic_epoch_resumes_exactly_on_its_own_layout(
     assert a.keys() == b.keys() and all(
         torch.equal(ta, tb) for k in a for (_, ta), (_, tb) in zip(a[k], b[k], strict=True)
     )
+
+
+@pytest.mark.dist
+def test_the_documented_command_resumes_a_two_process_checkpoint_on_one(
+    chains: tuple[Path, dict[str, list[dict[str, Any]]]], tmp_path: Path
+) -> None:
+    """docs/scaling-out.md's command (``lightning-rec fit --config my.yaml --trainer.devices=1
+    --data.init_args.num_workers=0 --ckpt_path=...``) on "s1"'s checkpoint at step 9 (2 processes x 2 workers),
+    for the rest of that epoch: with what s0 and s1 trained before, every row once."""
+    from lightning_rec._cli import run
+
+    out, results = chains
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 2, "strategy": "recshard", "max_epochs": 1},
+        "model": {
+            "class_path": "lightning_rec.models.DLRMModule",
+            "init_args": {"embedding_dim": 8, "dense_arch_layer_sizes": [8], "over_arch_layer_sizes": [8, 1]},
+        },
+        "data": {
+            "class_path": "lightning_rec.data.TabularDataModule",
+            "init_args": {"schema": SCHEMA, "train": [_table_file(out)], "stream": True, "window": 2},
+        },
+    }
+    config["data"]["init_args"].update(batch_size=BATCH, num_workers=2)
+    (tmp_path / "my.yaml").write_text(yaml.safe_dump(config))
+    command = "fit --config my.yaml --trainer.devices=1 --data.init_args.num_workers=0 --ckpt_path=" + str(
+        _ckpt(out, "s1", 9)
+    )
+    quiet = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0"]
+    quiet.append("--trainer.callbacks+=tests.data.test_elastic_resume.RowIds")  # records the ids it trains
+    cli = run([*command.replace("my.yaml", str(tmp_path / "my.yaml")).split(), *quiet])
+    assert cli is not None
+    trained = next(c for c in cli.trainer.callbacks if isinstance(c, RowIds))
+    chain = [("s0", 1, 2, None), ("s1", 2, 2, 6), ("cli", 1, 0, 9)]
+    read = _epochs_read(chain, {**results, "cli": [{"steps": trained.steps}]})
+    assert sorted(read[0]) == list(range(ROWS))
 
 
 # ---- the loaders alone (no processes): more layouts than fits could afford -------------------------------------
