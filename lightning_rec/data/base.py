@@ -26,6 +26,10 @@ from lightning_rec.data.elastic import Leg, Remaining, sampler_read
 from lightning_rec.data.resume import ResumableLoader, pass_through
 from lightning_rec.data.stream import StreamLoader, TableStream
 
+# The Trainer's `reload_dataloaders_every_n_epochs` argument, kept as an attribute (set by its data connector, not
+# declared on the class, hence getattr/setattr).
+_RELOADS = "reload_dataloaders_every_n_epochs"
+
 __all__ = [
     "DistributedBatchSampler",
     "Jagged",
@@ -462,19 +466,25 @@ class RecDataModule(pl.LightningDataModule):
         epoch (:mod:`lightning_rec.data.elastic`) has its own length: the state is loaded here first, and Lightning
         is asked (``reload_dataloaders_every_n_epochs``, for one epoch) to take the loader again after that epoch.
         """
-        # The Trainer's `reload_dataloaders_every_n_epochs` argument, kept as an attribute (not declared on the class).
-        setting = "reload_dataloaders_every_n_epochs"
-        if self._reload_setting is not None and self.trainer is not None:  # the epoch after an elastic one
-            setattr(self.trainer, setting, self._reload_setting)
-            self._reload_setting = None
+        self._restore_reloads()  # the epoch after an elastic one
         state = pending_loader_state(self.trainer)
         if state is None:
             return loader
         loader.load_state_dict(state)
         if loader.resumes_elastically and self.trainer is not None:
-            self._reload_setting = getattr(self.trainer, setting)
-            setattr(self.trainer, setting, 1)
+            self._reload_setting = getattr(self.trainer, _RELOADS)
+            setattr(self.trainer, _RELOADS, 1)
         return loader
+
+    def _restore_reloads(self) -> None:
+        """Give the trainer back the ``reload_dataloaders_every_n_epochs`` an elastic epoch borrowed."""
+        if self._reload_setting is not None and self.trainer is not None:
+            setattr(self.trainer, _RELOADS, self._reload_setting)
+        self._reload_setting = None
+
+    def teardown(self, stage: str) -> None:
+        """The end of a fit (or any stage): the trainer's settings as they were (a fit may end in an elastic epoch)."""
+        self._restore_reloads()
 
     def train_dataloader(self) -> Any:
         return self.dataloader("train")
