@@ -14,10 +14,12 @@ through torchrun, as in a pod.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from tests.helpers.dist import REPO
 pytestmark = pytest.mark.dist
 
 MANIFESTS = REPO / "examples" / "kubernetes"
-STEPS, BATCH, EVERY = 160, 64, 20  # per rank; a checkpoint every EVERY steps
+STEPS, BATCH, EVERY = 120, 64, 40  # per rank; a checkpoint every EVERY steps (the first: mid-epoch)
 ARGS = small_run(STEPS, BATCH, EVERY)
 FINAL = f"epoch=0-step={STEPS}.ckpt"
 LOOPBACK = "127.0.0.1"
@@ -123,20 +125,41 @@ class Running:
 
     def __init__(self, pod: Pod, log: Path) -> None:
         self.pod, self.log = pod, log
-        self.process = subprocess.Popen(
-            pod.command,
-            cwd=REPO,
-            env={**user_env(), **pod.env},
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-        )
+        with log.open("w") as out:
+            self.process = subprocess.Popen(
+                pod.command,
+                cwd=REPO,
+                # Each pod would have its own CPUs; on loopback all share this machine's: one thread per rank.
+                env={**user_env(), "OMP_NUM_THREADS": "1", **pod.env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a pod's processes are one group: what Kubernetes' SIGKILL ends at once
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the pod's processes (torchrun and its ranks), as Kubernetes does after the grace period."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def text(self) -> str:
         return self.log.read_text() if self.log.exists() else ""
 
 
-def _start(pods: list[Pod], out: Path, attempt: str) -> list[Running]:
-    return [Running(pod, out / f"{pod.name}.{attempt}.log") for pod in pods]
+@pytest.fixture
+def started() -> Iterator[list[Running]]:
+    """The pods a test started; any still running at its end (a failure) are killed with their ranks."""
+    running: list[Running] = []
+    yield running
+    for r in running:
+        if r.process.poll() is None:
+            r.kill()
+
+
+def _start(pods: list[Pod], out: Path, attempt: str, started: list[Running]) -> list[Running]:
+    running = [Running(pod, out / f"{pod.name}.{attempt}.log") for pod in pods]
+    started.extend(running)
+    return running
 
 
 def _finish(running: list[Running], timeout: float = 300) -> list[int]:
@@ -145,7 +168,6 @@ def _finish(running: list[Running], timeout: float = 300) -> list[int]:
         try:
             codes.append(r.process.wait(timeout=timeout))
         except subprocess.TimeoutExpired:
-            r.process.kill()
             raise AssertionError(f"{r.pod.name} did not end\n{r.text()[-3000:]}") from None
     return codes
 
@@ -154,27 +176,21 @@ def _logs(running: list[Running]) -> str:
     return "\n".join(f"--- {r.pod.name}\n{r.text()[-3000:]}" for r in running)
 
 
-def test_pytorchjob_and_trainjob_pods_train_and_a_preempted_pod_saves_and_its_restart_resumes(tmp_path):
+def test_pytorchjob_and_trainjob_pods_train_and_a_preempted_pod_saves_and_its_restart_resumes(tmp_path, started):
     manifests = {kind: yaml.safe_load((MANIFESTS / f"{kind}.yaml").read_text()) for kind in ("pytorchjob", "trainjob")}
     assert manifests["pytorchjob"]["kind"] == "PyTorchJob" and manifests["trainjob"]["kind"] == "TrainJob"
-    reference = _start(pytorchjob_pods(manifests["pytorchjob"], tmp_path / "ptj", free_port()), tmp_path, "0")
+    ptj = pytorchjob_pods(manifests["pytorchjob"], tmp_path / "ptj", free_port())
+    reference = _start(ptj, tmp_path, "0", started)
     trainjob = trainjob_pods(manifests["trainjob"], tmp_path / "tj", free_port())
-    preempted = _start(trainjob, tmp_path, "0")
-    try:
-        first = tmp_path / "tj" / "synthetic_dlrm" / "lightning_logs" / "version_0" / "checkpoints"
-        first = first / f"epoch=0-step={EVERY}.ckpt"
-        wait_for(
-            "the TrainJob's first periodic checkpoint", lambda: is_checkpoint(first), 300, lambda: _logs(preempted)
-        )
-        # Kubernetes stops a pod: SIGTERM to its container's first process (torchrun), SIGKILL after the grace period.
-        signalled = time.monotonic()
-        preempted[1].process.send_signal(signal.SIGTERM)
-        codes = _finish(preempted, timeout=preempted[1].pod.grace)
-        took = time.monotonic() - signalled
-    finally:
-        for r in preempted:
-            if r.process.poll() is None:
-                r.process.kill()
+    preempted = _start(trainjob, tmp_path, "0", started)
+    first = tmp_path / "tj" / "synthetic_dlrm" / "lightning_logs" / "version_0" / "checkpoints"
+    first = first / f"epoch=0-step={EVERY}.ckpt"
+    wait_for("the TrainJob's first periodic checkpoint", lambda: is_checkpoint(first), 300, lambda: _logs(preempted))
+    # Kubernetes stops a pod: SIGTERM to its container's first process (torchrun), SIGKILL after the grace period.
+    signalled = time.monotonic()
+    preempted[1].process.send_signal(signal.SIGTERM)
+    codes = _finish(preempted, timeout=preempted[1].pod.grace)
+    took = time.monotonic() - signalled
     text = _logs(preempted)
     assert all(code != 0 for code in codes), (codes, text)  # both pods failed: Kubernetes restarts them
     assert took < preempted[1].pod.grace, took
@@ -185,7 +201,7 @@ def test_pytorchjob_and_trainjob_pods_train_and_a_preempted_pod_saves_and_its_re
     assert EVERY <= step < STEPS and is_checkpoint(hpc), (step, hpc)
 
     # The restarted pods: the same command and environment; `--ckpt_path=last` finds the checkpoint.
-    restarted = _start(trainjob, tmp_path, "1")
+    restarted = _start(trainjob, tmp_path, "1", started)
     assert _finish(restarted) == [0, 0], _logs(restarted)
     assert f"ckpt_path='last': resuming from {hpc}" in _logs(restarted), _logs(restarted)
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.dist
 
 SETUP = REPO / "scripts" / "setup_slurm.sh"
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
-STEPS, BATCH, EVERY = 160, 64, 20  # per rank; a checkpoint every EVERY steps
+STEPS, BATCH, EVERY = 120, 64, 40  # per rank; a checkpoint every EVERY steps (the first: mid-epoch)
 ARGS = small_run(STEPS, BATCH, EVERY)
 FINAL = f"epoch=0-step={STEPS}.ckpt"
 
@@ -53,17 +55,23 @@ def _wait_job(what: str, ready, log: Path) -> None:
     wait_for(what, ready, 300, lambda: log.read_text() if log.exists() else "")
 
 
-def test_scancel_usr1_mid_epoch_saves_requeues_and_the_requeued_job_resumes_exactly(slurm, tmp_path):
+@pytest.fixture
+def reference(tmp_path: Path) -> Iterator[subprocess.Popen]:
+    """The uninterrupted run: the same command under Lightning's launcher (2 processes on one host), started beside
+    the SLURM job (both are short); killed with its ranks if the test ends first."""
+    command = ["lightning-rec", "fit", "--config", str(CONFIG), *ARGS, f"--trainer.default_root_dir={tmp_path / 'ref'}"]
+    with (tmp_path / "ref.log").open("w") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO, env=user_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    yield process
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def test_scancel_usr1_mid_epoch_saves_requeues_and_the_requeued_job_resumes_exactly(slurm, reference, tmp_path):
     env = user_env()
-    # The uninterrupted run: the same command under Lightning's launcher, beside the SLURM job (both are short).
-    reference = subprocess.Popen(
-        ["lightning-rec", "fit", "--config", str(CONFIG), *ARGS, f"--trainer.default_root_dir={tmp_path / 'ref'}"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     log, root = tmp_path / "job.out", tmp_path / "slurm"
     submitted = subprocess.run(
         ["sbatch", "--parsable", f"--output={log}", str(SBATCH), str(CONFIG), *ARGS,
@@ -95,8 +103,7 @@ def test_scancel_usr1_mid_epoch_saves_requeues_and_the_requeued_job_resumes_exac
     # The requeued job, started with no ckpt_path, resumed from that checkpoint (Lightning's SLURM resume).
     assert f"Restoring states from the checkpoint path at {hpc}" in text, text[-4000:]
 
-    out, _ = reference.communicate(timeout=600)
-    assert reference.returncode == 0, out[-4000:]
+    assert reference.wait(timeout=600) == 0, (tmp_path / "ref.log").read_text()[-4000:]
     expected = weights(next((tmp_path / "ref").rglob(FINAL)), tmp_path / "ref.pt")
     finals = sorted(root.rglob(FINAL))
     assert [p.parent.parent.name for p in finals] == ["version_1"], finals  # written by the requeued job
