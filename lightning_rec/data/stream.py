@@ -165,9 +165,7 @@ def read_unit(
     return table.select(list(columns))
 
 
-def _cut(n: int, parts: int) -> list[int]:
-    """Boundaries of ``n`` items cut into ``parts`` contiguous pieces whose sizes differ by at most one."""
-    return [(n * i) // parts for i in range(parts + 1)] if parts else [0]
+_cut = cut  # the stream's cut of rows into ranks and batches, and of batches into workers' runs
 
 
 class TableStream(IterableDataset):
@@ -223,6 +221,11 @@ class TableStream(IterableDataset):
     @property
     def legs(self) -> list[Leg]:
         """The earlier legs of the epoch the next pass resumes (empty: a whole epoch, or a same-layout resume)."""
+        if self.elastic and not self._legs:  # a worker started before they were set would read rows twice
+            raise RuntimeError(
+                "TableStream: this DataLoader worker started before the elastic resume's legs were set; load the "
+                "loader's state before its first pass (Lightning does)."
+            )
         return list(self._legs) if self.elastic else []
 
     @legs.setter
