@@ -124,3 +124,16 @@ def test_the_setup_script_says_why_it_cannot_run_and_exits_3_for_the_tests_to_sk
         "setup_slurm: SLURM cannot be set up on this machine: installing and starting SLURM's daemons needs root "
         "(this is uid 65534)"
     )
+
+
+def _daemons() -> dict[str, str]:
+    return {name: Path(f"/run/{name}.pid").read_text().strip() for name in ("slurmctld", "slurmd")}
+
+
+def test_the_setup_script_run_again_checks_the_cluster_and_restarts_nothing(slurm):
+    """Idempotent and quick: with the cluster up, a second run only checks it (the daemons keep their pids)."""
+    before = _daemons()
+    done = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("setup_slurm: the cluster is up (node localhost: idle")
+    assert _daemons() == before
