@@ -44,6 +44,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import tempfile
 from collections.abc import Iterator
@@ -101,13 +102,16 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
         trainer = prepare_trainer(L.Trainer(strategy="recshard", devices="auto"))
     """
     strategy = _check_strategy(trainer, "prepare_trainer")
-    _ray_train()
     if not is_ray_environment(strategy.cluster_environment):
+        hint = (
+            _INSTALL_HINT
+            if importlib.util.find_spec("ray") is None
+            else "HINT: build the Trainer inside the train_loop_per_worker that ray.train.torch.TorchTrainer runs, "
+            "and leave other cluster environments out of its plugins."
+        )
         raise ValueError(
             "prepare_trainer: the Trainer's cluster environment is "
-            f"{type(strategy.cluster_environment).__name__}, not Ray's RayLightningEnvironment. HINT: build the "
-            "Trainer inside the train_loop_per_worker that ray.train.torch.TorchTrainer runs, and leave other "
-            "cluster environments out of its plugins."
+            f"{type(strategy.cluster_environment).__name__}, not Ray's RayLightningEnvironment. {hint}"
         )
     return trainer
 
