@@ -24,17 +24,20 @@ import configparser
 import fnmatch
 import functools
 import glob
+import gzip
 import io
 import os
 import re
 from collections.abc import Sequence
 from typing import IO, Any
 
-__all__ = ["SCHEMES", "expand_url", "is_url", "open_file", "size"]
+__all__ = ["SCHEMES", "expand_url", "first_line", "is_url", "open_file", "parquet_file", "size"]
 
 # scheme -> how a user names it in messages
 SCHEMES = {"s3": "S3", "gs": "Google Cloud Storage", "gcs": "Google Cloud Storage", "az": "Azure Blob Storage"}
-_BUFFER = 1 << 20  # a remote file's read buffer: one request per MiB when read line by line (a CSV's cut points)
+# A remote file's read buffer: a request per 64 KiB read line by line (a CSV's header, the line ends its byte ranges
+# are cut at); a read of more than that is one request of its own size.
+_BUFFER = 64 << 10
 
 
 def is_url(path: str) -> bool:
@@ -355,6 +358,10 @@ class _Raw(io.RawIOBase):
         buffer[: len(data)] = data
         return len(data)
 
+    def readall(self) -> bytes:
+        """The rest of the file in one request (``RawIOBase``'s own reads 8 KiB at a time: a request each)."""
+        return bytes(self._native.read())
+
     def seek(self, offset: int, whence: int = 0) -> int:
         return int(self._native.seek(offset, whence))
 
@@ -393,6 +400,41 @@ def source(path: str) -> Any:
 
         return pa.CompressedInputStream(native, "gzip")
     return native
+
+
+def first_line(path: str) -> bytes:
+    """The first line of file ``path`` (a CSV's header; decompressed for ``.gz``), with its line end. An
+    object-storage file's is kept per process: each of its byte ranges is read with the header's names, and a request
+    costs a round trip (and on some servers a read of the whole object)."""
+    return _remote_first_line(path) if is_url(path) else _first_line(path)
+
+
+def _first_line(path: str) -> bytes:
+    with open_file(path) as raw, gzip.open(raw) if path.endswith(".gz") else raw as f:
+        return bytes(f.readline())
+
+
+@functools.lru_cache(maxsize=256)  # per object: the units of a listing see one version of it
+def _remote_first_line(url: str) -> bytes:
+    return _first_line(url)
+
+
+def parquet_file(path: str) -> Any:
+    """``pyarrow.parquet.ParquetFile`` of ``path``; an object-storage file's footer is read once per process (each of
+    its row groups is opened on its own: without it, a request more each) and its column chunks are fetched together
+    (``pre_buffer``: one request per row group instead of one per column)."""
+    import pyarrow.parquet as pq
+
+    if not is_url(path):
+        return pq.ParquetFile(path)
+    return pq.ParquetFile(source(path), metadata=_footer(path), pre_buffer=True)
+
+
+@functools.lru_cache(maxsize=256)  # per object, as _remote_first_line
+def _footer(url: str) -> Any:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(source(url)).metadata
 
 
 def size(path: str) -> int:

@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_rec._forkserver import worker_context
-from lightning_rec.data._filesystems import open_file, size, source
+from lightning_rec.data._filesystems import first_line, open_file, parquet_file, size, source
 from lightning_rec.data.elastic import Leg, Remaining, cut, stream_read
 from lightning_rec.data.resume import ResumableLoader, pass_through
 
@@ -61,8 +61,7 @@ class Unit:
 
 
 def _csv_header(path: str) -> tuple[bytes, int]:
-    with open_file(path) as raw, gzip.open(raw) if path.endswith(".gz") else raw as f:
-        header = f.readline()
+    header = first_line(path)
     return header, len(header)
 
 
@@ -128,13 +127,9 @@ def read_unit(
     """The ``columns`` of ``unit`` as a ``pyarrow.Table``; ``null_values``: the CSV fields that are nulls, in every
     column (``None``: pyarrow's default tokens, in numeric columns only)."""
     import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
 
     if unit.row_group is not None:
-        remote = "://" in unit.file  # object storage: the columns' byte ranges fetched together (pre_buffer)
-        return pq.ParquetFile(source(unit.file), pre_buffer=remote).read_row_group(
-            unit.row_group, columns=list(columns)
-        )
+        return parquet_file(unit.file).read_row_group(unit.row_group, columns=list(columns))
     sep = delimiter or ("\t" if ".tsv" in unit.file else ",")
     names = list(csv_columns) if csv_columns else next(csv.reader([_csv_header(unit.file)[0].decode()], delimiter=sep))
     missing = [c for c in columns if c not in names]
