@@ -10,11 +10,14 @@ the eager model. The C++ loader is in ``test_serving_cpp.py``. Each package comp
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import shutil
+import signal
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 import zipfile
@@ -618,3 +621,85 @@ def test_artifacts_do_not_embed_the_exporting_machines_paths(tutorial, tutorial_
         want = load_inference(tutorial_ts)(*serving_inputs(spec, batch["sparse"], batch["dense"]))
     got = model(*serving_inputs(model.spec, batch["sparse"], batch["dense"]))
     assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
+# A C++ compiler stand-in: logs each call, then runs the real compiler (so that a loader that compiles still works).
+_RECORDER = """#!/bin/sh
+echo "$0 $*" >> "{log}"
+exec {real} "$@"
+"""
+
+# Loads the package in a fresh interpreter, calls it, reports what was unpacked and imported, then dies (SIGABRT).
+_LOAD_AND_CRASH = """
+import json, os, sys, time
+import torch, fbgemm_gpu
+from lightning_rec.serving import load_pt2
+start = time.perf_counter()
+model = load_pt2(sys.argv[1])
+seconds = time.perf_counter() - start
+model.warm_up()
+print(json.dumps({"seconds": seconds, "setuptools": "setuptools" in sys.modules,
+                  "unpacked": sorted(os.listdir(os.environ["TMPDIR"]))}), flush=True)
+os.abort()
+"""
+
+
+@pytest.mark.dist
+def test_a_cold_load_runs_no_compiler_imports_no_setuptools_and_a_crash_leaves_nothing_unpacked(tutorial, tmp_path):
+    """``load_pt2`` in a fresh process with an empty inductor cache runs no C++ compiler (torch's own
+    ``aoti_load_package`` compiles a test program per vector ISA to find this CPU's: 15-31 s here) and imports no
+    setuptools; the package it unpacked is gone once it is loaded, so a process that then dies (SIGABRT) leaves
+    nothing in the temp folder; the folder a process killed while loading left behind (its process id no longer
+    runs) is removed by the next load."""
+    _, package = tutorial
+    bin_dir, tmp, cache = tmp_path / "bin", tmp_path / "tmp", tmp_path / "inductor-cache"
+    for folder in (bin_dir, tmp, cache):
+        folder.mkdir()
+    log = tmp_path / "compiler-calls.log"
+    real = shutil.which("g++") or "/usr/bin/g++"
+    for name in ("g++", "c++", "gcc", "cc", "clang++", "clang"):
+        (bin_dir / name).write_text(_RECORDER.format(log=log, real=real))
+        (bin_dir / name).chmod(0o755)
+    dead = subprocess.Popen(["true"])  # a process id that no longer runs
+    dead.wait()
+    abandoned = tmp / f"lightning_rec_pt2.{dead.pid}.x1y2"
+    (abandoned / "data").mkdir(parents=True)
+    (abandoned / "data" / "weights.blob").write_bytes(b"left by a killed load")
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "CXX": str(bin_dir / "g++"),
+        "TMPDIR": str(tmp),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+        "PYTHONWARNINGS": "ignore",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_CRASH, str(package)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == -signal.SIGABRT, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not log.exists(), f"a C++ compiler ran at load: {log.read_text()}"
+    assert report["setuptools"] is False
+    assert report["unpacked"] == [], "the unpacked package outlives the load"
+    assert sorted(os.listdir(tmp)) == [], "the crashed process left files in the temp folder"
+
+
+@pytest.mark.dist
+def test_a_correct_request_is_checked_once_in_the_package_not_again_in_python(tutorial, monkeypatch):
+    """The host-side check (which names the feature and the id) runs only when the package has refused a request:
+    a correct one costs no Python check (the package's compiled checks run on every call, as TorchScript's do)."""
+    import lightning_rec.serving.pt2 as pt2
+
+    _, package = tutorial
+    model = load_pt2(package)
+    calls = []
+    original = pt2.check_inputs
+    monkeypatch.setattr(pt2, "check_inputs", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    dense, lengths = torch.zeros(2, 3), torch.tensor([1, 1, 1, 1, 1, 1])
+    model(dense, torch.tensor([29, 0, 0, 1, 49, 0]), lengths)
+    assert calls == []
+    with pytest.raises(ValueError, match=r"feature 'user': id 30 is outside its table of 30 rows"):
+        model(dense, torch.tensor([30, 0, 0, 1, 49, 0]), lengths)
+    assert calls == [1]
+    with pytest.raises(ValueError, match=r"the package takes \(dense_features, values, lengths\); got 2 tensors"):
+        model(dense, torch.tensor([0]))

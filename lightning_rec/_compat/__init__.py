@@ -7,7 +7,7 @@ so that an upgrade that moves one breaks one module with an obvious fix:
 - :mod:`~lightning_rec._compat.lightning`: Lightning's process-group helpers, launchers, optimizer parsing, loops;
 - :mod:`~lightning_rec._compat.torchrec`: the planner, the train pipeline, DMP, managed collision, fused parameters;
 - :mod:`~lightning_rec._compat.patches`: the one seam for patches of TorchRec's, FBGEMM's and Lightning's objects;
-- :mod:`~lightning_rec._compat.torch`: ShardedTensor, dispatch modes, the default store, AOTInductor's compiler;
+- :mod:`~lightning_rec._compat.torch`: ShardedTensor, dispatch modes, the default store, AOTInductor's compiler and package loader;
 - :mod:`~lightning_rec._compat.python`: the interpreter's own exit steps; multiprocessing's fork-server start.
 
 The rest of the package reaches every name through this one: ``from lightning_rec import _compat``, then
@@ -93,6 +93,7 @@ from lightning_rec._compat.patches import (
 from lightning_rec._compat.python import ForkServerContext, ForkServerProcess, interpreter_exit
 from lightning_rec._compat.torch import (
     aoti_input_checks,
+    aoti_package_loader,
     cpp_compiler,
     default_store,
     inductor_cache_dir,
@@ -151,6 +152,7 @@ __all__ = [
     "call_batch_hook",
     "collision_output_segments",
     "aoti_input_checks",
+    "aoti_package_loader",
     "cpp_compiler",
     "create_topology",
     "default_store",

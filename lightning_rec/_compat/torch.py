@@ -1,6 +1,6 @@
 """torch's private names recshard relies on (ShardedTensor and the dispatch-mode base class are imported by the
 package's ``__init__``): the default store, a tensor's version counter, ``Tensor.to``'s argument parser,
-AOTInductor's compiler search and its input checks, compiled into every package."""
+AOTInductor's compiler search, its input checks (compiled into every package) and its C++ package loader."""
 
 from __future__ import annotations
 
@@ -145,3 +145,38 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+# torch: `torch._inductor.aoti_load_package` compares the package's recorded vector ISA with this CPU's only to log a
+# warning, and finding this CPU's (`get_device_information` -> `cpu_vec_isa.pick_vec_isa`) compiles and runs a test
+# program per ISA with the C++ compiler (`cpp_builder`, which imports `torch.utils.cpp_extension` and so setuptools):
+# 15-31 s in a fresh inductor cache on this 2-core machine, a compiler and setuptools required to serve. The C++
+# loader it then builds (`torch._C._aoti.AOTIModelPackageLoader`, what C++'s `AOTIModelPackageLoader` is) needs
+# neither; lightning_rec checks the CPU itself (serving.cpu.check_cpu). The loader unpacks the package into a new
+# `aotinductor_XXXXXX` folder under `TMPDIR` (c10's temp-dir helper) and removes it only when it is destroyed, so a
+# process that dies while serving leaves the whole unpacked package behind.
+def aoti_package_loader(path: str, tmpdir: str) -> Any:
+    """Load the ``.pt2`` package at ``path`` with torch's C++ package loader (no compiler run, no setuptools), unpacked
+    under ``tmpdir`` (``TMPDIR`` is pointed there while the loader is built: the caller holds a lock, and removes
+    ``tmpdir`` once it returns: the library is mapped and the tables are read by then).
+
+    Returns:
+        the loader: ``boxed_run(list_of_tensors) -> list_of_tensors``, ``get_call_spec()``, ``get_metadata()``.
+    """
+    import os
+
+    import torch
+
+    loader_class = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader_class is None:
+        raise AttributeError("torch._C._aoti.AOTIModelPackageLoader is gone: lightning_rec._compat must follow torch")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = tmpdir
+    try:
+        # (path, model name, run single-threaded, runners, device index): aoti_load_package's defaults
+        return loader_class(path, "model", False, 1, -1)
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -152,13 +153,20 @@ def pt2_spec(path: str | Path) -> InferenceSpec:
 
 class Pt2Model:
     """A loaded ``.pt2`` package, called like the TorchScript artifact: ``model([dense_features,] values, lengths[,
-    weights])``. Its inputs are checked here first, naming what is wrong (the feature, the id, the table's rows), as
-    the artifact's own in-graph checks cannot (see :func:`~lightning_rec.serving.artifact.assert_inputs`).
+    weights])``. The package checks every request itself, before any kernel reads it (compiled in: see
+    :func:`~lightning_rec.serving.artifact.assert_inputs`); a request it refuses is checked again here, in Python,
+    to name what is wrong (the feature, the sample, the id, the table's rows), which the compiled checks cannot. A
+    correct request is checked once, as in the TorchScript artifact: nothing runs in Python but the dtype conversion.
+
+    The package is loaded by torch's C++ loader (no C++ compiler, no setuptools: see
+    :func:`~lightning_rec._compat.torch.aoti_package_loader`), unpacked into a folder that is removed as soon as it is
+    loaded (``_load_package``): a process that dies while serving leaves nothing in the temp folder.
 
     Args:
         path: the package.
         spec: its :class:`InferenceSpec`.
-        check: check the inputs host-side before each call (the package's own checks still run).
+        check: name the problem of a refused request in Python (``ValueError``); ``False``: the package's own
+            ``RuntimeError`` (a fixed text per check).
     """
 
     def __init__(self, path: str | Path, spec: InferenceSpec, check: bool = True) -> None:
@@ -170,8 +178,8 @@ class Pt2Model:
         no_limit = torch.iinfo(torch.long).max
         limits = [spec.max_lengths.get(f, no_limit) for f in spec.features]
         self._max_lengths = torch.tensor(limits, dtype=torch.long) if spec.max_lengths else None
-        with quiet_isa_mismatch():
-            self._runner = torch._inductor.aoti_load_package(str(path))
+        self._loader = _load_package(path)
+        self._dtypes = self._input_dtypes()
 
     def __call__(self, *args: Tensor | None) -> Tensor:
         # Any integer dtype and layout is taken here: the package itself takes only the dtypes its spec lists, dense
@@ -182,10 +190,20 @@ class Pt2Model:
             if i < len(given):
                 as_ids(given[i], name)  # a float id is refused, not rounded
         inputs = [a.to(dtype).contiguous() for a, dtype in zip(given, self._dtypes)]
-        if self.check:
-            self._check(args)
-        with torch.inference_mode():
-            return self._runner(*inputs)
+        if len(inputs) != len(self._dtypes):
+            raise ValueError(f"the package takes ({self._signature()}); got {len(inputs)} tensors.")
+        try:
+            with torch.inference_mode():
+                # the C++ runner itself (torch's Python wrapper parses the call spec's JSON again on every call);
+                # the served network returns one tensor
+                return self._loader.boxed_run(inputs)[0]
+        except RuntimeError:
+            # The package's own checks (compiled in, ahead of every kernel) refused the request; the same checks in
+            # Python name the feature, the sample and the id. They run only then: a served request is checked once,
+            # as in the TorchScript artifact.
+            if self.check:
+                self._check(args)
+            raise
 
     def warm_up(self) -> Tensor:
         """Call the package on the request its spec records and check the answer (see
@@ -194,18 +212,20 @@ class Pt2Model:
 
         return warm_up(self, self.spec)
 
-    @property
-    def _dtypes(self) -> tuple[torch.dtype, ...]:
+    def _input_dtypes(self) -> tuple[torch.dtype, ...]:
         if self.spec.inputs is not None:
             return tuple(getattr(torch, record["dtype"]) for record in self.spec.inputs)
         return _OLD_DTYPES[1:] if not self.spec.num_dense_features else _OLD_DTYPES
+
+    def _signature(self) -> str:
+        first = "dense_features, " if self.spec.num_dense_features else ""
+        return f"{first}values, lengths{', weights' if self.spec.weighted else ''}"
 
     def _check(self, args: tuple[Tensor | None, ...]) -> None:
         spec = self.spec
         offset = 1 if spec.num_dense_features else 0
         if len(args) < offset + 2:
-            first = "dense_features, " if offset else ""
-            raise ValueError(f"the package takes ({first}values, lengths{', weights' if spec.weighted else ''}).")
+            raise ValueError(f"the package takes ({self._signature()}).")
         values, lengths = args[offset], args[offset + 1]
         assert values is not None and lengths is not None
         check_inputs(values, lengths, spec.features, self._rows, self._raw_ids, self._max_lengths, self._check_ids)
@@ -213,6 +233,42 @@ class Pt2Model:
             if args[0] is None:
                 raise ValueError("dense_features is None; the package reads dense features.")
             check_dense(args[0], lengths, len(spec.features), spec.num_dense_features)
+
+
+# Each load unpacks into its own folder named after the process, so that a process killed while loading has its
+# folder removed by the next load anywhere on this machine (as the C++ server does with lightning_rec_serve.<pid>).
+_UNPACKED = "lightning_rec_pt2."
+_LOADING = threading.Lock()  # TMPDIR is pointed at the folder while a loader is built
+
+
+def _load_package(path: str | Path) -> Any:
+    """torch's C++ loader of the ``.pt2`` package at ``path`` (``boxed_run(tensors) -> tensors``), unpacked into
+    ``$TMPDIR/lightning_rec_pt2.<pid>.<random>``, which is removed as soon as the loader returns (Linux keeps a
+    mapped library and an open file readable after their names are gone): a process that dies while serving, as
+    one that returns, leaves nothing behind; one killed while loading leaves its folder, removed by the next load in
+    any process (its process id no longer runs). Nothing is checked here: see :func:`load_pt2`."""
+    root = Path(tempfile.gettempdir())
+    _remove_abandoned(root)
+    folder = tempfile.mkdtemp(prefix=f"{_UNPACKED}{os.getpid()}.", dir=root)
+    try:
+        with _LOADING:
+            return _compat.aoti_package_loader(str(path), folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_abandoned(root: Path) -> None:
+    """Remove the unpacked folders (``_load_package``) of processes that no longer run."""
+    for folder in root.glob(f"{_UNPACKED}*"):
+        pid = folder.name[len(_UNPACKED) :].partition(".")[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
 
 
 def load_pt2(path: str | Path, *, check_inputs: bool = True, verify: bool = True) -> Pt2Model:
