@@ -352,3 +352,41 @@ def test_a_glob_matches_within_one_path_segment_as_on_disk(tmp_path: Path) -> No
             got = filesystems.expand_url(f"s3://bkt/{pattern}", "train", (".csv", ".parquet"))
         expected = sorted(f"s3://bkt/{Path(p).relative_to(tmp_path).as_posix()}" for p in tmp_path.glob(pattern))
         assert got == expected, pattern
+
+
+def test_a_remote_file_is_read_in_few_requests(tmp_path: Path) -> None:
+    """Each read of a remote file is a request: read to its end, it is one (not one per 8 KiB, Python's default);
+    read line by line, one per 64 KiB."""
+    import pyarrow as pa
+
+    data = b"".join(b"%d,%d\n" % (i, i * i) for i in range(100_000))  # ~1.2 MB
+
+    class Counted:  # a pyarrow file that counts its reads (a remote file's requests)
+        def __init__(self) -> None:
+            self.file, self.reads = pa.BufferReader(data), 0
+
+        def read(self, n: int | None = None) -> bytes:
+            self.reads += 1
+            return bytes(self.file.read(n))
+
+        def seek(self, offset: int, whence: int = 0) -> int:
+            return int(self.file.seek(offset, whence))
+
+        def tell(self) -> int:
+            return int(self.file.tell())
+
+        def close(self) -> None:
+            self.file.close()
+
+    native = Counted()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(filesystems, "open_native", lambda path, what="file": native)
+        with filesystems.open_file("s3://bkt/squares.csv") as f:
+            assert f.read() == data
+        assert native.reads <= 2, "the buffer's first fill, then the rest at once"
+        native = Counted()
+        with filesystems.open_file("s3://bkt/squares.csv") as f:
+            f.seek(600_000)
+            f.readline()
+            assert f.read(500_000) == data[f.tell() - 500_000 : f.tell()]
+        assert native.reads <= 3
