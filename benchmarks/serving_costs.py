@@ -3,6 +3,7 @@ large table, and the cold and warm load of a ``.pt2`` package in a fresh process
 
     .venv/bin/python benchmarks/serving_costs.py export --rows 5000000 --dim 64     # ~6 min, ~3 GB of disk
     .venv/bin/python benchmarks/serving_costs.py load --rows 100000                 # ~3 min
+    .venv/bin/python benchmarks/serving_costs.py latency                            # ~15 min: 10 compiles
 
 ``export``: a DLRM with one ``--rows`` x ``--dim`` table (and a 1,000-row one) is trained one step on one process and
 saved; each (format, table dtype) is then exported by ``export_inference`` in a fresh child process, which reports its
@@ -17,6 +18,15 @@ with a new, empty ``TORCHINDUCTOR_CACHE_DIR`` (cold) and then with the cache the
 :func:`~lightning_rec.serving.load_inference`. Each child runs with ``CXX`` and ``PATH`` pointing at a recorder
 that logs every call of a C++ compiler before running the real one; it reports the load's wall time (after
 ``import torch, fbgemm_gpu`` and the loader's own module), the compiler calls, and whether ``setuptools`` was imported.
+
+``latency``: every shipped zoo config (``examples/configs``: DLRM-DCNv2, DeepFM, the synthetic DLRM, the two-tower
+model's query and candidate towers, SASRec) is trained 4 steps with ``lightning-rec fit`` on one process, and each
+served part exported as TorchScript and as ``.pt2`` for the ``portable`` and the ``native`` CPU target. On one
+intra-op thread, per batch of 1, 64 and 512 samples (the spec's seeded warm-up request, drawn over the whole tables,
+0 to 3 ids per feature), the TorchScript artifact (``load_inference``), both packages through ``load_pt2`` and the
+portable one through ``torch._inductor.aoti_load_package`` are called interleaved, call by call, on the same
+tensors, every input check on (the artifacts' compiled-in checks; ``load_pt2`` adds nothing to a correct call); the
+median of each and its ratio to TorchScript's are printed.
 """
 
 from __future__ import annotations
@@ -167,6 +177,95 @@ def export_costs(args: argparse.Namespace, work: Path) -> None:
         )
 
 
+# A C++ compiler stand-in: logs each call, then runs the real compiler.
+_RECORDER = """#!/bin/sh
+echo "$0 $*" >> "{log}"
+exec {real} "$@"
+"""
+
+LOADERS = ("load_pt2", "aoti_load_package", "load_inference")
+
+
+def _load_child(artifact: str, loader: str) -> None:
+    """Run in a fresh process: load ``artifact`` with ``loader`` and call it once (its spec's warm-up request)."""
+    import fbgemm_gpu  # noqa: F401
+    import torch
+
+    start = time.perf_counter()
+    if loader == "load_pt2":
+        from lightning_rec.serving import load_pt2
+
+        imported = time.perf_counter()
+        model: Any = load_pt2(artifact)
+        spec = model.spec
+    elif loader == "aoti_load_package":
+        from lightning_rec.serving import pt2_spec
+
+        imported = time.perf_counter()
+        model, spec = torch._inductor.aoti_load_package(artifact), pt2_spec(artifact)
+    else:
+        from lightning_rec.serving import inference_spec, load_inference
+
+        imported = time.perf_counter()
+        model, spec = load_inference(artifact), inference_spec(artifact)
+    loaded = time.perf_counter()
+    from lightning_rec.serving import warm_up
+
+    warm_up(model, spec)
+    print(
+        json.dumps(
+            {
+                "import": imported - start,
+                "load": loaded - imported,
+                "first_call": time.perf_counter() - loaded,
+                "setuptools": "setuptools" in sys.modules,
+            }
+        )
+    )
+
+
+def load_costs(args: argparse.Namespace, work: Path) -> None:
+    from lightning_rec.serving import export_inference
+
+    ckpt = Path(args.checkpoint) if args.checkpoint else _checkpoint(work, args.rows, args.dim)
+    dtype = args.dtypes.split(",")[0]
+    export_inference(ckpt, work / "model.pt2", table_dtype=dtype)  # type: ignore[arg-type]
+    export_inference(ckpt, work / "model.pt", table_dtype=dtype)  # type: ignore[arg-type]
+    bin_dir = work / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = work / "compiler-calls.log"
+    real = shutil.which("g++") or "/usr/bin/g++"
+    for name in ("g++", "c++", "gcc", "cc", "clang++", "clang"):
+        (bin_dir / name).write_text(_RECORDER.format(log=log, real=real))
+        (bin_dir / name).chmod(0o755)
+    print(
+        f"\n{args.rows:,} x {args.dim} table, {dtype}; seconds (import: the loader's lightning_rec module, after torch "
+        "and fbgemm_gpu)\n| loader | cache | load (s) | first call (s) | import (s) | compiler calls | setuptools "
+        "imported |\n|---|---|---|---|---|---|---|"
+    )
+    for loader in LOADERS:
+        cache = work / f"cache_{loader}"
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.mkdir()
+        for state in ("cold (empty)", "warm"):
+            log.unlink(missing_ok=True)
+            env = {
+                **os.environ,
+                "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                "CXX": str(bin_dir / "g++"),
+                "TORCHINDUCTOR_CACHE_DIR": str(cache),
+                "PYTHONWARNINGS": "ignore",
+            }
+            artifact = work / ("model.pt" if loader == "load_inference" else "model.pt2")
+            got = _run_child(["_load", str(artifact), loader], env)
+            calls = len(log.read_text().splitlines()) if log.exists() else 0
+            print(
+                f"| {loader} | {state} | {got['load']:.2f} | {got['first_call']:.3f} | {got['import']:.1f} | {calls} "
+                f"| {got['setuptools']} |",
+                flush=True,
+            )
+
+
 # The zoo's models as shipped (examples/configs), each served part: name -> (config, part).
 ZOO = {
     "DLRM-DCNv2": ("movielens_dlrm.yaml", None),
@@ -267,6 +366,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_export":
         _export_child(*sys.argv[2:6])
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_load":
+        _load_child(*sys.argv[2:4])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=["export", "load", "latency"])
     parser.add_argument("--rows", type=int, default=5_000_000, help="the big table's rows")
@@ -287,6 +389,8 @@ def main() -> None:
     try:
         if args.part == "export":
             export_costs(args, work)
+        elif args.part == "load":
+            load_costs(args, work)
         elif args.part == "latency":
             latency(args, work)
     finally:
