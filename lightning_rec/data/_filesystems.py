@@ -11,7 +11,8 @@ Credentials and endpoint are taken as each provider's own tools take them:
   credentials but not its endpoint, so the endpoint is resolved here, in the AWS CLI's order); the region from
   ``AWS_REGION``/``AWS_DEFAULT_REGION``/the profile, else asked of the bucket.
 - ``gs://``: Google's application default credentials (``GOOGLE_APPLICATION_CREDENTIALS``, ``gcloud auth
-  application-default login``, the instance's service account).
+  application-default login``, the instance's service account); ``STORAGE_EMULATOR_HOST``: a local server, as for
+  Google's client libraries.
 - ``az://container/path``: the account ``AZURE_STORAGE_ACCOUNT_NAME``, with ``AZURE_STORAGE_ACCOUNT_KEY`` or else
   Azure's default credential chain (environment, managed identity, ``az login``).
 
@@ -191,6 +192,12 @@ def _connect(scheme: str, bucket: str, env: tuple[tuple[str, str], ...]) -> Any:
             raise ImportError(
                 "gs:// URLs are read with pyarrow's GCS filesystem, which this pyarrow was built without: "
                 "`pip install --force-reinstall pyarrow` (the PyPI wheels have it)."
+            )
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")  # Google's client libraries' variable for a local server
+        if emulator:
+            scheme_, _, host = emulator.partition("://")
+            return pafs.GcsFileSystem(
+                anonymous=True, scheme=scheme_ if host else "http", endpoint_override=host or emulator
             )
         return pafs.GcsFileSystem()
     if not hasattr(pafs, "AzureFileSystem"):

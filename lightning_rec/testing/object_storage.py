@@ -1,7 +1,8 @@
-"""A local S3 server on loopback (moto's, in its own process) for the tests and benchmarks of ``s3://`` data: a
-bucket filled from local files, IAM users with and without read access, and the environment the AWS tools read.
+"""Local object-storage servers on loopback for the tests and benchmarks of ``s3://`` and ``gs://`` data: moto's S3
+server (a bucket filled from local files, IAM users with and without read access, and the environment the AWS tools
+read) and a Google Cloud Storage emulator, each in its own process.
 
-Needs ``moto[server]`` (the ``test`` extra).
+Needs ``moto[server]`` and ``gcp-storage-emulator`` (the ``test`` extra).
 """
 
 from __future__ import annotations
@@ -19,9 +20,81 @@ from typing import Any
 
 from lightning_rec.testing.ports import free_port
 
-__all__ = ["LocalS3", "aws_env"]
+__all__ = ["LocalGCS", "LocalS3", "aws_env"]
 
 _READ_ALL = json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]})
+
+
+def _serve(command: list[str], port: int, timeout: float, name: str) -> subprocess.Popen[bytes]:
+    """Start ``command`` (a server on ``127.0.0.1:port``) and return once it accepts connections."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while True:  # ready when it accepts a connection (or it died: then say so)
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode} before it listened.")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process
+        except OSError:
+            if time.monotonic() > deadline:
+                process.terminate()
+                process.wait(timeout=30)
+                raise TimeoutError(f"{name} did not listen on port {port} within {timeout:.0f} s.") from None
+            time.sleep(0.05)  # polling a port that is not open yet, not waiting for an event
+
+
+class LocalGCS:
+    """A Google Cloud Storage emulator (``gcp-storage-emulator``, in memory) on ``127.0.0.1`` at a free port, started
+    by ``with`` and stopped after; ``STORAGE_EMULATOR_HOST`` set to it meanwhile, as Google's client libraries read it.
+
+    Example::
+
+        with LocalGCS() as gcs:
+            gcs.upload("clicks", {"2026/a.parquet": "data/a.parquet"})
+            TabularDataModule(schema=..., train="gs://clicks/2026/*.parquet").sparse_features
+    """
+
+    def __init__(self, startup_timeout: float = 60.0) -> None:
+        self.startup_timeout = startup_timeout
+        self.port = 0
+        self._process: subprocess.Popen[bytes] | None = None
+        self._saved: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The emulator's URL (``http://127.0.0.1:PORT``)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LocalGCS:
+        self.port = free_port()
+        command = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1"]
+        command += ["--port", str(self.port), "--in-memory"]
+        self._process = _serve(command, self.port, self.startup_timeout, "the GCS emulator")
+        self._saved = os.environ.get("STORAGE_EMULATOR_HOST")
+        os.environ["STORAGE_EMULATOR_HOST"] = self.endpoint
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = self._saved
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=30)
+            self._process = None
+
+    def upload(self, bucket: str, files: Mapping[str, str | os.PathLike[str]]) -> None:
+        """Create ``bucket`` (if new) and put each local file at its key (``{key: path}``)."""
+        import pyarrow.fs as pafs
+
+        gcs = pafs.GcsFileSystem(
+            anonymous=True, scheme="http", endpoint_override=f"127.0.0.1:{self.port}", project_id="local"
+        )
+        gcs.create_dir(bucket)
+        for key, path in files.items():
+            with open(path, "rb") as src, gcs.open_output_stream(f"{bucket}/{key}") as dst:
+                dst.write(src.read())
 
 
 class LocalS3:
@@ -51,25 +124,8 @@ class LocalS3:
 
     def __enter__(self) -> LocalS3:
         self.port = free_port()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + self.startup_timeout
-        while True:  # ready when it accepts a connection (or it died: then say so)
-            if self._process.poll() is not None:
-                raise RuntimeError(f"moto's S3 server exited with {self._process.returncode} before it listened.")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.__exit__()
-                    raise TimeoutError(
-                        f"moto's S3 server did not listen on port {self.port} within {self.startup_timeout:.0f} s."
-                    ) from None
-                time.sleep(0.05)  # polling a port that is not open yet, not waiting for an event
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        self._process = _serve(command, self.port, self.startup_timeout, "moto's S3 server")
         return self
 
     def __exit__(self, *exc: Any) -> None:
