@@ -210,5 +210,6 @@ class RayTrainReportCallback(pl.Callback):
         # Ray Train registers a report when its controller next polls the workers (every 2 s by default); a worker
         # that dies before then takes the report with it, and Ray restarts from the one before. Waiting until it is
         # committed makes "the last checkpoint reported" the one Ray restores.
-        ray_train.get_all_reported_checkpoints(consistency_mode=ray_train.CheckpointConsistencyMode.COMMITTED)
+        if hasattr(ray_train, "get_all_reported_checkpoints"):  # Ray Train v2 (RAY_TRAIN_V2_ENABLED: on in Ray 2.60)
+            ray_train.get_all_reported_checkpoints(consistency_mode=ray_train.CheckpointConsistencyMode.COMMITTED)
         trainer.strategy.remove_checkpoint(path)  # rank 0
