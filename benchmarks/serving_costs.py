@@ -3,7 +3,7 @@ large table, and the cold and warm load of a ``.pt2`` package in a fresh process
 
     .venv/bin/python benchmarks/serving_costs.py export --rows 5000000 --dim 64     # ~6 min, ~3 GB of disk
     .venv/bin/python benchmarks/serving_costs.py load --rows 100000                 # ~3 min
-    .venv/bin/python benchmarks/serving_costs.py latency                            # ~15 min: 10 compiles
+    .venv/bin/python benchmarks/serving_costs.py latency                            # ~10 min: 12 compiles
 
 ``export``: a DLRM with one ``--rows`` x ``--dim`` table (and a 1,000-row one) is trained one step on one process and
 saved; each (format, table dtype) is then exported by ``export_inference`` in a fresh child process, which reports its

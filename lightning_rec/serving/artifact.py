@@ -233,7 +233,7 @@ def assert_inputs(
     """:func:`check_inputs` as tensor assertions, for a graph ``torch.export`` captures: the same checks, but the
     message cannot name the feature or the id (they are tensor values, unknown when the graph is built). Compiled
     into a ``.pt2`` package, they raise in C++ too (a ``std::runtime_error``, ``RuntimeError`` in Python);
-    :func:`lightning_rec.serving.load_pt2`'s host-side :func:`check_inputs` runs first in Python and names them.
+    :func:`lightning_rec.serving.load_pt2` runs :func:`check_inputs` in Python after they refused a request, to name them.
 
     ``lengths`` is a graph input of its own size (not derived from the batch, which the compiled code would take on
     trust and read past a shorter tensor): it must hold ``F x batch`` entries, checked here, and what the network

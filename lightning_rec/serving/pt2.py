@@ -180,23 +180,26 @@ class Pt2Model:
         self._max_lengths = torch.tensor(limits, dtype=torch.long) if spec.max_lengths else None
         self._loader = _load_package(path)
         self._dtypes = self._input_dtypes()
+        offset = 1 if spec.num_dense_features else 0
+        self._ids = {offset: "values", offset + 1: "lengths"}  # argument position -> name
 
     def __call__(self, *args: Tensor | None) -> Tensor:
         # Any integer dtype and layout is taken here: the package itself takes only the dtypes its spec lists, dense
         # (contiguous) tensors, and refuses the others by name (packages written before it checked read them wrong).
-        offset = 1 if self.spec.num_dense_features else 0
+        # A correct request (the spec's dtypes, contiguous) goes to the package as it is: a call costs a few
+        # attribute reads here (benchmarks/serving_costs.py latency).
         given = [a for a in args if a is not None]
-        for i, name in ((offset, "values"), (offset + 1, "lengths")):
-            if i < len(given):
+        if len(given) != len(self._dtypes):
+            raise ValueError(f"the package takes ({self._signature()}); got {len(given)} tensors.")
+        inputs = given
+        if any(a.dtype != dtype or not a.is_contiguous() for a, dtype in zip(given, self._dtypes)):
+            for i, name in self._ids.items():
                 as_ids(given[i], name)  # a float id is refused, not rounded
-        inputs = [a.to(dtype).contiguous() for a, dtype in zip(given, self._dtypes)]
-        if len(inputs) != len(self._dtypes):
-            raise ValueError(f"the package takes ({self._signature()}); got {len(inputs)} tensors.")
+            inputs = [a.to(dtype).contiguous() for a, dtype in zip(given, self._dtypes)]
         try:
-            with torch.inference_mode():
-                # the C++ runner itself (torch's Python wrapper parses the call spec's JSON again on every call);
-                # the served network returns one tensor
-                return self._loader.boxed_run(inputs)[0]
+            # the C++ runner itself (torch's Python wrapper parses the call spec's JSON again on every call); the
+            # served network returns one tensor, and records no autograd graph
+            return self._loader.boxed_run(inputs)[0]
         except RuntimeError:
             # The package's own checks (compiled in, ahead of every kernel) refused the request; the same checks in
             # Python name the feature, the sample and the id. They run only then: a served request is checked once,
