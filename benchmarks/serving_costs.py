@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -295,24 +294,9 @@ def _trained(config: str, work: Path, data_dir: str) -> Path:
     return found[-1]
 
 
-def _interleaved(calls: dict[str, Callable[[], Any]], n: int, warmup: int) -> dict[str, float]:
-    """The median ms of ``n`` timed calls of each, interleaved call by call, the order rotated each round."""
-    names = list(calls)
-    for _ in range(warmup):
-        for name in names:
-            calls[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(n):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(1e3 * (time.perf_counter() - start))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def latency(args: argparse.Namespace, work: Path) -> None:
     import torch
+    from serving_pt2 import _interleaved  # the sibling benchmark's timing loop (this script's folder is on the path)
 
     from lightning_rec.serving import export_inference, load_inference, load_pt2
     from lightning_rec.serving.artifact import warmup_inputs
@@ -354,7 +338,7 @@ def latency(args: argparse.Namespace, work: Path) -> None:
                     if not torch.allclose(call(), want, rtol=1e-5, atol=1e-6):
                         raise RuntimeError(f"{name}, {rows} rows: {k} differs from TorchScript")
                 n = args.calls_512 if rows == 512 else args.calls
-                ms = _interleaved(calls, n, args.warmup)
+                ms = {name: p50 for name, (p50, _) in _interleaved(calls, n, args.warmup).items()}
             print(
                 f"| {name} | {rows} | {ms['ts']:.3f} | {ms['portable']:.3f} | {ms['native']:.3f} | {ms['aoti']:.3f} "
                 f"| {ms['portable'] / ms['ts']:.2f} | {ms['native'] / ms['ts']:.2f} | {ms['aoti'] / ms['ts']:.2f} |",
