@@ -24,7 +24,6 @@ import fbgemm_gpu
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
@@ -44,6 +43,7 @@ from lightning_rec.serving.requests import raw_inputs_record
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers import zoo_deepfm, zoo_two_tower
 from tests.helpers.data import REPO
+from tests.helpers.dist import in_this_process
 from tests.helpers.serving import serve_fresh
 from tests.helpers.zoo import ZooCase, seeded_module
 from tests.test_serving_pt2 import _rewritten, _tampered
@@ -79,20 +79,10 @@ def served(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve_cpp")
     case = ZooCase(**{**zoo_deepfm.CASE.__dict__, "build": _fast_deepfm})
     module = seeded_module(case)
-    # This fixture runs before conftest's per-test isolation: give back the environment (Lightning leaves
-    # MASTER_PORT in it, and its process group holding that port) and keep the run out of the checkout.
-    saved, cwd = dict(os.environ), os.getcwd()
-    try:
-        os.chdir(work)
+    with in_this_process(work):  # this fixture runs before conftest's per-test isolation
         trainer = L.Trainer(strategy=RecShardStrategy(), accelerator="cpu", devices=1, max_steps=4, **QUIET_TRAINER)
         trainer.fit(module, DataLoader(case.batches(4), batch_size=None, collate_fn=lambda b: b))
         trainer.save_checkpoint(work / "ckpt")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(saved)
     export_inference(work / "ckpt", work / "model_int8.pt", table_dtype="int8")
     start = time.perf_counter()
     spec = export_inference(work / "ckpt", work / "model.pt2", table_dtype="fp32")
@@ -306,16 +296,9 @@ def query_tower(served):
     weights) exported as a TorchScript artifact."""
     from tests.test_serving import trained_checkpoint
 
-    case, saved, cwd = zoo_two_tower.CASE, dict(os.environ), os.getcwd()
-    try:
-        os.chdir(served.work)
+    case = zoo_two_tower.CASE
+    with in_this_process(served.work):
         ckpt = trained_checkpoint(case.build(), case.batches(2), served.work / "two_tower_ckpt")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(saved)
     spec = export_inference(ckpt, served.work / "query.pt", table_dtype="fp32", part="query")
     assert spec.weighted
     return SimpleNamespace(path=served.work / "query.pt", spec=spec, heldout=case.heldout()["query"])
@@ -430,18 +413,10 @@ def test_cpp_names_raw_ids_and_lengths_over_a_features_limit(served, tmp_path):
     artifact's own check: a raw id outside the collision module's id space, a sample with too many ids."""
     from tests import test_serving_collisions as zch
 
-    saved, cwd = dict(os.environ), os.getcwd()
-    try:
-        os.chdir(tmp_path)
+    with in_this_process(tmp_path):
         trainer = zch._trainer(1, steps=2)
         trainer.fit(zch.ZchModel(), DataLoader(zch.training_batches(0)[:2], batch_size=None, collate_fn=lambda b: b))
         trainer.save_checkpoint(tmp_path / "ckpt")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(saved)
     spec = export_inference(tmp_path / "ckpt", tmp_path / "zch.pt", table_dtype="fp32")
     assert spec.raw_id_features == ["item", "user"] and spec.max_lengths == {"history": zch.MAX_HISTORY}
     batch = zch.probe(zch.slots(zch.ZchModel.load_from_checkpoint(tmp_path / "ckpt")))

@@ -9,7 +9,6 @@ DataModule's hashing; the C++ hash (``examples/serve_cpp/hash_ids.h``) is in ``t
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,6 +41,7 @@ from lightning_rec.serving import (
 )
 from lightning_rec.serving.requests import HASH, checked_record, datamodule_state, raw_inputs_record
 from lightning_rec.testing import QUIET_TRAINER
+from tests.helpers.dist import in_this_process
 
 SCHEMA: dict[str, Any] = {
     "labels": [{"column": "clicked"}],
@@ -146,12 +146,9 @@ def trained(tmp_path_factory):
             batch_size=64,
         )  # fmt: skip
 
-    # This fixture runs before conftest's per-test isolation: give back the environment and the working directory.
-    saved, cwd = dict(os.environ), os.getcwd()
     dms = {"dlrm": datamodule(SCHEMA), "weighted": datamodule(WEIGHTED_SCHEMA)}
     dm = dms["dlrm"]
-    try:
-        os.chdir(work)
+    with in_this_process(work):  # this fixture runs before conftest's per-test isolation
         dlrm = DLRMModule(
             dm.sparse_features, dm.num_dense_features, 8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1]
         )
@@ -160,12 +157,6 @@ def trained(tmp_path_factory):
             dist.destroy_process_group()
         weighted = dms["weighted"]
         _fit_and_save(WeightedModel(weighted.sparse_features, 3), weighted, work / "weighted.ckpt")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(saved)
     specs = {
         name: export_inference(work / f"{name}.ckpt", work / f"{name}.pt", table_dtype="fp32")
         for name in ("dlrm", "weighted")

@@ -10,11 +10,12 @@ running the test; a scenario whose numbers need a fresh process asks for one (``
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,28 @@ def _run_here(scenario: str | Callable[..., Any], out_dir: Path, config: dict[st
         os.environ.update(saved_env)
     (out_dir / f"{name}.rank0.json").write_text(result)
     return json.loads(result)
+
+
+@contextlib.contextmanager
+def in_this_process(work: Path) -> Iterator[None]:
+    """Run a fit in the test's own process, in ``work``, and give back what it changes: the working directory, the
+    environment (Lightning leaves ``MASTER_PORT`` in it) and the process group (holding that port).
+
+    For module-scoped fixtures, which run before conftest's per-test isolation does the same.
+
+    Example::
+
+        with in_this_process(work):
+            trainer.fit(model, loader)
+            trainer.save_checkpoint(work / "ckpt")
+    """
+    saved, cwd = dict(os.environ), os.getcwd()
+    try:
+        os.chdir(work)
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved)
