@@ -20,7 +20,7 @@ import torch
 from lightning_rec.data import TabularDataModule
 from lightning_rec.data import _filesystems as filesystems
 from lightning_rec.testing.object_storage import LocalGCS, LocalS3, aws_env
-from tests.data.test_stream import SCHEMA, _files, _Losses, _rids
+from tests.data.test_stream import SCHEMA, _files, _Losses, _rids, _tiny_dlrm
 
 SPLIT = {"random": {"val": 0.2, "test": 0.1, "seed": 3}}
 
@@ -133,18 +133,11 @@ def _fit(data: dict[str, Any], ckpt_dir: Path | None = None, ckpt: Any = None, e
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import lightning_rec
-    from lightning_rec.models import DLRMModule
     from lightning_rec.testing import QUIET_TRAINER
 
     dm = TabularDataModule(schema=SCHEMA, batch_size=100, **data)
     L.seed_everything(7)
-    model = DLRMModule(
-        sparse_features=dm.sparse_features,
-        num_dense_features=1,
-        embedding_dim=8,
-        dense_arch_layer_sizes=[8],
-        over_arch_layer_sizes=[8, 1],
-    )
+    model = _tiny_dlrm(dm)
     losses = _Losses()
     callbacks: list[Any] = [losses.callback]
     kw = dict(QUIET_TRAINER)

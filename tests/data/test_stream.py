@@ -136,6 +136,19 @@ def test_a_mid_epoch_checkpoint_resumes_at_the_next_batch(workers: int, tmp_path
     assert [_rids([b]) for b in resumed] == full[5:]
 
 
+def _tiny_dlrm(dm: Any) -> Any:
+    """The small DLRM these tests train on ``dm``'s features (one dense column), seeded by the caller."""
+    from lightning_rec.models import DLRMModule
+
+    return DLRMModule(
+        sparse_features=dm.sparse_features,
+        num_dense_features=1,
+        embedding_dim=8,
+        dense_arch_layer_sizes=[8],
+        over_arch_layer_sizes=[8, 1],
+    )
+
+
 class _Losses:
     def __init__(self) -> None:
         import lightning as L
@@ -154,7 +167,6 @@ def test_lightning_resumes_a_streamed_epoch_at_the_batch_after_its_checkpoint(tm
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import lightning_rec
-    from lightning_rec.models import DLRMModule
     from lightning_rec.testing import QUIET_TRAINER
 
     files = _files(tmp_path)
@@ -162,13 +174,7 @@ def test_lightning_resumes_a_streamed_epoch_at_the_batch_after_its_checkpoint(tm
     def fit(ckpt: Any = None) -> list[float]:
         dm = TabularDataModule(schema=SCHEMA, train=files, val=files[:1], stream=True, chunk_bytes=600, batch_size=100)
         L.seed_everything(7)
-        model = DLRMModule(
-            sparse_features=dm.sparse_features,
-            num_dense_features=1,
-            embedding_dim=8,
-            dense_arch_layer_sizes=[8],
-            over_arch_layer_sizes=[8, 1],
-        )
+        model = _tiny_dlrm(dm)
         losses = _Losses()
         saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}")
         kw = {**QUIET_TRAINER, "enable_checkpointing": True}
