@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_rec.checkpoint import _confined
 from lightning_rec.errors import CheckpointError, CheckpointReplacedError
 
 META_FILE = "meta.pt"
@@ -107,10 +108,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
         CheckpointError: ``path`` is not a complete checkpoint directory (says what is missing).
     """
     _check_directory(path)
-    complete = path / COMPLETE_FILE
-    if not complete.is_file():
-        raise _incomplete(path)
-    return _parse_manifest(complete.read_bytes(), complete)
+    try:  # a plain file in the folder, read to its size: never a link out, a FIFO or /dev/zero
+        raw = _confined.read_entry(path, COMPLETE_FILE)
+    except FileNotFoundError:
+        raise _incomplete(path) from None
+    return _parse_manifest(raw, path / COMPLETE_FILE)
 
 
 def _check_directory(path: Path) -> None:
@@ -150,6 +152,7 @@ def _parse_manifest(raw: bytes, complete: Path) -> dict[str, Any]:
         raise CheckpointError(f"{complete} is corrupt ({err}).") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{complete} is not a {FORMAT} manifest.")
+    _confined.check_files(manifest.get("files"), complete)  # plain names with sizes: nothing outside the folder
     return manifest
 
 
@@ -221,16 +224,18 @@ def pin(path: Path, last_try: bool = True) -> Iterator[Pinned]:
     pinned: Pinned | None = None
     try:
         try:
-            complete = os.open(COMPLETE_FILE, os.O_RDONLY, dir_fd=directory)
+            complete = _confined.open_entry(directory, COMPLETE_FILE, path)
         except FileNotFoundError:
             raise (replaced_error(path) if _moved(path, directory) else _incomplete(path)) from None
-        with os.fdopen(complete, "rb") as f:
-            raw = f.read()
+        try:
+            raw = _confined.read_small(complete, COMPLETE_FILE, path)
+        finally:
+            os.close(complete)
         manifest = _parse_manifest(raw, path / COMPLETE_FILE)
         pinned = Pinned(path, manifest, hashlib.sha256(raw).hexdigest())
         for name in manifest["files"]:
             with contextlib.suppress(FileNotFoundError):  # reported by verify_files
-                pinned.fds[name] = os.open(name, os.O_RDONLY, dir_fd=directory)
+                pinned.fds[name] = _confined.open_entry(directory, name, path)  # refuses names leading out
         if len(pinned.fds) < len(manifest["files"]) and _moved(path, directory):
             raise replaced_error(path)
     except BaseException:
