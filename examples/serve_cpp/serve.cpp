@@ -40,6 +40,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <fstream>
@@ -49,6 +50,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -57,6 +59,7 @@
 #include <torch/script.h>
 #include <torch/version.h>
 
+#include "follow.h"
 #include "json_value.h"
 #include "sha256.h"
 
@@ -417,16 +420,34 @@ std::string one_line(const std::exception& err) {
   return text;
 }
 
-int serve(int argc, char** argv) {
+// How often the --follow mode looks at DIR/LATEST (a stat: cheap).
+constexpr auto kPoll = std::chrono::milliseconds(100);
+
+// `serve ARTIFACT FBGEMM_GPU_DIR` or `serve --follow DIR FBGEMM_GPU_DIR`.
+int serve(const std::string& artifact, const std::string& fbgemm_dir, const std::string& follow_dir) {
   // FBGEMM's operators and classes: the libraries `import fbgemm_gpu` loads, in its order (fbgemm_gpu/__init__.py).
   for (const char* lib : {"fbgemm_gpu_config.so", "fbgemm_gpu_tbe_utils.so", "fbgemm_gpu_tbe_index_select.so",
                           "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_optimizers.so", "fbgemm_gpu_tbe_inference.so",
                           "fbgemm_gpu_tbe_training_forward.so", "fbgemm_gpu_py.so"}) {
-    if (!dlopen((std::string(argv[2]) + "/" + lib).c_str(), RTLD_NOW | RTLD_GLOBAL)) {
+    if (!dlopen((fbgemm_dir + "/" + lib).c_str(), RTLD_NOW | RTLD_GLOBAL)) {
       throw Refusal(dlerror());
     }
   }
-  const std::string path = argv[1];
+  std::string path = artifact;
+  int64_t full = 0;
+  if (!follow_dir.empty()) {  // the newest full package at or below LATEST
+    try {
+      const int64_t latest = lightning_rec::latest_version(follow_dir);
+      full = lightning_rec::newest_full(follow_dir, latest);
+      if (full < 0) {
+        throw Refusal(follow_dir + "/full holds no complete package (v*.pt2 with its .json) at or below version " +
+                      std::to_string(latest) + " (" + follow_dir + "/LATEST)");
+      }
+    } catch (const lightning_rec::PublishError& err) {
+      throw Refusal(std::string(err.what()) + ": " + follow_dir + " is not a publish directory with a version yet");
+    }
+    path = follow_dir + "/full/" + lightning_rec::version_name(full) + ".pt2";
+  }
   const bool pt2 = path.size() > 4 && path.compare(path.size() - 4, 4, ".pt2") == 0;
   std::string spec_text;
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
@@ -471,6 +492,33 @@ int serve(int argc, char** argv) {
   } else {
     script = torch::jit::load(path, torch::kCPU);
   }
+  std::unique_ptr<lightning_rec::Follower> follower;
+  if (!follow_dir.empty()) {
+    try {
+      follower = std::make_unique<lightning_rec::Follower>(follow_dir, *package, spec, path, full);
+    } catch (const lightning_rec::PublishError& err) {
+      throw Refusal(err.what());
+    }
+    follower->latest_changed();  // seen now: the watcher acts on the next change
+    follower->refresh();         // the deltas after the full one, before serving
+  }
+  // The watcher: applies new versions while requests are served (see follow.h for why none sees a mix).
+  std::mutex stop_mutex;
+  std::condition_variable stop_signal;
+  bool stopping = false;
+  std::thread watcher;
+  if (follower) {
+    watcher = std::thread([&] {
+      std::unique_lock<std::mutex> lock(stop_mutex);
+      while (!stop_signal.wait_for(lock, kPoll, [&] { return stopping; })) {
+        try {
+          if (follower->latest_changed()) follower->refresh();
+        } catch (const std::exception& err) {  // not expected: refresh names what it refuses itself
+          std::cerr << "error: " << one_line(err) << "; serving version " << follower->version() << std::endl;
+        }
+      }
+    });
+  }
   std::cout << "spec: " << spec_text << std::endl;  // ready
   const Inputs inputs = read_inputs(spec);
   torch::NoGradGuard no_grad;
@@ -479,6 +527,11 @@ int serve(int argc, char** argv) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     std::ostringstream answer;
     answer.precision(9);
+    if (follower && (line.rfind("#version", 0) == 0 || line.rfind("#refresh", 0) == 0)) {
+      const int64_t version = line[1] == 'r' ? follower->refresh() : follower->version();
+      std::cout << "version: " << version << std::endl;
+      continue;
+    }
     try {
       const auto args = parse_request(line, inputs);
       torch::Tensor out;
@@ -498,6 +551,15 @@ int serve(int argc, char** argv) {
     }
     std::cout << answer.str() << std::endl;
   }
+  if (watcher.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(stop_mutex);
+      stopping = true;
+    }
+    stop_signal.notify_all();
+    watcher.join();
+  }
+  follower.reset();
   package.reset();
   return 0;
 }
@@ -505,15 +567,17 @@ int serve(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
+  const bool follow = argc == 4 && std::string(argv[1]) == "--follow";
+  if (argc != 3 && !follow) {
     std::cerr << "usage: serve ARTIFACT FBGEMM_GPU_DIR < requests (one per line: 'dense: ...; lengths: ...; values: "
-                 "...[; weights: ...]')\n";
+                 "...[; weights: ...]')\n"
+                 "   or: serve --follow PUBLISH_DIR FBGEMM_GPU_DIR < requests (and '#version', '#refresh' lines)\n";
     return 2;
   }
   install_cleanup();
   int status = 1;
   try {
-    status = serve(argc, argv);
+    status = follow ? serve("", argv[3], argv[2]) : serve(argv[1], argv[2], "");
   } catch (const std::exception& err) {
     std::cerr << one_line(err) << "\n";
   }
