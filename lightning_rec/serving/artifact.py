@@ -77,6 +77,13 @@ class InferenceSpec:
         cpu: what a ``.pt2`` package's compiled code needs of the CPU, ``{"machine", "target", "features"}`` (the
             ``/proc/cpuinfo`` flags; see :mod:`lightning_rec.serving.cpu`); ``None`` for TorchScript (no compiled
             code) and for packages written before it was recorded.
+        table_layout: ``.pt2`` only: where each table's rows lie in the package's constants, table name ->
+            ``{"constant": its name (as the loader's get_constant_fqns() lists it), "rows", "dim", "dtype", "offset":
+            the byte offset of row 0, "row_bytes": the bytes from one row to the next}``: a row's bytes are
+            :func:`~lightning_rec.serving.deltas.artifact_rows`' (see :mod:`lightning_rec.serving.layout`); ``None``
+            for TorchScript and for packages written before it was recorded (they cannot follow deltas).
+        constant_sources: ``.pt2`` only: package constant -> the training ``state_dict`` key of the parameter or
+            buffer it is; the constants not listed never change. ``None`` as for ``table_layout``.
     """
 
     features: list[str]
@@ -99,6 +106,8 @@ class InferenceSpec:
     artifact_version: int = 0  # artifacts written before it was recorded
     checkpoint: dict[str, Any] | None = None
     cpu: dict[str, Any] | None = None
+    table_layout: dict[str, dict[str, Any]] | None = None  # .pt2 packages written since issue 47
+    constant_sources: dict[str, str] | None = None
 
 
 @torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact

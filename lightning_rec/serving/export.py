@@ -1,7 +1,6 @@
 """``export_inference``: a sharded checkpoint -> a quantized TorchScript artifact (see :mod:`lightning_rec.serving`)."""
 
 import dataclasses
-import importlib
 import json
 import os
 from dataclasses import asdict
@@ -209,6 +208,7 @@ def export_inference(
         copy_values=bounds_check in ("warn", "ignore"),
         check_ids=bounds_check == "error",  # the lengths and dense shapes are checked under every policy
     ).eval()
+    trained = set(module.state_dict())  # the training module's keys, before quantize() adds the kernels' buffers
     quantized = quantize(serving, _DTYPES[table_dtype])
     for kernel in quantized.modules():
         if type(kernel).__name__ in KERNELS:  # TorchScript keeps the attribute in the artifact
@@ -228,8 +228,9 @@ def export_inference(
         warmup=warmup,
     )
     if format == "pt2":
-        write_pt2(served, spec, output, options)
-        return spec
+        # the training module's own tensors: the package records which of its constants each one is
+        training = {k: v for k, v in module.state_dict(keep_vars=True).items() if k in trained}
+        return write_pt2(served, spec, output, options, training=training)
     scripted = _script(served, type(net).__name__)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f".{output.name}.partial")
@@ -259,25 +260,18 @@ def _without_debug_info(source: Path, target: Path) -> None:
 
 
 def _model_class(model_class: str | type | None, meta: dict[str, Any], path: Path) -> type:
+    """The class to rebuild: the one the user names (imported as named), else the one the checkpoint names, imported
+    only from installed code, never from inside or beside the checkpoint (see
+    :mod:`lightning_rec.checkpoint._named_class`)."""
+    from lightning_rec.checkpoint._named_class import named_class
+
     name = model_class or meta.get("lightning_rec", {}).get("module_class")
     if name is None:
         raise ExportError(
             f"{str(path)!r} does not name the LightningModule it was saved from (checkpoints written before "
             "lightning_rec recorded it). HINT: pass `model_class=` (`--model-class package.module.Class`)."
         )
-    if isinstance(name, type):
-        return name
-    module_name, _, qualname = name.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), qualname)
-    except (ImportError, AttributeError, ValueError) as err:
-        hint = "pass `model_class=` (`--model-class package.module.Class`)"
-        if module_name == "__main__":  # saved by a script: its module name is only known to the user
-            hint = (
-                f"{qualname} was defined in the script that trained it; pass `model_class=` (`--model-class "
-                f'script.{qualname}` from the script\'s folder, its training guarded by `if __name__ == "__main__":`)'
-            )
-        raise ExportError(f"cannot import the model class {name!r}: {err}. HINT: {hint}.") from None
+    return named_class(name, path, named_by_user=model_class is not None)
 
 
 def _script(model: nn.Module, name: str) -> torch.jit.ScriptModule:

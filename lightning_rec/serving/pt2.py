@@ -12,6 +12,7 @@ only under the torch and FBGEMM that compiled it; :func:`load_pt2` checks that b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -19,6 +20,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_rec import _compat
 from lightning_rec.errors import ExportError, ServingError
+from lightning_rec.serving import layout
 from lightning_rec.serving.artifact import InferenceSpec, as_ids, check_dense, check_inputs
 from lightning_rec.serving.cpu import check_cpu, quiet_isa_mismatch
 from lightning_rec.serving.integrity import check_version, seal
@@ -54,6 +57,9 @@ _INDUCTOR_CONFIGS = {
     "aot_inductor.check_lowerbound": False,
     # No line tables (-g1, on by default): their DWARF names this machine's torch, Python and inductor cache folders
     "aot_inductor.enable_line_tables": False,
+    # Every tensor a constant, none compiled into the code (a tensor of up to 8 values would be): a published
+    # version replaces them in place (see lightning_rec.serving.layout)
+    "always_keep_tensor_constants": True,
 }
 
 
@@ -81,12 +87,21 @@ def stack_versions() -> dict[str, str]:
     return {k: versions[k] for k in _RECORDED if k in versions}
 
 
-def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path, options: dict[str, Any] | None = None) -> None:
+def write_pt2(
+    model: nn.Module,
+    spec: InferenceSpec,
+    output: Path,
+    options: dict[str, Any] | None = None,
+    training: Mapping[str, Tensor] | None = None,
+) -> InferenceSpec:
     """Export ``model`` (plain tensors in: ``[dense_features,] values, lengths[, weights]``), compile it with
     AOTInductor (with ``options``: the CPU target's, :func:`~lightning_rec.serving.cpu.compile_options`), package it
     with ``spec`` and its manifest (:func:`~lightning_rec.serving.integrity.seal`), load the package back and compare
     it with ``model`` on a seeded random batch (:func:`_check_batch`), and only then move it to ``output`` (an
-    existing file is replaced only then).
+    existing file is replaced only then). Returns the spec written: ``spec`` with the tables' places in the
+    package's constants (``table_layout``) and, given the training module's ``state_dict(keep_vars=True)``
+    (``training``), the training tensor each other constant is (``constant_sources``): see
+    :mod:`lightning_rec.serving.layout`.
 
     Raises:
         ExportError: no C++ compiler, a network ``torch.export`` cannot capture, or a package that does not give
@@ -95,6 +110,7 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path, options: dict
     check_compiler()
     _register_fake_classes()
     _plain_buffers(model)
+    layout.name_tables(model)
     try:
         exported = torch.export.export(
             model, _arguments(spec, _trace_inputs(spec)), dynamic_shapes=_dynamic_shapes(spec), strict=False
@@ -106,6 +122,9 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path, options: dict
             "branch on tensor values or read them as Python numbers (.item(), .tolist(), int(t)); or export "
             "--format torchscript."
         ) from err
+    tables = layout.table_layout(model, spec.table_dtype)
+    sources = layout.constant_sources(exported, training or {}, [t["constant"] for t in tables.values()])
+    spec = dataclasses.replace(spec, table_layout=tables, constant_sources=sources)
     with tempfile.TemporaryDirectory(prefix="lightning_rec_pt2_") as scratch:
         compiled = Path(scratch) / "compiled.pt2"
         configs = {
@@ -118,6 +137,8 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path, options: dict
         # AOTI_RUNTIME_CHECK_INPUTS=1 and otherwise read a wrong tensor's memory as the dtype and shape it expects.
         with _compat.aoti_input_checks([record["name"] for record in spec.inputs or []]):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(compiled), inductor_configs=configs)
+        # where each table's initial bytes lie in the package, for a server that keeps its own copy to update
+        spec = dataclasses.replace(spec, table_layout=layout.locate_tables(compiled, tables, model))
         output.parent.mkdir(parents=True, exist_ok=True)
         # Written beside the output (a rename is atomic within one file system) under the output's own name: the
         # archive's root folder is named after the file.
@@ -130,6 +151,7 @@ def write_pt2(model: nn.Module, spec: InferenceSpec, output: Path, options: dict
             os.replace(partial, output)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+    return spec
 
 
 def pt2_spec(path: str | Path) -> InferenceSpec:
@@ -447,6 +469,7 @@ def _round_trip(package: Path, model: nn.Module, check: tuple[Tensor | None, ...
     try:
         with quiet_isa_mismatch():
             loaded = torch._inductor.aoti_load_package(str(package))
+        constants = loaded.loader.get_constant_fqns()
         with torch.inference_mode():
             got, expected = loaded(*args), model(*args)
     except Exception as err:
@@ -459,3 +482,4 @@ def _round_trip(package: Path, model: nn.Module, check: tuple[Tensor | None, ...
             f"the compiled package does not give the eager model's outputs on the check batch (largest difference "
             f"{worst:.3g}); nothing was written."
         )
+    layout.check_layout(constants, spec.table_layout or {}, spec.constant_sources or {})
