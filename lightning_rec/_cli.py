@@ -232,7 +232,7 @@ def _export(argv: list[str]) -> None:
         "instruction sets); recorded in the package and checked by every loader",
     )
     args = parser.parse_args(argv)
-    from lightning_rec.errors import CheckpointError, ExportError
+    from lightning_rec.errors import CheckpointError, ExportError, UnsafeCheckpointError
 
     try:
         if args.format == "weights":
@@ -243,7 +243,10 @@ def _export(argv: list[str]) -> None:
             return
         from lightning_rec.serving.export import export_inference
 
-        if os.getcwd() not in sys.path:  # --model-class script.Model from the script's folder, as `python -m` would
+        # --model-class script.Model from the script's folder, as `python -m` would find it. Only for a class the
+        # user names: the one a checkpoint names is never looked for in the working directory (it may hold the
+        # checkpoint, and a module shipped with it).
+        if args.model_class is not None and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         spec = export_inference(
             args.checkpoint,
@@ -256,7 +259,7 @@ def _export(argv: list[str]) -> None:
             bounds_check=args.bounds_check,
             cpu=args.cpu,
         )
-    except (CheckpointError, ExportError) as err:  # the user's input: the message, not a traceback
+    except (CheckpointError, ExportError, UnsafeCheckpointError) as err:  # the user's input: the message, no traceback
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     dense = f"dense_features[B, {spec.num_dense_features}], " if spec.num_dense_features else ""
     print(

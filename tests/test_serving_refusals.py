@@ -17,6 +17,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_rec import RecLightningModule
+from lightning_rec.checkpoint import _layout as layout
 from lightning_rec.checkpoint._safe_io import dumps_meta, load_meta
 from lightning_rec.errors import CheckpointError, ExportError
 from lightning_rec.models import SequentialRecModule
@@ -109,6 +110,9 @@ def test_a_checkpoint_that_does_not_name_its_class_needs_model_class(tmp_path):
     meta = load_meta(old / "meta.pt")
     del meta["lightning_rec"]["module_class"]
     (old / "meta.pt").write_bytes(dumps_meta(meta))
+    manifest = layout.read_manifest(old)  # sealed again, as a save of that time wrote it: meta.pt is verified
+    (old / layout.COMPLETE_FILE).unlink()
+    layout.mark_complete(old, {**manifest["files"], "meta.pt": layout.file_digest(old / "meta.pt")}, {})
     with pytest.raises(ExportError, match=r"does not name the LightningModule .*--model-class package.module.Class"):
         export_inference(old, tmp_path / "model.pt")
     with pytest.raises(ExportError, match=r"_Branchy cannot be traced"):  # got past the class: the network is refused

@@ -129,7 +129,7 @@ def read_small(fd: int, name: str, folder: Path, limit: int = MAX_MANIFEST_BYTES
     return b"".join(chunks)
 
 
-def read_entry(folder: Path, name: str, what: str = "manifest entry") -> bytes:
+def read_entry(folder: Path, name: str, what: str = "manifest entry", limit: int = MAX_MANIFEST_BYTES) -> bytes:
     """The small file ``name`` of ``folder`` (see :func:`open_entry`, :func:`read_small`).
 
     Raises:
@@ -142,7 +142,7 @@ def read_entry(folder: Path, name: str, what: str = "manifest entry") -> bytes:
     finally:
         os.close(directory)
     try:
-        return read_small(fd, name, folder)
+        return read_small(fd, name, folder, limit)
     finally:
         os.close(fd)
 

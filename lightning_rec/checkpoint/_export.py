@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -104,7 +105,15 @@ def _assemble(
                 targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
     if not targets:
         raise layout.CheckpointError(f"{str(path)!r} has no model weights under prefix {prefix!r}.")
-    dcp.load(targets, storage_reader=_InPlaceReader(pinned), no_dist=True)
+    # Every tensor listed is checked to be stored whole when .metadata is read (safe_io.check_storage), and a stored
+    # tensor that cannot be read raises naming it (_InPlaceReader): an export never leaves one out.
+    try:
+        dcp.load(targets, storage_reader=_InPlaceReader(pinned), no_dist=True)
+    except CheckpointException as err:  # DCP wraps what the reader raised: the message naming the tensor, alone
+        named = [e for e, _ in err.failures.values() if isinstance(e, layout.CheckpointError)]
+        if named:
+            raise named[0] from None
+        raise
     return {key[len(layout.MODEL_PREFIX + prefix) :]: tensor.contiguous() for key, tensor in targets.items()}
 
 
@@ -115,14 +124,17 @@ class _InPlaceReader(safe_io.SafeFileSystemReader):
     """The checkpoint's reader, which reads a stored tensor that is one whole contiguous storage (what a table shard
     is) straight into the tensor it loads into. DCP's own reader ``torch.load``-s each stored tensor into new memory
     and then copies it: a second copy of the largest table at the peak (1.28 GB for a 5M x 64 table). Any other
-    item (a slice of a stored tensor, a stream transform, bytes) is read as DCP reads it."""
+    item (a slice of a stored tensor, a stream transform, bytes) is read as DCP reads it, one at a time, so that an
+    item that cannot be read is named: a :class:`~lightning_rec.errors.CheckpointError` with its key, never a skip."""
 
     @override
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         rest: list[ReadItem] = []
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
-            stored = self.storage_data[req.storage_index]
+            stored = self.storage_data.get(req.storage_index)
+            if stored is None:  # check_storage saw every chunk's entry: only a reader's plan of its own can miss
+                raise _unreadable(self.pinned, req, KeyError("no storage entry"))
             if req.type == LoadItemType.TENSOR and not getattr(stored, "transform_descriptors", None):
                 per_file.setdefault(stored.relative_path, []).append(req)
             else:
@@ -132,15 +144,31 @@ class _InPlaceReader(safe_io.SafeFileSystemReader):
                 for req in reqs:
                     target = planner.resolve_tensor(req).detach()
                     stored = self.storage_data[req.storage_index]
-                    if _read_whole(_Window(stream, stored.offset, stored.length), target, req):
+                    try:
+                        whole = _read_whole(_Window(stream, stored.offset, stored.length), target, req)
+                    except Exception as err:  # torch.load/zipfile raise many types for damaged bytes
+                        raise _unreadable(self.pinned, req, err) from err
+                    if whole:
                         planner.commit_tensor(req, target)
                     else:
                         rest.append(req)
-        if rest:
-            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        for req in rest:
+            try:
+                super().read_data(dataclasses.replace(plan, items=[req]), planner).wait()
+            except Exception as err:
+                raise _unreadable(self.pinned, req, err) from err
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+def _unreadable(pinned: layout.Pinned | None, req: ReadItem, err: BaseException) -> layout.CheckpointError:
+    where = f"{str(pinned.path)!r}" if pinned is not None else "the checkpoint"
+    reason = f"{type(err).__name__}: {err}".splitlines()[0].split(". ")[0]  # torch.load's advice is no use here
+    return layout.CheckpointError(
+        f"{where}: the tensor {req.storage_index.fqn!r} (chunk at {list(req.storage_index.offset or [])}) cannot be "
+        f"read ({reason}); the checkpoint is damaged. Use an intact checkpoint."
+    )
 
 
 class _Window(io.RawIOBase):
