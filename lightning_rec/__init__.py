@@ -60,6 +60,7 @@ from lightning_rec._strategy.recshard import RecShardStrategy
 from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec.config import EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig, checkpoint_safe
 from lightning_rec.errors import InputError, NonFiniteError
+from lightning_rec.progressive import ProgressiveEvaluation
 
 silence_proven_harmless()  # before a user's first KeyedJaggedTensor: README "What you will not see"
 
@@ -75,6 +76,7 @@ __all__ = [
     "NonFiniteError",
     "PlanReport",
     "PlanRow",
+    "ProgressiveEvaluation",
     "QuantizedComms",
     "RankEstimate",
     "RecLightningModule",

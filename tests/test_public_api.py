@@ -34,6 +34,7 @@ PUBLIC_MODULES = {
     "lightning_rec.config",
     "lightning_rec.errors",
     "lightning_rec.metrics",
+    "lightning_rec.progressive",
 }
 # Packages whose modules are public unless their own name is private.
 PUBLIC_PACKAGES = (

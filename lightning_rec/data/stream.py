@@ -42,7 +42,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from lightning_rec._forkserver import worker_context
 from lightning_rec.data._filesystems import first_line, open_file, parquet_file, size, source
 from lightning_rec.data.elastic import Leg, Remaining, cut, stream_read
+from lightning_rec.data.periods import Period, TimeOrder
 from lightning_rec.data.resume import ResumableLoader, pass_through
+from lightning_rec.errors import CheckpointError
 
 __all__ = ["StreamLoader", "TableStream", "Unit", "list_units", "read_unit"]
 
@@ -173,6 +175,9 @@ class TableStream(IterableDataset):
         batch_size, rank, world_size: batching (every rank gets the same number of batches).
         shuffle, seed: seeded unit order and window permutation (reshuffled every epoch).
         window: batches a worker buffers and permutes at once.
+        time: the rows' time order and periods (:mod:`lightning_rec.data.periods`): the epoch replays them in time
+            order, period by period (no shuffling; each period's rows cut over the ranks and into batches as an
+            epoch's are, see :attr:`periods`); a worker reads ``window`` batches at a time.
 
     Attributes:
         legs: the earlier legs of an elastically resumed epoch (:mod:`lightning_rec.data.elastic`; set by
@@ -190,6 +195,7 @@ class TableStream(IterableDataset):
         shuffle: bool = False,
         seed: int = 0,
         window: int = 8,
+        time: TimeOrder | None = None,
     ) -> None:
         self.units, self.read = list(units), read
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
@@ -199,11 +205,19 @@ class TableStream(IterableDataset):
         # the pass it starts (see the module docstring).
         self._position = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._legs: list[Leg] = []
-        total = sum(u.rows for u in self.units)
+        self.time = time
+        total = sum(u.rows for u in self.units) if time is None else time.rows
         if total < world_size:
             raise ValueError(f"Cannot give each of {world_size} ranks at least one of {total} rows.")
         self.total_rows = total
         self.num_batches = math.ceil(math.ceil(total / world_size) / batch_size)
+        self.periods: list[Period] = []
+        if time is not None:
+            self.shuffle = False  # time order is the order
+            self.periods = time.periods(world_size, batch_size)
+            self.num_batches = sum(p.batches for p in self.periods)
+            kept = [int(time.kept[k].sum()) if k in time.kept else u.rows for k, u in enumerate(self.units)]
+            self._kept_offsets = np.cumsum([0] + kept)
 
     def __len__(self) -> int:
         if not self.elastic:
@@ -234,7 +248,20 @@ class TableStream(IterableDataset):
         return bool(self._position[2])
 
     def rows_left(self, epoch: int, legs: Sequence[Leg]) -> int:
-        """How many rows of ``epoch`` the ``legs`` left unread."""
+        """How many rows of ``epoch`` the ``legs`` left unread.
+
+        Raises:
+            CheckpointError: a time-ordered stream: its epoch resumes on the layout it was saved with only.
+        """
+        if self.time is not None:
+            leg = legs[-1] if legs else None
+            saved = f" (saved with {leg.world_size} process(es), batch_size {leg.batch_size})" if leg else ""
+            raise CheckpointError(
+                f"TableStream: the checkpoint was saved in the middle of a time-ordered epoch (period){saved}; this "
+                f"run has {self.world_size} process(es), batch_size {self.batch_size}, and a period's batches depend "
+                "on both. HINT: resume with the rank count, batch_size and num_workers it was saved with, or from a "
+                "checkpoint saved at the end of an epoch."
+            )
         return len(self.remaining(epoch, legs))
 
     def remaining(self, epoch: int, legs: Sequence[Leg]) -> Remaining:
@@ -304,6 +331,9 @@ class TableStream(IterableDataset):
         info = get_worker_info()
         physical, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, start = self.epoch, self.start_batch  # read once: the main process set them for this pass
+        if self.time is not None:
+            yield from self._in_time_order(physical, workers, start)
+            return
         legs = self.legs
         left = self.remaining(epoch, legs) if legs else None
         rows = self.total_rows if left is None else len(left)
@@ -335,6 +365,53 @@ class TableStream(IterableDataset):
                     continue
                 a, z = bounds[b][0] - lo, bounds[b][1] - lo
                 yield window[perm[a:z]]
+
+    def _in_time_order(self, physical: int, workers: int, start: int) -> Iterator[Any]:
+        """This worker's batches of a time-ordered epoch (from batch ``start`` of the rank's), ``window`` batches
+        read at a time; a window's batches that are contiguous in time order are read as one range."""
+        assert self.time is not None
+        bounds = self.time.batch_bounds(self.rank, self.world_size, self.batch_size)
+        edges = _cut(len(bounds), workers)
+        runs = list(zip(edges[:-1], edges[1:]))
+        done, turn = _served_by(start, [b - a for a, b in runs])
+        worker = (physical + turn) % workers  # as in __iter__: the resumed epoch keeps the uninterrupted order
+        first, stop = runs[worker]
+        for w0 in range(first + done[worker], stop, self.window):
+            batches = bounds[w0 : min(w0 + self.window, stop)]
+            ranges: list[list[int]] = []
+            for a, b in batches:
+                if ranges and ranges[-1][1] == a:
+                    ranges[-1][1] = b
+                else:
+                    ranges.append([a, b])
+            parts = [self._time_rows(a, b) for a, b in ranges]
+            window = parts[0] if len(parts) == 1 else _cat_datasets(parts)
+            at = 0
+            for a, b in batches:
+                yield window[torch.arange(at, at + b - a)]
+                at += b - a
+
+    def _time_rows(self, lo: int, hi: int) -> Any:
+        """Rows ``[lo, hi)`` of the time order, one dataset: each unit they fall in read once, over the range that
+        holds them, then put in time order."""
+        assert self.time is not None
+        order, kept, offsets = self.time.order, self.time.kept, self._kept_offsets
+        positions = np.arange(lo, hi) if order is None else order[lo:hi]
+        unit_of = np.searchsorted(offsets, positions, side="right") - 1
+        parts = []
+        for k in np.unique(unit_of).tolist():
+            local = np.sort(positions[unit_of == k]) - offsets[k]  # kept rows of the unit
+            raw = local if k not in kept else np.flatnonzero(kept[k])[local]
+            part = self.read(self.units[k], int(raw[0]), int(raw[-1]) + 1)  # its kept rows local[0]..local[-1]
+            if len(local) != local[-1] - local[0] + 1:
+                part = part.subset(torch.from_numpy(local - local[0]))
+            parts.append(part)
+        rows = parts[0] if len(parts) == 1 else _cat_datasets(parts)
+        if order is None:
+            return rows
+        place = np.empty(len(positions), dtype=np.int64)  # rows are in the order of their positions: time order
+        place[np.argsort(positions, kind="stable")] = np.arange(len(positions))
+        return rows.subset(torch.from_numpy(place))
 
     def _rows(self, order: list[Unit], offsets: np.ndarray, lo: int, hi: int) -> Any:
         """Rows ``[lo, hi)`` of the epoch's order, one dataset (units read in turn, sliced)."""

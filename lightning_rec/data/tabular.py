@@ -47,6 +47,7 @@ from dataclasses import asdict
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_rec._choices import check_arguments
@@ -56,6 +57,8 @@ from lightning_rec.data._tabular_read import (
     Mapper,
     Part,
     UnitReader,
+    _Bad,
+    _stamps,
     column_names,
     concat_jagged,
     decode,
@@ -68,6 +71,7 @@ from lightning_rec.data._tabular_read import (
 )
 from lightning_rec.data._tabular_split import SplitRule, fill_spec, known, split_rows
 from lightning_rec.data.base import RecDataModule, RecDataset
+from lightning_rec.data.periods import Period, TimeOrder, check_period, time_order
 from lightning_rec.data.schema import DataError, Schema, SparseColumn, Vocabulary, id_text
 from lightning_rec.data.stream import TableStream, Unit, list_units, read_unit
 
@@ -101,6 +105,13 @@ class TabularDataModule(RecDataModule):
             columns are optional; the schema's ``keys`` are read from them (see "Score a file" in docs/data.md).
             Read and checked with the other files; ids map through what the training split taught (or, with
             ``ckpt_path``, the checkpoint's vocabularies and statistics).
+        period: replay the training rows in time order, period after period: ``"hour"``, ``"day"``, ``"week"``
+            (calendar periods of ``time_column``, weeks from Monday) or a number of rows. No shuffling; ties keep
+            the files' order; every rank is in the same period at every step and no batch holds two periods
+            (:attr:`periods`, :mod:`lightning_rec.data.periods`). In memory or streamed.
+        time_column: the column ``period`` orders by (default: ``split.timestamp.column``): an Arrow timestamp or
+            date column (in its time zone, if it has one; CSV: ISO date-times), or numbers, read as seconds since
+            1970 for a calendar period.
 
     Example::
 
@@ -131,6 +142,8 @@ class TabularDataModule(RecDataModule):
         fill: float | Literal["mean"] | dict[str, float | Literal["mean"]] | None = None,
         csv_null_values: list[str] | None = None,
         predict_files: str | list[str] | None = None,
+        period: Literal["hour", "day", "week"] | int | None = None,
+        time_column: str | None = None,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         self.stream, self.window, self.chunk_bytes = stream, window, chunk_bytes
@@ -148,6 +161,9 @@ class TabularDataModule(RecDataModule):
             known("split", split, ("random", "timestamp"))
         self.split_rule = split if split is None or isinstance(split, SplitRule) else SplitRule(**dict(split))
         self.fill = fill_spec(fill, [c.column for c in self.schema.dense])
+        self.period = check_period(period)
+        period = self.period  # type: ignore[assignment]  # "1000" (a CLI's text) is 1000 rows, for check_arguments
+        self.time_column = self._time_column(time_column)
         check_arguments(TabularDataModule.__init__, "TabularDataModule", locals())  # a misspelled choice, named
         if csv_null_values is not None and not all(isinstance(v, str) for v in csv_null_values):
             raise ValueError(f"TabularDataModule: csv_null_values is {csv_null_values!r}: a list of strings.")
@@ -168,7 +184,23 @@ class TabularDataModule(RecDataModule):
         self._decoded: dict[str, Decoded] | None = None
         self._unit_lists: dict[str, list[Unit]] = {}
         self._stamp_tz: str | None = None
+        self._time: TimeOrder | None = None
         self._checked = False
+
+    def _time_column(self, given: str | None) -> str | None:
+        """The column ``period`` orders by: ``time_column``, else the timestamp split's."""
+        ruled = self.split_rule.timestamp["column"] if self.split_rule and self.split_rule.timestamp else None
+        if given is not None and self.period is None:
+            raise ValueError(
+                f"TabularDataModule: time_column {given!r} is read only to order the rows by time: give a period "
+                "too (period: hour, day, week or a number of rows)."
+            )
+        if given is not None and ruled is not None and given != ruled:
+            raise ValueError(
+                f"TabularDataModule: time_column {given!r} and split.timestamp.column {ruled!r}: the rows are split "
+                "and ordered by one time column. HINT: leave time_column out to order by the split's."
+            )
+        return given or ruled
 
     # ---- what the model needs --------------------------------------------------------------------------------
     @property
@@ -189,6 +221,11 @@ class TabularDataModule(RecDataModule):
         """
         if self._checked:
             return
+        if self.period is not None and self.time_column is None:
+            raise ValueError(
+                f"TabularDataModule: period {self.period!r} orders the training rows by time: name their time column, "
+                "e.g. `time_column: ts` (or split them with `split: {timestamp: {column: ts, ...}}`)."
+            )
         if self.stream:
             for split, patterns in self.sources.items():
                 if patterns is not None:
@@ -202,9 +239,62 @@ class TabularDataModule(RecDataModule):
                 )
         else:
             self._read()
+        if self.period is not None:
+            self._time = self._time_order()
         self._learn()
         self._report()
         self._checked = True
+
+    @property
+    def periods(self) -> list[Period]:
+        """The training split's periods (with ``period``; else ``[]``) and their batches for this run's ranks and
+        ``batch_size``: batch ``i`` of an epoch belongs to the period with ``first_batch <= i < first_batch +
+        batches``, on every rank. :class:`~lightning_rec.progressive.ProgressiveEvaluation` reads them.
+
+        Raises:
+            ValueError: a period has fewer rows than there are ranks.
+
+        Example::
+
+            dm = TabularDataModule(schema=..., train="clicks/", period="day", time_column="ts", stream=True)
+            [(p.start, p.rows) for p in dm.periods]   # [('2026-11-01T00:00:00', 5120), ...]
+        """
+        if self.period is None:
+            return []
+        self.check()
+        assert self._time is not None
+        return self._time.periods(self.rank_and_world_size[1], self.batch_size)
+
+    def _time_order(self) -> TimeOrder:
+        """The training rows' time order and periods: from the rows in memory, or (streaming) from one pass over the
+        training files' time column (every column with ``bad_rows: drop``, to know which rows are kept)."""
+        column, period = self.time_column, self.period
+        assert column is not None and period is not None
+        if not self.stream:
+            train = self._read()["train"]
+            assert train.timestamps is not None
+            return time_order([train.timestamps], self._stamp_tz, period, column)
+        drop = self.bad_rows == "drop"
+        stamps: list[np.ndarray] = []
+        kept: dict[int, np.ndarray] = {}
+        kinds: dict[str, tuple[bool, Any]] = {}
+        for k, unit in enumerate(self._units("train")):
+            columns = self._columns() if drop else [column]
+            table = read_unit(unit, columns, self.csv_columns, self.csv_delimiter, self.csv_null_values)
+            part = Part(table, unit.file, where(unit), unit.first_line)
+            if drop:
+                decoded = decode(part, self.schema, True, column, self.fill)
+                assert decoded.timestamps is not None
+                stamps.append(decoded.timestamps[decoded.keep])
+                if not decoded.keep.all():
+                    kept[k] = decoded.keep
+            else:
+                stamps.append(_stamps(part, column, _Bad(part, False)))
+            kinds.setdefault(unit.file, (stamps[-1].dtype.kind == "M", table.column(column).type))
+        self._one_kind(column, kinds)
+        order = time_order(stamps, self._stamp_tz, period, column)
+        order.kept = kept
+        return order
 
     def _report(self) -> None:
         fills = self._fills()
@@ -239,7 +329,8 @@ class TabularDataModule(RecDataModule):
 
     # ---- reading ----------------------------------------------------------------------------------------------
     def _columns(self, labels: bool = True, keys: bool = False, stamp: bool = True) -> list[str]:
-        extra = [self.split_rule.timestamp["column"]] if stamp and self.split_rule and self.split_rule.timestamp else []
+        column = self._stamp_column()
+        extra = [column] if stamp and column else []
         columns = self.schema.columns
         if not labels:  # a file to score without labels: the features' columns
             s = self.schema
@@ -276,6 +367,9 @@ class TabularDataModule(RecDataModule):
         return self.row_counts.get("predict", {}).get("labels", True) is not False
 
     def _stamp_column(self) -> str | None:
+        """The time column read with the rows: the timestamp split's, or the one ``period`` orders by."""
+        if self.time_column is not None:
+            return self.time_column
         return self.split_rule.timestamp["column"] if self.split_rule and self.split_rule.timestamp else None
 
     def _read(self) -> dict[str, Decoded]:
@@ -292,7 +386,7 @@ class TabularDataModule(RecDataModule):
             parts: list[Decoded] = []
             kinds: dict[str, tuple[bool, Any]] = {}  # file -> (holds times, its type): one kind in every file
             scored = self._scored(name)
-            split_by = None if name == "predict" else stamp  # files to score are not split
+            split_by = stamp if name in ("all", "train") else None  # the rows a rule splits or `period` orders
             files = expand(patterns, name)
             labeled = name != "predict" or self._labeled(files)
             for f in files:
@@ -573,6 +667,18 @@ class TabularDataModule(RecDataModule):
             self._build()  # a checkpoint restored after setup() brought other vocabularies or statistics
         if name not in self._splits:
             raise ValueError(f"TabularDataModule: there is no {name!r} split (splits: {sorted(self._splits)}).")
+        if name == "train" and self._time is not None:  # replayed in time order: the stream's batching, in memory
+            rank, world_size = self.rank_and_world_size
+            rows = self._splits[name]
+            return TableStream(
+                [Unit("<memory: train>", len(rows))],
+                _Slice(rows),
+                self.batch_size,
+                rank=rank,
+                world_size=world_size,
+                window=self.window,
+                time=self._time,
+            )
         return self._splits[name]
 
     def _stream(self, name: str) -> TableStream:
@@ -581,7 +687,12 @@ class TabularDataModule(RecDataModule):
             split = "val"
         rank, world_size = self.rank_and_world_size
         reader = UnitReader(
-            self._mapper(), self._columns(), self.csv_columns, self.csv_delimiter, self.bad_rows, self.csv_null_values
+            self._mapper(),
+            self._columns(stamp=split == "train"),
+            self.csv_columns,
+            self.csv_delimiter,
+            self.bad_rows,
+            self.csv_null_values,
         )
         return TableStream(
             self._units(split),
@@ -592,4 +703,15 @@ class TabularDataModule(RecDataModule):
             shuffle=split == "train",
             seed=self.seed,
             window=self.window,
+            time=self._time if split == "train" else None,
         )
+
+
+class _Slice:
+    """Rows ``[a, b)`` of an in-memory split (a time-ordered :class:`TableStream`'s read)."""
+
+    def __init__(self, rows: RecDataset) -> None:
+        self.rows = rows
+
+    def __call__(self, unit: Unit, a: int, b: int) -> RecDataset:
+        return self.rows.subset(torch.arange(a, b))
