@@ -9,12 +9,14 @@ serves the package in a process without lightning_rec or torchrec. The same buil
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -38,6 +40,16 @@ from lightning_rec.serving import (
     serving_inputs,
 )
 from lightning_rec.serving.cpu import host_features
+from lightning_rec.serving.deltas import (
+    LATEST_FILE,
+    Manifest,
+    artifact_rows,
+    file_record,
+    full_manifest_path,
+    full_path,
+    version_dir,
+    write_part,
+)
 from lightning_rec.serving.integrity import MANIFEST_RECORD, seal
 from lightning_rec.serving.requests import raw_inputs_record
 from lightning_rec.testing import QUIET_TRAINER
@@ -439,3 +451,201 @@ def test_cpp_names_raw_ids_and_lengths_over_a_features_limit(served, tmp_path):
         f"ids (input_hash_size: raw ids run from 0 to {zch.HASH_SIZE - 1})"
     )
     assert answers[2].startswith(f"error: feature 'history': sample 0 has {limit + 1} ids, more than the {limit}")
+
+
+# ---- `serve --follow DIR`: a publish directory (docs/fresh-models.md), its versions picked up while serving
+
+
+def _float_tables(module) -> dict[str, torch.Tensor]:
+    """The training module's tables by name (``...embedding_bags.<table>.weight``), float rows."""
+    state = module.state_dict()
+    return {k.split(".")[-2]: v for k, v in state.items() if ".embedding_bags." in k and k.endswith(".weight")}
+
+
+def _point(root: Path, version: int) -> None:
+    """``root/LATEST`` -> ``version``, replaced atomically (as the publisher writes it)."""
+    (root / ".LATEST.tmp").write_text(json.dumps({"version": version}))
+    os.replace(root / ".LATEST.tmp", root / LATEST_FILE)
+
+
+def _publish(
+    root: Path, version: int, before, after, spec: InferenceSpec, point: bool = True, damage: bool = False
+) -> Path:
+    """Version ``version`` of the publish directory ``root`` as the design writes it (``lightning_rec.serving.deltas``):
+    the rows of each table that differ between the modules ``before`` and ``after`` (in the package's bytes) and
+    every dense tensor the package reads, one part, its manifest, the folder renamed into place; then LATEST."""
+    old, new = _float_tables(before), _float_tables(after)
+    tables = {}
+    for name in spec.table_layout:
+        ids = (old[name] != new[name]).any(dim=1).nonzero().flatten()
+        tables[name] = (ids, artifact_rows(new[name][ids], spec.table_dtype))
+    state = after.state_dict()
+    dense = {key: state[key] for key in set(spec.constant_sources.values())}
+    folder = version_dir(root, version)
+    staging = folder.with_name(f".{folder.name}.tmp")
+    staging.mkdir(parents=True)
+    record = write_part(staging / "delta.r0.pt", tables, dense)
+    manifest = Manifest(
+        version, "delta", version - 1, version, None, 0, 1, spec.table_dtype, "", {"delta.r0.pt": record}
+    )
+    (staging / "manifest.json").write_text(manifest.to_json())
+    if damage:  # one byte of the part's tensor data flipped after its checksum was recorded
+        data = bytearray((staging / "delta.r0.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (staging / "delta.r0.pt").write_bytes(data)
+    os.rename(staging, folder)
+    if point:
+        _point(root, version)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def published(served):
+    """The fixture's fp32 package as version 1 of a publish directory, and the same DeepFM trained on in two more
+    rounds of 2 steps (other rows of MovieLens): ``states[v - 1]`` is the plain module version ``v`` is."""
+    case = ZooCase(**{**zoo_deepfm.CASE.__dict__, "build": _fast_deepfm})
+    states, ckpt = [served.trained], served.work / "ckpt"
+    more = case.batches(8)[4:]
+    for round in (1, 2):
+        module = type(served.trained).load_from_checkpoint(ckpt)
+        with in_this_process(served.work):
+            trainer = L.Trainer(strategy=RecShardStrategy(), accelerator="cpu", devices=1, max_steps=2, **QUIET_TRAINER)
+            batches = more[2 * (round - 1) : 2 * round]
+            trainer.fit(module, DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+            ckpt = served.work / f"ckpt{round + 1}"
+            trainer.save_checkpoint(ckpt)
+        states.append(type(served.trained).load_from_checkpoint(ckpt).eval())
+    root = served.work / "published"
+    (root / "full").mkdir(parents=True)
+    shutil.copy(served.work / "model.pt2", full_path(root, 1))
+    files = {full_path(root, 1).name: file_record(full_path(root, 1))}
+    full = Manifest(1, "full", None, 4, None, 0, 1, served.spec.table_dtype, "", files)
+    full_manifest_path(root, 1).write_text(full.to_json())
+    _point(root, 1)
+    assert served.spec.table_layout and served.spec.constant_sources, "the package records no table_layout"
+    line = request(*serving_inputs(served.spec, served.heldout.sparse_features, served.heldout.dense_features))
+    return SimpleNamespace(root=root, states=states, spec=served.spec, line=line)
+
+
+def _expected(served, module) -> torch.Tensor:
+    with torch.no_grad():
+        return module.predict_step(copy.deepcopy(served.heldout), 0)["probability"].reshape(-1)
+
+
+class _Follower:
+    """``serve --follow DIR`` running, one request line at a time (stderr collected apart)."""
+
+    def __init__(self, served, root: Path, tmp: Path):
+        cmd = [str(served.work / "build" / "serve_cpp" / "serve"), "--follow", str(root), FBGEMM_GPU_DIR]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "TMPDIR": str(tmp)},
+        )  # fmt: skip
+        first = self.proc.stdout.readline()
+        assert first.startswith("spec: "), first + self.proc.stderr.read()
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line if line.endswith("\n") else line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().rstrip("\n")
+
+    def close(self) -> str:
+        """Ends the input; the server's standard error."""
+        _, err = self.proc.communicate(timeout=60)
+        assert self.proc.returncode == 0, err
+        return err
+
+
+def _close(got: str, want: torch.Tensor) -> bool:
+    (out,) = outputs(got)
+    return out.shape == want.shape and torch.allclose(out, want, rtol=0, atol=1e-6)
+
+
+def test_cpp_follows_a_publish_directory_and_applies_each_version_while_it_serves(served, published, tmp_path):
+    """``serve --follow DIR`` serves the full package of version 1 as the trained module answers; version 2 (a
+    delta: the rows 2 more steps changed, the dense weights), asked for with ``#refresh``, and version 3, found by
+    the server itself (it watches LATEST) while requests go on, are each answered as the module of that training
+    state answers (fp32 tables: to 1e-6), unlike the version before; a server started at version 3 starts from the
+    full package and applies both deltas."""
+    root = shutil.copytree(published.root, tmp_path / "published")
+    states, spec, line = published.states, published.spec, published.line
+    want = [_expected(served, m) for m in states]
+    assert all((want[v] - want[v + 1]).abs().max() > 1e-3 for v in (0, 1)), "the versions must answer differently"
+    server = _Follower(served, root, tmp_path)
+    assert server.ask("#version") == "version: 1" and _close(server.ask(line), want[0])
+    _publish(root, 2, states[0], states[1], spec)
+    assert server.ask("#refresh") == "version: 2"
+    v2 = server.ask(line)
+    assert _close(v2, want[1]), (v2, want[1])
+    _publish(root, 3, states[1], states[2], spec)
+    start, answers = time.monotonic(), []
+    while server.ask("#version") != "version: 3":  # requests go on until the server has found it
+        answers.append(server.ask(line))
+        assert time.monotonic() - start < 60, "version 3 was not picked up from LATEST within 60 s"
+    v3 = server.ask(line)
+    assert _close(v3, want[2]) and set(answers) <= {v2, v3}, (v3, want[2], set(answers))
+    assert server.close() == ""
+    later = _Follower(served, root, tmp_path)  # version 3 = full 1 + deltas 2 and 3, before it serves
+    assert later.ask("#version") == "version: 3" and later.ask(line) == v3
+    assert later.close() == "" and list(tmp_path.iterdir()) == [root]
+
+
+def test_a_missing_or_damaged_delta_is_refused_by_name_and_the_last_good_version_serves(served, published, tmp_path):
+    """LATEST moves to version 3 while its folder is missing, then to a version 3 whose part has one byte flipped:
+    each is refused on standard error (naming the version and the file) and the server keeps answering version 2's
+    answers; the same version written intact is then applied."""
+    root = shutil.copytree(published.root, tmp_path / "published")
+    states, spec, line = published.states, published.spec, published.line
+    _publish(root, 2, states[0], states[1], spec)
+    server = _Follower(served, root, tmp_path)
+    v2 = server.ask(line)
+    assert server.ask("#version") == "version: 2" and _close(v2, _expected(served, states[1]))
+    folder = version_dir(root, 3)
+    _point(root, 3)
+    assert server.ask("#refresh") == "version: 2" and server.ask(line) == v2
+    _publish(root, 3, states[1], states[2], spec, damage=True)
+    assert server.ask("#refresh") == "version: 2" and server.ask(line) == v2
+    shutil.rmtree(folder)
+    _publish(root, 3, states[1], states[2], spec)
+    assert server.ask("#refresh") == "version: 3" and _close(server.ask(line), _expected(served, states[2]))
+    errors = server.close().splitlines()
+    assert f"error: version 3 refused: {folder}/manifest.json is missing; serving version 2" in errors, errors
+    damaged = [e for e in errors if f"{folder}/delta.r0.pt has SHA-256" in e]
+    assert damaged and re.fullmatch(
+        r"error: version 3 refused: \S+ has SHA-256 [0-9a-f]{16}\.\.\., its manifest records [0-9a-f]{16}\.\.\.: "
+        r"it is damaged; serving version 2",
+        damaged[0],
+    ), errors
+
+
+def test_requests_in_flight_while_a_version_is_applied_get_the_old_or_the_new_answers_never_a_mix(
+    served, published, tmp_path
+):
+    """Requests sent back to back (one writer, the server never idle) while version 2 is published and picked up by
+    the server's watcher: every answer is version 1's or version 2's, byte for byte, never a mix of the two; once
+    the new one is given, the old one is not given again."""
+    root = shutil.copytree(published.root, tmp_path / "published")
+    server = _Follower(served, root, tmp_path)
+    proc, line, stop = server.proc, published.line, threading.Event()
+
+    def feed() -> None:
+        while not stop.is_set():
+            proc.stdin.write(line)
+            proc.stdin.flush()
+        proc.stdin.close()
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    answers, start = [proc.stdout.readline().rstrip("\n")], time.monotonic()
+    _publish(root, 2, published.states[0], published.states[1], published.spec)  # while requests run
+    for answer in proc.stdout:  # until the server ends: the writer closes its input once told to stop
+        answers.append(answer.rstrip("\n"))
+        if sum(a != answers[0] for a in answers) >= 50 or time.monotonic() - start > 60:
+            stop.set()
+    writer.join(timeout=60)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    old, new = answers[0], answers[-1]
+    assert _close(old, _expected(served, published.states[0])) and _close(new, _expected(served, published.states[1]))
+    switch = answers.index(new)
+    assert set(answers[:switch]) == {old} and set(answers[switch:]) == {new}, sorted(set(answers) - {old, new})[:3]
+    print(f"{switch} answers of version 1, then {len(answers) - switch} of version 2")

@@ -148,12 +148,16 @@ struct Delta {
       throw PublishError(at + " records version " + std::to_string(int64_t(manifest["version"].number)) +
                          ", expected " + std::to_string(version));
     }
-    if (manifest["files"].kind != Json::Object || manifest["files"].fields.empty()) {
-      throw PublishError(at + " lists no files");
+    if (manifest["kind"].text != "delta") {
+      throw PublishError(at + " is of kind '" + manifest["kind"].text + "', expected 'delta'");
     }
+    if (manifest["files"].kind != Json::Object) throw PublishError(at + " lists no files");
+    bool parts = false;
+    for (const auto& [name, record] : manifest["files"].fields) parts = parts || is_part(name);
+    if (!parts) throw PublishError(at + " lists no delta part (delta.r<rank>.pt)");
     Delta delta;
     delta.version = version;
-    for (const auto& [name, record] : manifest["files"].fields) {
+    for (const auto& [name, record] : manifest["files"].fields) {  // each checked; the parts read
       const std::string path = where + "/" + name;
       const std::string bytes = read_file(path);
       if (static_cast<double>(bytes.size()) != record["bytes"].number) {
@@ -167,12 +171,23 @@ struct Delta {
         throw PublishError(path + " has SHA-256 " + found.substr(0, 16) + "..., its manifest records " +
                            record["sha256"].text.substr(0, 16) + "...: it is damaged");
       }
-      delta.add(path, bytes, layout, constants);
+      if (is_part(name)) delta.add(path, bytes, layout, constants);
     }
     return delta;
   }
 
  private:
+  // delta.r<rank>.pt: one writing rank's part (the manifest may list other files: checked, not read)
+  static bool is_part(const std::string& name) {
+    const std::string head = "delta.r", tail = ".pt";
+    if (name.size() <= head.size() + tail.size() || name.rfind(head, 0) != 0 ||
+        name.compare(name.size() - tail.size(), tail.size(), tail) != 0) {
+      return false;
+    }
+    const std::string rank = name.substr(head.size(), name.size() - head.size() - tail.size());
+    return rank.find_first_not_of("0123456789") == std::string::npos;
+  }
+
   void add(const std::string& path, const std::string& bytes, const Layout& layout,
            const std::unordered_map<std::string, torch::Tensor>& constants) {
     c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
