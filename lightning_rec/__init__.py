@@ -61,6 +61,7 @@ from lightning_rec._strategy.sharding_config import ShardingConfig
 from lightning_rec.config import EmbeddingOptimizer, QuantizedComms, TableConstraints, TopologyConfig, checkpoint_safe
 from lightning_rec.errors import InputError, NonFiniteError
 from lightning_rec.progressive import ProgressiveEvaluation
+from lightning_rec.publish import ModelPublisher
 
 silence_proven_harmless()  # before a user's first KeyedJaggedTensor: README "What you will not see"
 
@@ -73,6 +74,7 @@ __all__ = [
     "EBCSharder",
     "EmbeddingOptimizer",
     "InputError",
+    "ModelPublisher",
     "NonFiniteError",
     "PlanReport",
     "PlanRow",

@@ -35,6 +35,7 @@ PUBLIC_MODULES = {
     "lightning_rec.errors",
     "lightning_rec.metrics",
     "lightning_rec.progressive",
+    "lightning_rec.publish",
 }
 # Packages whose modules are public unless their own name is private.
 PUBLIC_PACKAGES = (
