@@ -66,41 +66,68 @@ def unwrap_optimizer(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+# Lightning: the handlers its signal connector puts back when a stage ends (``_SignalConnector._original_handlers``,
+# taken when the stage starts and restored by ``teardown``). A preempted rank keeps its own handler past that point,
+# so that a late signal (another copy of the one it stopped for) finds it rather than the default, which kills.
+def restore_after_stage(trainer: Trainer, handlers: dict[int, Any]) -> None:
+    """Make ``handlers`` (signal number -> handler) what ``trainer``'s stage leaves installed when it ends."""
+    trainer._signal_connector._original_handlers.update(handlers)
+
+
 # Lightning: the name of the next "hpc" checkpoint in a folder (``hpc_ckpt_<n+1>.ckpt``), the one its SLURM requeue
-# resumes from (``_CheckpointConnector._hpc_resume_path``); the preemption save uses the same name so that a requeued
-# job finds it the way Lightning's own requeue does. Only the private connector computes it.
+# resumes from; the preemption save uses the same name so that a requeued job finds it the way Lightning's own requeue
+# does. Lightning's private ``_CheckpointConnector.hpc_save_path`` reads a number out of every name containing
+# ``ckpt_`` (``int("")`` for ``hpc_ckpt_final.ckpt``: the save fails); here only ``hpc_ckpt_<digits>`` names count,
+# staging leftovers included (their number is never reused).
 def hpc_save_path(folder: Any) -> str:
     """Where Lightning's next "hpc" checkpoint in ``folder`` goes."""
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    import os
+    import re
 
-    return _CheckpointConnector.hpc_save_path(folder)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    numbers = [int(m.group(1)) for name in names if (m := re.search(r"hpc_ckpt_(\d+)", name))]
+    return os.path.join(folder, f"hpc_ckpt_{max(numbers, default=0) + 1}.ckpt")
 
 
 # Lightning: ``ckpt_path="last"`` is turned into a path by ``_CheckpointConnector._parse_ckpt_path`` in
-# ``Trainer.fit/validate/...`` before any strategy hook runs, and it looks only in the new run's own ``version_N``
-# folder (and nowhere for the "hpc" checkpoints a preempted job saves): a restarted job (torchrun --max-restarts, an
-# operator re-running the command) starts over, silently. A strategy with ``resolve_last_checkpoint(trainer)`` answers
-# "last" itself; this wraps the connector's method once (class-level: there is no hook before it), and changes nothing
-# for other strategies or other values of ``ckpt_path``.
+# ``Trainer.fit/validate/...`` before any strategy hook runs; it looks only in the new run's own ``version_N`` folder
+# (and nowhere for the "hpc" checkpoints a preempted job saves), and takes any run's checkpoint. With no ``ckpt_path``
+# on SLURM it takes the highest-numbered name containing ``hpc_ckpt_`` (``_hpc_resume_path``), complete or not. A
+# strategy with ``resolve_checkpoint(trainer, kind, quiet=False)`` answers both itself (kind ``"last"`` or
+# ``"hpc"``; :mod:`lightning_rec._strategy.checkpoint_dirs`); the two are replaced once per process through the patch
+# registry (class-level: there is no hook before them), and nothing changes for other strategies or other values.
 def route_last_checkpoint() -> None:
-    """Let the trainer's strategy resolve ``ckpt_path="last"`` (idempotent)."""
-    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    """Let the trainer's strategy resolve ``ckpt_path="last"`` and SLURM's requeue start (idempotent)."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    original = _CheckpointConnector._parse_ckpt_path
-    if getattr(original, "__lightning_rec__", False):
-        return
+    from lightning_rec._compat.patches import patch_class_attribute
 
-    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
-        resolve = getattr(self.trainer.strategy, "resolve_last_checkpoint", None)
-        if ckpt_path == "last" and resolve is not None:
-            found = resolve(self.trainer)
-            if found is not None:
-                return found
-        return original(self, state_fn, ckpt_path, model_provided, model_connected)
+    def parse_ckpt_path(original: Any) -> Any:
+        def _parse_ckpt_path(
+            self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool
+        ) -> Any:
+            resolve = getattr(self.trainer.strategy, "resolve_checkpoint", None)
+            if resolve is not None and ckpt_path == "last":
+                return resolve(self.trainer, "last")  # None: start from scratch (said why)
+            if resolve is not None and (ckpt_path == "hpc" or (ckpt_path is None and SLURMEnvironment.detect())):
+                found = resolve(self.trainer, "hpc")
+                if found is not None:
+                    return found
+            return original(self, state_fn, ckpt_path, model_provided, model_connected)
 
-    _parse_ckpt_path.__lightning_rec__ = True  # type: ignore[attr-defined]
-    _parse_ckpt_path.__wrapped__ = original  # type: ignore[attr-defined]
-    _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path  # type: ignore[method-assign]
+        return _parse_ckpt_path
+
+    def hpc_resume_path(original: property) -> property:
+        def _hpc_resume_path(self: Any) -> Any:
+            resolve = getattr(self.trainer.strategy, "resolve_checkpoint", None)
+            if resolve is None:
+                return original.fget(self)  # type: ignore[misc]
+            return resolve(self.trainer, "hpc", quiet=True)
+
+        return property(_hpc_resume_path)
+
+    patch_class_attribute("_CheckpointConnector._parse_ckpt_path", parse_ckpt_path)
+    patch_class_attribute("_CheckpointConnector._hpc_resume_path", hpc_resume_path)
 
 
 # Lightning: the training loader's state a fit resumed from a checkpoint is about to load (the FitLoop's private

@@ -31,13 +31,19 @@ PATCHED_METHODS = {
 
 
 # Class attributes recshard replaces for the whole process, and why: a TorchRec autograd Function's static method, which
-# runs for instances TorchRec creates lazily inside its sharded modules (no instance patch reaches them). Each
-# replacement delegates to the original wherever it does not change anything (`patch_class_attribute` below).
+# runs for instances TorchRec creates lazily inside its sharded modules, and Lightning's checkpoint connector, which the
+# Trainer creates and calls before any strategy hook (no instance patch reaches them). Each replacement delegates to the
+# original wherever it does not change anything (`patch_class_attribute` below).
 PATCHED_CLASS_ATTRIBUTES = {
     # strategy/uneven_batches.py: the backward of TorchRec's reduce-scatter of unequal pieces (row-wise, table-row-wise
     # and grid shardings when the ranks' batch sizes differ) all-gathers unequal pieces, which gloo refuses; over gloo
     # it all-gathers them padded to equal sizes instead.
     "ReduceScatterV_Wait.backward": "torchrec.distributed.comm_ops",
+    # strategy/checkpoint_dirs.py (through `lightning.route_last_checkpoint`): Lightning resolves `ckpt_path="last"`,
+    # and a SLURM job's requeue start, in its checkpoint connector before any strategy hook runs, to any run's newest
+    # checkpoint, complete or not; a strategy that resolves them itself (recshard) takes this run's newest complete one.
+    "_CheckpointConnector._parse_ckpt_path": "lightning.pytorch.trainer.connectors.checkpoint_connector",
+    "_CheckpointConnector._hpc_resume_path": "lightning.pytorch.trainer.connectors.checkpoint_connector",
 }
 
 # What each patched class attribute was before recshard replaced it.

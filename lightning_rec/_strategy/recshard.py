@@ -54,7 +54,7 @@ from lightning_rec._batch import custom_batch_hooks
 from lightning_rec._inputs.checks import InputChecks, has_no_samples
 from lightning_rec._planner.report import PlanReport, write_for_trainer
 from lightning_rec._strategy.batch_counts import BatchCounts
-from lightning_rec._strategy.checkpoint_dirs import check_writable, resolve_last_checkpoint, unwritable
+from lightning_rec._strategy.checkpoint_dirs import RunCheckpoints, check_writable, unwritable
 from lightning_rec._strategy.dmp import ManualOptimizationRedirection, dense_ddp, sharded_state
 from lightning_rec._strategy.faults import FailureBoard, describe_position, note_failure
 from lightning_rec._strategy.hook_state import HookState
@@ -147,6 +147,11 @@ class RecShardStrategy(ParallelStrategy):
             dim of a call) keep FBGEMM's path (``lightning_rec.testing.cpu_lookup_path``); big ones take the split
             only where a trial of both paths, in the first training steps, measures it faster; so the default is
             never slower than FBGEMM's own. ``False`` keeps FBGEMM's forward. No effect on CUDA.
+        run_id: the name of this run, recorded in its checkpoints: ``ckpt_path="last"`` (and a requeued SLURM job's
+            start) resumes only a checkpoint of the same run. Default: the ``LIGHTNING_REC_RUN_ID`` environment
+            variable, else the launcher's job id (``SLURM_JOB_ID``, torchrun's ``TORCHELASTIC_RUN_ID``) with a
+            fingerprint of the model's and data's hyperparameters (see :mod:`lightning_rec._strategy.run_identity`).
+            Give the same id to continue a run under a new job id or with a changed configuration.
         report_plan: when fitting, rank 0 writes ``sharding_plan.json`` and ``sharding_plan.png`` (tables, shards,
             the planner's memory/cost estimates per rank and their imbalance) into the logger's ``log_dir``; without
             a logger nothing is written (see :mod:`lightning_rec._planner.report`). The plan is logged as a table either
@@ -190,6 +195,7 @@ class RecShardStrategy(ParallelStrategy):
         pipeline: bool = False,
         fast_cpu_lookup: bool = True,
         qcomms: QuantizedComms | str | Mapping[str, Any] | None = None,
+        run_id: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -236,7 +242,8 @@ class RecShardStrategy(ParallelStrategy):
         self._rec_optimizer: RecOptimizer | None = None
         self._forward_redirection = ManualOptimizationRedirection()
         self._preemption = Preemption()  # signals stop a fit at a batch boundary, with a checkpoint
-        _compat.route_last_checkpoint()  # ckpt_path="last" -> resolve_last_checkpoint
+        self._checkpoints = RunCheckpoints(run_id)  # this run's name, what "last" is, the folders it holds
+        _compat.route_last_checkpoint()  # ckpt_path="last" and SLURM's requeue start -> resolve_checkpoint
 
     # --- Properties Lightning asks for ---
 
@@ -417,6 +424,7 @@ class RecShardStrategy(ParallelStrategy):
         if fitting:
             self._steps.fit_started(check_fit(trainer, module, self.sharding.module_types, type(self).__name__))
             check_writable(sorted({p for rank in self._all_gather_objects(unwritable(trainer)) for p in rank}))
+            self._checkpoints.hold(trainer, self.global_rank, self._all_gather_objects)  # one writer per folder
         self._preemption.attach(trainer)
 
         done = shard_with_optimizers(
@@ -555,6 +563,7 @@ class RecShardStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        self._checkpoints.release()
 
     # --- Collectives ---
 
@@ -597,10 +606,11 @@ class RecShardStrategy(ParallelStrategy):
 
     # --- Checkpoints (torch.distributed.checkpoint; see lightning_rec.checkpoint) ---
 
-    def resolve_last_checkpoint(self, trainer: pl.Trainer) -> str | None:
-        """What ``ckpt_path="last"`` means under this strategy: the newest complete checkpoint of the run, across
-        its restarts (see :mod:`lightning_rec._strategy.checkpoint_dirs`); ``None``: Lightning's own answer."""
-        return resolve_last_checkpoint(trainer)
+    def resolve_checkpoint(self, trainer: pl.Trainer, kind: str, quiet: bool = False) -> str | None:
+        """What ``ckpt_path="last"`` (``kind="last"``) and a requeued SLURM job's start (``kind="hpc"``) resume
+        from under this strategy: the newest complete checkpoint of this run, across its restarts (see
+        :mod:`lightning_rec._strategy.checkpoint_dirs`); ``None``: start from scratch."""
+        return self._checkpoints.resolve(trainer, kind, quiet)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -632,21 +642,27 @@ class RecShardStrategy(ParallelStrategy):
         self._input_checks.poll()  # never write weights that a non-finite loss has reached
         path = Path(self.broadcast(str(filepath)))
         module = self._attached_module
-        save(checkpoint, path, module=module, sharding=sharded_state(module))
+        trainer = _compat.attached_trainer(module)
+        run = self._checkpoints.run(trainer) if isinstance(trainer, pl.Trainer) else None
+        save(checkpoint, path, module=module, sharding=sharded_state(module), run=run)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint directory (from any world size or plan) into the sharded model and its optimizers, in
         place; checks everything first (see :func:`lightning_rec.checkpoint._io.load`)."""
-        path = Path(self.broadcast(str(checkpoint_path)))
+        # "last" resolved to this run's newest checkpoint: if it is corrupt, the ones before it, newest first.
+        candidates = self.broadcast([str(checkpoint_path), *self._checkpoints.fallbacks(str(checkpoint_path))])
         module = self._attached_module
-        return load(
-            path,
-            module,
-            [_compat.unwrap_optimizer(o) for o in self.optimizers],
-            strict=getattr(module, "strict_loading", True),
-            weights_only=weights_only,
-            owner=type(self).__name__,
+        return self._checkpoints.load_first_intact(
+            candidates,
+            lambda path: load(
+                path,
+                module,
+                [_compat.unwrap_optimizer(o) for o in self.optimizers],
+                strict=getattr(module, "strict_loading", True),
+                weights_only=weights_only,
+                owner=type(self).__name__,
+            ),
         )
 
     @override

@@ -140,7 +140,12 @@ def _split(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
 
 
 def save(
-    checkpoint: Mapping[str, Any], path: Path, *, module: nn.Module, sharding: ShardingRecord | None = None
+    checkpoint: Mapping[str, Any],
+    path: Path,
+    *,
+    module: nn.Module,
+    sharding: ShardingRecord | None = None,
+    run: str | None = None,
 ) -> None:
     """Write Lightning's ``checkpoint`` dict as the checkpoint directory ``path`` (every rank calls this).
 
@@ -154,6 +159,8 @@ def save(
         path: the directory to create (an existing checkpoint there is replaced once the new one is complete).
         module: the LightningModule saved (its class is recorded, see :func:`run_info`).
         sharding: what ``module`` was sharded with (``None``: not sharded); recorded with the world size.
+        run: the name of the run saving it (:mod:`lightning_rec._strategy.run_identity`), recorded in the manifest:
+            what ``ckpt_path="last"`` compares before resuming from it.
     """
     path = Path(path)
     comm = _Collectives()
@@ -182,13 +189,15 @@ def save(
     all_files = {k: v for rank_files in comm.all_gather(files) for k, v in rank_files.items()}
     if comm.rank == 0:
         try:
-            _publish(staging, path, meta, all_files, comm.world_size)
+            _publish(staging, path, meta, all_files, comm.world_size, run)
         except (OSError, RuntimeError) as err:
             error = err
     _raise_if_failed(comm, error, path, staging, tensors)
 
 
-def _publish(staging: Path, path: Path, meta: dict[str, Any], files: dict[str, Any], world_size: int) -> None:
+def _publish(
+    staging: Path, path: Path, meta: dict[str, Any], files: dict[str, Any], world_size: int, run: str | None
+) -> None:
     """Rank 0's part: ``meta.pt``, the manifest, then the directory made visible as ``path``."""
     layout.write_file(staging / layout.META_FILE, safe_io.dumps_meta(meta))
     for name in (layout.META_FILE, layout.METADATA_FILE):
@@ -197,6 +206,8 @@ def _publish(staging: Path, path: Path, meta: dict[str, Any], files: dict[str, A
     if not referenced <= set(files):
         raise CheckpointError(f"DCP wrote files no rank accounted for: {sorted(referenced - set(files))}")
     info = {"world_size": world_size, "global_step": int(meta.get("global_step", 0)), "epoch": meta.get("epoch")}
+    if run is not None:
+        info["run"] = run
     layout.mark_complete(staging, files, info)
     layout.publish(staging, path)
 

@@ -317,6 +317,42 @@ def publish(staging: Path, path: Path) -> None:
     _tidy(path)
 
 
+def clear_dead_saves(folder: Path) -> list[str]:
+    """Tidy what saves that died (Ctrl-C, ``kill -9``, a lost node) left in ``folder``: their staging directories,
+    the old staging name (``.hpc_ckpt_2.ckpt.partial``, before the work folder), half-deleted checkpoints; a
+    checkpoint left aside by a publish that died between its two renames is put back. Call it only while holding
+    the folder's :class:`~lightning_rec.checkpoint._lock.FolderLock` (no live save is in it).
+
+    Returns:
+        One line per entry tidied.
+    """
+    folder = Path(folder)
+    done = []
+    work = folder / WORK_DIR
+    leftovers = sorted(work.iterdir()) if work.is_dir() else []
+    for entry in leftovers:
+        name, _, what = entry.name.rpartition(".")
+        visible = folder / name
+        if what == "replaced" and not os.path.lexists(visible) and (entry / COMPLETE_FILE).is_file():
+            os.rename(entry, visible)
+            done.append(f"{visible}: put back (its replacement's save died before publishing it)")
+            continue
+        _remove(entry)
+        done.append(f"{entry}: removed (left by a save or delete that did not finish)")
+    for entry in sorted(folder.glob(".*.ckpt.partial")):
+        _remove(entry)
+        done.append(f"{entry}: removed (left by a save that did not finish)")
+    _tidy(folder / "x")
+    return done
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
+
+
 def recover(path: Path) -> Path:
     """``path``, or the complete checkpoint a crash between the two renames of :func:`publish` left aside."""
     old = _aside_path(path, "replaced")

@@ -1,0 +1,91 @@
+"""One writer per checkpoint folder: a lock a job's rank 0 holds on each folder it saves into, for the whole fit.
+
+Two jobs saving into one folder write the same staging directories (``.lightning_rec/last.ckpt.partial``) and
+replace each other's checkpoints: one crashes, and a ``last.ckpt`` mixing both jobs' files can be published. So
+the second job is refused at its start, in one line naming the job holding the folder.
+
+The lock is ``flock`` on ``<folder>/.lightning_rec.lock`` (a name no checkpoint scan matches): the kernel drops it
+when its process ends however it ends (``kill -9`` included), so a dead job's leftover file holds nothing, and a
+restarted job takes the folder over at once. The file says who holds it (host, pid, run), for the refusal. On a
+network file system ``flock`` must reach the server (NFSv4 does; Lustre needs the ``flock`` mount option).
+
+Example::
+
+    lock = FolderLock.acquire(Path("runs/x/checkpoints"), "config:1f2e3d4c5b6a")
+    ...  # saves
+    lock.release()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_rec.errors import CheckpointError
+
+LOCK_FILE = ".lightning_rec.lock"
+
+
+@dataclass
+class FolderLock:
+    """The lock on one checkpoint folder, held through an open file (see the module docstring)."""
+
+    folder: Path
+    fd: int
+
+    @classmethod
+    def acquire(cls, folder: Path, run: str) -> FolderLock:
+        """Take ``folder`` for this process (created if missing).
+
+        Raises:
+            CheckpointError: another live job holds it (the message names that job and the folder).
+        """
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / LOCK_FILE
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise CheckpointError(
+                    f"Checkpoint folder {str(folder)!r} is in use by another job ({holder}): two jobs saving into "
+                    "one folder overwrite each other's checkpoints; nothing was trained. HINT: give this job its own "
+                    "`default_root_dir` (or `ModelCheckpoint(dirpath=...)`), or stop the other job first."
+                ) from None
+            # The holder before us may have deleted the file (release) between our open and our flock: then we
+            # hold a lock on a file nobody else will open. Lock the file that is there now instead.
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run": run}).encode(), 0)
+        return cls(folder, fd)
+
+    def release(self) -> None:
+        """Let go of the folder (the lock file is removed while still held, so no one locks a stale one)."""
+        if self.fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.folder / LOCK_FILE)
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"host {holder['host']}, pid {holder['pid']}, run {holder['run']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a job that has not said who it is yet"
