@@ -58,6 +58,7 @@ from lightning_rec.serving.artifact import (
     warm_up,
 )
 from lightning_rec.serving.export import Format, TableDtype, export_inference
+from lightning_rec.serving.fresh import FreshModel, follow
 from lightning_rec.serving.integrity import verify
 from lightning_rec.serving.pt2 import Pt2Model, load_pt2, pt2_spec
 from lightning_rec.serving.requests import RequestEncoder, encode_request
@@ -65,6 +66,7 @@ from lightning_rec.serving.requests import RequestEncoder, encode_request
 __all__ = [
     "SPEC_FILE",
     "Format",
+    "FreshModel",
     "InferenceSpec",
     "Pt2Model",
     "RequestEncoder",
@@ -72,6 +74,7 @@ __all__ = [
     "check_inputs",
     "encode_request",
     "export_inference",
+    "follow",
     "inference_spec",
     "load_inference",
     "load_pt2",
