@@ -6,7 +6,8 @@ Every rank is a fresh ``python -m lightning_rec.testing.worker`` process, starte
 * ``launcher="env"``: one process per rank with the variables torchrun-like launchers set (RANK, LOCAL_RANK,
   WORLD_SIZE, MASTER_ADDR/PORT), so Lightning sees processes created externally;
 * ``launcher="slurm"``: one process per rank with only the variables ``srun`` sets (SLURM_PROCID, SLURM_NTASKS,
-  SLURM_NODEID, ...), so Lightning's SLURM detection takes over;
+  SLURM_NODEID, ...), so Lightning's SLURM detection takes over; ``SLURM_JOB_ID`` is the same for every launch into
+  one ``out_dir``, as a requeued job keeps its id (what a checkpoint's run is compared by);
 * ``launcher="torchrun"``: one real ``torchrun`` agent per node (``--nnodes=N`` with a c10d rendezvous on
   127.0.0.1), each starting its share of the ranks: several "hosts" on one machine.
 """
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +73,7 @@ def _worker_command(scenario: str, out_dir: Path, config: dict[str, Any], scenar
     ]
 
 
-def _commands(launcher: str, worker: list[str], world_size: int, nodes: int) -> dict[str, tuple]:
+def _commands(launcher: str, worker: list[str], world_size: int, nodes: int, job_id: int) -> dict[str, tuple]:
     """``{process name: (argv, extra env)}`` for each process to start; ``worker``: what a rank runs, after
     ``python``."""
     port = free_port()
@@ -122,7 +124,7 @@ def _commands(launcher: str, worker: list[str], world_size: int, nodes: int) -> 
                 "SLURM_NTASKS": world_size,
                 "SLURM_NTASKS_PER_NODE": per_node,
                 "SLURM_NNODES": nodes,
-                "SLURM_JOB_ID": port,
+                "SLURM_JOB_ID": job_id,
                 "SLURM_JOB_NAME": "lightning_rec_test",
                 "SLURM_NODELIST": "127.0.0.1",
                 "MASTER_PORT": port,
@@ -210,7 +212,8 @@ def launch(
     logs, ended = {}, {}
     worker = command or _worker_command(scenario, out_dir, config, scenarios)
     forked = not fresh and command is None and launcher != "torchrun" and _zygote() is not None
-    for name, (argv, env) in _commands(launcher, worker, world_size, nodes).items():
+    job_id = zlib.crc32(str(out_dir.resolve()).encode())  # SLURM's: one per job, kept when it is requeued
+    for name, (argv, env) in _commands(launcher, worker, world_size, nodes, job_id).items():
         logs[name] = open(out_dir / f"{scenario}.{name}.log", "w")
         # Each rank works in the test's directory (anything written to the cwd lands there).
         if forked:
