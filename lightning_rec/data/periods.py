@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -189,15 +190,26 @@ def time_order(stamps: Sequence[np.ndarray], tz: str | None, period: str | int, 
     keys = floors.cast(pa.int64()).to_numpy(zero_copy_only=False)
     starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, dtype=np.int64)
     bounds = np.r_[starts, len(keys)].astype(np.int64)
-    ends = pc.ceil_temporal(
-        arr.take(pa.array(bounds[1:] - 1)), unit=period, week_starts_monday=True, ceil_is_strictly_greater=True
-    )
     out = []
-    for p, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         first = _event(ordered[a], tz) if times else _number(ordered[a])
         last = _event(ordered[b - 1], tz) if times else _number(ordered[b - 1])
-        out.append((_iso(floors[a]), _iso(ends[p]), first, last))
+        start = floors[a].as_py()
+        out.append((start.isoformat(), _after(start, period, zone).isoformat(), first, last))
     return TimeOrder(None if in_order else order, bounds, out, {})
+
+
+def _after(start: datetime, period: str, zone: str | None) -> datetime:
+    """The end of the calendar period that begins at ``start``: an hour later, or the local midnight a day or a week
+    later (a 23- or 25-hour day across a daylight saving change)."""
+    if period == "hour":
+        return start + timedelta(hours=1)  # aware datetimes add in absolute time
+    day = start.date() + timedelta(days=7 if period == "week" else 1)
+    midnight = datetime(day.year, day.month, day.day)
+    tz = start.tzinfo  # the start's zone as pyarrow gives it (zoneinfo, a fixed offset, or pytz's, which localizes)
+    if not zone or tz is None:
+        return midnight
+    return tz.localize(midnight) if hasattr(tz, "localize") else midnight.replace(tzinfo=tz)
 
 
 def _iso(scalar: Any) -> str:

@@ -402,9 +402,12 @@ class TableStream(IterableDataset):
         for k in np.unique(unit_of).tolist():
             local = np.sort(positions[unit_of == k]) - offsets[k]  # kept rows of the unit
             raw = local if k not in kept else np.flatnonzero(kept[k])[local]
-            part = self.read(self.units[k], int(raw[0]), int(raw[-1]) + 1)  # its kept rows local[0]..local[-1]
-            if len(local) != local[-1] - local[0] + 1:
-                part = part.subset(torch.from_numpy(local - local[0]))
+            a, b = int(raw[0]), int(raw[-1]) + 1
+            part = self.read(self.units[k], a, b)
+            # the rows of [a, b): all of them, or (a reader that drops bad rows) the kept ones
+            index = raw - a if len(part) == b - a else local - local[0]
+            if len(index) != len(part):
+                part = part.subset(torch.from_numpy(index))
             parts.append(part)
         rows = parts[0] if len(parts) == 1 else _cat_datasets(parts)
         if order is None:

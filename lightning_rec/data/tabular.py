@@ -660,6 +660,7 @@ class TabularDataModule(RecDataModule):
         """In memory: the rows of split ``name`` (after :meth:`setup`); streaming: a :class:`TableStream` of this
         rank's batches of its files. ``predict`` runs over ``predict_files``, else the validation rows (and,
         streaming, ``test`` too when there are no test files)."""
+        self.check()
         if self.stream:
             return self._stream(name)
         name = "val" if name == "predict" and "predict" not in self.sources else name
