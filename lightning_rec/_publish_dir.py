@@ -270,6 +270,12 @@ class BackgroundExport:
         """Whether the child has ended (without waiting)."""
         return self.process.poll() is not None
 
+    def stop(self) -> None:
+        """End the child now (its partial output is a temporary file that :func:`remove_incomplete` removes)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
     def wait(self) -> None:
         """Wait for the child; raise if the export failed, naming its log."""
         if self.process.wait() != 0:

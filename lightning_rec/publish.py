@@ -183,6 +183,14 @@ class ModelPublisher(Callback):
         trainer.strategy.barrier("ModelPublisher.on_train_end")
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A fit that fails or is preempted takes its exports with it; their checkpoints stay, and the next fit in
+        # this directory exports them again (see `_resume_exports`).
+        for export in self._exports:
+            export.stop()
+        self._exports = []
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -250,17 +258,19 @@ class ModelPublisher(Callback):
             files = {name: record for rank_files in records for name, record in rank_files.items()}
             document = pubdir.manifest(version, "delta", files=files, **info)
             pubdir.write_json_atomic(staging / pubdir.MANIFEST, document)
-            os.rename(staging, self.dirpath / pubdir.VERSIONS / pubdir.version_name(version))
-            pubdir.fsync_dir(self.dirpath / pubdir.VERSIONS)
             if full:
                 export = {"export": self.export_args}
                 self._exports.append(pubdir.BackgroundExport(self.dirpath, version, checkpoint, info, export))
-            self._before_pointer(version)
+            self._before_pointer(version, "files")
+            os.rename(staging, self.dirpath / pubdir.VERSIONS / pubdir.version_name(version))
+            pubdir.fsync_dir(self.dirpath / pubdir.VERSIONS)
+            self._before_pointer(version, "renamed")
             self._advance_pointer()
         return version
 
-    def _before_pointer(self, version: int) -> None:
-        """Between a version's files and the pointer (rank 0): a seam for tests that kill the run exactly here."""
+    def _before_pointer(self, version: int, stage: str) -> None:
+        """Between a version's files and the pointer (rank 0), at ``stage`` ``"files"`` (every file written, the
+        directory not renamed into place) and ``"renamed"``: a seam for tests that kill the run exactly there."""
 
     def _advance_pointer(self) -> None:
         """Rank 0: move ``LATEST`` to the newest version a server can reach, then apply retention."""
@@ -278,6 +288,7 @@ class ModelPublisher(Callback):
                 self._exports.remove(export)
                 export.wait()
                 pubdir.remove_checkpoint(export.checkpoint)
+                export.log.unlink(missing_ok=True)
         self._advance_pointer()
 
     def _resume_exports(self, since: int) -> None:

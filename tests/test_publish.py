@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_rec import RecShardStrategy
+from lightning_rec import EmbeddingOptimizer, RecShardStrategy
 from lightning_rec.checkpoint import export, load_exported
 from lightning_rec.publish import ModelPublisher
 from lightning_rec.serving.deltas import artifact_rows, read_delta, read_latest, read_manifest
@@ -48,19 +48,19 @@ QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": 
 
 
 class _Reference(L.Callback):
-    """Saves the trained state (a sharded checkpoint) at every step the publisher publishes, and records each step's
-    global batch ids per table (from the rank's batch; the test unions them)."""
+    """Saves the trained state (a sharded checkpoint) at every step the publisher publishes, and each step's table
+    ids of this rank's batch (``ids/step<N>.rank<R>.json``: a preempted rank returns no result)."""
 
     def __init__(self, out: Path, every: int, tables: Mapping[str, str]) -> None:
         self.out, self.every, self.tables = out, every, tables
-        self.ids: dict[int, dict[str, list[int]]] = {}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         kjt = _kjt_of(batch)
-        step_ids: dict[str, list[int]] = {}
+        ids: dict[str, list[int]] = {}
         for key in kjt.keys():
-            step_ids.setdefault(self.tables[key], []).extend(kjt[key].values().tolist())
-        self.ids[trainer.global_step] = step_ids
+            ids.setdefault(self.tables[key], []).extend(kjt[key].values().tolist())
+        (self.out / "ids").mkdir(parents=True, exist_ok=True)
+        (self.out / "ids" / f"step{trainer.global_step}.rank{trainer.global_rank}.json").write_text(json.dumps(ids))
         if trainer.global_step % self.every == 0 or trainer.global_step == trainer.max_steps:
             trainer.save_checkpoint(self.out / f"step{trainer.global_step}")
 
@@ -71,19 +71,23 @@ def _kjt_of(batch: Any) -> KeyedJaggedTensor:
     return batch.sparse_features
 
 
-class _KilledBeforePointer(ModelPublisher):
-    """Killed (SIGKILL, with its export processes, as an orchestrator kills a job) at a version's pointer: its files
-    written, ``kill_at="rename"`` before its directory is renamed into place, ``"pointer"`` after."""
+class _Killed(ModelPublisher):
+    """Sends ``sig`` to its own process on rank 0 at version ``kill_version``'s ``stage`` (see
+    ``ModelPublisher._before_pointer``): ``"files"`` (every file written, the directory not renamed into place) or
+    ``"renamed"`` (the version complete, ``LATEST`` not moved yet). A SIGKILL takes the export processes along, as an
+    orchestrator killing the job does."""
 
-    def __init__(self, *args: Any, kill_version: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, kill: tuple[int, str, int], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.kill_version = kill_version
+        self.kill = kill
 
-    def _before_pointer(self, version: int) -> None:
-        if version == self.kill_version:
-            for job in self._exports:
-                job.process.kill()
-            os.kill(os.getpid(), signal.SIGKILL)
+    def _before_pointer(self, version: int, stage: str) -> None:
+        kill_version, kill_stage, sig = self.kill
+        if (version, stage) == (kill_version, kill_stage):
+            if sig == signal.SIGKILL:
+                for job in self._exports:
+                    job.process.kill()
+            os.kill(os.getpid(), sig)
 
 
 def _model(name: str) -> tuple[L.LightningModule, Any, dict[str, str], dict[str, Any]]:
@@ -119,29 +123,29 @@ def publish_run(
     full_every: int,
     keep: int,
     table_dtype: str,
-    kill_version: int | None = None,
+    label: str = "run",
+    kill: tuple[int, str, int] | None = None,
     checkpoint_every: int | None = None,
     resume_from: str | None = None,
-    first_step: int = 0,
+    root: str | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` global batches (this rank's share) with a publisher into ``out_dir/pub``, the
-    reference states into ``out_dir/ref`` and, with ``checkpoint_every``, Lightning checkpoints into ``out_dir/ckpt``."""
+    reference states into ``out_dir/ref/<label>`` and, with ``checkpoint_every``, Lightning checkpoints into
+    ``out_dir/ckpt`` (``root`` instead of ``out_dir``: runs that continue one another)."""
+    base = Path(root) if root else out_dir
     L.seed_everything(0, verbose=False)
     module, batches, tables, export_args = _model(model)
     constraints = zoo_dlrm.CASE.constraints[world_size] if model == "dlrm" else None
     kwargs = {"every_n_steps": every, "full_every": full_every, "keep": keep, "table_dtype": table_dtype}
-    if kill_version is not None:
-        publisher: ModelPublisher = _KilledBeforePointer(
-            out_dir / "pub", **kwargs, export_args=export_args, kill_version=kill_version
-        )
-    else:
-        publisher = ModelPublisher(out_dir / "pub", **kwargs, export_args=export_args)
-    reference = _Reference(out_dir / "ref" / f"run{first_step}", every, tables)
-    callbacks: list[Any] = [publisher, reference]
+    publisher = (
+        _Killed(base / "pub", **kwargs, export_args=export_args, kill=tuple(kill))
+        if kill
+        else ModelPublisher(base / "pub", **kwargs, export_args=export_args)
+    )
+    reference = _Reference(base / "ref" / label, every, tables)
+    callbacks: list[Any] = [reference, publisher]  # the reference first: a kill in the publisher comes after it
     if checkpoint_every:
-        callbacks.append(
-            ModelCheckpoint(out_dir / "ckpt", "{step}", every_n_train_steps=checkpoint_every, save_top_k=-1)
-        )
+        callbacks.append(ModelCheckpoint(base / "ckpt", "{step}", every_n_train_steps=checkpoint_every, save_top_k=-1))
     trainer = L.Trainer(
         strategy=RecShardStrategy(constraints=constraints),
         accelerator="cpu",
@@ -153,7 +157,7 @@ def publish_run(
     )
     data = [share_rows(b, rank, world_size) for b in batches(steps)]
     trainer.fit(module, DataLoader(data, batch_size=None, collate_fn=lambda b: b), ckpt_path=resume_from)
-    return {"ids": reference.ids, "version": publisher.version}
+    return {"version": publisher.version}
 
 
 # ---- checks (in the test's process) --------------------------------------------------------------------------------
@@ -199,25 +203,26 @@ def _assert_same(served: tuple[dict[str, torch.Tensor], dict[str, Any]], expecte
         assert torch.equal(served[1][key], value), f"{what}: dense {key!r} differs"
 
 
-def _chain_equals_training(root: Path, ref: Path, first: int, last: int, table_dtype: str) -> None:
+def _chain_equals_training(root: Path, references: Mapping[int, Path], first: int, last: int, dtype: str) -> None:
     """Start from the trained state at version ``first``'s step, apply the deltas after it one by one: after each,
-    the served bytes equal those of the trained state at that version's step (``ref``: reference checkpoints)."""
+    the served bytes equal those of the trained state at that version's step (``references``: version -> the
+    reference checkpoints of the run that wrote it)."""
     cache: dict[Any, dict[str, torch.Tensor]] = {}
     step = read_manifest(root / "versions" / f"v{first:06d}" / "manifest.json").step
-    tables, dense = _split(_reference_state(ref, step, cache), table_dtype)
+    tables, dense = _split(_reference_state(references[first], step, cache), dtype)
     served = ({t: r.clone() for t, r in tables.items()}, dict(dense))
     for version in range(first + 1, last + 1):
         _apply(served, root, version)
         step = read_delta(root, version).manifest.step
-        _assert_same(served, _split(_reference_state(ref, step, cache), table_dtype), f"version {version}")
+        _assert_same(served, _split(_reference_state(references[version], step, cache), dtype), f"version {version}")
 
 
-def _touched(results: list[dict[str, Any]], steps: range) -> dict[str, set[int]]:
-    """The table rows the global batches of ``steps`` touched (every rank's share)."""
+def _touched(ref: Path, steps: range) -> dict[str, set[int]]:
+    """The table rows the batches of ``steps`` touched, on every rank (as the run's ``_Reference`` recorded them)."""
     out: dict[str, set[int]] = {}
-    for result in results:
-        for step in steps:
-            for table, ids in result["ids"].get(str(step), {}).items():
+    for step in steps:
+        for record in (ref / "ids").glob(f"step{step}.rank*.json"):
+            for table, ids in json.loads(record.read_text()).items():
                 out.setdefault(table, set()).update(ids)
     return out
 
@@ -271,7 +276,7 @@ def test_two_ranks_deltas_hold_exactly_the_rows_touched_since_the_previous_versi
     for version in (3, 4):
         delta = read_delta(out / "pub", version)
         step = delta.manifest.step
-        expected = _touched(results, range(step - EVERY + 1, step + 1))
+        expected = _touched(out / "ref" / "run", range(step - EVERY + 1, step + 1))
         found = {t: ids.tolist() for t, (ids, _) in delta.tables.items()}
         assert {t: sorted(v) for t, v in found.items()} == {t: sorted(v) for t, v in expected.items()}
         assert all(len(v) == len(set(v)) for v in found.values()), "a row in two parts"
@@ -280,4 +285,169 @@ def test_two_ranks_deltas_hold_exactly_the_rows_touched_since_the_previous_versi
 @pytest.mark.dist
 def test_two_ranks_full_plus_deltas_is_the_trained_model_bit_for_bit(two_ranks):
     out, _ = two_ranks
-    _chain_equals_training(out / "pub", out / "ref" / "run0", 3, 4, "int8")
+    _chain_equals_training(out / "pub", dict.fromkeys((3, 4), out / "ref" / "run"), 3, 4, "int8")
+
+
+# ---- killed between a version's files and its pointer, resumed on another rank count -------------------------------
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """The tutorial model (a table two features share), fp32, a version every 2 steps, checkpoints every 2:
+
+    A. 1 rank, SIGKILL at version 3 (step 6) once its directory is in place, before ``LATEST`` moves;
+    B. 2 ranks from A's checkpoint of step 4 (version 2), SIGTERM to rank 0 at version 5 (step 8) before its
+       directory is renamed into place (the strategy's preemption ends the step, saves a checkpoint, exits 143);
+    C. 1 rank from B's preemption checkpoint, to step 12.
+    """
+    out = tmp_path_factory.mktemp("killed")
+    common = {"model": "tutorial", "every": 2, "full_every": 100, "keep": 10, "table_dtype": "fp32", "root": str(out)}
+    runs: dict[str, Any] = {}
+    runs["A"] = launch(
+        publish_run,
+        1,
+        out / "A",
+        timeout=300,
+        steps=12,
+        label="A",
+        checkpoint_every=2,
+        kill=(3, "renamed", signal.SIGKILL),
+        **common,
+    )
+    runs["after A"] = (read_latest(out / "pub"), sorted(p.name for p in (out / "pub" / "versions").iterdir()))
+    step4 = next((out / "ckpt").glob("step=4*"))
+    runs["B"] = launch(
+        publish_run,
+        2,
+        out / "B",
+        timeout=300,
+        steps=12,
+        label="B",
+        checkpoint_every=2,
+        kill=(5, "files", signal.SIGTERM),
+        resume_from=str(step4),
+        **common,
+    )
+    runs["after B"] = (read_latest(out / "pub"), sorted(p.name for p in (out / "pub" / "versions").iterdir()))
+    preempted = next((out / "B").glob("hpc_ckpt_*"))
+    runs["C"] = run_ranks(
+        publish_run, 1, out / "C", timeout=300, steps=12, label="C", resume_from=str(preempted), **common
+    )
+    return out, runs
+
+
+@pytest.mark.dist
+def test_killed_between_files_and_pointer_then_resumed_on_another_rank_count(killed_and_resumed):
+    out, runs = killed_and_resumed
+    root = out / "pub"
+    a, b = runs["A"], runs["B"]
+    assert a.processes[0].returncode == -signal.SIGKILL, a.log("rank0")[-3000:]
+    latest_a, versions_a = runs["after A"]
+    assert versions_a == ["v000001", "v000002", "v000003"]  # version 3 complete, its pointer never written
+    assert latest_a in (None, 1, 2), latest_a  # None: the first full's export was killed with the job
+    assert [p.returncode for p in b.processes] == [143, 143], b.log("rank0")[-3000:]
+    latest_b, versions_b = runs["after B"]
+    assert versions_b[-1] == "v000005" and latest_b in (None, 5)  # SIGTERM: the publish ended, then the checkpoint
+    # No gap, no repeat: 1, 2 (A), 3 (A, killed before its pointer), 4, 5 (B, 2 ranks), 6, 7 (C)
+    versions = sorted(p.name for p in (root / "versions").iterdir())
+    assert versions == [f"v{v:06d}" for v in range(1, 8)], versions
+    steps = [read_delta(root, v).manifest.step for v in range(1, 8)]
+    sizes = [read_delta(root, v).manifest.world_size for v in range(1, 8)]
+    assert (steps, sizes) == ([2, 4, 6, 6, 8, 10, 12], [1, 1, 1, 2, 2, 1, 1])
+    assert read_latest(root) == 7 and read_manifest(root / "full" / "v000001.json").step == 2
+    # Version 4 (B resumed from version 2's step) carries what version 3 changed: a server may hold it
+    v3 = {t: set(ids.tolist()) for t, (ids, _) in read_delta(root, 3).tables.items()}
+    expected = _touched(out / "ref" / "B", range(5, 7))
+    for table, ids in v3.items():
+        expected.setdefault(table, set()).update(ids)
+    assert {t: set(ids.tolist()) for t, (ids, _) in read_delta(root, 4).tables.items()} == expected
+    references = {1: "A", 2: "A", 3: "A", 4: "B", 5: "B", 6: "C", 7: "C"}
+    _chain_equals_training(root, {v: out / "ref" / r for v, r in references.items()}, 1, 7, "fp32")
+
+
+# ---- refusals and the directory's rules (fast) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_steps": 0}, "every_n_steps must be an integer >= 1, got 0"),
+        ({"full_every": 1.5}, "full_every must be an integer >= 1, got 1.5"),
+        ({"keep": True}, "keep must be an integer >= 1, got True"),
+        ({"table_dtype": "int3"}, "ModelPublisher: table_dtype 'int3' is not one of"),
+        ({"export_args": {"format": "torchscript"}}, "export_args cannot set ['format']"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(tmp_path, kwargs, message):
+    with pytest.raises(ValueError) as caught:
+        ModelPublisher(tmp_path / "pub", **kwargs)
+    assert message in str(caught.value)
+    assert not (tmp_path / "pub").exists()
+
+
+def test_a_table_optimizer_that_moves_untouched_rows_is_refused_before_anything_is_written(tmp_path):
+    from tests.helpers.user_models import REORDERING_PLAN, ValuesModel, global_batches, to_batch
+
+    class Decayed(ValuesModel):  # FBGEMM decays only the batch's rows; the data-parallel table's RowWiseAdagrad, all
+        def configure_embedding_optimizer(self) -> EmbeddingOptimizer:
+            return EmbeddingOptimizer("rowwise_adagrad", lr=0.05, weight_decay=0.01)
+
+    publisher = ModelPublisher(tmp_path / "pub", every_n_steps=1)
+    trainer = L.Trainer(
+        strategy=RecShardStrategy(constraints=REORDERING_PLAN),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        enable_checkpointing=False,
+        callbacks=[publisher],
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
+    loader = DataLoader([to_batch(b) for b in global_batches(2, 8)], batch_size=None, collate_fn=lambda b: b)
+    with pytest.raises(ValueError) as caught:
+        trainer.fit(Decayed(), loader)
+    message = str(caught.value)
+    assert "table parameter 'ebc.embedding_bags.t_genre.weight' is trained by RowWiseAdagrad" in message
+    assert "weight_decay=0.01" in message and "\n" not in message
+    assert trainer.global_step == 0 and not (tmp_path / "pub").exists()
+
+
+def _fake_directory(root: Path, versions: range, fulls: list[int], latest: int | None) -> None:
+    """A publish directory's names (empty files): what retention and the pointer read."""
+    for v in versions:
+        (root / "versions" / f"v{v:06d}").mkdir(parents=True)
+        (root / "versions" / f"v{v:06d}" / "manifest.json").write_text("{}")
+    (root / "full").mkdir(parents=True, exist_ok=True)
+    for f in fulls:
+        (root / "full" / f"v{f:06d}.pt2").write_text("")
+        (root / "full" / f"v{f:06d}.json").write_text("{}")
+    if latest is not None:
+        (root / "LATEST").write_text(json.dumps({"version": latest}))
+
+
+def test_retention_keeps_the_newest_versions_and_never_the_chain_a_server_needs(tmp_path):
+    from lightning_rec import _publish_dir as pubdir
+
+    # fulls at 1, 4 and 7 (7's export still running: its version is complete, the full not yet); LATEST = 8
+    _fake_directory(tmp_path, range(1, 10), [1, 4], latest=8)
+    removed = pubdir.retain(tmp_path, keep=2)
+    # the newest full <= LATEST is 4: 4..8 stay (and 9, newer than LATEST), however small keep is
+    assert sorted(p.name for p in (tmp_path / "versions").iterdir()) == [f"v{v:06d}" for v in range(4, 10)]
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["v000004.json", "v000004.pt2"]
+    assert removed == ["versions/v000001", "versions/v000002", "versions/v000003", "full/v000001.pt2"]
+
+
+def test_the_pointer_reaches_only_complete_chains_and_a_killed_publish_leaves_nothing_served(tmp_path):
+    from lightning_rec import _publish_dir as pubdir
+
+    _fake_directory(tmp_path, range(1, 4), [], latest=None)
+    assert pubdir.newest_chain(tmp_path) is None  # no full yet: LATEST waits for the first one
+    _fake_directory(tmp_path, range(0), [1], latest=None)
+    (tmp_path / "versions" / ".v000004.1a2b").mkdir()  # a staging directory, killed before its rename
+    (tmp_path / "versions" / "v000005").mkdir()  # a version directory without its manifest
+    (tmp_path / "full" / ".v000004.x.pt2").write_text("")  # a full's export killed before its rename
+    (tmp_path / ".LATEST.tmp").write_text("")  # the pointer's temporary file
+    assert pubdir.newest_chain(tmp_path) == 3
+    removed = pubdir.remove_incomplete(tmp_path)
+    assert sorted(removed) == [".LATEST.tmp", "full/.v000004.x.pt2", "versions/.v000004.1a2b", "versions/v000005"]
+    assert pubdir.complete_versions(tmp_path) == [1, 2, 3]
