@@ -10,7 +10,8 @@ Layout of ``epoch=3-step=400.ckpt/``::
 
 Every save goes to ``.lightning_rec/epoch=3-step=400.ckpt.partial`` beside it and is renamed into place only after
 ``COMPLETE`` is written, so a visible checkpoint is always complete; a failed save removes its staging directory, and
-a crash mid-save leaves only that hidden one, which the next save to that name clears. The staging and set-aside names
+a crash mid-save leaves only that hidden one, which the next save to that name, or the next fit's start
+(:func:`clear_dead_saves`, under the folder's lock), clears. The staging and set-aside names
 live in the hidden ``.lightning_rec/`` folder so that no name Lightning scans for (``hpc_ckpt_*``, ``last*.ckpt``)
 ever matches one. Overwriting (``last.ckpt``) moves the old one aside, renames the new one in, then deletes the old
 one; deleting renames first, so no half-deleted directory ever looks like a checkpoint.

@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning_rec import RecShardStrategy
 from lightning_rec._strategy.run_identity import RUN_ID_ENV, run_identity
 from lightning_rec.checkpoint import _layout as layout
-from lightning_rec.checkpoint._lock import LOCK_FILE
+from lightning_rec.checkpoint._lock import LOCK_FILE, FolderLock
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.cluster_jobs import user_env, wait_for
 from tests.helpers.data import REPO
@@ -284,23 +284,27 @@ from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.models import RecModel
 from tests.helpers.scenarios import make_loader
 folder, root, hold = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3] == "hold"
+after = pathlib.Path(sys.argv[4]) if len(sys.argv) > 4 else None
+while after is not None and not after.exists():  # started beside the first job: imports done, waits for its save
+    time.sleep(0.05)
 class Hold(L.Callback):
     def on_train_batch_start(self, trainer, *args):
         if hold and trainer.global_step == 1:  # after its first save into the folder
             (root / "holding").write_text("")
             while True:
                 time.sleep(1)  # until killed
-t = L.Trainer(strategy=RecShardStrategy(), accelerator="cpu", devices=1, max_steps=2, default_root_dir=root,
-              callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1), Hold()],
-              enable_checkpointing=True, **QUIET_TRAINER)
+args = {**QUIET_TRAINER, "enable_checkpointing": True, "max_steps": 2, "default_root_dir": root}
+t = L.Trainer(strategy=RecShardStrategy(), accelerator="cpu", devices=1, **args,
+              callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1), Hold()])
 t.fit(RecModel(), make_loader(0, 2, 8, {}))
 print("trained", t.global_step)
 """
 
 
-def _job(folder: Path, root: Path, hold: bool) -> subprocess.Popen[str]:
+def _job(folder: Path, root: Path, hold: bool, after: Path | None = None) -> subprocess.Popen[str]:
     env = {**user_env(), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-c", _JOB, str(folder), str(root), "hold" if hold else "go"]
+    command = [sys.executable, "-c", _JOB, str(folder), str(root), "hold" if hold else "go", *filter(None, [after])]
+    command = [str(c) for c in command]
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -308,21 +312,21 @@ def _job(folder: Path, root: Path, hold: bool) -> subprocess.Popen[str]:
 def test_a_second_job_writing_the_same_folder_is_refused_and_a_dead_job_holds_nothing(tmp_path):
     folder = tmp_path / "ckpts"
     holder = _job(folder, tmp_path / "a", hold=True)
+    second = _job(folder, tmp_path / "b", hold=False, after=tmp_path / "a" / "holding")
     try:
         wait_for("the first job's first save", (tmp_path / "a" / "holding").exists, 120)
-        second = _job(folder, tmp_path / "b", hold=False)
         out, _ = second.communicate(timeout=120)
-        assert second.returncode != 0 and "trained" not in out, out[-3000:]
+        assert second.returncode != 0 and "trained 2" not in out, out[-3000:]
         refusal = next(line for line in out.splitlines() if "is in use by another job" in line)
         assert str(folder) in refusal and f"pid {holder.pid}" in refusal, refusal
         assert not (tmp_path / "b" / "holding").exists()
     finally:
         holder.send_signal(signal.SIGKILL)  # a job killed: its lock file stays behind, holding nothing
         holder.wait()
+        if second.poll() is None:
+            second.kill()
+            second.wait()
     assert (folder / LOCK_FILE).exists()
-    third = _job(folder, tmp_path / "c", hold=False)
-    out, _ = third.communicate(timeout=120)
-    assert third.returncode == 0 and "trained 2" in out, out[-3000:]
-    assert not (folder / LOCK_FILE).exists(), "released at the end of the fit"
-    saved = {p.name: layout.read_manifest(p)["global_step"] for p in folder.iterdir()}  # every one complete
-    assert sorted(saved.values()) == [1, 1, 2], saved  # the killed job's first, the third job's two
+    FolderLock.acquire(folder, "the next job").release()  # taken at once: the dead job's file holds nothing
+    saved = {p.name: layout.read_manifest(p)["global_step"] for p in folder.glob("*.ckpt")}
+    assert saved == {"epoch=0-step=1.ckpt": 1}, saved  # the first job's save, complete; nothing of the second's
