@@ -126,7 +126,7 @@ def test_a_symlink_out_of_the_folder_is_refused_and_one_inside_it_is_followed(ck
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.timeout(60)  # a regression hangs (reads /dev/zero or waits for a FIFO's writer): it fails here instead
+@pytest.mark.timeout(30)  # a regression hangs (reads /dev/zero or waits for a FIFO's writer): it fails here instead
 @pytest.mark.parametrize("entry", ["devzero_link", "devzero_name", "fifo", "complete_devzero", "complete_fifo"])
 def test_an_entry_that_never_ends_or_blocks_is_refused_before_reading(ckpt, tmp_path, entry):
     """A data file linked to ``/dev/zero`` (recorded size 0, so a size check alone passes and the hash reads on
