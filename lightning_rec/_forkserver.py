@@ -12,24 +12,44 @@ one fork server per process; whichever of the two users starts it, it is this on
 from __future__ import annotations
 
 import ast
+import contextlib
+import ctypes
 import inspect
 import io
 import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import threading
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from lightning_rec import _compat
+from lightning_rec._compat.python import forget_fork_server
 
-__all__ = ["forkserver_context", "worker_context", "worker_start_method"]
+__all__ = [
+    "PARENT_VARIABLE",
+    "RANK_SIGNALS",
+    "die_with_parent",
+    "forkserver_context",
+    "serve_the_rank_only",
+    "worker_context",
+    "worker_start_method",
+]
 
-PRELOAD = ["lightning_rec", "lightning_rec.data.tabular"]
+# What a scheduler or a terminal sends a whole job: the rank's to act on (a checkpoint, an exit code), no helper's.
+RANK_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+PRELOAD = ["lightning_rec._forkserver_start", "lightning_rec", "lightning_rec.data.tabular"]
+# The pid of the process starting the fork server, in the server's environment only when the starting thread is that
+# process's main thread (the one whose end is the process's end): lightning_rec._forkserver_start reads it.
+PARENT_VARIABLE = "LIGHTNING_REC_FORKSERVER_PARENT"
 _START = threading.Lock()
 # The pid of the process that started the server, once it has. A process forked from that one (a notebook launcher's
 # rank) inherits this list and multiprocessing's handle on the server, but cannot use the handle.
@@ -53,17 +73,78 @@ def forkserver_context() -> Any:
         context.set_forkserver_preload(PRELOAD)  # ignored once the server runs
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # the server's environment is this process's when it starts
+        if threading.current_thread() is threading.main_thread():
+            os.environ[PARENT_VARIABLE] = str(os.getpid())
         try:
-            forkserver.ensure_running()
+            with _deaf_helpers():
+                _resource_tracker()  # the server's own start would start it, then unblock SIGINT/SIGTERM here
+                forkserver.ensure_running()
         except ChildProcessError:
             return None  # started (by multiprocessing, for anyone) in a process this one was forked from
         finally:
+            os.environ.pop(PARENT_VARIABLE, None)
             if saved is None:
                 del os.environ["OMP_NUM_THREADS"]
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
         _started.append(os.getpid())  # later calls (a loader per pass, a launch per test) leave the environment alone
     return context
+
+
+@contextlib.contextmanager
+def _deaf_helpers() -> Iterator[None]:
+    """:data:`RANK_SIGNALS` blocked in this thread while a helper process is spawned: the helper inherits the mask
+    (through fork and exec; Python leaves a blocked signal alone), so a signal sent to the whole job stays pending
+    there, never acted on. Unlike ``signal.signal``, this works from any thread (a loader started in one)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (once per process) as a helper that leaves signals to the rank
+    (:func:`_deaf_helpers`). Its own start unblocks SIGINT and SIGTERM in the calling thread afterwards: they are
+    blocked again for whatever is spawned next in the same window."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS)
+
+
+def serve_the_rank_only() -> None:
+    """In a DataLoader worker, as it starts: ignore :data:`RANK_SIGNALS` (the rank acts on them, then ends its
+    workers itself), and stop holding its fork server alive (the server's "alive" pipe, which multiprocessing hands
+    every child of a fork server: the server then ends with the rank that started it). A worker's death with its
+    parent is :func:`die_with_parent`'s.
+
+    The signals are also kept blocked, in this thread and so in every thread it starts: PyTorch's worker loop
+    installs a SIGTERM handler of its own after this runs (in C: it ends the worker unless the signal came from its
+    parent), and a blocked signal never reaches a handler."""
+    for signum in RANK_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)  # a pending one (blocked in the fork server) is discarded
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, RANK_SIGNALS)
+    forget_fork_server()  # (a dataset that starts processes of its own starts its own server)
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when the thread that forked it ends (``PR_SET_PDEATHSIG``): a worker has
+    nothing to save, and a worker whose rank was killed (``kill -9``, the OOM killer) must not live on. ``parent``:
+    this process's parent as it started; gone already (the race before the request), the worker ends now."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def worker_context() -> Any:
@@ -109,9 +190,39 @@ def worker_start_method(target: Any, args: tuple[Any, ...], kwargs: dict[str, An
 class _WorkerProcess(_compat.ForkServerProcess):
     start_method = staticmethod(worker_start_method)
 
+    def start(self) -> None:
+        # A worker forked from this process (as PyTorch would, not from the fork server) has this thread for parent
+        # in Linux's sense: a parent-death signal would kill it when the thread ends (a loader iterated in a thread
+        # of its own), not when the rank does; PyTorch's own watchdog (its parent's pid, every 5 s) covers that case.
+        self._started_in_main_thread = threading.current_thread() is threading.main_thread()
+        super().start()
+
+    def run(self) -> None:
+        parent = os.getppid()
+        serve_the_rank_only()
+        # From the fork server (its main thread forks, and lives as long as the rank) or from a rank's main thread.
+        if parent != self._parent_pid or getattr(self, "_started_in_main_thread", False):  # type: ignore[attr-defined]
+            die_with_parent(parent)
+        super().run()
+
 
 class _WorkerContext(_compat.ForkServerContext):
     Process = _WorkerProcess
+
+    # The first objects a DataLoader makes from its context, before any worker starts; the first semaphore starts
+    # multiprocessing's resource tracker, which is to leave signals to the rank as the fork server does.
+    def Queue(self, maxsize: int = 0) -> Any:  # noqa: N802 - multiprocessing's name
+        _quiet_resource_tracker()
+        return super().Queue(maxsize)
+
+    def Event(self) -> Any:  # noqa: N802 - multiprocessing's name
+        _quiet_resource_tracker()
+        return super().Event()
+
+
+def _quiet_resource_tracker() -> None:
+    with _deaf_helpers():
+        _resource_tracker()
 
 
 def _why_not_forkserver(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

@@ -1,5 +1,5 @@
-"""Python's own private names recshard relies on: what the interpreter runs as it ends, and how multiprocessing's
-fork server starts a process."""
+"""Python's own private names recshard relies on: what the interpreter runs as it ends, how multiprocessing's
+fork server starts a process, and the handle on the server its children inherit."""
 
 from __future__ import annotations
 
@@ -20,6 +20,22 @@ def interpreter_exit() -> None:
 
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
+
+
+def forget_fork_server() -> None:
+    """In a child of a fork server: close this process's end of the server's "alive" pipe and forget the server.
+
+    Multiprocessing hands every child of its fork server the write end of the pipe whose closing ends the server
+    (``forkserver.ForkServer._forkserver_alive_fd``, with ``_forkserver_address`` and ``_forkserver_pid``: private), so
+    that the child could ask the same server for processes too; a child that keeps it keeps the server alive after
+    the process that started the server is gone. Forgotten, a child that needs a fork server starts its own."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver  # (typeshed declares none of its private attributes)
+    if server._forkserver_alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None
 
 
 @contextlib.contextmanager

@@ -22,7 +22,9 @@ tears the process group down before the interpreter does (see its docstring for 
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +38,7 @@ __all__ = [
     "close_process_group_at_exit",
     "collective_mismatch",
     "describe_position",
+    "disk_full",
     "explain",
     "explain_mismatch",
     "is_communication_error",
@@ -143,6 +146,39 @@ def is_communication_error(exception: BaseException) -> bool:
     return False
 
 
+def disk_full(exception: BaseException) -> str | None:
+    """One line saying that a disk filled up, if that is what stopped the rank (in ``exception`` or what caused it),
+    else ``None``: a failed checkpoint save's own line (which file, what it needs and what is free), or the full
+    file's name. Said before the traceback, which for a save runs to ~300 lines (each rank's, inside
+    ``torch.distributed.checkpoint``'s error), with the cause at its very end.
+
+    Example::
+
+        >>> disk_full(OSError(errno.ENOSPC, "No space left on device", "runs/x/metrics.csv"))
+        'no space left on device writing runs/x/metrics.csv; free some space, or write elsewhere, then resume with `--ckpt_path=last`'
+        >>> disk_full(ValueError("bad id")) is None
+        True
+    """
+    hint = "; free some space, or write elsewhere, then resume with `--ckpt_path=last`"
+    seen: set[int] = set()
+    todo: list[BaseException] = [exception]
+    found: OSError | None = None
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for line in str(current).splitlines():
+            if "no space left on device writing" in line:  # the checkpoint save's line (lightning_rec.checkpoint)
+                return line.strip().removeprefix("- ") + hint
+        if found is None and isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            found = current
+        todo += [e for e in (current.__cause__, current.__context__) if e is not None]
+    if found is None:
+        return None
+    return f"no space left on device writing {found.filename or 'a file'}{hint}"
+
+
 def collective_mismatch(exception: BaseException) -> str | None:
     """The message of the collective error in ``exception`` (or what caused it) that says the ranks' tensors do not
     fit together (sizes or shapes that differ where the collective needs them equal), or ``None``.
@@ -231,7 +267,11 @@ class FailureBoard:
         owner: str = "RecShardStrategy",
     ) -> None:
         """What a rank does with the exception that stops it: publish it if it is its own, or, if a collective failed
-        (a consequence of another rank's failure), log :func:`explain`'s message and attach it to the exception."""
+        (a consequence of another rank's failure), log :func:`explain`'s message and attach it to the exception. A
+        full disk is said at once, in one line (:func:`disk_full`), before the exception's traceback."""
+        full = disk_full(exception)
+        if full is not None:
+            print(f"[rank {self.rank}] {owner}: {full}", file=sys.stderr, flush=True)
         detail = collective_mismatch(exception)
         if detail is not None:  # every rank raises it (gloo checks sizes on each): its own error, no rank was lost
             where = f" at {position}" if position else ""

@@ -17,8 +17,16 @@ from) with the normal collective save, rank 0 requeues the SLURM job when Lightn
 every rank exits with ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1) after one line: ``preempted by SIGTERM at
 step N; checkpoint ...``. ``fit(ckpt_path="last")`` (and the CLI's ``--ckpt_path=last``) resume from it.
 
+A signal that arrives once the ranks agreed to stop (another copy of it, a rank told later than the others, the
+scheduler's SIGTERM after its requeue signal) changes nothing: the rank ends with the exit code above, never killed
+by the signal (-15), however late in its exit the signal lands (the handler outlives the stage; Lightning would put
+back the default one).
+
 Outside training (sanity check, ``validate``/``test``/``predict``) there is nothing to save: the signal's default
 action is restored and the signal raised again, so the process ends as that signal ends it (non-zero).
+
+Only the ranks act: the job's other processes (DataLoader workers, the fork server, the resource tracker), which a
+scheduler signals too, leave these signals alone (:mod:`lightning_rec._forkserver`).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_rec import _compat
+from lightning_rec._compat.lightning import restore_after_stage
 from lightning_rec.errors import Preempted
 
 __all__ = ["Preemption"]
@@ -84,6 +93,7 @@ class Preemption(Callback):
     def __init__(self) -> None:
         self.received = 0  # the first signal's number, set by the handler
         self._training = False
+        self._stopping = False  # the ranks agreed to stop: later signals change nothing
         self._group: Any = None
         self._pending: Any = None  # the all-reduce started after the last batch
         self._flag = torch.zeros(2, dtype=torch.int64)  # [signal, rank 0's next gap], all-reduced (max)
@@ -109,7 +119,7 @@ class Preemption(Callback):
     # --- the handler ---
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if self._training:
+        if self._training or self._stopping:
             self.received = self.received or signum
             return
         signal.signal(signum, signal.SIG_DFL)  # nothing to save: end as the signal ends a process
@@ -120,6 +130,7 @@ class Preemption(Callback):
             return
         # Over Lightning's handlers (registered just before the stage runs; its teardown restores what was there).
         self._signals = (signal.SIGTERM, _requeue_signal(trainer))
+        self._stopping = False  # a new stage (a fit after a preemption caught)
         for signum in self._signals:
             signal.signal(signum, self._handler)
 
@@ -194,6 +205,8 @@ class Preemption(Callback):
         if not signum:
             return
         self._pending = None  # (signals keep landing on the flag while the checkpoint is saved)
+        self._stopping = True  # from here on, the exit code below is this rank's, whatever signal comes
+        restore_after_stage(trainer, {s: self._handler for s in self._signals})
         path = Path(_compat.hpc_save_path(trainer.default_root_dir))
         trainer.save_checkpoint(path)  # every rank: the normal collective save
         name = signal.Signals(signum).name

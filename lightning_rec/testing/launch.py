@@ -324,8 +324,15 @@ def _zygote() -> Any:
 def _run_forked(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None:
     """In the forked rank: become ``python <argv>`` started with ``env`` in ``cwd``, writing to ``log``."""
     import runpy
+    import signal
     import warnings
 
+    from lightning_rec._forkserver import RANK_SIGNALS
+
+    # The zygote is a rank's helper, started with the job's signals blocked (lightning_rec._forkserver): a rank takes
+    # them as a new interpreter would (SIGTERM and SIGUSR1 end it unless a handler is installed, SIGINT interrupts).
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, RANK_SIGNALS)
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
