@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -69,24 +70,33 @@ def open_entry(directory: int, name: str, folder: Path, what: str = "manifest en
             is not a regular file (a FIFO, a device, a directory).
     """
     check_name(name, folder, what)
-    root = _folder_of(directory, folder)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # O_NONBLOCK: a FIFO's open does not wait
+    target: str | None = None
     if stat.S_ISLNK(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode):
         # Resolved before anything is opened: opening a device or FIFO outside can itself block or act.
         through = _PROC_FD / str(directory) / name if _PROC_FD.is_dir() else folder / name
-        if not _inside(_real(through), root):
-            raise _outside(folder, name, what, _real(through))
-    # O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused just below).
-    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=directory)
+        target = _real(through)
+        if not _inside(target, _folder_of(directory, folder)):
+            raise _outside(folder, name, what, target)
+    else:
+        flags |= os.O_NOFOLLOW  # a plain name in the open folder: inside it, unless it became a link since
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        fd = os.open(name, flags, dir_fd=directory)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _outside(folder, name, what, "elsewhere (it became a link while opened)") from None
+        raise
+    try:
+        held = os.fstat(fd)
+        if not stat.S_ISREG(held.st_mode):
             raise CheckpointError(
-                f"{str(folder)!r}: the {what} {name!r} is not a regular file ({_kind(mode)}); refusing to read it. "
-                "The checkpoint was altered or crafted."
+                f"{str(folder)!r}: the {what} {name!r} is not a regular file ({_kind(held.st_mode)}); refusing to "
+                "read it. The checkpoint was altered or crafted."
             )
-        opened = _PROC_FD / str(fd)
-        if opened.is_symlink() and not _inside(os.readlink(opened), root):  # the link changed since it was checked
-            raise _outside(folder, name, what, os.readlink(opened))
+        if target is not None:  # the link resolved inside: the file opened must be that one (not a swapped link's)
+            now = os.stat(target)
+            if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+                raise _outside(folder, name, what, "elsewhere (it changed while opened)")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
