@@ -164,6 +164,7 @@ class ProgressiveEvaluation(pl.Callback):
         return list(periods or [])
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._resolve(trainer)
         self._metrics.to(pl_module.device)
         self._rows.to(pl_module.device)
         if self._restored is not None:  # a mid-period checkpoint: its scores, held by rank 0 (all ranks' rows)
@@ -181,6 +182,10 @@ class ProgressiveEvaluation(pl.Callback):
                     )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._resolve(trainer)
+
+    def _resolve(self, trainer: pl.Trainer) -> None:
+        """This epoch's periods (at the fit's start too: a fit resumed inside an epoch does not start it again)."""
         self._periods = self._declared(trainer)
         self._firsts = [p.first_batch for p in self._periods]
         if not self._periods and self.every_n_batches is None:
