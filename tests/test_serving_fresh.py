@@ -394,9 +394,12 @@ def test_requests_from_threads_while_versions_are_applied_each_get_one_version(t
 
 
 @pytest.mark.dist
-def test_a_damaged_or_missing_delta_is_refused_by_name_and_the_last_good_version_serves(tmp_path, versions):
+def test_a_damaged_or_missing_delta_is_refused_by_name_and_the_last_good_version_serves(
+    tmp_path, versions, packages, caplog
+):
     """Version 3's part with one byte flipped, then missing, then the whole version folder missing: each refused by
-    name (a warning and ``refused``), the server answering as version 2; repaired, version 3 is applied."""
+    name (a warning and ``refused``), the server answering as version 2; repaired, version 3 is applied. A server
+    whose next delta is gone for good goes on from a newer full package."""
     root = _at(versions["root"], 2, tmp_path / "pub")
     model = FreshModel(root)
     args, answers = versions["args"], versions["answers"]
@@ -406,8 +409,10 @@ def test_a_damaged_or_missing_delta_is_refused_by_name_and_the_last_good_version
     flipped = bytearray(good)
     flipped[len(good) // 2] ^= 0x10
     part.write_bytes(bytes(flipped))
-    assert model.refresh() == 2
+    with caplog.at_level("WARNING", logger="lightning_rec.serving.fresh"):
+        assert model.refresh() == 2
     assert model.refused is not None and model.refused[0] == 3 and "delta.r0.pt has SHA-256" in model.refused[1]
+    assert "not serving version 3, staying on version 2" in caplog.text and "delta.r0.pt" in caplog.text
     assert torch.equal(model(*args), answers[1])
     part.unlink()
     assert model.refresh() == 2 and "delta.r0.pt is missing" in model.refused[1]
@@ -420,3 +425,14 @@ def test_a_damaged_or_missing_delta_is_refused_by_name_and_the_last_good_version
     shutil.move(tmp_path / "aside", folder)
     part.write_bytes(good)
     assert model.refresh() == 3 and torch.equal(model(*args), answers[2])
+    # a server whose next delta is gone (deleted by retention) goes on from a full package published after it
+    shutil.rmtree(folder)
+    full = full_path(root, 3)
+    shutil.copyfile(packages[("int8", STEPS[-1])], full)
+    manifest = Manifest(
+        version=3, kind="full", previous=2, step=STEPS[-1], event_time=None, epoch=0, world_size=1,
+        table_dtype="int8", created=datetime.now(timezone.utc).isoformat(), files={full.name: file_record(full)},
+    )  # fmt: skip
+    full_manifest_path(root, 3).write_text(manifest.to_json())
+    assert fresh.version == 2 and fresh.refresh() == 3 and fresh.step == STEPS[-1]
+    assert torch.equal(fresh(*args), answers[2])

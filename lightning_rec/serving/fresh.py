@@ -151,6 +151,10 @@ class FreshModel:
         if latest is None:
             raise ServingError(f"{str(self.root)!r}: nothing is published yet (no {self.root / 'LATEST'})")
         full = self._newest_full(latest)
+        if full is None:
+            raise ServingError(
+                f"{str(self.root)!r}: no full package at or before version {latest} (full/vNNNNNN.pt2 with its .json)"
+            )
         self._load_full(full)
         self.refresh()
         self._stop = threading.Event()
@@ -177,15 +181,25 @@ class FreshModel:
             while latest is not None and self.version < latest:
                 version = self.version + 1
                 try:
-                    delta = read_delta(self.root, version)
-                    self._apply(delta)
+                    self._apply(read_delta(self.root, version))
+                    continue
                 except DeltaError as err:
-                    self.refused = (version, str(err))
-                    log.warning(
-                        "FreshModel: not serving version %d, staying on version %d: %s", version, version - 1, err
-                    )
+                    self._refuse(version, err)
+                # a full package at or after the refused version (retention may have deleted the deltas a server
+                # that fell behind needs) takes the server past it
+                full = self._newest_full(latest, after=self.version)
+                if full is None:
+                    break
+                try:
+                    self._load_full(full)
+                except (ServingError, OSError) as err:
+                    self._refuse(full, err)
                     break
             return self.version
+
+    def _refuse(self, version: int, err: Exception) -> None:
+        self.refused = (version, str(err))
+        log.warning("FreshModel: not serving version %d, staying on version %d: %s", version, self.version, err)
 
     def close(self) -> None:
         """Stop the background poll (if any)."""
@@ -202,23 +216,25 @@ class FreshModel:
 
     # ---- loading -------------------------------------------------------------------------------------------------
 
-    def _newest_full(self, latest: int) -> int:
+    def _newest_full(self, latest: int, after: int = 0) -> int | None:
+        """The newest full package ``after < f <= latest`` that has its manifest (written after the package)."""
         versions = sorted(
             (int(p.stem[1:]) for p in (self.root / "full").glob("v*.pt2") if p.stem[1:].isdigit()), reverse=True
         )
         for version in versions:
-            if version <= latest and full_manifest_path(self.root, version).is_file():
+            if after < version <= latest and full_manifest_path(self.root, version).is_file():
                 return version
-        raise ServingError(
-            f"{str(self.root)!r}: no full package at or before version {latest} (full/vNNNNNN.pt2 with its .json)"
-        )
+        return None
 
     def _load_full(self, version: int) -> None:
+        """Load the full package at ``version`` and serve it (from the next request on)."""
         path = full_path(self.root, version)
         manifest = read_manifest(full_manifest_path(self.root, version))
         entry = manifest.files.get(path.name)
         if manifest.kind != "full" or manifest.version != version or entry is None:
             raise DeltaError(f"{str(path)!r}: its manifest is not a full package's at version {version}")
+        if not path.is_file():
+            raise DeltaError(f"version {version}: {str(path)!r} is missing")
         if path.stat().st_size != entry["bytes"]:
             raise DeltaError(f"{str(path)!r}: {path.stat().st_size} bytes; its manifest records {entry['bytes']}")
         model = load_pt2(path, check_inputs=self._check_inputs, verify=self._verify)
@@ -231,12 +247,13 @@ class FreshModel:
         if any(entry.get("blob") is None for entry in (spec.table_layout or {}).values()):
             raise ServingError(f"{str(path)!r}: its tables' initial bytes are not in a weights blob it records.")
         model.warm_up()  # the package answers its recorded request as at export (before any delta changes it)
-        self._model: Pt2Model = model
-        self._package = path
-        self._tables: dict[str, _Table] = {}
-        self._dense_keys = {key: fqn for fqn, key in (spec.constant_sources or {}).items()}
-        self._dense: dict[str, Tensor] = {}  # kept alive: the package reads them (user-managed)
-        self.version, self.step = version, manifest.step
+        with self._lock.writing():
+            self._model: Pt2Model = model
+            self._package = path
+            self._tables: dict[str, _Table] = {}
+            self._dense_keys = {key: fqn for fqn, key in (spec.constant_sources or {}).items()}
+            self._dense: dict[str, Tensor] = {}  # kept alive: the package reads them (user-managed)
+            self.version, self.step = version, manifest.step
 
     def _table(self, constant: str, entry: dict[str, Any]) -> _Table:
         if constant not in self._tables:  # the bytes the package holds (and serves until the first update of it)
