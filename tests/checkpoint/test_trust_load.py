@@ -324,23 +324,25 @@ def test_an_installed_class_and_one_the_user_names_are_imported(beside_the_worki
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("command", ["lightning-rec", "python -m lightning_rec"])
-def test_exporting_a_vendor_checkpoint_from_its_folder_runs_none_of_its_code(tmp_path, command):
+def test_exporting_a_vendor_checkpoint_from_its_folder_runs_none_of_its_code(tmp_path):
     """The issue's case as a user meets it: ``lightning-rec export vendorckpt out.pt --format inference`` run from
-    the folder holding ``vendorckpt/`` (whose ``payload.py`` writes a marker on import and whose ``meta.pt`` names
-    ``vendorckpt.payload.Model``), and the same through ``python -m`` (the working directory on ``sys.path``): exit 2,
-    one line saying how to name the class, no traceback, no marker, no artifact."""
+    the folder holding ``vendorckpt/`` (whose ``payload.py`` and ``__init__.py`` write a marker on import and whose
+    ``meta.pt`` names ``vendorckpt.payload.Model``): exit 2, one line saying how to name the class, no traceback, no
+    marker, no artifact. (With the working directory on ``sys.path``, as under ``python -m``: the in-process cases
+    above.)"""
     ckpt = _saved_as("vendorckpt.payload.Model", tmp_path / "vendorckpt")
     marker = tmp_path / "marker"
     (ckpt / "payload.py").write_text(_PAYLOAD.format(marker=str(marker)))
     (ckpt / "__init__.py").write_text(_PAYLOAD.format(marker=str(marker)))
-    program = (
-        [str(Path(sys.executable).with_name("lightning-rec"))]
-        if command == "lightning-rec"
-        else [sys.executable, "-m", "lightning_rec"]
-    )
     out = subprocess.run(
-        [*program, "export", "vendorckpt", "out.pt", "--format", "inference"],
+        [
+            str(Path(sys.executable).with_name("lightning-rec")),
+            "export",
+            "vendorckpt",
+            "out.pt",
+            "--format",
+            "inference",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
