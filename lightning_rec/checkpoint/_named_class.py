@@ -61,7 +61,7 @@ def named_class(name: str | type, checkpoint: Path, *, named_by_user: bool) -> t
         try:
             cls = getattr(importlib.import_module(module_name), attribute)
         except (ImportError, AttributeError, ValueError) as err:
-            raise _not_importable(name, module_name, attribute, err, checkpoint) from None
+            raise _not_importable(name, module_name, attribute, err, checkpoint, named_by_user) from None
     if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
         what = f"a {type(cls).__name__}" if not isinstance(cls, type) else f"the class {cls.__name__}"
         raise _refused(name, checkpoint, f"which is {what}, not a LightningModule class", named_by_user)
@@ -77,8 +77,18 @@ def _refused(name: Any, checkpoint: Path, why: str, named_by_user: bool) -> Chec
     )
 
 
-def _not_importable(name: str, module_name: str, attribute: str, err: BaseException, checkpoint: Path) -> Exception:
+def _not_importable(
+    name: str, module_name: str, attribute: str, err: BaseException, checkpoint: Path, named_by_user: bool
+) -> Exception:
     hint = HINT
+    top = module_name.split(".")[0]
+    if not named_by_user and importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None:
+        # Trained from this folder (`python train.py` beside models.py): the working directory is not searched for a
+        # class a checkpoint names, only for one the user names.
+        hint = (
+            f"HINT: {top} is in the working directory, which is not searched for a class a checkpoint names; if it "
+            f"is your code, name it: `--model-class {name}` (`model_class=` in Python)."
+        )
     if module_name == "__main__":  # saved by a script: its module name is only known to the user
         hint = (
             f"HINT: {attribute} was defined in the script that trained it; pass `model_class=` (`--model-class "

@@ -323,6 +323,20 @@ def test_an_installed_class_and_one_the_user_names_are_imported(beside_the_worki
     assert (work / "mine_ran").exists()
 
 
+def test_a_class_in_the_working_directory_is_imported_only_when_the_user_names_it(tmp_path, monkeypatch):
+    """Trained with ``python train.py`` beside ``models.py`` (the checkpoint names ``models.Model``), exported from
+    that folder: the working directory is not searched for the checkpoint's class, so the export stops in one line
+    that says which ``--model-class`` to pass; ``models.py`` did not run."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    (tmp_path / "models.py").write_text(_PAYLOAD.format(marker=str(tmp_path / "ran")))
+    ckpt = _saved_as("models.Model", tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt")
+    with pytest.raises(CheckpointError) as err:
+        export_inference(ckpt, tmp_path / "out.pt")
+    assert "models is in the working directory" in str(err.value) and "`--model-class models.Model`" in str(err.value)
+    assert not (tmp_path / "ran").exists() and "models" not in sys.modules
+
+
 @pytest.mark.dist
 def test_exporting_a_vendor_checkpoint_from_its_folder_runs_none_of_its_code(tmp_path):
     """The issue's case as a user meets it: ``lightning-rec export vendorckpt out.pt --format inference`` run from
