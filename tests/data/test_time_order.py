@@ -15,7 +15,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from lightning_rec.data import TabularDataModule
-from lightning_rec.data.base import RecDataModule
 from lightning_rec.errors import CheckpointError
 
 SCHEMA = {
@@ -46,7 +45,10 @@ def _files(tmp: Path, df: pd.DataFrame) -> list[str]:
 
 def _loaders(dm: TabularDataModule, world: int, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Each rank's training loader, without a trainer (the rank taken from ``_rank``)."""
-    monkeypatch.setattr(RecDataModule, "rank_and_world_size", property(lambda self: (getattr(self, "_rank", 0), world)))
+    # on the class itself: tests/data/test_stream.py sets its own there for the rest of the session
+    monkeypatch.setattr(
+        TabularDataModule, "rank_and_world_size", property(lambda self: (getattr(self, "_rank", 0), world))
+    )
     loaders = []
     for rank in range(world):
         dm._rank = rank  # type: ignore[attr-defined]
