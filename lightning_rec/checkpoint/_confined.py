@@ -22,7 +22,7 @@ from typing import Any
 
 from lightning_rec.errors import CheckpointError
 
-MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists a few files per rank: far under this for any real checkpoint
+MAX_MANIFEST_BYTES = 1 << 30  # ~100 bytes per file listed: a million files is 100 MB; a larger one is crafted
 
 _PROC_FD = Path("/proc/self/fd")  # Linux: the path of the file an open descriptor holds
 
