@@ -656,7 +656,7 @@ class TabularDataModule(RecDataModule):
             )
         return rows.keys
 
-    def split(self, name: str) -> RecDataset | TableStream:
+    def split(self, name: str) -> RecDataset | TableStream | None:
         """In memory: the rows of split ``name`` (after :meth:`setup`); streaming: a :class:`TableStream` of this
         rank's batches of its files. ``predict`` runs over ``predict_files``, else the validation rows (and,
         streaming, ``test`` too when there are no test files)."""
@@ -682,10 +682,12 @@ class TabularDataModule(RecDataModule):
             )
         return self._splits[name]
 
-    def _stream(self, name: str) -> TableStream:
+    def _stream(self, name: str) -> TableStream | None:
         split = "val" if name == "predict" and "predict" not in self.sources else name
         if split == "test" and self.sources.get("test") is None:
             split = "val"
+        if split != "train" and self.sources.get(split) is None:
+            return None  # no such files (e.g. a stream trained without validation): no batches
         rank, world_size = self.rank_and_world_size
         reader = UnitReader(
             self._mapper(),
