@@ -18,16 +18,18 @@ there stopped every requeue. :func:`resolve_checkpoint` with ``kind="hpc"`` take
 checkpoint of this run instead, the same way. A complete-marked checkpoint whose files are corrupt is found only by
 reading it: the strategy's ``load_checkpoint`` falls back to the next candidate (:attr:`Resolution.fallbacks`).
 
-At fit start rank 0 takes each folder it will write (:func:`hold_folders`: ``default_root_dir`` and every saving
-``ModelCheckpoint``'s folder): a second job writing one of them is refused in one line; then the staging folders of
-saves that died there are cleared.
+At fit start rank 0 takes each folder it will write (:func:`hold_folders`: every saving ``ModelCheckpoint``'s
+folder): a second job writing one of them is refused in one line; then the staging folders of saves that died there
+(and in ``default_root_dir``) are cleared. Any other save (a preempted job's hpc checkpoint in ``default_root_dir``)
+locks its folder for the time of the save (:meth:`RunCheckpoints.saving`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -179,9 +181,10 @@ def _how_to_name(run: str | None) -> str:
 
 
 def written_folders(trainer: pl.Trainer) -> list[Path]:
-    """The folders a fit writes checkpoints into: ``default_root_dir`` (preemption's hpc checkpoints) and every
-    ``ModelCheckpoint``'s that saves."""
-    folders = [Path(trainer.default_root_dir)]
+    """The folders a fit writes checkpoints into all along: every saving ``ModelCheckpoint``'s. (The
+    ``default_root_dir`` gets a checkpoint only when a job is preempted: locked for that save alone, so that jobs
+    sharing it, each with its own ``version_N`` folder, can run side by side.)"""
+    folders = []
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             if callback.save_top_k != 0 or callback.save_last:
@@ -191,8 +194,10 @@ def written_folders(trainer: pl.Trainer) -> list[Path]:
 
 def hold_folders(trainer: pl.Trainer, run: str) -> tuple[list[FolderLock], str | None]:
     """Rank 0's part of a fit's start: lock every folder it writes (:func:`written_folders`), then clear what
-    dead saves left there (one line each). Returns the locks, or none and why another job holds a folder."""
+    dead saves left there (one line each); the same in ``default_root_dir`` if no live job is saving there. Returns
+    the locks, or none and why another job holds a folder."""
     locks: list[FolderLock] = []
+    root = Path(trainer.default_root_dir).resolve()
     for folder in written_folders(trainer):
         if os.path.lexists(folder) and not folder.is_dir():
             continue  # `unwritable` names it
@@ -204,9 +209,20 @@ def hold_folders(trainer: pl.Trainer, run: str) -> tuple[list[FolderLock], str |
             return [], str(err)
         except OSError:
             continue  # a folder this job cannot write: `unwritable` names it, where it matters
-        for line in layout.clear_dead_saves(folder):
-            rank_zero_info(f"Checkpoint folder {line}.")
+        _clear_dead_saves(folder)
+    if root.is_dir() and root not in {lock.folder for lock in locks}:
+        try:
+            lock = FolderLock.acquire(root, run)
+        except (CheckpointError, OSError):
+            return locks, None  # a live job is saving there (or it cannot be written): leave it be
+        _clear_dead_saves(root)
+        lock.release()
     return locks, None
+
+
+def _clear_dead_saves(folder: Path) -> None:
+    for line in layout.clear_dead_saves(folder):
+        rank_zero_info(f"Checkpoint folder {line}.")
 
 
 def unwritable(trainer: pl.Trainer) -> list[str]:
@@ -255,6 +271,7 @@ class RunCheckpoints:
         self.run_id = run_id
         self._fallbacks: dict[str, list[str]] = {}
         self._locks: list[FolderLock] = []
+        self._held: set[Path] = set()  # the folders rank 0 holds for the fit, known on every rank
 
     def run(self, trainer: pl.Trainer) -> str:
         """The name of the run ``trainer`` fits (:func:`~lightning_rec._strategy.run_identity.run_identity`)."""
@@ -295,12 +312,39 @@ class RunCheckpoints:
         if rank == 0:
             self.release()
             self._locks, problem = hold_folders(trainer, self.run(trainer))
+        problem, held = all_gather((problem, [lock.folder for lock in self._locks]))[0]
+        if problem is not None:
+            raise CheckpointError(problem)
+        self._held = set(held)
+
+    @contextlib.contextmanager
+    def saving(self, path: Path, run: str | None, rank: int, all_gather: Callable[[Any], list[Any]]) -> Iterator[None]:
+        """Around one save into ``path``'s folder (every rank): a folder this fit does not hold already (the hpc
+        checkpoint of a preempted job, ``trainer.save_checkpoint`` anywhere) is locked by rank 0 for the save; held
+        by another job, the save is refused on every rank (its earlier checkpoints stay as they are)."""
+        folder = Path(path).parent.resolve()
+        if folder in self._held:
+            yield
+            return
+        lock, problem = None, None
+        if rank == 0:
+            try:
+                lock = FolderLock.acquire(folder, run or "unnamed")
+            except CheckpointError as err:
+                problem = str(err).replace("nothing was trained", f"{Path(path).name} was not saved")
+            except OSError:
+                pass  # cannot be written: the save says so, naming the cause
         problem = all_gather(problem)[0]
         if problem is not None:
             raise CheckpointError(problem)
+        try:
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
 
     def release(self) -> None:
         """Let go of the folders (fit end, or the process's end, whichever comes first)."""
         for lock in self._locks:
             lock.release()
-        self._locks = []
+        self._locks, self._held = [], set()

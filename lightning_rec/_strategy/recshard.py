@@ -644,7 +644,8 @@ class RecShardStrategy(ParallelStrategy):
         module = self._attached_module
         trainer = _compat.attached_trainer(module)
         run = self._checkpoints.run(trainer) if isinstance(trainer, pl.Trainer) else None
-        save(checkpoint, path, module=module, sharding=sharded_state(module), run=run)
+        with self._checkpoints.saving(path, run, self.global_rank, self._all_gather_objects):  # one writer
+            save(checkpoint, path, module=module, sharding=sharded_state(module), run=run)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

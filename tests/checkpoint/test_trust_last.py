@@ -285,6 +285,7 @@ from tests.helpers.models import RecModel
 from tests.helpers.scenarios import make_loader
 folder, root, hold = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3] == "hold"
 after = pathlib.Path(sys.argv[4]) if len(sys.argv) > 4 else None
+root.mkdir(parents=True)
 while after is not None and not after.exists():  # started beside the first job: imports done, waits for its save
     time.sleep(0.05)
 class Hold(L.Callback):
@@ -302,10 +303,11 @@ print("trained", t.global_step)
 
 
 def _job(folder: Path, root: Path, hold: bool, after: Path | None = None) -> subprocess.Popen[str]:
+    """A job's process, its output in ``<root>.log`` (a pipe nobody reads while it runs would fill and stop it)."""
     env = {**user_env(), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-c", _JOB, str(folder), str(root), "hold" if hold else "go", *filter(None, [after])]
-    command = [str(c) for c in command]
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(f"{root}.log", "w") as log:
+        return subprocess.Popen([str(c) for c in command], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.dist
@@ -314,8 +316,10 @@ def test_a_second_job_writing_the_same_folder_is_refused_and_a_dead_job_holds_no
     holder = _job(folder, tmp_path / "a", hold=True)
     second = _job(folder, tmp_path / "b", hold=False, after=tmp_path / "a" / "holding")
     try:
-        wait_for("the first job's first save", (tmp_path / "a" / "holding").exists, 120)
-        out, _ = second.communicate(timeout=120)
+        log = (tmp_path / "a.log").read_text
+        wait_for("the first job's first save", (tmp_path / "a" / "holding").exists, 300, log)
+        second.wait(timeout=300)
+        out = (tmp_path / "b.log").read_text()
         assert second.returncode != 0 and "trained 2" not in out, out[-3000:]
         refusal = next(line for line in out.splitlines() if "is in use by another job" in line)
         assert str(folder) in refusal and f"pid {holder.pid}" in refusal, refusal
