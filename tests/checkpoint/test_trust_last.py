@@ -27,6 +27,7 @@ from lightning_rec import RecShardStrategy
 from lightning_rec._strategy.run_identity import RUN_ID_ENV, run_identity
 from lightning_rec.checkpoint import _layout as layout
 from lightning_rec.checkpoint._lock import LOCK_FILE, FolderLock
+from lightning_rec.errors import CheckpointError
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.cluster_jobs import user_env, wait_for
 from tests.helpers.data import REPO
@@ -334,3 +335,20 @@ def test_a_second_job_writing_the_same_folder_is_refused_and_a_dead_job_holds_no
     FolderLock.acquire(folder, "the next job").release()  # taken at once: the dead job's file holds nothing
     saved = {p.name: layout.read_manifest(p)["global_step"] for p in folder.glob("*.ckpt")}
     assert saved == {"epoch=0-step=1.ckpt": 1}, saved  # the first job's save, complete; nothing of the second's
+
+
+def test_a_save_into_a_folder_another_job_holds_is_refused_on_every_rank(saved, tmp_path):
+    """Outside the folders a fit holds (a preempted job's hpc checkpoint, ``trainer.save_checkpoint`` anywhere), a
+    save locks its folder for its own time: another job's lock there refuses it, and nothing is written."""
+    L.seed_everything(0)
+    trainer = _trainer(tmp_path / "root", steps=1)
+    trainer.fit(RecModel(), make_loader(0, 1, 8, {}))
+    other = FolderLock.acquire(tmp_path / "shared", "slurm:9/config:000000000000")  # another job's, open apart
+    try:
+        with pytest.raises(CheckpointError, match=r"in use by another job \(.*run slurm:9/.*hpc_ckpt_1.ckpt was not"):
+            trainer.save_checkpoint(tmp_path / "shared" / "hpc_ckpt_1.ckpt")
+        assert [p.name for p in (tmp_path / "shared").iterdir()] == [LOCK_FILE]
+    finally:
+        other.release()
+    trainer.save_checkpoint(tmp_path / "shared" / "hpc_ckpt_1.ckpt")
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["hpc_ckpt_1.ckpt"]
