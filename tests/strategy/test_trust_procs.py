@@ -14,6 +14,7 @@ Processes are followed through ``/proc`` (Linux); every wait polls with a deadli
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -357,16 +358,18 @@ def test_a_rank_killed_with_sigkill_leaves_none_of_its_processes_behind(tmp_path
 # --- torchrun's agent stopped by SIGTERM (a Kubernetes pod's first process) ------------------------------------------
 
 
-def test_sigterm_to_the_torchrun_agent_ends_in_one_line_with_143_and_leaves_no_process(tmp_path):
-    """The agent (``python -m lightning_rec.integrations.torchrun``, torchrun's own arguments) gets SIGTERM alone, as
-    a pod's first process does: its ranks save and exit 143, the agent says so in one line and exits 143 (torchrun:
+def test_under_torchrun_a_killed_rank_leaves_nothing_and_a_sigterm_to_the_agent_ends_in_one_line(tmp_path):
+    """One torchrun job (``python -m lightning_rec.integrations.torchrun``, torchrun's own arguments,
+    ``--max-restarts=1``), 2 ranks with 2 workers each. A rank is SIGKILLed: its workers, fork server and resource
+    tracker are gone within 10 s, and the agent restarts the group. Then the agent alone gets SIGTERM, as a pod's
+    first process does: the restarted ranks save and exit 143, the agent says so in one line and exits 143 (torchrun:
     a ``SignalException`` traceback, exit 1), and nothing of the job is left."""
     from lightning_rec.testing.ports import free_port
 
     config = tmp_path / "job.yaml"
     config.write_text(CONFIG.format(root=tmp_path / "root", workers=WORKERS))
     command = [
-        sys.executable, "-m", "lightning_rec.integrations.torchrun", "--nproc-per-node=2", "--max-restarts=0",
+        sys.executable, "-m", "lightning_rec.integrations.torchrun", "--nproc-per-node=2", "--max-restarts=1",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--monitor-interval=0.5",
         "-m", "lightning_rec", "fit", "--config", str(config),
     ]  # fmt: skip
@@ -380,7 +383,19 @@ def test_sigterm_to_the_torchrun_agent_ends_in_one_line_with_143_and_leaves_no_p
         def ranks() -> list[int]:
             return [p for p in _descendants(agent.pid) if _stat(p)[1] == agent.pid and " fit " in _cmdline(p)]  # type: ignore[index]
 
-        _poll(lambda: agent.poll() is None and len(r := ranks()) == 2 and all(map(_has_workers, r)), 240, "2 ranks with their workers")  # fmt: skip
+        def training(exclude: set[int]) -> bool:
+            found = [r for r in ranks() if r not in exclude]
+            return agent.poll() is None and len(found) == 2 and all(map(_has_workers, found))
+
+        _poll(lambda: training(set()), 240, "2 ranks with their workers")
+        first = set(ranks())
+        victim = max(first)
+        helpers = _descendants(victim)
+        assert len(helpers) >= 1 + WORKERS, helpers  # the fork server and its workers (and the resource tracker)
+        os.kill(victim, signal.SIGKILL)
+        took = _poll(lambda: not _living(helpers), 10, f"the killed rank's processes {_living(helpers)}")
+        print(f"under torchrun, the killed rank's {len(helpers)} processes gone {took:.1f} s after its kill -9")
+        _poll(lambda: training(first), 240, "the restarted ranks with their workers")
         os.kill(agent.pid, signal.SIGTERM)
         agent.wait(timeout=120)
         took = _poll(lambda: not _session(agent.pid), 10, f"the job's processes {_session(agent.pid)} after the agent")
@@ -392,11 +407,13 @@ def test_sigterm_to_the_torchrun_agent_ends_in_one_line_with_143_and_leaves_no_p
         err.close()
     stderr = (tmp_path / "agent.err").read_text()
     assert agent.returncode == 143, stderr[-4000:]
-    assert "SignalException" not in stderr and "Traceback" not in stderr, stderr[-4000:]
-    assert "torchrun: stopped by SIGTERM; its ranks were passed the signal and have ended (exit 143)" in stderr
-    assert stderr.count("preempted by SIGTERM at step") == 2, stderr[-4000:]
-    ckpts = sorted((tmp_path / "root").glob("hpc_ckpt_*.ckpt"))
-    assert len(ckpts) == 1 and is_checkpoint(ckpts[0]), ckpts
+    assert "SignalException" not in stderr, stderr[-4000:]
+    stops = re.findall(r"\[rank (\d)\] preempted by SIGTERM at step (\d+); checkpoint (\S+)", stderr)
+    assert sorted(rank for rank, _, _ in stops) == ["0", "1"], stderr[-4000:]
+    assert len({(step, path) for _, step, path in stops}) == 1 and is_checkpoint(Path(stops[0][2])), stops
+    end = stderr[stderr.rindex("preempted by SIGTERM at step") :]  # the agent's end, after the restarted ranks'
+    assert "Traceback" not in end, end
+    assert "torchrun: stopped by SIGTERM; its ranks were passed the signal and have ended (exit 143)" in end
 
 
 # --- a full disk: said first, in one line ---------------------------------------------------------------------------
