@@ -64,6 +64,7 @@ from lightning_rec.data._tabular_read import (
     decode,
     expand,
     not_empty,
+    open_parquet,
     read_table,
     rows_of,
     take,
@@ -109,9 +110,10 @@ class TabularDataModule(RecDataModule):
             (calendar periods of ``time_column``, weeks from Monday) or a number of rows. No shuffling; ties keep
             the files' order; every rank is in the same period at every step and no batch holds two periods
             (:attr:`periods`, :mod:`lightning_rec.data.periods`). In memory or streamed.
-        time_column: the column ``period`` orders by (default: ``split.timestamp.column``): an Arrow timestamp or
-            date column (in its time zone, if it has one; CSV: ISO date-times), or numbers, read as seconds since
-            1970 for a calendar period.
+        time_column: the column ``period`` orders by (default: ``split.timestamp.column``, else the training files'
+            only Arrow timestamp or date column, else their column ``timestamp``): an Arrow timestamp or date column
+            (in its time zone, if it has one; CSV: ISO date-times), or numbers, read as seconds since 1970 for a
+            calendar period.
 
     Example::
 
@@ -222,10 +224,7 @@ class TabularDataModule(RecDataModule):
         if self._checked:
             return
         if self.period is not None and self.time_column is None:
-            raise ValueError(
-                f"TabularDataModule: period {self.period!r} orders the training rows by time: name their time column, "
-                "e.g. `time_column: ts` (or split them with `split: {timestamp: {column: ts, ...}}`)."
-            )
+            self.time_column = self._found_time_column()
         if self.stream:
             for split, patterns in self.sources.items():
                 if patterns is not None:
@@ -244,6 +243,35 @@ class TabularDataModule(RecDataModule):
         self._learn()
         self._report()
         self._checked = True
+
+    def _found_time_column(self) -> str:
+        """The column ``period`` orders by when ``time_column`` is not given: the first training file's only Arrow
+        timestamp or date column, else its column named ``timestamp``.
+
+        Raises:
+            ValueError: neither, naming the file's columns.
+        """
+        import pyarrow as pa
+
+        source = "train" if self.sources.get("train") is not None else "all"
+        patterns = self.sources[source]
+        assert patterns is not None  # train, or files (with a split rule)
+        first = expand(patterns, source)[0]
+        names = column_names(first, self.csv_columns, self.csv_delimiter)
+        if first.endswith(_PARQUET_SUFFIXES):
+            schema = open_parquet(first).schema_arrow
+            times = [f.name for f in schema if pa.types.is_timestamp(f.type) or pa.types.is_date(f.type)]
+            if len(times) == 1:
+                rank_zero_info(f"TabularDataModule: period {self.period!r} orders by {times[0]!r}, the time column.")
+                return times[0]
+        if "timestamp" in names:
+            rank_zero_info(f"TabularDataModule: period {self.period!r} orders by the column 'timestamp'.")
+            return "timestamp"
+        raise ValueError(
+            f"TabularDataModule: period {self.period!r} orders the training rows by time, and {first} has no one "
+            f"timestamp column nor one named 'timestamp' (its columns: {', '.join(names)}): name it, e.g. "
+            "`time_column: ts` (or split the rows with `split: {timestamp: {column: ts, ...}}`)."
+        )
 
     @property
     def periods(self) -> list[Period]:

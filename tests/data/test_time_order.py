@@ -108,6 +108,8 @@ def test_hour_and_day_periods_start_at_the_zone_s_midnight(tmp_path: Path) -> No
         sizes = pd.Series(floor).value_counts().sort_index()
         assert [(p.start, p.rows) for p in dm.periods] == [(t.isoformat(), n) for t, n in sizes.items()], period
     assert {p.start[-6:] for p in dm.periods} == {"+01:00", "+02:00"}, "both sides of the change"
+    found = TabularDataModule(schema=SCHEMA, train=str(tmp_path / "z.parquet"), period="hour")  # its one time column
+    assert [p.as_dict() for p in found.periods] == [p.as_dict() for p in dm.periods]
 
 
 def test_periods_of_rows_and_week_periods(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,7 +165,11 @@ def test_a_period_without_its_column_or_of_too_few_rows_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     files = _files(tmp_path, _rows())
-    with pytest.raises(ValueError, match=r"period 'day' orders the training rows by time: name their time column"):
+    with pytest.raises(
+        ValueError,
+        match=r"period 'day' orders the training rows by time, and .*a\.parquet has no one "
+        r"timestamp column nor one named 'timestamp' \(its columns: click, rid, user, ts\): name it",
+    ):
         TabularDataModule(schema=SCHEMA, train=files, period="day").check()
     millis = _rows().assign(ts=lambda d: d.ts * 1000)
     pq.write_table(pa.Table.from_pandas(millis, preserve_index=False), tmp_path / "ms.parquet")
