@@ -32,6 +32,7 @@ from lightning_rec import RecShardStrategy
 from lightning_rec.config import EmbeddingOptimizer
 from lightning_rec.models import DeepFMModule
 from lightning_rec.serving import (
+    FreshModel,
     InferenceSpec,
     encode_request,
     export_inference,
@@ -523,8 +524,8 @@ def published(served):
     full_manifest_path(root, 1).write_text(full.to_json())
     _point(root, 1)
     assert served.spec.table_layout and served.spec.constant_sources, "the package records no table_layout"
-    line = request(*serving_inputs(served.spec, served.heldout.sparse_features, served.heldout.dense_features))
-    return SimpleNamespace(root=root, states=states, spec=served.spec, line=line)
+    args = serving_inputs(served.spec, served.heldout.sparse_features, served.heldout.dense_features)
+    return SimpleNamespace(root=root, states=states, spec=served.spec, args=args, line=request(*args))
 
 
 def _expected(served, module) -> torch.Tensor:
@@ -535,11 +536,11 @@ def _expected(served, module) -> torch.Tensor:
 class _Follower:
     """``serve --follow DIR`` running, one request line at a time (stderr collected apart)."""
 
-    def __init__(self, served, root: Path, tmp: Path):
+    def __init__(self, served, root: Path, tmp: Path, env: dict[str, str] | None = None):
         cmd = [str(served.work / "build" / "serve_cpp" / "serve"), "--follow", str(root), FBGEMM_GPU_DIR]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "TMPDIR": str(tmp)},
+            env={**os.environ, "TMPDIR": str(tmp), **(env or {})},
         )  # fmt: skip
         first = self.proc.stdout.readline()
         assert first.startswith("spec: "), first + self.proc.stderr.read()
@@ -565,25 +566,34 @@ def test_cpp_follows_a_publish_directory_and_applies_each_version_while_it_serve
     """``serve --follow DIR`` serves the full package of version 1 as the trained module answers; version 2 (a
     delta: the rows 2 more steps changed, the dense weights), asked for with ``#refresh``, and version 3, found by
     the server itself (it watches LATEST) while requests go on, are each answered as the module of that training
-    state answers (fp32 tables: to 1e-6), unlike the version before; a server started at version 3 starts from the
-    full package and applies both deltas."""
+    state answers (fp32 tables: to 1e-6), unlike the version before, and exactly as Python's
+    :class:`~lightning_rec.serving.FreshModel` following the same directory answers; a server started at version 3
+    starts from the full package and applies both deltas."""
     root = shutil.copytree(published.root, tmp_path / "published")
     states, spec, line = published.states, published.spec, published.line
     want = [_expected(served, m) for m in states]
     assert all((want[v] - want[v + 1]).abs().max() > 1e-3 for v in (0, 1)), "the versions must answer differently"
-    server = _Follower(served, root, tmp_path)
-    assert server.ask("#version") == "version: 1" and _close(server.ask(line), want[0])
+    server, python = _Follower(served, root, tmp_path), FreshModel(root)
+
+    def same_as_python(answer: str) -> bool:
+        with torch.inference_mode():
+            return torch.equal(outputs(answer)[0], python(*published.args).reshape(-1))
+
+    v1 = server.ask(line)
+    assert server.ask("#version") == "version: 1" and _close(v1, want[0]) and same_as_python(v1)
     _publish(root, 2, states[0], states[1], spec)
-    assert server.ask("#refresh") == "version: 2"
+    assert server.ask("#refresh") == "version: 2" and python.refresh() == 2
     v2 = server.ask(line)
-    assert _close(v2, want[1]), (v2, want[1])
+    assert _close(v2, want[1]) and same_as_python(v2), (v2, want[1])
     _publish(root, 3, states[1], states[2], spec)
     start, answers = time.monotonic(), []
     while server.ask("#version") != "version: 3":  # requests go on until the server has found it
         answers.append(server.ask(line))
         assert time.monotonic() - start < 60, "version 3 was not picked up from LATEST within 60 s"
     v3 = server.ask(line)
+    assert python.refresh() == 3 and same_as_python(v3)
     assert _close(v3, want[2]) and set(answers) <= {v2, v3}, (v3, want[2], set(answers))
+    python.close()
     assert server.close() == ""
     later = _Follower(served, root, tmp_path)  # version 3 = full 1 + deltas 2 and 3, before it serves
     assert later.ask("#version") == "version: 3" and later.ask(line) == v3
@@ -622,10 +632,12 @@ def test_requests_in_flight_while_a_version_is_applied_get_the_old_or_the_new_an
     served, published, tmp_path
 ):
     """Requests sent back to back (one writer, the server never idle) while version 2 is published and picked up by
-    the server's watcher: every answer is version 1's or version 2's, byte for byte, never a mix of the two; once
-    the new one is given, the old one is not given again."""
+    the server's watcher, which takes 500 ms between writing a delta's tables and its dense weights (the server's
+    test setting ``LIGHTNING_REC_SERVE_SLOW_APPLY_MS``: a server that wrote into the tensors in use would answer
+    requests with new tables and old dense weights meanwhile): every answer is version 1's or version 2's, byte for
+    byte, never a mix of the two; once the new one is given, the old one is not given again."""
     root = shutil.copytree(published.root, tmp_path / "published")
-    server = _Follower(served, root, tmp_path)
+    server = _Follower(served, root, tmp_path, env={"LIGHTNING_REC_SERVE_SLOW_APPLY_MS": "500"})
     proc, line, stop = server.proc, published.line, threading.Event()
 
     def feed() -> None:
@@ -648,4 +660,4 @@ def test_requests_in_flight_while_a_version_is_applied_get_the_old_or_the_new_an
     assert _close(old, _expected(served, published.states[0])) and _close(new, _expected(served, published.states[1]))
     switch = answers.index(new)
     assert set(answers[:switch]) == {old} and set(answers[switch:]) == {new}, sorted(set(answers) - {old, new})[:3]
-    print(f"{switch} answers of version 1, then {len(answers) - switch} of version 2")
+    print(f"{switch} answers of version 1 (one before the publish), then {len(answers) - switch} of version 2")

@@ -20,13 +20,17 @@
 
 #include <atomic>
 #include <cstdint>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <dirent.h>
 #include <fstream>
 #include <iostream>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <set>
+#include <thread>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -107,6 +111,7 @@ struct Layout {
   };
   std::map<std::string, Table> tables;
   std::map<std::string, std::vector<std::string>> sources;  // training state_dict key -> constant FQNs
+  std::string table_dtype;
 
   static Layout from_spec(const Json& spec, const std::string& package) {
     if (spec["table_layout"].kind != Json::Object) {
@@ -114,6 +119,7 @@ struct Layout {
                          "deltas cannot be applied to it. Publish a full export from this lightning_rec.");
     }
     Layout layout;
+    layout.table_dtype = spec["table_dtype"].text;
     for (const auto& [name, table] : spec["table_layout"].fields) {
       layout.tables[name] = {table["constant"].text, static_cast<int64_t>(table["rows"].number),
                              static_cast<int64_t>(table["row_bytes"].number),
@@ -133,6 +139,7 @@ struct Delta {
   };
   std::vector<Rows> tables;
   std::vector<std::pair<std::string, torch::Tensor>> dense;  // constant FQN -> its new value
+  std::set<std::string> dense_keys;                           // the training keys they come from
 
   // Reads DIR/versions/v<version>/ (manifest.json and every file it lists); throws PublishError naming the file.
   static Delta read(const std::string& dir, int64_t version, const Layout& layout,
@@ -150,6 +157,13 @@ struct Delta {
     }
     if (manifest["kind"].text != "delta") {
       throw PublishError(at + " is of kind '" + manifest["kind"].text + "', expected 'delta'");
+    }
+    if (manifest["previous"].kind != Json::Number || static_cast<int64_t>(manifest["previous"].number) != version - 1) {
+      throw PublishError(at + " does not apply on version " + std::to_string(version - 1) + " (its 'previous')");
+    }
+    if (manifest["table_dtype"].text != layout.table_dtype) {
+      throw PublishError(at + ": its rows are " + manifest["table_dtype"].text + ", the package's tables are " +
+                         layout.table_dtype);
     }
     if (manifest["files"].kind != Json::Object) throw PublishError(at + " lists no files");
     bool parts = false;
@@ -173,6 +187,12 @@ struct Delta {
       }
       if (is_part(name)) delta.add(path, bytes, layout, constants);
     }
+    for (const auto& [key, targets] : layout.sources) {  // every dense weight the package reads, in some part
+      if (!delta.dense_keys.count(key)) {
+        throw PublishError(at + ": its parts lack the dense weight '" + key + "' the package reads (" +
+                           targets.front() + ")");
+      }
+    }
     return delta;
   }
 
@@ -190,14 +210,13 @@ struct Delta {
 
   void add(const std::string& path, const std::string& bytes, const Layout& layout,
            const std::unordered_map<std::string, torch::Tensor>& constants) {
-    c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-    try {
-      dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
-    } catch (const std::exception& err) {
-      throw PublishError(path + " is not a torch.save of a {name: tensor} dict");
-    }
     std::map<std::string, torch::Tensor> parts;
-    for (const auto& item : dict) parts[item.key().toStringRef()] = item.value().toTensor();
+    try {
+      const auto dict = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end())).toGenericDict();
+      for (const auto& item : dict) parts[item.key().toStringRef()] = item.value().toTensor();
+    } catch (const std::exception&) {  // c10::Error: not a pickle, not a dict, a key or value of another type
+      throw PublishError(path + " is not a torch.save of a flat {name: tensor} dict");
+    }
     for (const auto& [key, value] : parts) {
       if (key.rfind("table/", 0) == 0) {
         const auto slash = key.rfind('/');
@@ -225,10 +244,14 @@ struct Delta {
           throw PublishError(path + ": table '" + table + "' has an id outside its " +
                              std::to_string(found->second.rows) + " rows");
         }
+        if (std::get<0>(at::_unique(ids)).numel() != ids.numel()) {
+          throw PublishError(path + ": table '" + table + "' has an id twice");
+        }
         tables.push_back({&found->second, ids.contiguous(), rows.contiguous()});
       } else if (key.rfind("dense/", 0) == 0) {
         const auto targets = layout.sources.find(key.substr(6));
         if (targets == layout.sources.end()) continue;  // a weight the package does not hold (another tower's)
+        dense_keys.insert(targets->first);
         for (const auto& constant : targets->second) {
           const auto have = constants.find(constant);
           if (have == constants.end()) continue;
@@ -256,6 +279,12 @@ class Follower {
            const std::string& package_path, int64_t version)
       : dir_(std::move(dir)), runner_(package.get_runner()), layout_(Layout::from_spec(spec, package_path)),
         version_(version) {
+    // For tests: hold each delta's application this long between its tables and its dense weights, as a large
+    // delta would take, so that a test can show that no request sees a version in part (requests keep running
+    // on the other set meanwhile).
+    if (const char* slow = std::getenv("LIGHTNING_REC_SERVE_SLOW_APPLY_MS")) {
+      slow_ = std::chrono::milliseconds(std::atol(slow));
+    }
     const auto names = runner_->getConstantNamesToOriginalFQNs();
     const auto constants = runner_->extract_constants_map(/*use_inactive=*/false);  // by FQN
     for (const auto& [name, fqn] : names) {
@@ -298,8 +327,11 @@ class Follower {
       for (int64_t v = version_ + 1; v <= latest; ++v) deltas.push_back(Delta::read(dir_, v, layout_, constants_));
     } catch (const std::exception& err) {
       const int64_t good = version_ + static_cast<int64_t>(deltas.size());
+      const auto* c10 = dynamic_cast<const c10::Error*>(&err);  // its message without its C++ backtrace
+      std::string what = c10 ? c10->what_without_backtrace() : err.what();
+      for (char& c : what) c = c == '\n' ? ' ' : c;
       error = "error: " + (latest > good ? "version " + std::to_string(good + 1) + " refused: " : std::string()) +
-              err.what() + "; serving version " + std::to_string(good);
+              what + "; serving version " + std::to_string(good);
     }
     if (!error.empty() && error != last_error_) std::cerr << error << std::endl;
     last_error_ = error;
@@ -337,6 +369,7 @@ class Follower {
       const int64_t width = part.table->row_bytes;
       for (int64_t i = 0; i < part.ids.numel(); ++i) std::memcpy(base + ids[i] * width, rows + i * width, width);
     }
+    if (slow_.count()) std::this_thread::sleep_for(slow_);  // LIGHTNING_REC_SERVE_SLOW_APPLY_MS: see the constructor
     for (const auto& [fqn, value] : delta.dense) set.at(by_fqn_.at(fqn)).copy_(value);
   }
 
@@ -348,6 +381,7 @@ class Follower {
   std::unordered_map<std::string, torch::Tensor> constants_;    // by FQN, for checks only
   int active_ = 0;
   std::atomic<int64_t> version_;
+  std::chrono::milliseconds slow_{0};
   std::mutex mutex_;
   std::string last_error_, latest_seen_;
 };

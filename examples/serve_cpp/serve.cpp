@@ -23,6 +23,11 @@
 // artifacts that read them. A request that does not fit is answered with an error line naming what is wrong, and the
 // server goes on.
 //
+// `serve --follow DIR FBGEMM_GPU_DIR` serves what a trainer publishes into DIR (lightning_rec's ModelPublisher): the
+// newest full package at or below DIR/LATEST, with the deltas after it applied, and each new version as it comes,
+// without a restart and without a request ever seeing part of a version (follow.h says how). There, '#version' is
+// answered with `version: N` (the version served) and '#refresh' looks at DIR/LATEST first.
+//
 // A .pt2 package is unpacked (into $TMPDIR or /tmp, as lightning_rec_serve.<pid>) by this program, from the records
 // it has just verified, and removed on every exit: the end of the input, an error, SIGTERM, SIGINT, SIGHUP, SIGQUIT,
 // SIGPIPE and a crash (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT). SIGKILL cannot be caught: its directory is left,
@@ -528,8 +533,12 @@ int serve(const std::string& artifact, const std::string& fbgemm_dir, const std:
     std::ostringstream answer;
     answer.precision(9);
     if (follower && (line.rfind("#version", 0) == 0 || line.rfind("#refresh", 0) == 0)) {
-      const int64_t version = line[1] == 'r' ? follower->refresh() : follower->version();
-      std::cout << "version: " << version << std::endl;
+      try {
+        const int64_t version = line[1] == 'r' ? follower->refresh() : follower->version();
+        std::cout << "version: " << version << std::endl;
+      } catch (const std::exception& err) {  // not expected: refresh names what it refuses itself
+        std::cout << "error: " << one_line(err) << "; serving version " << follower->version() << std::endl;
+      }
       continue;
     }
     try {
