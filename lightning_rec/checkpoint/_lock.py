@@ -4,7 +4,7 @@ Two jobs saving into one folder write the same staging directories (``.lightning
 replace each other's checkpoints: one crashes, and a ``last.ckpt`` mixing both jobs' files can be published. So
 the second job is refused at its start, in one line naming the job holding the folder.
 
-The lock is ``flock`` on ``<folder>/.lightning_rec.lock`` (a name no checkpoint scan matches): the kernel drops it
+The lock is ``flock`` on ``<folder>/.lightning_rec-writer.lock`` (a name no checkpoint scan matches): the kernel drops it
 when its process ends however it ends (``kill -9`` included), so a dead job's leftover file holds nothing, and a
 restarted job takes the folder over at once. The file says who holds it (host, pid, run), for the refusal. On a
 network file system ``flock`` must reach the server (NFSv4 does; Lustre needs the ``flock`` mount option).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from lightning_rec.errors import CheckpointError
 
-LOCK_FILE = ".lightning_rec.lock"
+LOCK_FILE = ".lightning_rec-writer.lock"
 
 
 @dataclass
