@@ -250,40 +250,56 @@ class BackgroundExport:
 
     The child writes ``full/.vN.<random>.pt2`` and renames it into place, then writes ``full/vN.json`` through a
     temporary file: a full exists for a server only once its manifest does. Its output goes to ``full/vN.log``.
+    Created waiting; :meth:`start` starts it (the publisher runs one at a time: two compiles of the same graph would
+    share AOTInductor's cache entries, and a training machine has few cores to spare).
     """
 
     def __init__(self, root: Path, version: int, checkpoint: Path, info: dict[str, Any], export_args: dict[str, Any]):
-        self.version, self.checkpoint = version, checkpoint
+        self.root, self.version, self.checkpoint = root, version, checkpoint
         self.log = root / FULL / f"{version_name(version)}.log"
-        (root / FULL).mkdir(parents=True, exist_ok=True)
-        job = {"root": str(root), "version": version, "checkpoint": str(checkpoint), "info": info, **export_args}
+        self.job = {"root": str(root), "version": version, "checkpoint": str(checkpoint), "info": info, **export_args}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the child (once)."""
+        if self.process is not None:
+            return
+        (self.root / FULL).mkdir(parents=True, exist_ok=True)
         code = (
             "import json,sys; from lightning_rec._publish_dir import export_full; export_full(json.loads(sys.argv[1]))"
         )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", code, json.dumps(job)], stdout=log, stderr=subprocess.STDOUT, env=env
+                [sys.executable, "-c", code, json.dumps(self.job)], stdout=log, stderr=subprocess.STDOUT, env=env
             )
+
+    def running(self) -> bool:
+        """Started and not ended."""
+        return self.process is not None and self.process.poll() is None
 
     def done(self) -> bool:
         """Whether the child has ended (without waiting)."""
-        return self.process.poll() is not None
+        return self.process is not None and self.process.poll() is not None
 
     def stop(self) -> None:
         """End the child now (its partial output is a temporary file that :func:`remove_incomplete` removes)."""
-        if self.process.poll() is None:
+        if self.running():
+            assert self.process is not None
             self.process.kill()
             self.process.wait()
 
-    def wait(self) -> None:
-        """Wait for the child; raise if the export failed, naming its log."""
-        if self.process.wait() != 0:
-            tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] if self.log.exists() else []
-            raise RuntimeError(
-                f"ModelPublisher: the full export of version {self.version} from {self.checkpoint} failed (exit "
-                f"{self.process.returncode}): {tail[0] if tail else 'no output'}. See {self.log}."
-            )
+    def failure(self) -> str | None:
+        """Wait for the child; ``None`` if the export succeeded, else what failed (one line, naming its log)."""
+        self.start()
+        assert self.process is not None
+        if self.process.wait() == 0:
+            return None
+        tail = self.log.read_text(errors="replace").strip().splitlines()[-1:] if self.log.exists() else []
+        return (
+            f"ModelPublisher: the full export of version {self.version} from {self.checkpoint} failed (exit "
+            f"{self.process.returncode}): {tail[0] if tail else 'no output'}. See {self.log}."
+        )
 
 
 def export_full(job: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from typing_extensions import override
@@ -112,7 +113,8 @@ class ModelPublisher(Callback):
         self._recording = False
         self._newest_event: Tensor | None = None
         self._last_step = -1
-        self._exports: list[pubdir.BackgroundExport] = []
+        self._exports: list[pubdir.BackgroundExport] = []  # oldest first; the first one runs
+        self._failed: str | None = None  # rank 0: the last failed export's message
         self._restored: dict[str, Any] | None = None
         self._table_keys: dict[str, str] = {}  # training state_dict key -> table name
 
@@ -168,7 +170,7 @@ class ModelPublisher(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._recording = False
-        if trainer.is_global_zero and self._exports and any(e.done() for e in self._exports):
+        if trainer.is_global_zero and self._exports and not self._exports[0].running():
             self._finish_exports(wait=False)
         step = trainer.global_step
         if step != self._last_step and step % self.every_n_steps == 0:
@@ -178,9 +180,6 @@ class ModelPublisher(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self._last_step:
             self.publish(trainer, pl_module)
-        if trainer.is_global_zero:
-            self._finish_exports(wait=True)
-        trainer.strategy.barrier("ModelPublisher.on_train_end")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -195,6 +194,12 @@ class ModelPublisher(Callback):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        # The exports still running are waited for here, after the last collective of the fit: a rank waiting in
+        # one for rank 0's compiles would reach the process group's timeout.
+        if stage == "fit" and trainer.is_global_zero and (self._exports or self._failed):
+            failed = self._finish_exports(wait=True)
+            if failed:
+                raise RuntimeError(failed)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -224,14 +229,18 @@ class ModelPublisher(Callback):
             the version written.
         """
         version, rank = self.version + 1, trainer.global_rank
-        full = version == 1 or self._since_full + 1 >= self.full_every
         touched = self._touched_everywhere()
-        staging = None
-        if trainer.is_global_zero:
+        decided: tuple[str, bool] | None = None
+        if trainer.is_global_zero:  # a failed export (known to rank 0) makes this version a full again
+            full = version == 1 or self._since_full + 1 >= self.full_every or self._failed is not None
+            self._failed = None
             (self.dirpath / pubdir.VERSIONS).mkdir(parents=True, exist_ok=True)
             staging = self.dirpath / pubdir.VERSIONS / f".{pubdir.version_name(version)}.{secrets.token_hex(4)}"
             staging.mkdir()
-        staging = Path(trainer.strategy.broadcast(str(staging), src=0))
+            decided = (str(staging), full)
+        decided = trainer.strategy.broadcast(decided, src=0)
+        assert decided is not None
+        staging, full = Path(decided[0]), decided[1]
         part = staging / pubdir.delta_part(rank)
         torch.save(self._delta(pl_module, touched, rank), part)
         from lightning_rec.serving.deltas import file_record
@@ -261,6 +270,7 @@ class ModelPublisher(Callback):
             if full:
                 export = {"export": self.export_args}
                 self._exports.append(pubdir.BackgroundExport(self.dirpath, version, checkpoint, info, export))
+                self._exports[0].start()
             self._before_pointer(version, "files")
             os.rename(staging, self.dirpath / pubdir.VERSIONS / pubdir.version_name(version))
             pubdir.fsync_dir(self.dirpath / pubdir.VERSIONS)
@@ -280,16 +290,23 @@ class ModelPublisher(Callback):
             pubdir.write_pointer(self.dirpath, reachable)
         pubdir.retain(self.dirpath, self.keep)
 
-    def _finish_exports(self, wait: bool) -> None:
-        """Rank 0: collect the ended background exports (all of them with ``wait``), remove the checkpoints they
-        were made from, move the pointer."""
-        for export in list(self._exports):
-            if wait or export.done():
-                self._exports.remove(export)
-                export.wait()
+    def _finish_exports(self, wait: bool) -> str | None:
+        """Rank 0: collect the ended background exports (all of them with ``wait``; one runs at a time, in order),
+        remove the checkpoints they were made from, start the next, move the pointer. A failed export is warned
+        about and the next version is a full again (``_failed``); returns the failure."""
+        while self._exports and (wait or self._exports[0].done()):
+            export = self._exports.pop(0)
+            failure = export.failure()
+            if failure is None:
                 pubdir.remove_checkpoint(export.checkpoint)
                 export.log.unlink(missing_ok=True)
+            else:
+                rank_zero_warn(failure)
+                self._failed = failure
+        if self._exports:
+            self._exports[0].start()
         self._advance_pointer()
+        return self._failed
 
     def _resume_exports(self, since: int) -> None:
         """Rank 0 at the start of fitting: a checkpoint left without its full (the run ended during its export) is
@@ -309,6 +326,8 @@ class ModelPublisher(Callback):
             self._exports.append(
                 pubdir.BackgroundExport(self.dirpath, version, checkpoint, info, {"export": self.export_args})
             )
+        if self._exports:
+            self._exports[0].start()
 
     def _exports_pending(self, trainer: pl.Trainer) -> bool:
         return bool(trainer.strategy.broadcast(bool(self._exports), src=0))
@@ -428,7 +447,7 @@ def _rows_held(value: Any, ids: Tensor, rank: int) -> list[tuple[Tensor, Tensor]
     (collective, called for every column-split table on every rank).
     """
     if not isinstance(value, _compat.ShardedTensor):
-        return [(ids, value.detach()[ids])] if rank == 0 else []
+        return [(ids, value.detach()[ids.to(value.device)])] if rank == 0 else []
     dim = int(value.size(1))
     layout = value.metadata().shards_metadata
     if all(m.shard_offsets[1] == 0 and m.shard_sizes[1] == dim for m in layout):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +37,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from lightning_rec import EmbeddingOptimizer, RecShardStrategy
 from lightning_rec.checkpoint import export, load_exported
 from lightning_rec.publish import ModelPublisher
+from lightning_rec.serving import FreshModel, export_inference, load_pt2, serving_inputs
 from lightning_rec.serving.deltas import artifact_rows, read_delta, read_latest, read_manifest
 from tests.helpers import zoo_dlrm
 from tests.helpers.dist import launch, run_ranks
@@ -86,7 +88,7 @@ class _Killed(ModelPublisher):
         if (version, stage) == (kill_version, kill_stage):
             if sig == signal.SIGKILL:
                 for job in self._exports:
-                    job.process.kill()
+                    job.stop()
             os.kill(os.getpid(), sig)
 
 
@@ -234,7 +236,7 @@ STEPS, EVERY = 8, 2
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """8 steps on 2 ranks, a version every 2 (1..4), a full every 2 versions (1 and 3), keep=2."""
+    """8 steps on 2 ranks, a version every 2 (1..4), a full every 3 versions (1 and 4)."""
     out = tmp_path_factory.mktemp("publish2")
     results = run_ranks(
         publish_run,
@@ -244,36 +246,48 @@ def two_ranks(tmp_path_factory):
         model="dlrm",
         steps=STEPS,
         every=EVERY,
-        full_every=2,
-        keep=2,
+        full_every=3,
+        keep=10,
         table_dtype="int8",
     )
     return out, results
 
 
 @pytest.mark.dist
-def test_two_ranks_write_versions_manifests_pointer_and_keep_the_chain(two_ranks):
+def test_two_ranks_write_versions_manifests_fulls_and_the_pointer(two_ranks):
     out, results = two_ranks
     root = out / "pub"
     assert [r["version"] for r in results] == [4, 4]
     assert read_latest(root) == 4
-    # keep=2: versions 3 and 4; the newest full <= LATEST (3) and its chain stay; version 1, 2 and full 1 are gone
-    assert sorted(p.name for p in (root / "versions").iterdir()) == ["v000003", "v000004"]
-    assert sorted(p.name for p in (root / "full").glob("*.pt2")) == ["v000003.pt2"]
+    assert sorted(p.name for p in (root / "versions").iterdir()) == [f"v{v:06d}" for v in range(1, 5)]
+    assert sorted(p.name for p in (root / "full").iterdir()) == [
+        "v000001.json",
+        "v000001.pt2",
+        "v000004.json",
+        "v000004.pt2",
+    ]
     assert not (root / "checkpoints").exists()  # the fulls' checkpoints are removed once exported
-    full = read_manifest(root / "full" / "v000003.json")
-    assert (full.kind, full.version, full.step, full.world_size, full.table_dtype) == ("full", 3, 6, 2, "int8")
-    for version, step in ((3, 6), (4, 8)):
+    for version, step in ((1, 2), (4, 8)):
+        full = read_manifest(root / "full" / f"v{version:06d}.json")
+        assert (full.kind, full.version, full.step, full.world_size, full.table_dtype) == (
+            "full",
+            version,
+            step,
+            2,
+            "int8",
+        )
+        assert list(full.files) == [f"v{version:06d}.pt2"]
+    for version in range(1, 5):
         delta = read_delta(root, version)  # checks every file's size and SHA-256 against the manifest
         m = delta.manifest
-        assert (m.kind, m.previous, m.step, m.world_size) == ("delta", version - 1, step, 2)
+        assert (m.kind, m.previous, m.step, m.world_size) == ("delta", version - 1 or None, 2 * version, 2)
         assert sorted(m.files) == ["delta.r0.pt", "delta.r1.pt"]
 
 
 @pytest.mark.dist
 def test_two_ranks_deltas_hold_exactly_the_rows_touched_since_the_previous_version(two_ranks):
     out, results = two_ranks
-    for version in (3, 4):
+    for version in range(2, 5):
         delta = read_delta(out / "pub", version)
         step = delta.manifest.step
         expected = _touched(out / "ref" / "run", range(step - EVERY + 1, step + 1))
@@ -285,7 +299,27 @@ def test_two_ranks_deltas_hold_exactly_the_rows_touched_since_the_previous_versi
 @pytest.mark.dist
 def test_two_ranks_full_plus_deltas_is_the_trained_model_bit_for_bit(two_ranks):
     out, _ = two_ranks
-    _chain_equals_training(out / "pub", dict.fromkeys((3, 4), out / "ref" / "run"), 3, 4, "int8")
+    _chain_equals_training(out / "pub", dict.fromkeys(range(1, 5), out / "ref" / "run"), 1, 4, "int8")
+
+
+def _served_answers_as(root: Path, full: Path, version: int, probes: Any) -> None:
+    """A server following ``root`` (its newest full at or before ``LATEST``, then the deltas after it) serves
+    ``version`` and answers ``probes`` exactly as the package ``full`` (a full export of that version's step)."""
+    served, reference = FreshModel(root), load_pt2(full)
+    assert served.version == version
+    sparse, dense = probes
+    inputs = serving_inputs(reference.spec, sparse, dense)
+    assert torch.equal(served(*inputs), reference(*inputs))
+
+
+@pytest.mark.dist
+def test_two_ranks_full_1_and_deltas_2_to_4_answer_1000_probes_as_full_4(two_ranks, tmp_path):
+    out, _ = two_ranks
+    # The directory as a server saw it before full 4 was out: full 1, then deltas 2, 3, 4
+    shutil.copytree(out / "pub", tmp_path / "pub", ignore=shutil.ignore_patterns("v000004.*"))
+    probes = zoo_dlrm.movielens()[0][torch.arange(5000, 6000)]  # rows no step trained on
+    probe = (probes.sparse_features, probes.dense_features)
+    _served_answers_as(tmp_path / "pub", out / "pub" / "full" / "v000004.pt2", 4, probe)
 
 
 # ---- killed between a version's files and its pointer, resumed on another rank count -------------------------------
@@ -301,7 +335,7 @@ def killed_and_resumed(tmp_path_factory):
     C. 1 rank from B's preemption checkpoint, to step 12.
     """
     out = tmp_path_factory.mktemp("killed")
-    common = {"model": "tutorial", "every": 2, "full_every": 100, "keep": 10, "table_dtype": "fp32", "root": str(out)}
+    common = {"model": "tutorial", "every": 2, "full_every": 100, "keep": 3, "table_dtype": "fp32", "root": str(out)}
     runs: dict[str, Any] = {}
     runs["A"] = launch(
         publish_run,
@@ -348,7 +382,8 @@ def test_killed_between_files_and_pointer_then_resumed_on_another_rank_count(kil
     assert [p.returncode for p in b.processes] == [143, 143], b.log("rank0")[-3000:]
     latest_b, versions_b = runs["after B"]
     assert versions_b[-1] == "v000005" and latest_b in (None, 5)  # SIGTERM: the publish ended, then the checkpoint
-    # No gap, no repeat: 1, 2 (A), 3 (A, killed before its pointer), 4, 5 (B, 2 ranks), 6, 7 (C)
+    # No gap, no repeat: 1, 2 (A), 3 (A, killed before its pointer), 4, 5 (B, 2 ranks), 6, 7 (C); keep=3 deletes
+    # none of them: the only full is version 1's, and a server starting now needs it and every delta after it
     versions = sorted(p.name for p in (root / "versions").iterdir())
     assert versions == [f"v{v:06d}" for v in range(1, 8)], versions
     steps = [read_delta(root, v).manifest.step for v in range(1, 8)]
@@ -451,3 +486,14 @@ def test_the_pointer_reaches_only_complete_chains_and_a_killed_publish_leaves_no
     removed = pubdir.remove_incomplete(tmp_path)
     assert sorted(removed) == [".LATEST.tmp", "full/.v000004.x.pt2", "versions/.v000004.1a2b", "versions/v000005"]
     assert pubdir.complete_versions(tmp_path) == [1, 2, 3]
+
+
+@pytest.mark.dist
+def test_after_the_kills_the_served_model_answers_1000_probes_as_a_full_export(killed_and_resumed):
+    from tests.test_serving import tutorial_batch
+
+    out, _ = killed_and_resumed
+    full = out / "step12.pt2"  # a full export of the last step, the state version 7 holds
+    export_inference(out / "ref" / "C" / "step12", full, format="pt2", table_dtype="fp32", num_dense_features=3)
+    probes = tutorial_batch(1234, rows=1000)
+    _served_answers_as(out / "pub", full, 7, (probes["sparse"], probes["dense"]))
