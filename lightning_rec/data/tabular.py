@@ -41,6 +41,7 @@ split has, dropped and filled, is logged (and kept in ``row_counts``).
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
@@ -292,6 +293,28 @@ class TabularDataModule(RecDataModule):
         self.check()
         assert self._time is not None
         return self._time.periods(self.rank_and_world_size[1], self.batch_size)
+
+    def period_of(self, batch_idx: int) -> Period:
+        """The period that batch ``batch_idx`` of a training epoch belongs to (on every rank; see :attr:`periods`).
+
+        Raises:
+            ValueError: no ``period`` was declared, or ``batch_idx`` is not a batch of the epoch.
+
+        Example::
+
+            def on_train_batch_start(self, trainer, module, batch, batch_idx):
+                print(trainer.datamodule.period_of(batch_idx).start)
+        """
+        periods = self.periods
+        if not periods:
+            raise ValueError("TabularDataModule.period_of: the training rows have no periods (declare `period`).")
+        index = bisect.bisect_right([p.first_batch for p in periods], batch_idx) - 1
+        if batch_idx < 0 or index < 0 or batch_idx >= periods[-1].first_batch + periods[-1].batches:
+            last = periods[-1].first_batch + periods[-1].batches
+            raise ValueError(
+                f"TabularDataModule.period_of: batch {batch_idx} is not one of the epoch's {last} batches."
+            )
+        return periods[index]
 
     def _time_order(self) -> TimeOrder:
         """The training rows' time order and periods: from the rows in memory, or (streaming) from one pass over the

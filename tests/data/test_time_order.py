@@ -89,6 +89,7 @@ def test_batches_come_in_time_order_by_period(
         assert len(days) == 1, f"step {step}: rows of {sorted(days)}"
         p = next(p for p in periods if p.first_batch <= step < p.first_batch + p.batches)
         assert days == {pd.Timestamp(p.start)}, f"step {step} belongs to period {p.index}"
+        assert dm.period_of(step) == p
     if world == 1:
         assert [r for b in per_rank[0] for r in b] == order
 
