@@ -61,17 +61,20 @@ T = TypeVar("T")
 def checkpoint_folders(trainer: pl.Trainer) -> list[Path]:
     """The folders a run's checkpoints can be in, across its restarts (see the module docstring)."""
     folders = [Path(trainer.default_root_dir)]
-    runs: list[Path] = []
-    logger = trainer.loggers[0] if trainer.loggers else None
-    root = getattr(logger, "root_dir", None) if logger is not None else None
-    if root is not None:
-        runs = sorted(p for p in Path(root).glob("*/checkpoints") if p.is_dir())
-    else:
-        runs = [Path(trainer.default_root_dir) / "checkpoints"]
+    runs = _version_folders(trainer)
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             folders += [Path(callback.dirpath)] if callback.dirpath is not None else runs
     return list(dict.fromkeys(folders))
+
+
+def _version_folders(trainer: pl.Trainer) -> list[Path]:
+    """Where ``ModelCheckpoint`` without a ``dirpath`` saves, in each of the run's versions."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    root = getattr(logger, "root_dir", None) if logger is not None else None
+    if root is None:
+        return [Path(trainer.default_root_dir) / "checkpoints"]
+    return sorted(p for p in Path(root).glob("*/checkpoints") if p.is_dir())
 
 
 @dataclass
@@ -210,12 +213,17 @@ def hold_folders(trainer: pl.Trainer, run: str) -> tuple[list[FolderLock], str |
         except OSError:
             continue  # a folder this job cannot write: `unwritable` names it, where it matters
         _clear_dead_saves(folder)
-    if root.is_dir() and root not in {lock.folder for lock in locks}:
+    # Where a restart finds the run's checkpoints (its earlier version_N folders, default_root_dir) but does not
+    # write now: tidied under a lock taken for that moment.
+    held = {lock.folder for lock in locks}
+    for folder in dict.fromkeys(p.resolve() for p in [root, *checkpoint_folders(trainer), *_version_folders(trainer)]):
+        if folder in held or not folder.is_dir():
+            continue
         try:
-            lock = FolderLock.acquire(root, run)
+            lock = FolderLock.acquire(folder, run)
         except (CheckpointError, OSError):
-            return locks, None  # a live job is saving there (or it cannot be written): leave it be
-        _clear_dead_saves(root)
+            continue  # a live job is saving there (or it cannot be written): leave it be
+        _clear_dead_saves(folder)
         lock.release()
     return locks, None
 

@@ -146,8 +146,11 @@ def test_last_in_a_shared_root_resumes_only_the_same_run(tmp_path, caplog, recwa
     said = _said(caplog, recwarn)
     assert "no checkpoint of this run" in said and "starting from scratch" in said and "version_0" in said, said
     caplog.clear()
+    dead = layout.staging_path(tmp_path / "lightning_logs/version_0/checkpoints/epoch=1-step=6.ckpt")
+    dead.mkdir(parents=True)  # the first run's save that a kill -9 interrupted
     restarted = run(0.001, 2)  # the first run again (restarted): continues its own checkpoint, not the newer one
     assert restarted.global_step == 8 and _trained_epochs(restarted) == {"1"}
+    assert not dead.parent.exists(), "a dead save's staging, in a folder the restart does not write, is cleared"
     line = next(r.getMessage() for r in caplog.records if "resuming from" in r.getMessage())
     assert "version_0" in line and "another run's, skipped" in line, line
 
