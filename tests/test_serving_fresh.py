@@ -144,6 +144,28 @@ def test_a_delta_reads_back_and_a_damaged_or_missing_file_is_refused_by_name(tmp
         read_delta(tmp_path, 3)
 
 
+def test_the_package_names_each_training_tensor_it_reads_and_those_no_update_can_reach():
+    """``constant_sources`` maps the graph's parameters to their training keys (by storage); a trained tensor read
+    from a plain dict (as TorchRec's position weights are, through a ``.detach()``-ed view) becomes an anonymous
+    constant, listed apart so that a server refuses to follow deltas it would serve stale."""
+    from lightning_rec.serving.layout import constant_sources
+
+    class DictHeld(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.weights = torch.nn.ParameterDict({"a": torch.nn.Parameter(torch.rand(3))})
+            self.held = {"a": self.weights["a"].detach()}  # the same storage, not the Parameter
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x * self.held["a"])
+
+    module = DictHeld().eval()
+    exported = torch.export.export(module, (torch.rand(2, 3),), strict=False)
+    sources, fixed = constant_sources(exported, dict(module.state_dict(keep_vars=True)), [])
+    assert sources == {"lin.weight": "lin.weight", "lin.bias": "lin.bias"} and fixed == ["weights.a"]
+
+
 # ---- a trained model, its packages, and the versions written from its checkpoints ----------------------------------
 
 
@@ -271,8 +293,10 @@ def test_a_full_package_plus_deltas_serves_what_a_full_export_of_the_same_step_s
         kept = model._tables[entry["constant"]]
         served = kept.copies[kept.active][entry["offset"] : entry["offset"] + entry["rows"] * entry["row_bytes"]]
         assert torch.equal(served, expected[table].flatten()), table
-    assert spec.constant_sources and all(
-        torch.equal(model._dense[fqn], step4[key]) for fqn, key in spec.constant_sources.items()
+    assert (
+        spec.fixed_sources == []
+        and spec.constant_sources
+        and all(torch.equal(model._dense[fqn], step4[key]) for fqn, key in spec.constant_sources.items())
     )
     # step 6: the deltas applied on a running server == the full export at step 6
     (root / "LATEST").write_text(json.dumps({"version": 3}))

@@ -84,6 +84,9 @@ class InferenceSpec:
             for TorchScript and for packages written before it was recorded (they cannot follow deltas).
         constant_sources: ``.pt2`` only: package constant -> the training ``state_dict`` key of the parameter or
             buffer it is; the constants not listed never change. ``None`` as for ``table_layout``.
+        fixed_sources: ``.pt2`` only: the training ``state_dict`` keys the package reads as anonymous constants
+            (TorchRec's position weights, held in a plain dict), which no update can reach: a server refuses to
+            follow deltas with such a package (:class:`~lightning_rec.serving.FreshModel`). ``None`` as above.
     """
 
     features: list[str]
@@ -108,6 +111,7 @@ class InferenceSpec:
     cpu: dict[str, Any] | None = None
     table_layout: dict[str, dict[str, Any]] | None = None  # .pt2 packages written since issue 47
     constant_sources: dict[str, str] | None = None
+    fixed_sources: list[str] | None = None
 
 
 @torch.fx.wrap  # a leaf of the fx trace (it branches on values), compiled by TorchScript into the artifact

@@ -208,7 +208,11 @@ def export_inference(
         copy_values=bounds_check in ("warn", "ignore"),
         check_ids=bounds_check == "error",  # the lengths and dense shapes are checked under every policy
     ).eval()
-    trained = set(module.state_dict())  # the training module's keys, before quantize() adds the kernels' buffers
+    # The training module's own tensors under their training keys, before quantize() renames what it wraps (a
+    # feature processor's position weights): the package records which of its constants each one is. The float
+    # tables are left out: quantize() frees each one once its quantized table exists.
+    table_weights = tuple(f"{kind}.{t}.weight" for t in tables for kind in ("embedding_bags", "embeddings"))
+    training = {k: v for k, v in module.state_dict(keep_vars=True).items() if not k.endswith(table_weights)}
     quantized = quantize(serving, _DTYPES[table_dtype])
     for kernel in quantized.modules():
         if type(kernel).__name__ in KERNELS:  # TorchScript keeps the attribute in the artifact
@@ -228,8 +232,6 @@ def export_inference(
         warmup=warmup,
     )
     if format == "pt2":
-        # the training module's own tensors: the package records which of its constants each one is
-        training = {k: v for k, v in module.state_dict(keep_vars=True).items() if k in trained}
         return write_pt2(served, spec, output, options, training=training)
     scripted = _script(served, type(net).__name__)
     output.parent.mkdir(parents=True, exist_ok=True)

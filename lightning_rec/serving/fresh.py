@@ -244,6 +244,12 @@ class FreshModel:
                 f"{str(path)!r} records no table layout (exported before lightning_rec recorded one), so no delta can "
                 "update it. HINT: export it again with this lightning_rec."
             )
+        if spec.fixed_sources:
+            raise ServingError(
+                f"{str(path)!r} reads the trained tensor(s) {spec.fixed_sources} as anonymous constants (a tensor held "
+                "in a plain dict: TorchRec's position weights), which no delta can update, so following deltas would "
+                "serve them stale. HINT: serve its full packages (load_pt2), re-exported as they are published."
+            )
         if any(entry.get("blob") is None for entry in (spec.table_layout or {}).values()):
             raise ServingError(f"{str(path)!r}: its tables' initial bytes are not in a weights blob it records.")
         model.warm_up()  # the package answers its recorded request as at export (before any delta changes it)

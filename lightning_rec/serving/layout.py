@@ -174,14 +174,31 @@ def read_table_bytes(package: str | Path, entry: dict[str, Any]) -> Tensor:
 
 def constant_sources(
     exported: torch.export.ExportedProgram, training: Mapping[str, Tensor], tables: Iterable[str]
-) -> dict[str, str]:
+) -> tuple[dict[str, str], list[str]]:
     """``{package constant: training state_dict key}`` for every parameter/buffer of ``exported`` that its graph
     reads and that is one of ``training``'s tensors (the same storage, offset, shape and strides); the table buffers
-    (``tables``: :func:`table_layout`'s constants) are left out."""
+    (``tables``: :func:`table_layout`'s constants) are left out. Second: the training keys whose tensors the graph
+    reads as anonymous constants (a tensor held in a plain dict, as TorchRec's position weights are), which the
+    compiled package names ``_tensor_constantN``: no update can find them."""
     signature = exported.graph_signature
-    named = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     used = {node.name for node in exported.graph.nodes if node.op == "placeholder" and node.users}
     by_key = {_key(t): k for k, t in training.items() if isinstance(t, Tensor) and t.numel() > 0}
+    anonymous = sorted(
+        by_key[_key(tensor)]
+        for placeholder, name in signature.inputs_to_lifted_tensor_constants.items()
+        if placeholder in used
+        and isinstance(tensor := exported.constants.get(name), Tensor)
+        and tensor.numel() > 0
+        and _key(tensor) in by_key
+    )
+    return _named_sources(exported, by_key, tables, used), anonymous
+
+
+def _named_sources(
+    exported: torch.export.ExportedProgram, by_key: Mapping[tuple, str], tables: Iterable[str], used: set[str]
+) -> dict[str, str]:
+    signature = exported.graph_signature
+    named = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     skip = set(tables)
     values = {**exported.state_dict, **exported.constants}
     sources = {}

@@ -123,8 +123,8 @@ def write_pt2(
             "--format torchscript."
         ) from err
     tables = layout.table_layout(model, spec.table_dtype)
-    sources = layout.constant_sources(exported, training or {}, [t["constant"] for t in tables.values()])
-    spec = dataclasses.replace(spec, table_layout=tables, constant_sources=sources)
+    sources, fixed = layout.constant_sources(exported, training or {}, [t["constant"] for t in tables.values()])
+    spec = dataclasses.replace(spec, table_layout=tables, constant_sources=sources, fixed_sources=fixed)
     with tempfile.TemporaryDirectory(prefix="lightning_rec_pt2_") as scratch:
         compiled = Path(scratch) / "compiled.pt2"
         configs = {
