@@ -378,6 +378,8 @@ def test_under_torchrun_a_killed_rank_leaves_nothing_and_a_sigterm_to_the_agent_
         command, cwd=tmp_path, env={**_cli_env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=err,
         start_new_session=True,
     )  # fmt: skip
+    helpers: dict[int, int] = {}
+    job: dict[int, int] = {}
     try:
 
         def ranks() -> list[int]:
@@ -396,14 +398,17 @@ def test_under_torchrun_a_killed_rank_leaves_nothing_and_a_sigterm_to_the_agent_
         took = _poll(lambda: not _living(helpers), 10, f"the killed rank's processes {_living(helpers)}")
         print(f"under torchrun, the killed rank's {len(helpers)} processes gone {took:.1f} s after its kill -9")
         _poll(lambda: training(first), 240, "the restarted ranks with their workers")
+        job = _descendants(agent.pid)  # torchrun starts each rank in a session of its own: followed by pid
         os.kill(agent.pid, signal.SIGTERM)
         agent.wait(timeout=120)
-        took = _poll(lambda: not _session(agent.pid), 10, f"the job's processes {_session(agent.pid)} after the agent")
-        print(f"the job's processes gone {took:.1f} s after the agent")
+        took = _poll(lambda: not _living(job), 10, f"the job's processes {_living(job)} after the agent")
+        print(f"the job's {len(job)} processes gone {took:.1f} s after the agent")
     finally:
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
+        for pid in _living({**helpers, **job}):
+            os.kill(pid, signal.SIGKILL)  # what a failed run of this test left (ranks are not in the agent's group)
         err.close()
     stderr = (tmp_path / "agent.err").read_text()
     assert agent.returncode == 143, stderr[-4000:]
