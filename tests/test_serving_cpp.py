@@ -4,7 +4,10 @@ name differs, its tables being fp32), building once per module against the insta
 the TorchScript artifact and from the ``.pt2`` package as Python does (the fp32 package: the trained module's
 ``predict`` probabilities to 1e-6), and refuses a package compiled under another torch. ``examples/serve.py``
 serves the package in a process without lightning_rec or torchrec. The same build's ``hash_ids``
-(``examples/serve_cpp/hash_ids.h``) hashes raw ids to the rows Python's request encoding gives them."""
+(``examples/serve_cpp/hash_ids.h``) hashes raw ids to the rows Python's request encoding gives them. ``serve --follow``
+follows a publish directory (the fp32 package as version 1, deltas written with ``lightning_rec.serving.deltas`` from
+two more training states): each version answers as its training state and as ``FreshModel`` does, a missing or
+damaged delta is refused by name, and requests running while a version is applied never see part of it."""
 
 from __future__ import annotations
 
