@@ -69,7 +69,7 @@ class ProgressiveEvaluation(pl.Callback):
     and log loss per period (see the module docstring).
 
     For each batch, before its step, the module's ``forward(batch)`` runs in eval mode without gradients (an extra
-    forward: a few percent of a step); its logits through a sigmoid are the batch's scores. At the end of each period
+    forward per batch); its logits through a sigmoid are the batch's scores. At the end of each period
     the period's metrics (:class:`~lightning_rec.metrics.NormalizedEntropy`, :class:`~lightning_rec.metrics.LogLoss`,
     torchmetrics' ``BinaryAUROC``, each over all ranks' rows) are logged as ``progressive/auroc``, ``progressive/ne``,
     ``progressive/log_loss`` with ``progressive/period`` (the period's number), on the progress bar and to the
