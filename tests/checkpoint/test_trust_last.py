@@ -130,6 +130,7 @@ def _trained_epochs(trainer: L.Trainer) -> set[str]:
         return {row["epoch"] for row in csv.DictReader(f) if row.get("epoch")}
 
 
+@pytest.mark.dist  # three CLI fits of the shipped config
 def test_last_in_a_shared_root_resumes_only_the_same_run(tmp_path, caplog, recwarn):
     """The issue's case: the shipped config, one ``default_root_dir``, ``--ckpt_path=last`` on every command."""
     from lightning_rec._cli import run as cli
