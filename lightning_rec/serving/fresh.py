@@ -17,8 +17,8 @@ rows, plus the rows of the previous update, which that copy lacks), then re-poin
 together and an update wait for those in flight. A request is answered wholly by the old version or wholly by the
 new one. The dense weights are replaced by the delta's own tensors the same way.
 
-Memory: each table constant a delta changes is held three times, the package's own copy (torch's Python loader
-cannot free it) and the server's two; the first update of a table pays one copy of it.
+Memory: each table constant is held three times, the package's own copy (torch's Python loader cannot free it) and
+the server's two, made when the full package is loaded (so that the first update costs no more than the next).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class _Table:
 
     def inactive(self) -> Tensor:
         spare = self.copies[1 - self.active]
-        if spare is None:  # the first update: a copy of the table, once
+        if spare is None:  # a copy of the table, once
             spare = self.copies[1 - self.active] = self.copies[self.active].clone()  # type: ignore[union-attr]
             self.pending = []
         return spare
@@ -253,18 +253,20 @@ class FreshModel:
         if any(entry.get("blob") is None for entry in (spec.table_layout or {}).values()):
             raise ServingError(f"{str(path)!r}: its tables' initial bytes are not in a weights blob it records.")
         model.warm_up()  # the package answers its recorded request as at export (before any delta changes it)
+        # The server's two copies of each table constant, made now (a cost in proportion to the tables, paid at load
+        # rather than by the first version published after it)
+        tables = {}
+        for entry in (spec.table_layout or {}).values():
+            if entry["constant"] not in tables:
+                tables[entry["constant"]] = _Table(read_table_bytes(path, entry))
+                tables[entry["constant"]].inactive()
         with self._lock.writing():
             self._model: Pt2Model = model
             self._package = path
-            self._tables: dict[str, _Table] = {}
+            self._tables: dict[str, _Table] = tables
             self._dense_keys = {key: fqn for fqn, key in (spec.constant_sources or {}).items()}
             self._dense: dict[str, Tensor] = {}  # kept alive: the package reads them (user-managed)
             self.version, self.step = version, manifest.step
-
-    def _table(self, constant: str, entry: dict[str, Any]) -> _Table:
-        if constant not in self._tables:  # the bytes the package holds (and serves until the first update of it)
-            self._tables[constant] = _Table(read_table_bytes(self._package, entry))
-        return self._tables[constant]
 
     # ---- applying a delta ----------------------------------------------------------------------------------------
 
@@ -307,12 +309,10 @@ class FreshModel:
 
     def _apply(self, delta: Delta) -> None:
         writes, dense = self._checked(delta)
-        layout = self.spec.table_layout or {}
-        entries = {e["constant"]: e for e in layout.values()}
         repoint: dict[str, Tensor] = dict(dense)
         flips = []
         for constant, changes in writes.items():
-            table = self._table(constant, entries[constant])
+            table = self._tables[constant]
             spare = table.inactive()
             for offset, count, ids, rows in [*table.pending, *changes]:  # what the spare copy lacks, then the new
                 spare[offset : offset + count * rows.shape[1]].view(count, rows.shape[1]).index_copy_(0, ids, rows)
