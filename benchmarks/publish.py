@@ -77,7 +77,7 @@ def _module_and_data(args: argparse.Namespace) -> tuple[Any, Any, int]:
     dm = SyntheticDataModule(
         [SyntheticTable("big", args.rows, distribution="power_law"), SyntheticTable("small", 1000)],
         num_dense_features=4,
-        train_rows=args.batch_size * args.max_steps,
+        train_rows=args.batch_size * min(args.max_steps, 500),  # epochs repeat: max_epochs=-1
         val_rows=args.batch_size,
         batch_size=args.batch_size,
     )
