@@ -1,7 +1,7 @@
 """The LightningModule class a checkpoint names, imported only from code already installed, never from the
 checkpoint.
 
-A checkpoint records the class it was saved from (``meta.pt``'s ``lightning_rec.module_class``,
+A checkpoint records the class it was saved from (the ``module_class`` record in ``meta.pt``,
 ``"package.module.Class"``), so that ``lightning-rec export`` can rebuild the module without being told. Whoever
 wrote the checkpoint wrote that name, and importing a module runs its code: a checkpoint folder that carries a
 ``payload.py`` and names ``vendorckpt.payload.Model`` must not get it run by an export started beside it. So a name
