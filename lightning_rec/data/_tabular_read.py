@@ -560,7 +560,11 @@ def where(unit: Unit) -> str:
 
 class UnitReader:
     """Rows ``[a, b)`` of a unit as a dataset (what :class:`~lightning_rec.data.stream.TableStream` reads), keeping
-    the last unit read: consecutive windows of a worker usually fall in the same unit."""
+    the last unit read: consecutive windows of a worker usually fall in the same unit.
+
+    With ``kept`` (``bad_rows: drop``: per unit that has bad rows, which of its rows are kept, found by one pass
+    before the epoch; such a unit's ``rows`` counts its kept rows), ``a`` and ``b`` count kept rows: the reader reads
+    the raw rows that hold them and leaves the others out, so batch bounds, and a mid-epoch resume, stay exact."""
 
     def __init__(
         self,
@@ -570,9 +574,12 @@ class UnitReader:
         delimiter: Any,
         bad_rows: str,
         null_values: Sequence[str] = ("",),
+        kept: dict[Unit, np.ndarray] | None = None,
     ) -> None:
         self.mapper, self.columns, self.csv_columns, self.delimiter = mapper, columns, csv_columns, delimiter
         self.drop = bad_rows == "drop"
+        # unit -> positions of its kept rows (only the units with bad rows: a file without any costs nothing)
+        self.kept = {unit: np.flatnonzero(mask) for unit, mask in (kept or {}).items()}
         self.null_values = list(null_values)
         self._last: tuple[Unit, Any] | None = None
         self._environment = _filesystems.environment()  # object storage's credentials, for the workers
@@ -586,7 +593,16 @@ class UnitReader:
             self._adopted = True
         if self._last is None or self._last[0] != unit:
             self._last = (unit, read_unit(unit, self.columns, self.csv_columns, self.delimiter, self.null_values))
+        raw = self.kept.get(unit)
+        if raw is not None:  # a, b count kept rows: read the raw rows that hold them
+            raw = raw[a:b]
+            a, b = (int(raw[0]), int(raw[-1]) + 1) if len(raw) else (0, 0)
         table = self._last[1].slice(a, b - a)
         first = None if unit.first_line is None else unit.first_line + a
         part = Part(table, unit.file, f"{where(unit)} from row {a}" if unit.row_group is not None else "", first)
-        return self.mapper.dataset(decode(part, self.mapper.schema, self.drop, None, self.mapper.fills))
+        decoded = decode(part, self.mapper.schema, self.drop, None, self.mapper.fills)
+        if raw is not None:
+            mask = np.zeros(b - a, dtype=bool)
+            mask[raw - a] = True
+            decoded = take(decoded, mask)
+        return self.mapper.dataset(decoded)

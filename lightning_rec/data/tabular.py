@@ -44,7 +44,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -186,6 +186,8 @@ class TabularDataModule(RecDataModule):
         self._splits: dict[str, RecDataset] = {}
         self._decoded: dict[str, Decoded] | None = None
         self._unit_lists: dict[str, list[Unit]] = {}
+        # streaming with bad_rows: drop: per split, per unit (its index) with bad rows, which of its rows are kept
+        self._kept_rows: dict[str, dict[int, np.ndarray]] = {}
         self._stamp_tz: str | None = None
         self._time: TimeOrder | None = None
         self._checked = False
@@ -347,9 +349,11 @@ class TabularDataModule(RecDataModule):
         order.kept = kept
         return order
 
-    def _report(self) -> None:
+    def _report(self, only: str | None = None) -> None:
         fills = self._fills()
         for name, c in self.row_counts.items():
+            if only is not None and name != only:
+                continue
             said = []
             if "read" in c:
                 said.append(f"{c['read']} rows read, {c['dropped']} dropped (bad_rows: {self.bad_rows})")
@@ -626,9 +630,12 @@ class TabularDataModule(RecDataModule):
             return
         drop = self.bad_rows == "drop"
         counts: dict[str, Any] = {"read": 0, "dropped": 0, "rows": 0, "filled": dict.fromkeys(self.fill, 0)}
-        for unit in self._units("train"):
+        kept_rows: dict[int, np.ndarray] = {}
+        for k, unit in enumerate(self._units("train")):
             table = read_unit(unit, self._columns(), self.csv_columns, self.csv_delimiter, self.csv_null_values)
             decoded = decode(Part(table, unit.file, where(unit), unit.first_line), self.schema, drop, None, self.fill)
+            if not decoded.keep.all():
+                kept_rows[k] = decoded.keep
             dropped = int((~decoded.keep).sum())
             self.dropped_rows += dropped
             kept = take(decoded, decoded.keep)
@@ -640,6 +647,42 @@ class TabularDataModule(RecDataModule):
                     counts["filled"][c.column] += int(np.isnan(kept.dense[:, i]).sum())
             yield kept
         self.row_counts["train"] = counts
+        if drop:
+            self._kept_rows["train"] = kept_rows  # the stream reads these rows only (no second pass)
+
+    def _kept(self, split: str) -> dict[int, np.ndarray]:
+        """Streaming with ``bad_rows: drop``: per unit of ``split`` (its index) that has bad rows, which of its rows
+        are kept; from the training pass, or one pass over the split's files (every rank finds the same rows, so the
+        ranks cut the same kept rows into the same number of batches)."""
+        if self.bad_rows != "drop":
+            return {}
+        if split not in self._kept_rows:
+            kept_rows: dict[int, np.ndarray] = {}
+            read = dropped = 0
+            filled = dict.fromkeys(self.fill, 0)
+            for k, unit in enumerate(self._units(split)):
+                columns = self._columns(stamp=split == "train")  # what the stream's reader reads
+                table = read_unit(unit, columns, self.csv_columns, self.csv_delimiter, self.csv_null_values)
+                part = Part(table, unit.file, where(unit), unit.first_line)
+                decoded = decode(part, self.schema, True, None, self.fill)
+                keep = decoded.keep
+                read, dropped = read + len(keep), dropped + int((~keep).sum())
+                for i, c in enumerate(self.schema.dense):
+                    if c.column in self.fill:
+                        filled[c.column] += int(np.isnan(decoded.dense[keep, i]).sum())
+                if not keep.all():
+                    kept_rows[k] = keep
+            if read == dropped:  # as in memory
+                raise DataError(
+                    f"TabularDataModule: {split}: every one of the {read} rows was dropped (bad_rows: drop). HINT: "
+                    "set `bad_rows: error` to see the first bad row."
+                )
+            if split not in self.row_counts:  # counted and logged as in memory (once: a later pass reuses these)
+                self.row_counts[split] = {"read": read, "dropped": dropped, "rows": read - dropped, "filled": filled}
+                self.dropped_rows += dropped
+                self._report(split)
+            self._kept_rows[split] = kept_rows
+        return self._kept_rows[split]
 
     def _units(self, split: str) -> list[Unit]:
         if split not in self._unit_lists:
@@ -740,6 +783,16 @@ class TabularDataModule(RecDataModule):
         if split != "train" and self.sources.get(split) is None:
             return None  # no such files (e.g. a stream trained without validation): no batches
         rank, world_size = self.rank_and_world_size
+        time = self._time if split == "train" else None
+        units = list(self._units(split))
+        # bad_rows: drop: a unit with bad rows counts its kept rows, which its reader reads (the time order keeps its
+        # own, indexing raw rows), so the batches are cut from the rows the in-memory DataModule keeps
+        kept = {} if time is not None else self._kept(split)
+        masks = {}
+        for k, mask in kept.items():
+            units[k] = replace(units[k], rows=int(mask.sum()))
+            masks[units[k]] = mask
+        units = [u for u in units if u.rows]  # a unit whose every row is dropped is not read at all
         reader = UnitReader(
             self._mapper(),
             self._columns(stamp=split == "train"),
@@ -747,9 +800,10 @@ class TabularDataModule(RecDataModule):
             self.csv_delimiter,
             self.bad_rows,
             self.csv_null_values,
+            kept=masks,
         )
         return TableStream(
-            self._units(split),
+            units,
             reader,
             self.batch_size,
             rank=rank,
@@ -757,7 +811,7 @@ class TabularDataModule(RecDataModule):
             shuffle=split == "train",
             seed=self.seed,
             window=self.window,
-            time=self._time if split == "train" else None,
+            time=time,
         )
 
 
