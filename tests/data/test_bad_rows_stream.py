@@ -15,8 +15,8 @@ from lightning_rec.data import TabularDataModule
 
 N, B = 240, 16
 # bad rows (what `bad_rows` covers in a column of the right type): a missing label, a missing price, an infinite or
-# NaN price
-BAD = sorted({i for i in range(N) if i % 11 == 4 or i % 29 == 9 or i % 37 == 0 or 100 <= i < 150})
+# NaN price, a missing id
+BAD = sorted({i for i in range(N) if i % 11 == 4 or i % 29 == 9 or i % 37 == 0 or 100 <= i < 150 or i % 41 == 5})
 SCHEMA = {
     "labels": [{"column": "clicked"}],
     "dense": [{"column": "row"}, {"column": "price"}],
@@ -33,6 +33,8 @@ def _bad(i: int) -> str:
         return "label"
     if i % 29 == 9:
         return "price"
+    if i % 41 == 5:
+        return "id"
     return "nan" if i % 11 == 4 else ""
 
 
@@ -42,7 +44,8 @@ def _csv(tmp: Path) -> str:
         bad = _bad(i)
         label = "" if bad == "label" else f"{float(i % 3 == 0)}"
         price = "" if bad == "price" else "inf" if bad == "nan" and i % 2 else "nan" if bad == "nan" else f"{i / 10}"
-        lines.append(f"{i},u{i % 13},{i % 19},{price},{label}")
+        user = "" if bad == "id" else f"u{i % 13}"
+        lines.append(f"{i},{user},{i % 19},{price},{label}")
     path = tmp / "clicks.csv"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
@@ -53,7 +56,7 @@ def _parquet(tmp: Path) -> str:
     table = pa.table(
         {
             "row": pa.array(np.arange(N, dtype=np.float64)),
-            "user_id": pa.array([f"u{i % 13}" for i in range(N)]),
+            "user_id": pa.array([None if b == "id" else f"u{i % 13}" for i, b in enumerate(bad)]),
             "item_id": pa.array([i % 19 for i in range(N)]),
             "price": pa.array([None if b == "price" else np.nan if b == "nan" else i / 10 for i, b in enumerate(bad)]),
             "clicked": pa.array([None if b == "label" else float(i % 3 == 0) for i, b in enumerate(bad)]),
