@@ -137,7 +137,10 @@ def publish_run(
     base = Path(root) if root else out_dir
     L.seed_everything(0, verbose=False)
     module, batches, tables, export_args = _model(model)
-    constraints = zoo_dlrm.CASE.constraints[world_size] if model == "dlrm" else None
+    constraints = None
+    if model == "dlrm":  # the user table in two column blocks of 4 (TorchRec's default block, 128, keeps it whole)
+        constraints = {**zoo_dlrm.CASE.constraints[world_size]}
+        constraints["t_user_id"] = {"sharding_types": ["column_wise"], "min_partition": 4}
     kwargs = {"every_n_steps": every, "full_every": full_every, "keep": keep, "table_dtype": table_dtype}
     publisher = (
         _Killed(base / "pub", **kwargs, export_args=export_args, kill=tuple(kill))
