@@ -28,10 +28,9 @@ from lightning_rec import RecShardStrategy
 from lightning_rec.data import CriteoDataModule, TabularDataModule, write_criteo_tsv
 from lightning_rec.data.base import RecDataModule
 from lightning_rec.errors import CheckpointError
-from lightning_rec.models import DLRMModule
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.dist import run_ranks
-from tests.helpers.models import local_weights
+from tests.helpers.models import local_weights, tiny_dlrm
 
 ROWS = 150
 BATCH = 8
@@ -102,13 +101,7 @@ def _fit(out: Path, rank: int, devices: int, run: dict[str, Any]) -> dict[str, A
     ``out``)."""
     dm = _dm(out, run["stream"], run["workers"])
     L.seed_everything(7)
-    model = DLRMModule(
-        sparse_features=dm.sparse_features,
-        num_dense_features=dm.num_dense_features,
-        embedding_dim=8,
-        dense_arch_layer_sizes=[8],
-        over_arch_layer_sizes=[8, 1],
-    )
+    model = tiny_dlrm(dm)
     rows = RowIds()
     every = run.get("save_every")  # only the checkpoints a later run resumes from: each save costs
     saver = ModelCheckpoint(dirpath=out / run["tag"], every_n_train_steps=every, save_top_k=-1, filename="{step}")

@@ -20,7 +20,8 @@ import torch
 from lightning_rec.data import TabularDataModule
 from lightning_rec.data import _filesystems as filesystems
 from lightning_rec.testing.object_storage import LocalGCS, LocalS3, aws_env
-from tests.data.test_stream import SCHEMA, _files, _Losses, _rids, _tiny_dlrm
+from tests.data.test_stream import SCHEMA, _files, _Losses, _rids
+from tests.helpers.models import tiny_dlrm
 
 SPLIT = {"random": {"val": 0.2, "test": 0.1, "seed": 3}}
 
@@ -137,7 +138,7 @@ def _fit(data: dict[str, Any], ckpt_dir: Path | None = None, ckpt: Any = None, e
 
     dm = TabularDataModule(schema=SCHEMA, batch_size=100, **data)
     L.seed_everything(7)
-    model = _tiny_dlrm(dm)
+    model = tiny_dlrm(dm, 1)
     losses = _Losses()
     callbacks: list[Any] = [losses.callback]
     kw = dict(QUIET_TRAINER)

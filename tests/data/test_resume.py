@@ -35,11 +35,10 @@ from lightning_rec.data import (
 )
 from lightning_rec.data.criteo import tsv_to_npy
 from lightning_rec.errors import CheckpointError
-from lightning_rec.models import DLRMModule
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.data import movielens_dir
 from tests.helpers.dist import run_ranks
-from tests.helpers.models import local_weights
+from tests.helpers.models import local_weights, tiny_dlrm
 
 EVERY = 3  # a checkpoint every 3 steps
 LIMIT = 6  # training batches an epoch (the in-memory splits have more: a checkpoint at step 3 or 9 is mid-epoch)
@@ -100,13 +99,7 @@ def _criteo(tmp: Path, layout: str) -> CriteoDataModule:
 
 
 def _dlrm(dm: Any) -> Any:
-    return DLRMModule(
-        sparse_features=dm.sparse_features,
-        num_dense_features=dm.num_dense_features,
-        embedding_dim=8,
-        dense_arch_layer_sizes=[8],
-        over_arch_layer_sizes=[8, 1],
-    )
+    return tiny_dlrm(dm)
 
 
 def _two_tower(dm: Any) -> Any:

@@ -15,6 +15,7 @@ import torch
 
 from lightning_rec.data import TabularDataModule
 from lightning_rec.data.stream import StreamLoader, list_units
+from tests.helpers.models import tiny_dlrm
 
 SCHEMA = {
     "labels": [{"column": "click"}],
@@ -136,19 +137,6 @@ def test_a_mid_epoch_checkpoint_resumes_at_the_next_batch(workers: int, tmp_path
     assert [_rids([b]) for b in resumed] == full[5:]
 
 
-def _tiny_dlrm(dm: Any) -> Any:
-    """The small DLRM these tests train on ``dm``'s features (one dense column), seeded by the caller."""
-    from lightning_rec.models import DLRMModule
-
-    return DLRMModule(
-        sparse_features=dm.sparse_features,
-        num_dense_features=1,
-        embedding_dim=8,
-        dense_arch_layer_sizes=[8],
-        over_arch_layer_sizes=[8, 1],
-    )
-
-
 class _Losses:
     def __init__(self) -> None:
         import lightning as L
@@ -174,7 +162,7 @@ def test_lightning_resumes_a_streamed_epoch_at_the_batch_after_its_checkpoint(tm
     def fit(ckpt: Any = None) -> list[float]:
         dm = TabularDataModule(schema=SCHEMA, train=files, val=files[:1], stream=True, chunk_bytes=600, batch_size=100)
         L.seed_everything(7)
-        model = _tiny_dlrm(dm)
+        model = tiny_dlrm(dm, 1)
         losses = _Losses()
         saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}")
         kw = {**QUIET_TRAINER, "enable_checkpointing": True}

@@ -256,3 +256,19 @@ def assemble(per_rank: list[dict[str, list]]) -> dict[str, torch.Tensor]:
         assert not torch.isnan(full).any(), f"{name} is not fully covered by the shards"
         out[name] = full
     return out
+
+
+def tiny_dlrm(dm: Any, num_dense_features: int | None = None, **kwargs: Any) -> Any:
+    """The small DLRM (8-wide tables, one 8-unit dense layer, an ``[8, 1]`` over-arch) many multi-process tests train
+    on ``dm``'s features; ``num_dense_features`` defaults to ``dm``'s, ``kwargs`` go to ``DLRMModule``. Seeded by the
+    caller."""
+    from lightning_rec.models import DLRMModule
+
+    return DLRMModule(
+        sparse_features=dm.sparse_features,
+        num_dense_features=dm.num_dense_features if num_dense_features is None else num_dense_features,
+        embedding_dim=8,
+        dense_arch_layer_sizes=[8],
+        over_arch_layer_sizes=[8, 1],
+        **kwargs,
+    )

@@ -28,10 +28,9 @@ from lightning_rec import RecShardStrategy
 from lightning_rec.checkpoint import _layout as layout
 from lightning_rec.checkpoint import is_checkpoint
 from lightning_rec.data import SyntheticDataModule, SyntheticTable
-from lightning_rec.models import DLRMModule
 from lightning_rec.testing import QUIET_TRAINER, FailAt
 from tests.helpers.dist import REPO, Launch, launch
-from tests.helpers.models import assemble, local_weights
+from tests.helpers.models import assemble, local_weights, tiny_dlrm
 
 pytestmark = pytest.mark.dist
 
@@ -67,13 +66,7 @@ def fit(
         val_rows=16,
         batch_size=8,
     )
-    model = DLRMModule(
-        sparse_features=dm.sparse_features,
-        num_dense_features=dm.num_dense_features,
-        embedding_dim=8,
-        dense_arch_layer_sizes=[8],
-        over_arch_layer_sizes=[8, 1],
-    )
+    model = tiny_dlrm(dm)
     trainer = L.Trainer(
         strategy=RecShardStrategy(),
         accelerator="cpu",
