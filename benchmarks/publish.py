@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def follow(root: str, out: str, until: int) -> None:
     """The follower: serve ``root`` with FreshModel, record when each version became served, up to ``until``."""
@@ -124,12 +122,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if "process" not in follower and read_latest(root):
                 out = str(work / "served.json")
                 follower["out"], follower["target"] = out, publisher.version + args.publishes
+                # this file's follow() in a process of its own (run as a file: the repository is not put on the path)
                 code = (
-                    "import sys; sys.path.insert(0, sys.argv[4]); import publish; "
-                    "publish.follow(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
+                    "import runpy, sys; "
+                    "runpy.run_path(sys.argv[4], run_name='follower')['follow'](sys.argv[1], sys.argv[2], int(sys.argv[3]))"
                 )
                 follower["process"] = subprocess.Popen(
-                    [sys.executable, "-c", code, str(root), out, str(follower["target"]), str(REPO / "benchmarks")]
+                    [sys.executable, "-c", code, str(root), out, str(follower["target"]), str(Path(__file__).resolve())]
                 )
                 # Training waits for the follower's first load (its full package), so that the next versions are
                 # timed against a server already following; no version is published meanwhile.
