@@ -10,6 +10,7 @@ the intact checkpoint (one more step trained, not three).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -330,13 +331,13 @@ def test_a_second_job_writing_the_same_folder_is_refused_and_a_dead_job_holds_no
         assert str(folder) in refusal and f"pid {holder.pid}" in refusal, refusal
         assert not (tmp_path / "b" / "holding").exists()
     finally:
-        holder.send_signal(signal.SIGKILL)  # a job killed: its lock file stays behind, holding nothing
+        holder.send_signal(signal.SIGKILL)  # a job killed: its lock dies with it
         holder.wait()
         if second.poll() is None:
             second.kill()
             second.wait()
-    assert (folder / LOCK_FILE).exists()
-    FolderLock.acquire(folder, "the next job").release()  # taken at once: the dead job's file holds nothing
+    assert not (folder / LOCK_FILE).exists()  # the folder itself is locked: nothing written into it
+    FolderLock.acquire(folder, "the next job").release()  # taken at once: the dead job holds nothing
     saved = {p.name: layout.read_manifest(p)["global_step"] for p in folder.glob("*.ckpt")}
     assert saved == {"epoch=0-step=1.ckpt": 1}, saved  # the first job's save, complete; nothing of the second's
 
@@ -349,10 +350,36 @@ def test_a_save_into_a_folder_another_job_holds_is_refused_on_every_rank(saved, 
     trainer.fit(RecModel(), make_loader(0, 1, 8, {}))
     other = FolderLock.acquire(tmp_path / "shared", "slurm:9/config:000000000000")  # another job's, open apart
     try:
-        with pytest.raises(CheckpointError, match=r"in use by another job \(.*run slurm:9/.*hpc_ckpt_1.ckpt was not"):
+        with pytest.raises(
+            CheckpointError, match=rf"in use by another job \(.*pid {os.getpid()}\).*hpc_ckpt_1.ckpt was not"
+        ):
             trainer.save_checkpoint(tmp_path / "shared" / "hpc_ckpt_1.ckpt")
-        assert [p.name for p in (tmp_path / "shared").iterdir()] == [LOCK_FILE]
+        assert [p.name for p in (tmp_path / "shared").iterdir()] == []
     finally:
         other.release()
     trainer.save_checkpoint(tmp_path / "shared" / "hpc_ckpt_1.ckpt")
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["hpc_ckpt_1.ckpt"]
+
+
+def test_where_a_directory_cannot_be_locked_a_lock_file_names_the_holder(tmp_path, monkeypatch):
+    """A file system refusing a directory's ``flock`` (NFS): the lock is taken on ``LOCK_FILE`` instead, which names
+    the holder's run, and is removed when released."""
+    import fcntl
+
+    from lightning_rec.checkpoint import _lock
+
+    real = fcntl.flock
+
+    def no_directory_locks(fd: int, operation: int) -> None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(9, "Bad file descriptor")
+        real(fd, operation)
+
+    monkeypatch.setattr(_lock.fcntl, "flock", no_directory_locks)
+    first = FolderLock.acquire(tmp_path, "user:first")
+    assert first.file and (tmp_path / LOCK_FILE).exists()
+    with pytest.raises(CheckpointError, match=rf"in use by another job \(host .*, pid {os.getpid()}, run user:first\)"):
+        FolderLock.acquire(tmp_path, "user:second")
+    first.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    FolderLock.acquire(tmp_path, "user:second").release()
