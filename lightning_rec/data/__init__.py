@@ -15,8 +15,8 @@ from lightning_rec.data.base import (
 from lightning_rec.data.criteo import CriteoDataModule, write_criteo_tsv
 from lightning_rec.data.movielens import Interactions, MovieLensDataModule, load_interactions, load_movielens
 from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule, RetrievalSplits, retrieval_splits
-from lightning_rec.data.periods import Period
 from lightning_rec.data.movielens_sequential import MovieLensSequenceDataModule, SequenceSplits, sequence_splits
+from lightning_rec.data.periods import Period
 from lightning_rec.data.schema import DataError, DenseColumn, LabelColumn, Schema, SparseColumn
 from lightning_rec.data.synthetic import SyntheticDataModule, SyntheticTable, make_synthetic_dataset
 from lightning_rec.data.tabular import TabularDataModule
