@@ -50,6 +50,7 @@ from lightning_rec.serving.deltas import (
 from lightning_rec.serving.layout import read_table_bytes
 from lightning_rec.serving.network import quantize, serving_network
 from lightning_rec.testing import QUIET_TRAINER
+from tests.helpers.dist import in_this_process
 from tests.helpers.user_models import global_batches, samples, to_batch
 from tests.test_serving import ServedValuesModel
 
@@ -181,7 +182,8 @@ def trained(tmp_path_factory) -> dict[int, Path]:
         callbacks=[ModelCheckpoint(out / "ckpt", "{step}", every_n_train_steps=2, save_top_k=-1)],
         **{**QUIET_TRAINER, "enable_checkpointing": True},
     )  # fmt: skip
-    trainer.fit(ServedValuesModel(), DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
+    with in_this_process(out):  # a module fixture: conftest's per-test isolation does not reach it
+        trainer.fit(ServedValuesModel(), DataLoader(batches, batch_size=None, collate_fn=lambda b: b))
     found = {int(p.name.split("=")[1].split(".")[0]): p for p in (out / "ckpt").iterdir()}
     assert sorted(found) == list(STEPS), found
     return found

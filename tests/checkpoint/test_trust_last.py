@@ -32,7 +32,7 @@ from lightning_rec.errors import CheckpointError
 from lightning_rec.testing import QUIET_TRAINER
 from tests.helpers.cluster_jobs import user_env, wait_for
 from tests.helpers.data import REPO
-from tests.helpers.dist import launch
+from tests.helpers.dist import in_this_process, launch
 from tests.helpers.models import RecModel
 from tests.helpers.scenarios import make_loader
 
@@ -51,9 +51,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A complete checkpoint of this run at step 2 (``RecModel``, one rank)."""
     root = tmp_path_factory.mktemp("saved")
     L.seed_everything(0)
-    trainer = _trainer(root, steps=SAVED_STEP)
-    trainer.fit(RecModel(), make_loader(0, SAVED_STEP, 8, {}))
-    trainer.save_checkpoint(root / "source.ckpt")
+    with in_this_process(root):  # a module fixture: conftest's per-test isolation does not reach it
+        trainer = _trainer(root, steps=SAVED_STEP)
+        trainer.fit(RecModel(), make_loader(0, SAVED_STEP, 8, {}))
+        trainer.save_checkpoint(root / "source.ckpt")
     return root / "source.ckpt"
 
 
