@@ -31,9 +31,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-FORMAT = "lightning_rec.publish/1"
-POINTER = "LATEST"
-MANIFEST = "manifest.json"
+from lightning_rec.checkpoint._layout import fsync_dir
+from lightning_rec.serving.deltas import FORMAT, LATEST_FILE, MANIFEST_FILE, read_latest
+
+# The format's names are the reader's (serving.deltas): one definition for both sides.
+POINTER, MANIFEST = LATEST_FILE, MANIFEST_FILE
 VERSIONS, FULL, CHECKPOINTS = "versions", "full", "checkpoints"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _STAGING = re.compile(r"^\.v(\d{6,})\.")
@@ -43,11 +45,10 @@ __all__ = [
     "BackgroundExport",
     "complete_versions",
     "delta_part",
-    "fsync_dir",
     "ids_of_deltas",
     "is_complete_checkpoint",
     "fulls",
-    "latest",
+    "read_latest",
     "manifest",
     "newest_chain",
     "remove_checkpoint",
@@ -70,14 +71,6 @@ def delta_part(rank: int) -> str:
     return f"delta.r{rank}.pt"
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, document: dict[str, Any]) -> None:
     """Write ``document`` to ``path`` as JSON through a temporary file and ``os.replace``: a reader sees the old file
     or the new one, never a part."""
@@ -92,14 +85,6 @@ def write_json_atomic(path: Path, document: dict[str, Any]) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-
-
-def latest(root: Path) -> int | None:
-    """The version ``LATEST`` points to, or ``None`` (none yet)."""
-    try:
-        return int(json.loads((root / POINTER).read_text())["version"])
-    except FileNotFoundError:
-        return None
 
 
 def write_pointer(root: Path, version: int) -> None:
@@ -187,7 +172,7 @@ def retain(root: Path, keep: int) -> list[str]:
     """Delete versions and fulls beyond the newest ``keep`` versions, never the newest full ``<= LATEST`` nor any
     delta after it (the chain a server starting now needs), nor anything newer than ``LATEST`` (being published).
     Returns what was removed."""
-    pointer = latest(root)
+    pointer = read_latest(root)
     if pointer is None:
         return []
     base = max((f for f in fulls(root) if f <= pointer), default=None)

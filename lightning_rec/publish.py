@@ -51,6 +51,7 @@ from lightning_rec import _publish_dir as pubdir
 from lightning_rec._choices import check_choice
 from lightning_rec._strategy.dmp import sharded_state
 from lightning_rec._strategy.optim import RecOptimizer
+from lightning_rec.checkpoint._layout import fsync_dir
 from lightning_rec.serving.export import TableDtype
 
 __all__ = ["ModelPublisher"]
@@ -273,7 +274,7 @@ class ModelPublisher(Callback):
                 self._exports[0].start()
             self._before_pointer(version, "files")
             os.rename(staging, self.dirpath / pubdir.VERSIONS / pubdir.version_name(version))
-            pubdir.fsync_dir(self.dirpath / pubdir.VERSIONS)
+            fsync_dir(self.dirpath / pubdir.VERSIONS)
             self._before_pointer(version, "renamed")
             self._advance_pointer()
         return version
@@ -285,7 +286,7 @@ class ModelPublisher(Callback):
     def _advance_pointer(self) -> None:
         """Rank 0: move ``LATEST`` to the newest version a server can reach, then apply retention."""
         reachable = pubdir.newest_chain(self.dirpath)
-        current = pubdir.latest(self.dirpath)
+        current = pubdir.read_latest(self.dirpath)
         if reachable is not None and (current is None or reachable > current):
             pubdir.write_pointer(self.dirpath, reachable)
         pubdir.retain(self.dirpath, self.keep)

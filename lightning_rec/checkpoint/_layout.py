@@ -79,7 +79,8 @@ def own_files(directory: Path, rank: int) -> list[Path]:
     return sorted(directory.glob(f"__{rank}_*.distcp"))
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Flush ``directory``'s entries (a rename or a new file in it) to disk."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -99,7 +100,7 @@ def mark_complete(directory: Path, files: dict[str, dict[str, Any]], info: dict[
     """Write ``COMPLETE`` (the manifest of ``files`` and ``info``) into ``directory``, last."""
     manifest = {"format": FORMAT, **info, "files": dict(sorted(files.items()))}
     write_file(directory / COMPLETE_FILE, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -314,7 +315,7 @@ def publish(staging: Path, path: Path) -> None:
         remove_tree(old)
     else:
         os.rename(staging, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     _tidy(path)
 
 
