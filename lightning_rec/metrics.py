@@ -9,18 +9,31 @@ Inputs are probabilities in ``[0, 1]`` (apply ``sigmoid`` to logits) and targets
 
 Ranking metrics (retrieval, next-item prediction) take the 0-based rank of each held-out item among the
 candidates (:func:`target_rank` computes it from scores) and keep per-``k`` sums, also reduced with ``"sum"``.
+:class:`TopKMetrics` is RecBole's definition of recall, MRR, NDCG, hit and precision for several positives per
+query, from a top-k hit matrix (:func:`topk_hits` builds it from scores, :func:`hits_from_ranks` from ranks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
-__all__ = ["LogLoss", "NormalizedEntropy", "RankingMetrics", "ctr_metrics", "exclusion_mask", "target_rank"]
+__all__ = [
+    "TOPK_METRICS",
+    "LogLoss",
+    "NormalizedEntropy",
+    "RankingMetrics",
+    "TopKMetrics",
+    "ctr_metrics",
+    "exclusion_mask",
+    "hits_from_ranks",
+    "target_rank",
+    "topk_hits",
+]
 
 _EPS = 1e-12
 
@@ -255,3 +268,214 @@ class RankingMetrics(Metric):
             out[f"{self.prefix}{self.hit_name}@{k}"] = self.hits[i] / n
             out[f"{self.prefix}ndcg@{k}"] = self.ndcg[i] / n
         return out
+
+
+TopKMetricName = Literal["recall", "mrr", "ndcg", "hit", "precision"]
+TOPK_METRICS: tuple[TopKMetricName, ...] = ("recall", "mrr", "ndcg", "hit", "precision")
+
+
+def topk_hits(
+    scores: torch.Tensor,
+    positive_ids: torch.Tensor,
+    positive_lengths: torch.Tensor,
+    k: int,
+    exclude_ids: torch.Tensor | None = None,
+    exclude_lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-``k`` hit matrix and positive counts of a full ranking, as RecBole's evaluator builds them.
+
+    RecBole's ``Trainer._full_sort_batch_eval`` sets the scores of excluded items (column 0 and the user's history)
+    to ``-inf``; ``Collector.eval_batch_collect`` ("rec.topk") takes ``torch.topk(scores, k)`` and marks which of
+    those ``k`` columns are positives, and counts each row's distinct positives. This function does the same, so
+    ties between equal scores are broken as ``torch.topk`` breaks them (implementation-defined; with float
+    embeddings exact ties are rare). Pass id 0 among ``exclude_ids`` when it is not an item (RecBole always excludes
+    it; this function excludes only what it is given).
+
+    Args:
+        scores: ``(B, N)`` scores of the ``N`` candidates (column = item id).
+        positive_ids: every row's positive item ids, concatenated (a row's repeats count once).
+        positive_lengths: ``(B,)`` how many of ``positive_ids`` each row has.
+        k: the list length (the largest cut-off of :class:`TopKMetrics`); above ``N`` the missing places are misses.
+        exclude_ids, exclude_lengths: items each row does not rank (concatenated, and per-row counts), or ``None``.
+
+    Returns:
+        ``(hits, num_positives)``: ``(B, k)`` bool, ``hits[b, j]`` = the row's ``j``-th ranked item is a positive;
+        ``(B,)`` long, each row's number of distinct positives. :meth:`TopKMetrics.update` takes both.
+
+    Example::
+
+        >>> scores = torch.tensor([[0.0, 0.9, 0.8, 0.7, 0.1], [0.0, 0.2, 0.9, 0.3, 0.4]])
+        >>> hits, n = topk_hits(scores, torch.tensor([2, 4, 1]), torch.tensor([2, 1]), k=3,
+        ...                     exclude_ids=torch.tensor([1]), exclude_lengths=torch.tensor([1, 0]))
+        >>> hits.int().tolist(), n.tolist()          # row 0 ranks 2, 3, 4 (1 excluded); row 1 ranks 2, 4, 3
+        ([[1, 0, 1], [0, 0, 0]], [2, 1])
+    """
+    if scores.dim() != 2 or positive_lengths.shape != scores.shape[:1]:
+        raise ValueError(
+            f"topk_hits: scores must be (B, N) and positive_lengths (B,), got {tuple(scores.shape)} and "
+            f"{tuple(positive_lengths.shape)}."
+        )
+    if k < 1:
+        raise ValueError(f"topk_hits: k must be >= 1, got {k}. HINT: the largest cut-off, e.g. 10.")
+    b, n = scores.shape
+    device = scores.device
+    rows = torch.arange(b, device=device)
+    positive = torch.zeros(b, n, dtype=torch.bool, device=device)
+    positive[torch.repeat_interleave(rows, positive_lengths.to(device)), positive_ids.to(device)] = True
+    if exclude_ids is not None and exclude_lengths is not None and exclude_ids.numel():
+        scores = scores.clone()
+        scores[torch.repeat_interleave(rows, exclude_lengths.to(device)), exclude_ids.to(device)] = float("-inf")
+    _, top = torch.topk(scores, min(k, n), dim=1)
+    hits = positive.gather(1, top)
+    if k > n:
+        hits = torch.cat([hits, hits.new_zeros(b, k - n)], dim=1)
+    return hits, positive.sum(1)
+
+
+def hits_from_ranks(
+    ranks: torch.Tensor, k: int, lengths: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-``k`` hit matrix of queries given the 0-based ranks of their positives in the ranked list.
+
+    A rank counts every item ahead, *including the query's other positives* (the positive at rank 3 of a query whose
+    positives are ranked 0, 3 and 40 has two non-positives and one positive ahead of it).
+
+    Args:
+        ranks: the positives' ranks; with ``lengths=None`` one per query (``(B,)``, e.g. from :func:`target_rank`),
+            else every query's ranks concatenated.
+        k: the list length (the largest cut-off of :class:`TopKMetrics`).
+        lengths: ``(B,)`` each query's number of positives, or ``None`` for one each.
+
+    Returns:
+        ``(hits (B, k) bool, num_positives (B,) long)`` for :meth:`TopKMetrics.update`.
+
+    Example::
+
+        >>> hits, n = hits_from_ranks(torch.tensor([0, 3, 40, 1]), k=4, lengths=torch.tensor([3, 1]))
+        >>> hits.int().tolist(), n.tolist()
+        ([[1, 0, 0, 1], [0, 1, 0, 0]], [3, 1])
+    """
+    ranks = ranks.reshape(-1).long()
+    if lengths is None:
+        lengths = torch.ones_like(ranks)
+    if int(lengths.sum()) != ranks.numel():
+        raise ValueError(f"hits_from_ranks: lengths sum to {int(lengths.sum())} but {ranks.numel()} ranks were given.")
+    b = lengths.numel()
+    rows = torch.repeat_interleave(torch.arange(b, device=ranks.device), lengths.to(ranks.device))
+    hits = torch.zeros(b, k + 1, dtype=torch.bool, device=ranks.device)
+    hits[rows, ranks.clamp(max=k)] = True  # column k collects every rank beyond the list, then is dropped
+    return hits[:, :k], lengths.long()
+
+
+class TopKMetrics(Metric):
+    """RecBole's top-k metrics (``recbole/evaluator/metrics.py``) for queries with several positives each, exact
+    across ranks.
+
+    Per query with ``P`` positives and top-``K`` hit matrix row ``h`` (``h[j]``: the ``j``-th ranked item, 0-based, is
+    a positive), each averaged over queries, as RecBole's ``TopkMetric.topk_result`` does:
+
+    ======================  ===============================================================================
+    ``recall@k``            ``sum(h[:k]) / P``                                      (RecBole ``Recall``)
+    ``precision@k``         ``sum(h[:k]) / k``                                      (``Precision``)
+    ``hit@k``               ``1 if any(h[:k]) else 0``                              (``Hit``)
+    ``mrr@k``               ``1 / (f + 1)`` for the first hit ``f < k``, else 0     (``MRR``)
+    ``ndcg@k``              ``sum_j h[j] / log2(j + 2)`` over ``j < k``, divided by the ideal
+                            ``sum_i 1 / log2(i + 2)`` over ``i < min(P, k)``        (``NDCG``)
+    ======================  ===============================================================================
+
+    States are per-metric, per-``k`` sums and a query count reduced with ``"sum"``, so the value over N ranks equals
+    the single-process one (up to float64 summation order). RecBole rounds its results to 4 decimals
+    (``metric_decimal_place``); this class does not. A query without positives has no recall (RecBole never
+    evaluates one): it is refused.
+
+    Args:
+        ks: the cut-offs, e.g. ``(10,)``; :meth:`update` needs hit matrices at least ``max(ks)`` wide.
+        prefix: prepended to the keys, e.g. ``"test/"``: ``{prefix}recall@10``, ``{prefix}mrr@10``, ...
+        metrics: which of ``recall``, ``mrr``, ``ndcg``, ``hit``, ``precision`` to report.
+        kwargs: passed to ``torchmetrics.Metric``.
+
+    Example::
+
+        >>> m = TopKMetrics(ks=(2,), prefix="test/")
+        >>> hits, n = hits_from_ranks(torch.tensor([1, 5, 0]), k=2, lengths=torch.tensor([2, 1]))
+        >>> m.update(hits, n)          # query 0: positives at ranks 1 and 5; query 1: one positive at rank 0
+        >>> {k: round(v.item(), 4) for k, v in m.compute().items()}
+        {'test/recall@2': 0.75, 'test/mrr@2': 0.75, 'test/ndcg@2': 0.6934, 'test/hit@2': 1.0, 'test/precision@2': 0.5}
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+    # states (add_state)
+    sums: torch.Tensor
+    count: torch.Tensor
+
+    def __init__(
+        self,
+        ks: Sequence[int] = (10,),
+        prefix: str = "",
+        metrics: Sequence[TopKMetricName] = TOPK_METRICS,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        ks = [int(k) for k in ks]
+        if not ks or min(ks) < 1 or len(set(ks)) != len(ks):
+            raise ValueError(f"TopKMetrics: ks must be distinct integers >= 1, got {list(ks)}. HINT: e.g. ks=[10].")
+        unknown = [m for m in metrics if m not in TOPK_METRICS]
+        if unknown or not metrics or len(set(metrics)) != len(metrics):
+            raise ValueError(
+                f"TopKMetrics: metrics must be distinct names among {', '.join(TOPK_METRICS)}, got {list(metrics)}."
+            )
+        self.ks = ks
+        self.prefix = prefix
+        self.metrics = list(metrics)
+        self.add_state("sums", torch.zeros(len(self.metrics), len(ks), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, hits: torch.Tensor, num_positives: torch.Tensor) -> None:
+        """Add queries: ``hits`` ``(B, K)`` (``K >= max(ks)``; nonzero = positive at that place of the ranked list)
+        and ``num_positives`` ``(B,)`` (each query's number of positives, in the list or not), e.g. from
+        :func:`topk_hits` or :func:`hits_from_ranks`."""
+        width = max(self.ks)
+        if hits.dim() != 2 or hits.shape[1] < width or num_positives.shape != hits.shape[:1]:
+            raise ValueError(
+                f"TopKMetrics.update: hits must be (B, K) with K >= max(ks) = {width} and num_positives (B,), got "
+                f"{tuple(hits.shape)} and {tuple(num_positives.shape)}."
+            )
+        if hits.shape[0] == 0:
+            return
+        h = hits[:, :width].to(self.sums.device).double()
+        p = num_positives.to(self.sums.device).double()
+        if bool((p < 1).any()) or bool((h.sum(1) > p).any()):
+            raise ValueError(
+                "TopKMetrics.update: every query needs at least one positive, and no more hits than positives. "
+                "HINT: leave out queries with no positive in the split (RecBole does not evaluate them)."
+            )
+        place = torch.arange(width, device=h.device, dtype=torch.float64)
+        discount = 1.0 / torch.log2(place + 2.0)
+        found = h.cumsum(1)  # (B, K): positives among the first j + 1 places
+        dcg = (h * discount).cumsum(1)
+        ideal = discount.cumsum(0)  # ideal[i]: DCG of i + 1 positives on top
+        first = h.argmax(1)  # the first hit's place (0 when there is none: masked below)
+        reciprocal = h.gather(1, first.unsqueeze(1)).squeeze(1) / (first.double() + 1.0)
+        per_k = []
+        for k in self.ks:
+            idx = k - 1
+            value = {
+                "recall": found[:, idx] / p,
+                "precision": found[:, idx] / k,
+                "hit": (found[:, idx] > 0).double(),
+                "mrr": reciprocal * (first <= idx).double(),
+                "ndcg": dcg[:, idx] / ideal[(p.long().clamp(max=k) - 1)],
+            }
+            per_k.append(torch.stack([value[m].sum() for m in self.metrics]))
+        self.sums += torch.stack(per_k, dim=1)
+        self.count += h.shape[0]
+
+    def compute(self) -> dict:
+        n = self.count.clamp(min=1.0)
+        return {
+            f"{self.prefix}{name}@{k}": self.sums[i, j] / n
+            for j, k in enumerate(self.ks)
+            for i, name in enumerate(self.metrics)
+        }
