@@ -6,6 +6,7 @@ task                network                      LightningModule                
 ==================  ===========================  ==========================================  ===============================
 CTR                 ``DLRM`` / ``DLRM_DCN``      :class:`DLRMModule`                         ``movielens_dlrm.yaml``
 CTR                 :class:`DeepFMNN`            :class:`DeepFMModule`                       ``movielens_deepfm.yaml``
+CTR                 :class:`LogisticRegression`  :class:`LogisticRegressionModule`           ``recbole_parity/lr.yaml``
 retrieval           :class:`TwoTower`            :class:`TwoTowerModule`                     ``movielens_two_tower.yaml``
 next item           :class:`SASRec`              :class:`SequentialRecModule`                ``movielens_sasrec.yaml``
 ==================  ===========================  ==========================================  ===============================
@@ -13,6 +14,11 @@ next item           :class:`SASRec`              :class:`SequentialRecModule`   
 
 from lightning_rec.models.deepfm import DeepFMModule, DeepFMNN, build_deepfm
 from lightning_rec.models.dlrm import DLRMModule, build_dlrm, table_configs
+from lightning_rec.models.logistic_regression import (
+    LogisticRegression,
+    LogisticRegressionModule,
+    build_logistic_regression,
+)
 from lightning_rec.models.sequential import SASRec, SequentialRecModule
 from lightning_rec.models.two_tower import TwoTower, TwoTowerModule, build_two_tower
 
@@ -20,12 +26,15 @@ __all__ = [
     "DLRMModule",
     "DeepFMModule",
     "DeepFMNN",
+    "LogisticRegression",
+    "LogisticRegressionModule",
     "SASRec",
     "SequentialRecModule",
     "TwoTower",
     "TwoTowerModule",
     "build_deepfm",
     "build_dlrm",
+    "build_logistic_regression",
     "build_two_tower",
     "table_configs",
 ]
