@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 _PROG = "lightning-rec"
 # The commands `lightning_rec._cli.run` dispatches: LightningCLI's four (its parser describes them in full) and the
-# three handled before LightningCLI. A test compares this list with that parser's.
+# four handled before LightningCLI. A test compares this list with that parser's.
 COMMANDS = {
     "fit": "train (and validate) a model: lightning-rec fit --config deepfm",
     "validate": "one evaluation epoch over the validation set",
@@ -27,6 +27,7 @@ COMMANDS = {
     "plan": "the sharding plan fit would make, for a cluster of any size, made on this machine",
     "export": "a sharded checkpoint to one unsharded state dict, or a servable artifact",
     "prepare": "fetch or convert a dataset ahead of time",
+    "index": "a FAISS index of the catalogue from a two-tower checkpoint's candidate tower",
 }
 
 
@@ -44,7 +45,7 @@ def help_text() -> str:
     names = ", ".join(shipped_configs()) or "(none found)"
     return (
         f"usage: {_PROG} COMMAND [--config CONFIG] [--trainer.X=... --model.X=... --data.X=...]\n\n"
-        "TorchRec's sharded recommendation training under Lightning: LightningCLI's commands, and three of its "
+        "TorchRec's sharded recommendation training under Lightning: LightningCLI's commands, and four of its "
         "own.\n\n"
         f"commands (each answers --help):\n{commands}\n\n"
         "--config takes a YAML file, or the name of a shipped config (its end is enough when only one ends so: "

@@ -5,7 +5,8 @@ plus ``prepare``, which fetches a dataset ahead of time (the DataModules also fe
 makes the sharding plan of a config for a cluster of any size on this machine (tables on ``meta``; see README
 "Planning for a cluster"), and ``export``, which turns a sharded checkpoint into one unsharded state dict file, or
 (``--format torchscript``; ``inference``, its former name, is still accepted) into a servable TorchScript artifact
-with quantized tables, or (``--format pt2``) a ``torch.export`` + AOTInductor package::
+with quantized tables, or (``--format pt2``) a ``torch.export`` + AOTInductor package, and ``index``, which embeds the
+catalogue with a two-tower checkpoint's candidate tower into a FAISS index (:mod:`lightning_rec.retrieval`)::
 
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml
     lightning-rec fit --config examples/configs/movielens_dlrm.yaml --trainer.max_epochs=2 --data.batch_size=1024
@@ -15,6 +16,7 @@ with quantized tables, or (``--format pt2``) a ``torch.export`` + AOTInductor pa
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model.safetensors
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt --format torchscript
     lightning-rec export lightning_logs/version_0/checkpoints/last.ckpt model_int8.pt2 --format pt2
+    lightning-rec index runs/movielens_two_tower/checkpoints/last.ckpt index --kind hnsw --devices 2
 
 ``--config`` takes a YAML file or the name of a config shipped in the package (``lightning_rec/configs``; the
 repository's ``examples/configs`` links there): ``lightning-rec fit --config deepfm`` runs ``movielens_deepfm.yaml``
@@ -274,6 +276,123 @@ def _export(argv: list[str]) -> None:
     )
 
 
+def _index_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-rec index",
+        allow_abbrev=False,
+        description="Embed the whole catalogue with the candidate tower of a sharded checkpoint (on --devices ranks, "
+        "through the sharded model: each rank embeds a slice, the embeddings are gathered, never a table) and write "
+        "the folder OUT: index.faiss (flat, hnsw or ivf; inner product), item_ids.npy (row -> item id) and "
+        "manifest.json (checkpoint, global step, run, kind and parameters, faiss version, SHA-256 of the files). OUT "
+        "appears whole (written beside it, then renamed). Needs faiss: pip install 'lightning-rec[retrieval]'. "
+        "See docs/retrieval.md.",
+    )
+    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/two_tower/checkpoints/last.ckpt")
+    parser.add_argument("output", help="the index folder to create, e.g. index/")
+    parser.add_argument("--kind", default="flat", help="flat (exact), hnsw or ivf (default: flat)")
+    parser.add_argument("--devices", type=int, default=1, help="CPU ranks that embed the catalogue (default: 1)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT if it is an index folder (else an existing OUT is refused)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="the fit config: its `data` section (class_path, init_args) names the DataModule whose catalogue is "
+        "indexed (default: MovieLensRetrievalDataModule on --data-dir)",
+    )
+    parser.add_argument("--data-dir", default=None, help="the data folder (default: the config's, else data/ml-100k)")
+    parser.add_argument("--batch-size", type=int, default=4096, help="items per rank per batch (default: 4096)")
+    parser.add_argument(
+        "--model-class", default=None, help="package.module.Class (default: the class the checkpoint names)"
+    )
+    parser.add_argument("--hnsw-m", type=int, default=None, help="hnsw: links per node (default: 32)")
+    parser.add_argument("--hnsw-ef-construction", type=int, default=None, help="hnsw: build width (default: 200)")
+    parser.add_argument("--hnsw-ef-search", type=int, default=None, help="hnsw: search width (default: 128)")
+    parser.add_argument(
+        "--ivf-nlist", type=int, default=None, help="ivf: k-means lists (default: min(4 sqrt(items), items / 39))"
+    )
+    parser.add_argument("--nprobe", type=int, default=None, help="ivf: lists searched (default: a quarter of them)")
+    return parser
+
+
+def _index_datamodule(config: str | None, data_dir: str | None) -> Any:
+    """The DataModule whose catalogue is indexed: the one the fit config's ``data`` section names, else
+    MovieLens's retrieval DataModule (``data_dir`` over the config's)."""
+    import importlib
+
+    import yaml  # type: ignore[import-untyped]  # PyYAML (LightningCLI's dependency) ships no stubs
+
+    if config is None:
+        from lightning_rec.data import MovieLensRetrievalDataModule
+
+        return MovieLensRetrievalDataModule(data_dir or "data/ml-100k")
+    found = shipped_config(config) if not os.path.exists(config) else None
+    text = Path(found or config).read_text()
+    data = (yaml.safe_load(text) or {}).get("data")
+    if not isinstance(data, dict) or "class_path" not in data:
+        raise ValueError(f"--config {config!r} has no `data` section with a class_path.")
+    module_name, _, name = str(data["class_path"]).rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name)
+    init_args = dict(data.get("init_args") or {})
+    if data_dir is not None:
+        init_args["data_dir"] = data_dir
+    return cls(**init_args)
+
+
+def _index(argv: list[str]) -> None:
+    """``lightning-rec index``: the arguments checked here, before anything is read; the work in
+    :func:`lightning_rec.retrieval.build_index`."""
+    parser = _index_parser()
+    args = parser.parse_args(argv)
+    from lightning_rec.errors import CheckpointError, ExportError, UnsafeCheckpointError
+    from lightning_rec.retrieval import folder as retrieval_folder
+    from lightning_rec.retrieval import index as retrieval_index
+
+    params = {
+        "hnsw_m": args.hnsw_m,
+        "hnsw_ef_construction": args.hnsw_ef_construction,
+        "hnsw_ef_search": args.hnsw_ef_search,
+        "ivf_nlist": args.ivf_nlist,
+        "nprobe": args.nprobe,
+    }
+    try:
+        retrieval_index.index_params(args.kind, params)
+        if args.devices < 1 or args.batch_size < 1:
+            raise ValueError(f"--devices and --batch-size must be >= 1, got {args.devices} and {args.batch_size}.")
+        retrieval_folder.faiss_module()
+        retrieval_folder.check_output(args.output, args.overwrite)
+        datamodule = _index_datamodule(args.config, args.data_dir)
+        manifest = retrieval_index.build_index(
+            args.checkpoint,
+            args.output,
+            kind=args.kind,
+            datamodule=datamodule,
+            devices=args.devices,
+            overwrite=args.overwrite,
+            batch_size=args.batch_size,
+            model_class=args.model_class,
+            **params,
+        )
+    except (
+        ValueError,
+        FileExistsError,
+        FileNotFoundError,
+        ImportError,
+        CheckpointError,
+        ExportError,
+        UnsafeCheckpointError,
+    ) as err:  # the user's input: the message, no traceback
+        parser.exit(2, f"{parser.prog}: error: {one_line(str(err))}\n")
+    if manifest is not None:
+        print(
+            f"wrote {args.output}: {manifest['kind']} index of {manifest['num_items']} items x {manifest['dim']} "
+            f"({manifest['params'] or 'exact'}), checkpoint step {manifest['checkpoint']['global_step']}, "
+            f"{manifest['devices']} rank(s)"
+        )
+
+
 class _PlanCLI(RecCLI):
     """The config as ``fit`` reads it, without a Trainer: the model is built with its tensors on ``meta``."""
 
@@ -388,12 +507,13 @@ def _plan(argv: list[str]) -> None:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
 
 
-_DESCRIPTION = "TorchRec's sharded training under Lightning: LightningCLI's commands, and three of its own."
-# LightningCLI lists only its own subcommands; the three handled before it (see `run`) are listed here.
+_DESCRIPTION = "TorchRec's sharded training under Lightning: LightningCLI's commands, and four of its own."
+# LightningCLI lists only its own subcommands; the four handled before it (see `run`) are listed here.
 _OTHER_COMMANDS = (
     "other commands (each with --help): "
     "plan (the sharding plan fit would make, for a cluster, from this machine); "
     "export (a sharded checkpoint to one unsharded state dict, or a serving artifact); "
+    "index (a FAISS index of the catalogue from a two-tower checkpoint's candidate tower); "
     "prepare (fetch or convert a dataset ahead of time)"
 )
 
@@ -464,7 +584,7 @@ def _strategy_class_for_init_args(argv: list[str]) -> list[str]:
 
 def run(args: list[str] | None = None) -> RecCLI | None:
     """Run one ``lightning-rec`` command in this process and return the CLI (``None`` for ``prepare``/``export``/
-    ``plan``).
+    ``plan``/``index``).
 
     Args:
         args: the command line without the program name; ``None`` reads ``sys.argv``.
@@ -475,7 +595,7 @@ def run(args: list[str] | None = None) -> RecCLI | None:
         cli.trainer.callback_metrics["val/auroc"]
     """
     argv = sys.argv[1:] if args is None else args
-    if argv[:1] not in (["prepare"], ["export"]):
+    if argv[:1] not in (["prepare"], ["export"], ["index"]):
         named = _shipped_config_paths(argv)
         if named != argv:  # LightningCLI reads sys.argv when args is None: hand it the rewritten line instead
             argv = args = named
@@ -487,6 +607,9 @@ def run(args: list[str] | None = None) -> RecCLI | None:
         return None
     if argv[:1] == ["plan"]:
         _plan(argv[1:])
+        return None
+    if argv[:1] == ["index"]:
+        _index(argv[1:])
         return None
     rewritten = _strategy_class_for_init_args(argv)
     with warnings.catch_warnings():  # a rewritten command line is still this one

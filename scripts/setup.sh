@@ -41,8 +41,9 @@ except ModuleNotFoundError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
-# The test extra, and the optional integrations the tests exercise (`ray`: tests/integrations/test_ray.py).
-for requirement in project["dependencies"] + extras["test"] + extras["ray"]:
+# The test extra, and the optional integrations the tests exercise (`ray`: tests/integrations/test_ray.py; `retrieval`:
+# faiss-cpu, tests/test_retrieval.py).
+for requirement in project["dependencies"] + extras["test"] + extras["ray"] + extras["retrieval"]:
     if not re.match(r"(torchrec|fbgemm-gpu)\b", requirement):
         print(requirement)
 PY

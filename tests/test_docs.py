@@ -37,7 +37,7 @@ PACKAGE = REPO / "lightning_rec"
 PLACEHOLDER_CONFIGS = {"my.yaml", "my_clicks.yaml"}
 SCRIPTS = {"lightning_rec.testing.bench": PACKAGE / "testing" / "bench" / "runner.py"}
 CLI_SUBCOMMANDS = {"fit", "validate", "test", "predict"}
-OWN_SUBCOMMANDS = {"plan", "export", "prepare"}
+OWN_SUBCOMMANDS = {"plan", "export", "prepare", "index"}
 # Options of `lightning-rec plan` that it passes on to the config, as `fit` takes them.
 CONFIG_OPTIONS = ("--config", "-c", "--data.", "--model.", "--trainer.", "--seed_everything")
 

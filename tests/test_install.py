@@ -31,7 +31,7 @@ pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.name for p in (REPO / "lightning_rec" / "configs").glob("*.yaml"))
-OWN_COMMANDS = {"plan", "export", "prepare"}  # the ones lightning_rec._cli.run handles before LightningCLI
+OWN_COMMANDS = {"plan", "export", "prepare", "index"}  # the ones lightning_rec._cli.run handles before LightningCLI
 INDEX_HINT = "pip install lightning-rec --extra-index-url https://download.pytorch.org/whl/cpu"
 # An import blocker, loaded at start-up (sitecustomize) by every Python process of a test that puts it on PYTHONPATH.
 BLOCKER = """

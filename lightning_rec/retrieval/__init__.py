@@ -1,0 +1,30 @@
+"""Retrieval from a two-tower model: the catalogue embedded by the candidate tower of a sharded checkpoint into a FAISS
+index (:func:`build_index`, ``lightning-rec index CKPT OUT``), and top-k answered for a request by the query
+tower's ``.pt2`` package and that index (:class:`Retriever`). FAISS is an optional dependency:
+``pip install 'lightning-rec[retrieval]'``.
+
+Example::
+
+    from lightning_rec.retrieval import Retriever, build_index
+    build_index("runs/two_tower/checkpoints/last.ckpt", "index", kind="hnsw")
+    retriever = Retriever("query_tower.pt2", "index")
+    top = retriever(query_kjt, k=10)           # top.item_ids (B, 10), top.scores (B, 10)
+
+See docs/retrieval.md.
+"""
+
+from lightning_rec.retrieval.folder import LoadedIndex, load_index
+from lightning_rec.retrieval.index import KINDS, Catalogue, IndexKind, build_index, catalogue_of
+from lightning_rec.retrieval.retriever import Retriever, TopK
+
+__all__ = [
+    "KINDS",
+    "Catalogue",
+    "IndexKind",
+    "LoadedIndex",
+    "Retriever",
+    "TopK",
+    "build_index",
+    "catalogue_of",
+    "load_index",
+]
