@@ -30,6 +30,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         [SyntheticTable("item", 200, distribution="power_law"), SyntheticTable("tags", 30, multi_hot=True)],
         num_dense_features=2,
         train_rows=config["train_rows"],
+        val_rows=config["val_rows"],  # validated at the end of each epoch
         batch_size=8,
     )
     model = DLRMModule(
@@ -68,15 +69,21 @@ def run(
         storage_path: where Ray keeps the run and its checkpoints (default: ``~/ray_results``); a shared
             filesystem or ``s3://...`` on a multi-node cluster.
         name: the run's name (a folder of ``storage_path``).
-        config: ``train_loop_per_worker``'s config: ``train_rows``, ``max_epochs``, ``report_every`` (the defaults
-            below), ``callbacks`` (more Lightning callbacks).
+        config: ``train_loop_per_worker``'s config: ``train_rows``, ``val_rows``, ``max_epochs``, ``report_every``
+            (the defaults below), ``callbacks`` (more Lightning callbacks).
 
     Returns:
         Ray's result: ``result.checkpoint`` is the last sharded checkpoint directory reported.
     """
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"train_rows": 192 * workers, "max_epochs": 2, "report_every": 5, **config},
+        train_loop_config={
+            "train_rows": 192 * workers,
+            "val_rows": 64 * workers,
+            "max_epochs": 2,
+            "report_every": 5,
+            **config,
+        },
         scaling_config=ray.train.ScalingConfig(num_workers=workers),
         run_config=ray.train.RunConfig(
             name=name,

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.dist
 STEPS_PER_EPOCH = 6  # per worker: 6 batches of 8 rows
 EPOCHS = 2
 EVERY = 4  # a checkpoint reported every 4 steps: at 4 (epoch 0), 8 (epoch 1, mid-epoch) and 12
+VAL_ROWS = 16  # one batch per worker at the end of each epoch: the validation is not what is tested here
 KILL_AT = 9  # rank 1 SIGKILLs itself at step 9, on the first attempt only: the last report was at step 8
 
 
@@ -94,6 +95,7 @@ def _fit(example: Any, out: Path, tag: str, max_failures: int = 0, kill_at: int 
         storage_path=str(out / "ray_results"),
         name=tag,
         train_rows=STEPS_PER_EPOCH * 8 * 2,
+        val_rows=VAL_ROWS,
         max_epochs=EPOCHS,
         report_every=EVERY,
         callbacks=callbacks,
