@@ -313,7 +313,9 @@ def _index_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ivf-nlist", type=int, default=None, help="ivf: k-means lists (default: min(4 sqrt(items), items / 39))"
     )
-    parser.add_argument("--nprobe", type=int, default=None, help="ivf: lists searched (default: a quarter of them)")
+    parser.add_argument(
+        "--nprobe", type=int, default=None, help="ivf: lists searched (default: max(16, nlist / 8), at most nlist)"
+    )
     return parser
 
 
@@ -360,7 +362,9 @@ def _index(argv: list[str]) -> None:
     try:
         retrieval_index.index_params(args.kind, params)
         if args.devices < 1 or args.batch_size < 1:
-            raise ValueError(f"--devices and --batch-size must be >= 1, got {args.devices} and {args.batch_size}.")
+            raise ValueError(
+                f"the ranks and the batch must be >= 1, got --devices {args.devices} --batch-size {args.batch_size}."
+            )
         retrieval_folder.faiss_module()
         retrieval_folder.check_output(args.output, args.overwrite)
         datamodule = _index_datamodule(args.config, args.data_dir)

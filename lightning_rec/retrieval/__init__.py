@@ -14,8 +14,8 @@ See docs/retrieval.md.
 """
 
 from lightning_rec.retrieval.folder import LoadedIndex, load_index
-from lightning_rec.retrieval.index import KINDS, Catalogue, IndexKind, build_index, catalogue_of
-from lightning_rec.retrieval.retriever import Retriever, TopK
+from lightning_rec.retrieval.index import KINDS, Catalogue, IndexKind, build_index, catalogue_of, index_params
+from lightning_rec.retrieval.retriever import Retriever, TopK, search_index
 
 __all__ = [
     "KINDS",
@@ -26,5 +26,7 @@ __all__ = [
     "TopK",
     "build_index",
     "catalogue_of",
+    "index_params",
     "load_index",
+    "search_index",
 ]

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_rec.retrieval.folder import LoadedIndex, load_index
 
-__all__ = ["Retriever", "TopK"]
+__all__ = ["Retriever", "TopK", "search_index"]
 
 
 class TopK(NamedTuple):
@@ -116,28 +116,46 @@ class Retriever:
 
     def search(self, queries: Tensor, k: int = 10, exclude: Sequence[Sequence[int]] | None = None) -> TopK:
         """The ``k`` items of the index nearest to each of ``queries`` ``(B, D)`` (inner product), leaving out each
-        query's ``exclude`` item ids (e.g. what the user has seen)."""
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}.")
-        if exclude is not None and len(exclude) != queries.shape[0]:
-            raise ValueError(f"exclude holds {len(exclude)} lists for {queries.shape[0]} queries; give one per query.")
-        ntotal = int(self.index.index.ntotal)
-        most = max((len(e) for e in exclude), default=0) if exclude is not None else 0
-        fetch = min(k + most, ntotal)  # enough that k remain after the exclusions
-        vectors = np.ascontiguousarray(queries.detach().float().cpu().numpy())
-        scores, rows = self.index.index.search(vectors, fetch)
-        ids = np.where(rows >= 0, self.index.item_ids[np.clip(rows, 0, None)], -1)
-        out_ids = np.full((len(ids), k), -1, dtype=np.int64)
-        out_scores = np.full((len(ids), k), -np.inf, dtype=np.float32)
-        for q in range(len(ids)):
-            keep = ids[q] >= 0
-            if exclude is not None and len(exclude[q]):
-                keep &= ~np.isin(ids[q], np.asarray(exclude[q], dtype=np.int64))
-            kept_ids, kept_scores = ids[q][keep][:k], scores[q][keep][:k]
-            out_ids[q, : len(kept_ids)] = kept_ids
-            out_scores[q, : len(kept_scores)] = kept_scores
-        return TopK(torch.from_numpy(out_ids), torch.from_numpy(out_scores))
+        query's ``exclude`` item ids (e.g. what the user has seen); see :func:`search_index`."""
+        return search_index(self.index, queries, k, exclude)
 
     def __call__(self, request: Any, k: int = 10, exclude: Sequence[Sequence[int]] | None = None) -> TopK:
         """Top-``k`` item ids and scores for each query of ``request`` (see :meth:`embed` and :meth:`search`)."""
         return self.search(self.embed(request), k, exclude)
+
+
+def search_index(
+    index: LoadedIndex, queries: Tensor, k: int = 10, exclude: Sequence[Sequence[int]] | None = None
+) -> TopK:
+    """The ``k`` items of ``index`` nearest to each of ``queries`` ``(B, D)`` by inner product, best first, leaving out
+    each query's ``exclude`` item ids: the index is asked for ``k`` plus the longest exclusion list, the excluded
+    items are dropped, the first ``k`` kept.
+
+    Example::
+
+        >>> import faiss, numpy as np
+        >>> flat = faiss.IndexFlatIP(2); flat.add(np.array([[1, 0], [0, 1], [0.6, 0.8]], dtype=np.float32))
+        >>> top = search_index(LoadedIndex(flat, np.array([7, 8, 9]), {}), torch.tensor([[1.0, 0.0]]), 2, [[7]])
+        >>> top.item_ids.tolist(), top.scores.tolist()
+        ([[9, 8]], [[0.6000000238418579, 0.0]])
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}.")
+    if exclude is not None and len(exclude) != queries.shape[0]:
+        raise ValueError(f"exclude holds {len(exclude)} lists for {queries.shape[0]} queries; give one per query.")
+    ntotal = int(index.index.ntotal)
+    most = max((len(e) for e in exclude), default=0) if exclude is not None else 0
+    fetch = min(k + most, ntotal)  # enough that k remain after the exclusions
+    vectors = np.ascontiguousarray(queries.detach().float().cpu().numpy())
+    scores, rows = index.index.search(vectors, fetch)
+    ids = np.where(rows >= 0, index.item_ids[np.clip(rows, 0, None)], -1)
+    out_ids = np.full((len(ids), k), -1, dtype=np.int64)
+    out_scores = np.full((len(ids), k), -np.inf, dtype=np.float32)
+    for q in range(len(ids)):
+        keep = ids[q] >= 0
+        if exclude is not None and len(exclude[q]):
+            keep &= ~np.isin(ids[q], np.asarray(exclude[q], dtype=np.int64))
+        kept_ids, kept_scores = ids[q][keep][:k], scores[q][keep][:k]
+        out_ids[q, : len(kept_ids)] = kept_ids
+        out_scores[q, : len(kept_scores)] = kept_scores
+    return TopK(torch.from_numpy(out_ids), torch.from_numpy(out_scores))
