@@ -261,6 +261,7 @@ def test_search_leaves_out_excluded_items_and_pads_a_small_catalogue() -> None:
     top = search_index(index, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), k=3, exclude=[[10], []])
     assert top.item_ids.tolist() == [[20, 30, -1], [30, 20, 10]]
     assert top.scores[0, :2].tolist() == pytest.approx([0.8, 0.0]) and top.scores[0, 2] == float("-inf")
+    assert search_index(index, torch.tensor([[1.0, 0.0]]), k=1, exclude=[[10]]).item_ids.tolist() == [[20]]
     with pytest.raises(ValueError, match="exclude holds 1 lists for 2 queries"):
         search_index(index, torch.zeros(2, 2), exclude=[[]])
 
