@@ -195,9 +195,9 @@ def test_help_lists_every_subcommand(capsys) -> None:
         run(["--help"])
     assert ended.value.code == 0
     printed = capsys.readouterr().out
-    for command in ("fit", "validate", "test", "predict", "plan", "export", "prepare"):
+    for command in ("fit", "validate", "test", "predict", "plan", "export", "prepare", "index"):
         assert re.search(rf"\b{command}\b", printed), command
-    for command in ("plan", "export", "prepare"):  # each answers its own --help
+    for command in ("plan", "export", "prepare", "index"):  # each answers its own --help
         with pytest.raises(SystemExit) as ended:
             run([command, "--help"])
         assert ended.value.code == 0 and f"lightning-rec {command}" in capsys.readouterr().out
