@@ -331,10 +331,12 @@ def _index_datamodule(config: str | None, data_dir: str | None) -> Any:
 
         return MovieLensRetrievalDataModule(data_dir or "data/ml-100k")
     found = shipped_config(config) if not os.path.exists(config) else None
+    if found is None and not os.path.isfile(config):
+        raise FileNotFoundError(f"the config {config!r} (--config) is neither a file nor a shipped config.")
     text = Path(found or config).read_text()
     data = (yaml.safe_load(text) or {}).get("data")
     if not isinstance(data, dict) or "class_path" not in data:
-        raise ValueError(f"--config {config!r} has no `data` section with a class_path.")
+        raise ValueError(f"the config {config!r} (--config) has no `data` section with a class_path.")
     module_name, _, name = str(data["class_path"]).rpartition(".")
     cls = getattr(importlib.import_module(module_name), name)
     init_args = dict(data.get("init_args") or {})
