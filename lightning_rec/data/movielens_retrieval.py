@@ -29,7 +29,15 @@ collection reads it)::
                                                                 its validation item) and the unused id 0
 
 Evaluation at validation uses the training positives as history; at test the validation item joins it (and is
-excluded from the ranking, like the training items). Loaders come from
+excluded from the ranking, like the training items).
+
+**RecBole's general protocol** (``protocol="recbole"``, for numbers that stand beside RecBole's published BPR row):
+every rating is a positive, each user's ratings are shuffled and cut 80/10/10 exactly as RecBole's
+``Dataset.split_by_ratio`` with ``group_by: user`` does, the only features are ``user_id`` (query) and ``item_id``
+(candidate), and evaluation ranks the whole catalogue for every user with interactions in the split, against all of
+them (several positives per query), RecBole's history excluded; metrics are RecBole's
+(:class:`~lightning_rec.metrics.TopKMetrics`). See :mod:`lightning_rec.data._retrieval_recbole` for each step and the
+RecBole function it follows. Loaders come from
 :meth:`~lightning_rec.data.base.RecDataModule.dataloader`: every rank runs the same number of batches and every row is
 used exactly once, so ranking metrics summed over ranks equal the single-process ones.
 """
@@ -44,7 +52,15 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_rec._choices import check_choice
 from lightning_rec.config import SparseFeature
+from lightning_rec.data._retrieval_recbole import (
+    RECBOLE_FEATURES,
+    RECBOLE_SEED,
+    RecBoleGeneralRows,
+    RecBoleGeneralSplits,
+    recbole_general_splits,
+)
 from lightning_rec.data.base import Jagged
 from lightning_rec.data.movielens import Interactions, _MovieLensBase
 from lightning_rec.metrics import RankingMetrics, target_rank
@@ -63,6 +79,7 @@ _USER_FEATURES = ("user_id", "age", "gender", "occupation", "zip")
 QUERY_FEATURES = _USER_FEATURES + ("history", "last_item")
 CANDIDATE_FEATURES = ("item_id", "genres")
 _HistoryWeights = Literal["rating", "recency"]
+RetrievalProtocol = Literal["project", "recbole"]
 
 
 def _jagged(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> Jagged:
@@ -170,6 +187,11 @@ class RetrievalSplits:
     test: RetrievalRows
     sequences: dict[int, list[int]]
     num_items: int
+
+
+_LOO_DEFAULTS: dict[str, Any] = dict(
+    positive_threshold=4.0, min_positives=3, history_length=20, history_weights="rating", history_decay=0.9
+)
 
 
 def _check_split_args(min_positives: int, history_length: int, history_weights: str, history_decay: float) -> None:
@@ -299,10 +321,13 @@ def popularity_baseline(splits: RetrievalSplits, split: str = "test", ks: Sequen
 
 
 class MovieLensRetrievalDataModule(_MovieLensBase):
-    """MovieLens-100K positives (rating >= 4) for retrieval, leave-one-out split (see the module docstring).
+    """MovieLens-100K positives (rating >= 4) for retrieval, leave-one-out split (see the module docstring); or, with
+    ``protocol="recbole"``, RecBole's general-recommendation protocol (every rating, per-user random 80/10/10, full
+    ranking against each user's several positives; :mod:`lightning_rec.data._retrieval_recbole`).
 
     Publishes ``sparse_features`` (the CLI links them into the model): user features, ``history`` and ``last_item``
-    (item ids: one shared table), ``item_id`` and ``genres``; ``num_dense_features`` is 0.
+    (item ids: one shared table), ``item_id`` and ``genres``; under ``"recbole"`` only ``user_id`` and ``item_id``
+    (RecBole's quick-start loads nothing else). ``num_dense_features`` is 0.
 
     Args:
         data_dir: a directory with MovieLens-100K (either layout); fetched there if absent and ``download``.
@@ -312,6 +337,10 @@ class MovieLensRetrievalDataModule(_MovieLensBase):
         eval_batch_size: queries per evaluation batch (each is ranked against the whole catalogue); default
             ``batch_size``.
         batch_size, num_workers, seed: see :class:`~lightning_rec.data.base.RecDataModule`.
+        protocol: ``"project"`` (the leave-one-out split above, the default) or ``"recbole"`` (RecBole's general
+            protocol; the leave-one-out arguments must then keep their defaults).
+        split_seed: ``"recbole"`` only: the seed of the shuffle before the per-user split; ``None``: 2020, RecBole's
+            default ``seed``, which draws the very split of RecBole's published run.
 
     Example::
 
@@ -319,6 +348,9 @@ class MovieLensRetrievalDataModule(_MovieLensBase):
         model = TwoTowerModule(dm.sparse_features)
         L.Trainer(strategy="recshard", devices=2, max_epochs=5).fit(model, dm)
         popularity_baseline(dm.splits, "test")      # what the model must beat
+
+        recbole = MovieLensRetrievalDataModule("data/ml-100k", protocol="recbole")
+        [f.name for f in recbole.sparse_features]   # ['user_id', 'item_id']: matrix factorisation
     """
 
     def __init__(
@@ -334,8 +366,33 @@ class MovieLensRetrievalDataModule(_MovieLensBase):
         batch_size: int = 512,
         num_workers: int = 0,
         seed: int = 0,
+        protocol: RetrievalProtocol = "project",
+        split_seed: int | None = None,
     ) -> None:
+        name = type(self).__name__
+        check_choice(name, "protocol", protocol, RetrievalProtocol)
+        loo = dict(
+            positive_threshold=positive_threshold,
+            min_positives=min_positives,
+            history_length=history_length,
+            history_weights=history_weights,
+            history_decay=history_decay,
+        )
+        if protocol == "recbole":
+            changed = {k: v for k, v in loo.items() if v != _LOO_DEFAULTS[k]}
+            if changed:
+                raise ValueError(
+                    f"{name}: protocol='recbole' uses every rating and no history, so {changed} has no effect. "
+                    "HINT: leave those arguments out, or use protocol='project'."
+                )
+        elif split_seed is not None:
+            raise ValueError(
+                f"{name}: split_seed={split_seed} seeds protocol='recbole''s random split; protocol='project' splits "
+                "by time. HINT: leave split_seed out, or set protocol='recbole'."
+            )
         super().__init__(data_dir, download, batch_size=batch_size, num_workers=num_workers, seed=seed)
+        self.protocol = protocol
+        self.split_seed = RECBOLE_SEED if split_seed is None else split_seed
         self.split_args: dict[str, Any] = dict(
             positive_threshold=positive_threshold,
             min_positives=min_positives,
@@ -345,19 +402,25 @@ class MovieLensRetrievalDataModule(_MovieLensBase):
         )
         _check_split_args(min_positives, history_length, history_weights, history_decay)
         self.eval_batch_size = eval_batch_size or batch_size
-        self._splits: RetrievalSplits | None = None
+        self._splits: RetrievalSplits | RecBoleGeneralSplits | None = None
 
     @property
-    def splits(self) -> RetrievalSplits:
-        """The leave-one-out split (built on first use)."""
+    def splits(self) -> Any:
+        """The split, built on first use: :class:`RetrievalSplits` (leave-one-out) or, under ``"recbole"``,
+        :class:`~lightning_rec.data._retrieval_recbole.RecBoleGeneralSplits`."""
         if self._splits is None:
-            self._splits = retrieval_splits(self.interactions, **self.split_args)
+            if self.protocol == "recbole":
+                self._splits = recbole_general_splits(self.interactions, self.split_seed)
+            else:
+                self._splits = retrieval_splits(self.interactions, **self.split_args)
         return self._splits
 
     @property
     def sparse_features(self) -> list[SparseFeature]:
         it = self.interactions
         sizes = {f.name: f for f in it.features}
+        if self.protocol == "recbole":
+            return [sizes[name] for name in RECBOLE_FEATURES]
         return [
             *(sizes[name] for name in _USER_FEATURES),
             SparseFeature("history", it.num_items, multi_hot=True),
@@ -370,7 +433,7 @@ class MovieLensRetrievalDataModule(_MovieLensBase):
     def num_dense_features(self) -> int:
         return 0
 
-    def split(self, name: str) -> RetrievalRows:
+    def split(self, name: str) -> RetrievalRows | RecBoleGeneralRows:
         """The rows of split ``name`` (the split is built on first use); ``predict`` runs over the test queries."""
         if name not in ("train", "val", "test", "predict"):
             raise ValueError(f"{type(self).__name__}: unknown split {name!r}. HINT: train, val, test or predict.")
