@@ -29,8 +29,8 @@ from lightning_rec.errors import ServingError
 from lightning_rec.serving import export_inference, load_inference, load_pt2, warm_up
 from lightning_rec.serving.network import network_features
 from tests.helpers import zoo_deepfm, zoo_sequential, zoo_two_tower
+from tests.helpers.zoo_packages import zoo_checkpoint, zoo_package
 from tests.test_serving import MODELS as CTR_MODELS
-from tests.test_serving import trained_checkpoint
 
 pytestmark = pytest.mark.dist
 
@@ -48,22 +48,23 @@ LIMITS: dict[str, dict[str, int]] = {"sasrec": {"history": zoo_sequential.MAX_LE
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> dict[str, SimpleNamespace]:
     """Each zoo model trained a few steps and exported with fp32 tables as a ``.pt2`` package and a TorchScript
-    artifact (``bounds_check="error"``, the default); DeepFM also under ``"warn"`` (both formats)."""
+    artifact (``bounds_check="error"``, the default); DeepFM also under ``"warn"`` (both formats). The checkpoints
+    and packages are the session's (tests/helpers/zoo_packages.py): tests/test_serving_pt2.py serves the same."""
     models = {}
     for name, (case, build, part, steps) in ZOO.items():
         work = tmp_path_factory.mktemp(name)
-        module = (build or case.build)()
-        ckpt = trained_checkpoint(module, case.batches(steps), work / "ckpt")
-        trained = type(module).load_from_checkpoint(ckpt).eval()
-        paths = {"pt2": work / f"{name}.pt2", "pt": work / f"{name}.pt"}
-        if name == "deepfm":
-            paths |= {"warn.pt2": work / f"{name}_warn.pt2", "warn.pt": work / f"{name}_warn.pt"}
+        ckpt = zoo_checkpoint(case, build, steps, tmp_path_factory)
+        trained = type((build or case.build)()).load_from_checkpoint(ckpt).eval()
+        warn = name == "deepfm"
+        paths = {"pt": work / f"{name}.pt"} | ({"warn.pt": work / f"{name}_warn.pt"} if warn else {})
         specs = {
             kind: export_inference(
                 ckpt, path, table_dtype="fp32", part=part, bounds_check="warn" if "warn" in kind else "error"
             )
             for kind, path in paths.items()
         }
+        for kind in ("pt2", "warn.pt2") if warn else ("pt2",):
+            paths[kind], specs[kind] = zoo_package(ckpt, part, "warn" if "warn" in kind else "error")
         net = trained.inference_module(part)
         models[name] = SimpleNamespace(spec=specs["pt2"], specs=specs, paths=paths, net=net, case=case, part=part)
     return models

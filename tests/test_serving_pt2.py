@@ -45,6 +45,7 @@ from lightning_rec.serving.integrity import ARTIFACT_VERSION, MANIFEST_RECORD, s
 from lightning_rec.serving.network import network_features
 from lightning_rec.serving.pt2 import SPEC_RECORD, stack_versions
 from tests.helpers import zoo_deepfm, zoo_dlrm, zoo_sequential, zoo_two_tower
+from tests.helpers.zoo_packages import zoo_checkpoint, zoo_package
 from tests.test_serving import (
     _BOUND,
     _SIGNAL,
@@ -69,17 +70,17 @@ ZOO: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """name -> (checkpoint, the loaded module in eval mode), each trained once (the two towers share one)."""
+    """name -> (checkpoint, the loaded module in eval mode), each trained once (the two towers share one; the
+    checkpoints of the session, tests/helpers/zoo_packages.py: tests/test_serving_inputs.py serves the same)."""
     cache: dict[Any, tuple[Path, Any]] = {}
 
     def get(name: str) -> tuple[Path, Any]:
         case, build, _, steps = ZOO[name]
-        key = (id(case), id(build))
-        if key not in cache:
+        ckpt = zoo_checkpoint(case, build, steps, tmp_path_factory)
+        if ckpt not in cache:
             module = (build or case.build)()
-            ckpt = trained_checkpoint(module, case.batches(steps), tmp_path_factory.mktemp(name) / "ckpt")
-            cache[key] = (ckpt, type(module).load_from_checkpoint(ckpt).eval())
-        return cache[key]
+            cache[ckpt] = (ckpt, type(module).load_from_checkpoint(ckpt).eval())
+        return cache[ckpt]
 
     return get
 
@@ -105,16 +106,16 @@ def _expected(module: Any, name: str, batch: Any) -> torch.Tensor:
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_every_zoo_model_serves_from_a_pt2_package_like_training(tmp_path, trained, name):
+def test_every_zoo_model_serves_from_a_pt2_package_like_training(trained, name):
     """fp32 tables: the package's outputs on real held-out samples equal the trained module's to 1e-6, at the
     held-out batch and at batch sizes 1 and 64 (its batch dimension is dynamic); the spec in the zip is what export
     returned, with the versions that wrote it."""
     ckpt, module = trained(name)
     case, _, part, _ = ZOO[name]
-    spec = export_inference(ckpt, tmp_path / f"{name}.pt2", table_dtype="fp32", part=part)
-    assert spec.format == "pt2" and pt2_spec(tmp_path / f"{name}.pt2") == spec
+    path, spec = zoo_package(ckpt, part)  # export_inference(ckpt, path, table_dtype="fp32", part=part), once a session
+    assert spec.format == "pt2" and pt2_spec(path) == spec
     assert spec.versions == stack_versions()
-    model = load_pt2(tmp_path / f"{name}.pt2")
+    model = load_pt2(path)
     heldout = case.heldout()
     got, want = model(*_inputs(spec, name, heldout)), _expected(module, name, heldout)
     assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
