@@ -27,30 +27,45 @@ A batch is a dict::
 
 Item ids are :func:`~lightning_rec.data.movielens.load_interactions`' (from 1; id 0 never occurs and is never
 ranked).
+
+``protocol="recbole"`` is RecBole's sequential quick-start instead (``docs/source/get_started/started/
+sequential.rst``; every rule cited in :mod:`lightning_rec.data._sequential_recbole`): RecBole's per-user order,
+every prefix a training example (history cut to ``max_len``, RecBole's ``MAX_ITEM_LIST_LENGTH``), leave-one-out
+over those examples, and evaluation rows that exclude nothing but id 0 (``seen`` is empty: RecBole ranks the items a
+sequential user has already seen). Training rows then pack the examples (``train_stride``) and carry the catalog
+(for a full-softmax loss) and ``train_from`` ``(B,)``: the first position of each row that is a training example.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_rec._choices import check_choice
 from lightning_rec.config import SEQUENCE_FEATURES, SparseFeature
+from lightning_rec.data._sequential_recbole import UserSequences, prefix_examples, prefix_windows, user_sequences
 from lightning_rec.data.base import Jagged
 from lightning_rec.data.movielens import _MovieLensBase
 from lightning_rec.metrics import RankingMetrics, exclusion_mask, target_rank
 
 __all__ = [
     "MovieLensSequenceDataModule",
+    "SequenceProtocol",
     "SequenceDataset",
     "SequenceSplits",
     "popularity_baseline",
     "popularity_ranks",
     "sequence_splits",
 ]
+
+
+SequenceProtocol = Literal["project", "recbole"]
+"""The protocol of :class:`MovieLensSequenceDataModule`: this project's (the default) or RecBole's sequential
+quick-start."""
 
 
 def _jagged(values: torch.Tensor, lengths: torch.Tensor) -> Jagged:
@@ -149,6 +164,10 @@ class SequenceDataset:
         num_items: rows of the item table (the catalog ranked at evaluation is ``0..num_items-1``).
         num_negatives: sampled negatives per training row (0 for evaluation).
         seed: seeds the negatives (with the epoch).
+        train_from: ``(R,)`` the first position of each training row that is a training example (earlier ones are
+            context); ``None``: every position. Batches then carry it as ``train_from``.
+        catalog: put every item id on each batch's first row (feature ``catalog``); ``None``: in evaluation rows
+            only (``seen`` given). A full-softmax loss needs it in training rows too.
 
     Example::
 
@@ -170,8 +189,14 @@ class SequenceDataset:
         num_items: int,
         num_negatives: int = 0,
         seed: int = 0,
+        train_from: torch.Tensor | None = None,
+        catalog: bool | None = None,
     ) -> None:
-        if not (len(history) == len(target) == users.numel()) or (seen is not None and len(seen) != users.numel()):
+        if (
+            not (len(history) == len(target) == users.numel())
+            or (seen is not None and len(seen) != users.numel())
+            or (train_from is not None and train_from.shape != users.shape)
+        ):
             raise ValueError(
                 f"SequenceDataset: users ({users.numel()}), history ({len(history)}), target ({len(target)})"
                 f"{'' if seen is None else f' and seen ({len(seen)})'} must have one row per user. HINT: build them "
@@ -184,6 +209,8 @@ class SequenceDataset:
             )
         self.users, self.history, self.target, self.seen = users.long(), history, target, seen
         self.num_items, self.num_negatives, self.seed = num_items, num_negatives, seed
+        self.train_from = train_from
+        self.catalog = seen is not None if catalog is None else catalog
         self._negatives: tuple[int, torch.Tensor] | None = None  # (epoch, its negatives)
 
     def __len__(self) -> int:
@@ -208,19 +235,23 @@ class SequenceDataset:
         else:
             neg_v, neg_l = torch.zeros(0, dtype=torch.long), torch.zeros(b, dtype=torch.long)
         cat_l = torch.zeros(b, dtype=torch.long)
-        if self.seen is not None:  # evaluation: the whole catalog, once per batch
+        cat_v = torch.zeros(0, dtype=torch.long)
+        if self.catalog:  # the whole catalog, once per batch
             cat_v = torch.arange(self.num_items)
             cat_l[0] = self.num_items
+        if self.seen is not None:
             seen_v, seen_l = self.seen.take(index)
         else:
-            cat_v = torch.zeros(0, dtype=torch.long)
             seen_v, seen_l = torch.zeros(0, dtype=torch.long), torch.zeros(b, dtype=torch.long)
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=list(SEQUENCE_FEATURES),
             values=torch.cat([hist_v, tgt_v, neg_v, cat_v]),
             lengths=torch.cat([hist_l, tgt_l, neg_l, cat_l]).int(),
         )
-        return {"features": kjt, "users": self.users[index], "seen_values": seen_v, "seen_lengths": seen_l}
+        batch = {"features": kjt, "users": self.users[index], "seen_values": seen_v, "seen_lengths": seen_l}
+        if self.train_from is not None:
+            batch["train_from"] = self.train_from[index]
+        return batch
 
 
 def popularity_ranks(splits: SequenceSplits, split: str = "test") -> torch.Tensor:
@@ -276,13 +307,23 @@ class MovieLensSequenceDataModule(_MovieLensBase):
     It publishes ``sparse_features`` as one :class:`~lightning_rec.data.SparseFeature` named ``item`` (the size of
     the shared item table; the CLI links it to the model) and ``num_dense_features = 0``.
 
+    ``protocol="recbole"``: RecBole's sequential quick-start (module docstring;
+    :mod:`lightning_rec.data._sequential_recbole` cites each RecBole function): validation and test rows are
+    RecBole's held-out examples (history: the ``max_len`` most recent items before the target), ranked against every
+    item but id 0; training rows pack RecBole's training examples (every prefix), ``train_stride`` apart
+    (``1``: exactly RecBole's examples; larger: each target once per epoch from at least ``max_len - train_stride +
+    1`` recent items, ~``1/train_stride`` of the cost) and carry the catalog for a full-softmax loss.
+
     Args:
         data_dir: MovieLens-100K (either layout; fetched there if absent and ``download``).
         download: fetch the data when ``data_dir`` lacks it.
-        max_len: the longest input sequence (the most recent items are kept).
-        num_negatives: sampled negatives per training row (shared by its positions).
+        max_len: the longest input sequence (the most recent items are kept); RecBole's ``MAX_ITEM_LIST_LENGTH``.
+        num_negatives: sampled negatives per training row (shared by its positions); may be 0 under
+            ``protocol="recbole"`` (RecBole's ``train_neg_sample_args: ~``: the loss ranks the whole catalog).
         batch_size, num_workers, seed: see :class:`~lightning_rec.data.base.RecDataModule` (``seed`` also seeds
             the negatives).
+        protocol: ``"project"`` (the default) or ``"recbole"`` (above).
+        train_stride: ``protocol="recbole"``: the items between the starts of a user's training rows.
 
     Example::
 
@@ -290,6 +331,9 @@ class MovieLensSequenceDataModule(_MovieLensBase):
         model = SequentialRecModule(dm.sparse_features, max_len=50)
         L.Trainer(strategy="recshard", devices=2, max_epochs=20).fit(model, dm)
         popularity_baseline(dm.splits, "test")      # what the model must beat
+
+        recbole = MovieLensSequenceDataModule("data/ml-100k", protocol="recbole", num_negatives=0, train_stride=25)
+        gru = SequentialRecModule(recbole.sparse_features, encoder="gru", loss="full_softmax", metrics="recbole")
     """
 
     def __init__(
@@ -301,17 +345,29 @@ class MovieLensSequenceDataModule(_MovieLensBase):
         batch_size: int = 128,
         num_workers: int = 0,
         seed: int = 0,
+        protocol: SequenceProtocol = "project",
+        train_stride: int = 1,
     ) -> None:
-        super().__init__(data_dir, download, batch_size=batch_size, num_workers=num_workers, seed=seed)
+        check_choice("MovieLensSequenceDataModule", "protocol", protocol, SequenceProtocol)
         if max_len < 1:
             raise ValueError(f"MovieLensSequenceDataModule: max_len must be >= 1, got {max_len}. HINT: e.g. 50.")
-        if num_negatives < 1:
+        if num_negatives < (0 if protocol == "recbole" else 1):
             raise ValueError(
-                f"MovieLensSequenceDataModule: num_negatives must be >= 1, got {num_negatives}. HINT: e.g. 100."
+                f"MovieLensSequenceDataModule: num_negatives must be >= {0 if protocol == 'recbole' else 1}, got "
+                f"{num_negatives}. HINT: e.g. 100{' (or 0 for a full-softmax loss)' if protocol == 'recbole' else ''}."
             )
+        if not 1 <= train_stride <= max_len:
+            raise ValueError(
+                f"MovieLensSequenceDataModule: train_stride must be in [1, max_len={max_len}], got {train_stride}. "
+                "HINT: 1 packs exactly RecBole's every-prefix examples; larger strides are cheaper."
+            )
+        super().__init__(data_dir, download, batch_size=batch_size, num_workers=num_workers, seed=seed)
         self.max_len = max_len
         self.num_negatives = num_negatives
+        self.protocol = protocol
+        self.train_stride = train_stride
         self._splits: SequenceSplits | None = None
+        self._sequences: UserSequences | None = None
         self._datasets: dict[str, SequenceDataset] = {}
 
     @property
@@ -321,6 +377,14 @@ class MovieLensSequenceDataModule(_MovieLensBase):
             it = self.interactions
             self._splits = sequence_splits(it.user, it.item, it.timestamp, it.num_items)
         return self._splits
+
+    @property
+    def sequences(self) -> UserSequences:
+        """Every user's items in RecBole's order (``protocol="recbole"``'s source; built on first use)."""
+        if self._sequences is None:
+            it = self.interactions
+            self._sequences = user_sequences(it.user, it.item, it.timestamp)
+        return self._sequences
 
     @property
     def num_items(self) -> int:
@@ -343,6 +407,8 @@ class MovieLensSequenceDataModule(_MovieLensBase):
 
     def _build(self) -> dict[str, SequenceDataset]:
         """The ``train``, ``val`` and ``test`` datasets."""
+        if self.protocol == "recbole":
+            return self._build_recbole()
         s, n = self.splits, self.num_items
         train = _rows(s.train)
         trainable = [i for i, r in enumerate(train) if r.numel() >= 2]
@@ -367,4 +433,20 @@ class MovieLensSequenceDataModule(_MovieLensBase):
                 _from_rows(seen),
                 n,
             )
+        return out
+
+    def _build_recbole(self) -> dict[str, SequenceDataset]:
+        """``protocol="recbole"``'s datasets (see the class docstring)."""
+        seqs, n = self.sequences, self.num_items
+        w = prefix_windows(seqs, self.max_len, self.train_stride)
+        out = {
+            "train": SequenceDataset(
+                w.users, w.history, w.target, None, n, self.num_negatives, self.seed, w.train_from, catalog=True
+            )
+        }
+        for stage in ("val", "test"):
+            ex = prefix_examples(seqs, stage, self.max_len)
+            nothing_seen = _jagged(torch.zeros(0, dtype=torch.long), torch.zeros(ex.users.numel(), dtype=torch.long))
+            target = _jagged(ex.target, torch.ones_like(ex.target))
+            out[stage] = SequenceDataset(ex.users, ex.history, target, nothing_seen, n)
         return out
