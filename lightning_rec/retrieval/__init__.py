@@ -16,17 +16,33 @@ See docs/retrieval.md.
 from lightning_rec.retrieval.folder import LoadedIndex, load_index
 from lightning_rec.retrieval.index import KINDS, Catalogue, IndexKind, build_index, catalogue_of, index_params
 from lightning_rec.retrieval.retriever import Retriever, TopK, search_index
+from lightning_rec.retrieval.topk import (
+    ExactTopK,
+    StreamingTopK,
+    catalogue_topk,
+    ebc_lookup,
+    merge_topk,
+    row_range,
+    screen_error_bound,
+)
 
 __all__ = [
     "KINDS",
     "Catalogue",
+    "ExactTopK",
     "IndexKind",
     "LoadedIndex",
     "Retriever",
+    "StreamingTopK",
     "TopK",
     "build_index",
+    "catalogue_topk",
     "catalogue_of",
+    "ebc_lookup",
     "index_params",
     "load_index",
+    "merge_topk",
+    "row_range",
+    "screen_error_bound",
     "search_index",
 ]
