@@ -26,6 +26,7 @@ from lightning_rec.data import MovieLensRetrievalDataModule
 from lightning_rec.models import TwoTowerModule
 from lightning_rec.retrieval import Retriever, build_index, index_params, load_index, search_index
 from lightning_rec.retrieval.folder import INDEX_FILE, ITEM_IDS_FILE, MANIFEST_FILE, faiss_module
+from lightning_rec.retrieval.index import _slices
 from lightning_rec.serving import export_inference
 from tests.helpers.data import movielens_dir
 from tests.helpers.dist import in_this_process
@@ -106,9 +107,9 @@ def test_flat_index_holds_the_candidate_tower_and_a_manifest_tied_to_the_checkpo
     torch.testing.assert_close(vectors, trained["catalogue"], atol=1e-6, rtol=0)
     complete = json.loads((work / "ckpt" / "COMPLETE").read_text())
     assert manifest == json.loads((work / "flat" / MANIFEST_FILE).read_text()) == loaded.manifest
-    assert manifest["checkpoint"]["global_step"] == 30 == complete["global_step"]
+    assert manifest["checkpoint"]["global_step"] == manifest["global_step"] == 30 == complete["global_step"]
     assert manifest["checkpoint"]["path"] == str((work / "ckpt").resolve())
-    assert manifest["checkpoint"]["run"] == complete["run"]
+    assert manifest["checkpoint"]["run"] == manifest["run"] == complete["run"]
     assert (manifest["num_items"], manifest["dim"], manifest["metric"]) == (1682, 16, "inner_product")
     assert (manifest["kind"], manifest["params"], manifest["faiss"]) == ("flat", {}, faiss_module().__version__)
     for name in (INDEX_FILE, ITEM_IDS_FILE):
@@ -249,6 +250,16 @@ def test_without_faiss_the_error_names_the_extra(tmp_path, monkeypatch, capsys) 
     with pytest.raises(SystemExit):
         run(["index", str(tmp_path / "ckpt"), str(tmp_path / "out")])
     assert "lightning-rec[retrieval]" in capsys.readouterr().err
+
+
+def test_each_rank_embeds_an_equal_slice_the_last_padded_with_the_last_item() -> None:
+    """Every rank runs the same batches (the sharded lookups are collectives); the gathered rows, cut to the
+    catalogue's length, are the catalogue in order."""
+    slices = _slices(5, 2, batch_size=2)
+    assert [[b.tolist() for b in rank] for rank in slices] == [[[0, 1], [2]], [[3, 4], [4]]]
+    gathered = torch.cat([torch.cat(rank) for rank in slices])[:5]
+    assert gathered.tolist() == [0, 1, 2, 3, 4]
+    assert [[b.tolist() for b in rank] for rank in _slices(4, 1, batch_size=3)] == [[[0, 1, 2], [3]]]
 
 
 def test_search_leaves_out_excluded_items_and_pads_a_small_catalogue() -> None:

@@ -4,8 +4,9 @@
     OUT/index.faiss     the FAISS index (row i = the i-th catalogue item), inner product
     OUT/item_ids.npy    int64, row -> item id
     OUT/manifest.json   {"format": "lightning_rec.index", "version": 1, "checkpoint": {"path", "global_step", "epoch",
-                        "id", "run"}, "model", "part", "devices", "num_items", "dim", "metric", "kind", "params",
-                        "faiss", "created", "files": {name: {"sha256", "size"}}}
+                        "id", "run"}, "global_step", "run" (the checkpoint's, again), "model", "part", "devices",
+                        "num_items", "dim", "metric", "kind", "params", "faiss", "created",
+                        "files": {name: {"sha256", "size"}}}
 
 A folder is written into a staging folder beside ``OUT`` and renamed to ``OUT`` once whole; an existing index is
 moved aside first (and put back if the rename fails), then removed.

@@ -164,8 +164,8 @@ def index_params(kind: str, given: Mapping[str, int | None], num_items: int | No
 
 class _Embeddings:
     """A callback that keeps this rank's embeddings batch by batch and, at the end of ``predict`` (while the process
-    group is up), gathers every rank's to every rank, in rank order; each rank's rows are one equal slice of the
-    (padded) catalogue, so the gathered rows are the catalogue's, in order."""
+    group is up), gathers every rank's to rank 0, in rank order; each rank's rows are one equal slice of the (padded)
+    catalogue, so the gathered rows are the catalogue's, in order. Other ranks keep ``None``."""
 
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
@@ -181,13 +181,16 @@ class _Embeddings:
 
             def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
                 local = torch.cat(kept)
-                if trainer.world_size > 1:
-                    import torch.distributed as dist
+                if trainer.world_size == 1:
+                    owner.rows = local
+                    return
+                import torch.distributed as dist
 
-                    parts = [torch.empty_like(local) for _ in range(trainer.world_size)]
-                    dist.all_gather(parts, local.contiguous())  # equal slices: one size on every rank
-                    local = torch.cat(parts)
-                owner.rows = local
+                # to rank 0 alone (it writes the index): no other rank holds the whole catalogue's vectors
+                first = trainer.global_rank == 0
+                parts = [torch.empty_like(local) for _ in range(trainer.world_size)] if first else None
+                dist.gather(local.contiguous(), parts, dst=0)  # equal slices: one size on every rank
+                owner.rows = torch.cat(parts) if parts is not None else None
 
         return _Gather()
 
@@ -218,9 +221,9 @@ def embed_catalogue(
     devices: int = 1,
     batch_size: int = 4096,
     part: str = "candidate",
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """``(N, D)`` embeddings of every catalogue item by ``module``'s ``part`` network, sharded on ``devices`` CPU
-    ranks and loaded from ``checkpoint`` in place (every rank returns them all, in catalogue order)."""
+    ranks and loaded from ``checkpoint`` in place, in catalogue order, on rank 0 (``None`` on the other ranks)."""
     import lightning as L
 
     from lightning_rec import RecShardStrategy
@@ -244,8 +247,7 @@ def embed_catalogue(
     # A rank knows its rank only once the launcher has started it: the loader is built lazily, per rank.
     loader = _RankBatches(catalogue, batch_size, n)
     trainer.predict(module, dataloaders=loader, ckpt_path=str(checkpoint), return_predictions=False)
-    assert gather.rows is not None
-    return gather.rows[:n]
+    return gather.rows[:n] if gather.rows is not None else None
 
 
 class _RankBatches:
@@ -343,9 +345,8 @@ def build_index(
     n = catalogue.item_ids.numel()
     params = index_params(kind, given, num_items=n)
     vectors = embed_catalogue(module, checkpoint, catalogue, devices, batch_size)
-    import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if vectors is None:  # not rank 0: rank 0 writes
         return None
     return write_index_folder(
         output, catalogue.item_ids.numpy(), vectors.numpy(), kind, params, {**info, "devices": devices}, overwrite
@@ -372,5 +373,12 @@ def _module_from_checkpoint(checkpoint: Path, model_class: str | type | None) ->
     }
     if manifest.get("run") is not None:
         record["run"] = manifest["run"]
-    info = {"checkpoint": record, "model": f"{cls.__module__}.{cls.__qualname__}", "part": "candidate"}
+    # The step and run again at the top: what a service reading the manifest asks first ("which model is this?")
+    info = {
+        "checkpoint": record,
+        "global_step": record["global_step"],
+        "run": record.get("run"),
+        "model": f"{cls.__module__}.{cls.__qualname__}",
+        "part": "candidate",
+    }
     return module, info
