@@ -31,6 +31,8 @@ from lightning_rec.data._movielens_files import (
     _AGE_BOUNDARIES,
     _YEAR_CENTRE,
     _age_bucket,
+    _atomic_rows,
+    _find_layout,
     _read,
     _vocab,
     prepare_movielens,
@@ -238,20 +240,26 @@ def _recbole_ratings(
     (from ``_RECBOLE_FEATURES + _RECBOLE_EXTRA``), no dense features, label ``rating >= positive_threshold`` (RecBole's
     ``Dataset._set_label_by_threshold`` with ``threshold: {rating: 4}``).
 
-    Age and release year are RecBole's tokens (one id per raw value, 0 for a missing year: RecBole's ``[PAD]``);
-    the other columns are :func:`load_interactions`'. Genres are summed by an ``EmbeddingBag`` as RecBole's
+    Age and release year are RecBole's tokens: one id per distinct raw string (RecBole's ``Dataset._remap``), 0
+    for an empty one (RecBole's ``[PAD]``). With RecBole's atomic files that is the ``release_year`` column as
+    written, its two odd values included (``unkonwn``, and ``V`` of item 1412): 73 tokens + ``[PAD]``, RecBole's
+    ``dataset.num("release_year") == 74``; with GroupLens' files, the year of the release date. The other columns are :func:`load_interactions`'. Genres are summed by an ``EmbeddingBag`` as RecBole's
     first-order term sums a ``token_seq`` field (``FMFirstOrderLinear.embed_token_seq_fields``).
     """
     raw = _read(root)
     user_ids, item_ids = _vocab(list(raw.users)), _vocab(list(raw.items))
     ages = _vocab([str(u[0]) for u in raw.users.values()])
-    years = _vocab([str(y) for y, _ in raw.items.values() if y is not None])
+    if _find_layout(root) == "atomic":
+        year_text = {r["item_id"]: r.get("release_year", "") for r in _atomic_rows(root / "ml-100k.item")}
+    else:
+        year_text = {item: "" if y is None else str(y) for item, (y, _) in raw.items.items()}
+    years = _vocab([text for text in year_text.values() if text])
     age = torch.zeros(it.num_users, dtype=torch.long)
     for user, (years_old, *_) in raw.users.items():
         age[user_ids[user]] = ages[str(years_old)]
     year = torch.zeros(it.num_items, dtype=torch.long)
-    for item, (released, _) in raw.items.items():
-        year[item_ids[item]] = years[str(released)] if released is not None else 0
+    for item, text in year_text.items():
+        year[item_ids[item]] = years.get(text, 0)
     columns: dict[str, _Column] = {
         "user_id": it.user,
         "item_id": it.item,
