@@ -151,6 +151,13 @@ def test_retriever_answers_as_the_eager_model_and_exact_search(trained) -> None:
     args = (request.values(), request.lengths().long(), request.weights())
     torch.testing.assert_close(retriever(args, k=10, exclude=trained["exclude"][:n]).scores, top.scores)
 
+    # the TorchScript artifact of the same tower serves the same answers
+    with in_this_process(work):
+        export_inference(work / "ckpt", work / "query.pt", part="query", table_dtype="fp32", format="torchscript")
+    scripted = Retriever(work / "query.pt", work / "flat")(request, k=10, exclude=trained["exclude"][:n])
+    torch.testing.assert_close(scripted.scores, top.scores, atol=1e-5, rtol=0)
+    assert torch.equal(scripted.item_ids[clear], top.item_ids[clear])
+
     # an index of another save of the model is refused by name
     other = work / "other_index"
     shutil.copytree(work / "flat", other)
