@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future
+from functools import partial
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -13,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_rec import RecShardStrategy
 from lightning_rec.testing import QUIET_TRAINER, shell_env
+from tests.helpers.side_by_side import selected, side_by_side
 from tests.helpers.zoo import seeded_module
 
 _SCRIPT = """
@@ -123,29 +128,49 @@ def test_warnings_proven_harmless_are_silenced_and_nothing_else(tmp_path):
     assert console.count("sharding plan over 2 rank(s)") == 2, console  # one table per fit
 
 
+SHIPPED = ["synthetic_dlrm", "movielens_deepfm", "movielens_dlrm", "movielens_sasrec", "movielens_two_tower"]
+
+
+def _fit_a_few_steps(config: str, work: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``lightning-rec fit --config <config>`` for 3 steps and 2 validation batches in ``work``, as a user runs it."""
+    from tests.helpers.data import movielens_dir
+
+    (work / "data").mkdir()
+    (work / "data" / "ml-100k").symlink_to(movielens_dir())
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_rec", "fit", "--config", config, "--trainer.max_steps=3"]
+        + ["--trainer.limit_val_batches=2", f"--trainer.default_root_dir={work / 'run'}"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        timeout=300,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def shipped_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future]]:
+    """The runs (:func:`_fit_a_few_steps`) of the configs this session tests, side by side, two at a time
+    (tests/helpers/side_by_side.py: a run's ranks import one after the other, on one core). Each its own job in its
+    own folder."""
+    env = shell_env()  # read here, not in the jobs' threads while a test may be changing os.environ
+    configs = selected(request, "test_a_shipped_config_prints_no_future_warning_and_no_line_twice", "config")
+    jobs = {config: partial(_fit_a_few_steps, config, tmp_path_factory.mktemp(config), env) for config in configs}
+    with side_by_side(jobs) as runs:
+        yield runs
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize(
-    "config", ["synthetic_dlrm", "movielens_deepfm", "movielens_dlrm", "movielens_sasrec", "movielens_two_tower"]
-)
-def test_a_shipped_config_prints_no_future_warning_and_no_line_twice(config, tmp_path):
+@pytest.mark.parametrize("config", SHIPPED)
+def test_a_shipped_config_prints_no_future_warning_and_no_line_twice(config, shipped_runs):
     """A few steps of a shipped config as a user runs it (2 ranks, progress bar on, its own sharding: row-wise tables
     where it has them): no FutureWarning (torch's for TorchRec's row-wise collectives included), and no line twice
     but the rules of Lightning's own banners (and an epoch bar's redraw)."""
     import re
 
-    from tests.helpers.data import movielens_dir
-
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "ml-100k").symlink_to(movielens_dir())
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_rec", "fit", "--config", config, "--trainer.max_steps=3"]
-        + ["--trainer.limit_val_batches=2", f"--trainer.default_root_dir={tmp_path / 'run'}"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-        env=shell_env(),
-    )
+    out = shipped_runs[config].result()
     assert out.returncode == 0, out.stderr[-3000:]
     assert "FutureWarning" not in out.stdout + out.stderr, out.stderr[-3000:]
     # tqdm draws a bar's last state again when it closes (in place on a terminal): an epoch bar's redraw is not a line.
