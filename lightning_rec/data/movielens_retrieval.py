@@ -29,7 +29,9 @@ collection reads it)::
                                                                 its validation item) and the unused id 0
 
 Evaluation at validation uses the training positives as history; at test the validation item joins it (and is
-excluded from the ranking, like the training items).
+excluded from the ranking, like the training items). Loaders come from
+:meth:`~lightning_rec.data.base.RecDataModule.dataloader`: every rank runs the same number of batches and every row is
+used exactly once, so ranking metrics summed over ranks equal the single-process ones.
 
 **RecBole's general protocol** (``protocol="recbole"``, for numbers that stand beside RecBole's published BPR row):
 every rating is a positive, each user's ratings are shuffled and cut 80/10/10 exactly as RecBole's
@@ -37,9 +39,7 @@ every rating is a positive, each user's ratings are shuffled and cut 80/10/10 ex
 (candidate), and evaluation ranks the whole catalogue for every user with interactions in the split, against all of
 them (several positives per query), RecBole's history excluded; metrics are RecBole's
 (:class:`~lightning_rec.metrics.TopKMetrics`). See :mod:`lightning_rec.data._retrieval_recbole` for each step and the
-RecBole function it follows. Loaders come from
-:meth:`~lightning_rec.data.base.RecDataModule.dataloader`: every rank runs the same number of batches and every row is
-used exactly once, so ranking metrics summed over ranks equal the single-process ones.
+RecBole function it follows.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ division apply) is then the whole batch's mean loss, even when ranks hold batche
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -32,27 +32,41 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from lightning_rec._choices import check_choice
 from lightning_rec._module import RecLightningModule
 from lightning_rec.config import EmbeddingOptimizer, SparseFeature
 from lightning_rec.errors import ExportError
-from lightning_rec.metrics import RankingMetrics, target_rank
+from lightning_rec.metrics import RankingMetrics, TopKMetrics, target_rank, topk_hits
 
 if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
-__all__ = ["Tower", "TwoTower", "TwoTowerModule", "build_two_tower", "gather_candidates", "in_batch_softmax_loss"]
+__all__ = [
+    "Tower",
+    "TwoTower",
+    "TwoTowerModule",
+    "bpr_loss",
+    "build_two_tower",
+    "gather_candidates",
+    "in_batch_softmax_loss",
+]
 
 DEFAULT_CANDIDATE_FEATURES = ["item_id", "genres"]
 DEFAULT_SHARED_TABLES: dict[str, list[str]] = {"t_history": ["history", "last_item"]}
+TwoTowerLoss = Literal["softmax", "bpr"]
 
 
 class Tower(nn.Module):
     """An embedding tower: a table collection, an MLP over the pooled embeddings, L2 normalisation.
 
+    With no layers (``layer_sizes=[]``) the pooled embeddings are the output: a tower of one id table is then a
+    plain embedding lookup, and two such towers are matrix factorisation.
+
     Args:
         tables: the collection's tables (put them on ``meta``: the strategy materialises the shards).
-        layer_sizes: the MLP's widths; ReLU between layers, none after the last (the output width).
+        layer_sizes: the MLP's widths; ReLU between layers, none after the last (the output width); empty: no MLP.
         is_weighted: whether the collection pools with the KJT's per-id weights (then every feature needs weights).
+        normalize: L2-normalise the output (a dot product of two towers is then a cosine); off: raw dot products.
 
     Example::
 
@@ -71,13 +85,12 @@ class Tower(nn.Module):
         layer_sizes: Sequence[int],
         is_weighted: bool = False,
         device: torch.device = torch.device("meta"),  # noqa: B008 (a constant: tables start on meta)
+        normalize: bool = True,
     ) -> None:
         super().__init__()
-        if not tables or not layer_sizes:
-            raise ValueError(
-                f"Tower: needs tables and layer sizes, got {len(tables)} table(s), layers {list(layer_sizes)}. "
-                "HINT: e.g. layer_sizes=[64, 32]."
-            )
+        if not tables:
+            raise ValueError("Tower: needs at least one table, got none. HINT: give the tower a feature.")
+        self.normalize = normalize
         self.ebc = EmbeddingBagCollection(tables=tables, is_weighted=is_weighted, device=device)
         width = sum(t.embedding_dim * len(t.feature_names) for t in tables)
         layers: list[nn.Module] = []
@@ -94,9 +107,10 @@ class Tower(nn.Module):
         return [f for t in self.ebc.embedding_bag_configs() for f in t.feature_names]
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """``(B, D)`` L2-normalised embeddings of the ``B`` samples of ``features``."""
+        """``(B, D)`` embeddings (L2-normalised when ``normalize``) of the ``B`` samples of ``features``."""
         pooled = self.ebc(features).values()  # the unsharded key order, under any plan
-        return F.normalize(self.mlp(pooled), dim=-1)
+        out = self.mlp(pooled)  # an empty Sequential is the identity
+        return F.normalize(out, dim=-1) if self.normalize else out
 
 
 class TwoTower(nn.Module):
@@ -129,10 +143,13 @@ def build_two_tower(
     candidate_layer_sizes: Sequence[int] = (64, 32),
     candidate_features: Sequence[str] = tuple(DEFAULT_CANDIDATE_FEATURES),
     shared_tables: Mapping[str, Sequence[str]] | None = None,
+    normalize: bool = True,
 ) -> TwoTower:
     """A :class:`TwoTower` over ``sparse_features``: ``candidate_features`` go to the candidate tower, the rest to the
     (weighted) query tower. Tables are named ``t_<feature>`` except ``shared_tables`` (table name -> its features,
     e.g. ``{"t_history": ["history", "last_item"]}``, the default), all of width ``embedding_dim``, on ``meta``.
+    Empty layer sizes: no MLP (the output is the concatenated pooled embeddings; both towers must then read the same
+    number of features). ``normalize``: L2-normalised outputs (see :class:`Tower`).
 
     Example::
 
@@ -150,7 +167,19 @@ def build_two_tower(
             f"build_two_tower: feature(s) {missing} are not among the sparse features {list(by_name)}. HINT: use "
             "MovieLensRetrievalDataModule's features, or set candidate_features / shared_tables to names it publishes."
         )
-    if list(query_layer_sizes)[-1:] != list(candidate_layer_sizes)[-1:]:
+    if not query_layer_sizes or not candidate_layer_sizes:
+        n_query = sum(1 for f in sparse_features if f.name not in candidate_features)
+        n_candidate = sum(1 for f in sparse_features if f.name in candidate_features)
+        q_width = query_layer_sizes[-1] if query_layer_sizes else n_query * embedding_dim
+        c_width = candidate_layer_sizes[-1] if candidate_layer_sizes else n_candidate * embedding_dim
+        if q_width != c_width:
+            raise ValueError(
+                f"build_two_tower: the towers' outputs must have one width (a dot product), got query {q_width} "
+                f"({n_query} feature(s), layers {list(query_layer_sizes)}) and candidate {c_width} ({n_candidate} "
+                f"feature(s), layers {list(candidate_layer_sizes)}). HINT: without an MLP both towers read as many "
+                "features (e.g. query user_id, candidate item_id: matrix factorisation), or end both MLPs alike."
+            )
+    elif list(query_layer_sizes)[-1:] != list(candidate_layer_sizes)[-1:]:
         raise ValueError(
             f"build_two_tower: the towers' last layers must have one width (a dot product), got query "
             f"{list(query_layer_sizes)} and candidate {list(candidate_layer_sizes)}. HINT: end both with the same size."
@@ -175,8 +204,8 @@ def build_two_tower(
     query_names = [f.name for f in sparse_features if f.name not in candidate_features]
     candidate_names = [f.name for f in sparse_features if f.name in candidate_features]
     return TwoTower(
-        Tower(tables(query_names), query_layer_sizes, is_weighted=True),
-        Tower(tables(candidate_names), candidate_layer_sizes, is_weighted=False),
+        Tower(tables(query_names), query_layer_sizes, is_weighted=True, normalize=normalize),
+        Tower(tables(candidate_names), candidate_layer_sizes, is_weighted=False, normalize=normalize),
     )
 
 
@@ -289,10 +318,42 @@ def in_batch_softmax_loss(
     return F.cross_entropy(logits, labels, reduction="sum") * (world / all_c.shape[0])
 
 
+def bpr_loss(
+    queries: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Bayesian personalised ranking (Rendle et al., UAI 2009), RecBole's ``BPRLoss``: the mean of
+    ``-log sigmoid((q . c_pos - q . c_neg) / temperature)`` over the rows (each row one sampled negative).
+
+    Args:
+        queries, positives, negatives: ``(B, D)`` embeddings of the queries, their positive and a negative item.
+        temperature: divides the score difference (1 for raw dot products; small for L2-normalised towers, whose
+            dot products lie in ``[-1, 1]``).
+
+    Example::
+
+        >>> q, p, n = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+        >>> round(bpr_loss(q, p, n).item(), 4)        # -log sigmoid(2 - 0)
+        0.1269
+    """
+    difference = ((queries * positives).sum(1) - (queries * negatives).sum(1)) / temperature
+    return F.softplus(-difference).mean()  # = -logsigmoid, without its underflow
+
+
 class TwoTowerModule(RecLightningModule):
-    """The two-tower retrieval model trained with :func:`in_batch_softmax_loss`; validation and test report
-    ``recall@k`` and ``ndcg@k`` of each query's held-out item ranked against the whole catalogue (its training
-    items excluded), exact across ranks, under ``val/`` and ``test/``.
+    """The two-tower retrieval model trained with :func:`in_batch_softmax_loss` (or :func:`bpr_loss`); validation and
+    test report ``recall@k`` and ``ndcg@k`` of each query's held-out item ranked against the whole catalogue (its
+    training items excluded), exact across ranks, under ``val/`` and ``test/``.
+
+    Evaluation batches that carry several positives per query (``positive_ids``/``positive_lengths``, as
+    :class:`~lightning_rec.data.MovieLensRetrievalDataModule` with ``protocol="recbole"`` makes them) are scored as
+    RecBole scores them instead (:func:`~lightning_rec.metrics.topk_hits`: excluded items at ``-inf``, the top
+    ``max(ks)`` of ``torch.topk``) and report RecBole's metrics (:class:`~lightning_rec.metrics.TopKMetrics`):
+    ``{val,test}/{recall,mrr,ndcg,hit,precision}@k``.
+
+    **Matrix factorisation** (a BPR-like model): the DataModule publishes ``user_id`` and ``item_id`` only, with
+    ``candidate_features=["item_id"]``, ``shared_tables={}`` and no MLP (``query_layer_sizes=[]``,
+    ``candidate_layer_sizes=[]``): a user's score of an item is the dot product of their two embedding rows
+    (``benchmarks/recbole_parity/bpr.yaml``).
 
     Optimization is manual, with two optimizers: Adam for the towers' MLPs and ``torchrec.optim.RowWiseAdagrad``
     for the tables (the strategy turns it into FBGEMM's fused row-wise Adagrad, which updates the rows inside the
@@ -301,15 +362,19 @@ class TwoTowerModule(RecLightningModule):
     Args:
         sparse_features: from the DataModule (:class:`~lightning_rec.data.MovieLensRetrievalDataModule`).
         num_dense_features: from the DataModule; must be 0 (the towers read sparse features only).
-        embedding_dim, query_layer_sizes, candidate_layer_sizes, candidate_features, shared_tables: the network
-            (:func:`build_two_tower`).
-        temperature: the softmax temperature.
+        embedding_dim, query_layer_sizes, candidate_layer_sizes, candidate_features, shared_tables, normalize: the
+            network (:func:`build_two_tower`; empty layer sizes: no MLP).
+        temperature: the softmax temperature (with ``loss="bpr"``: the divisor of the score difference).
+        loss: ``"softmax"`` (in-batch sampled softmax, :func:`in_batch_softmax_loss`) or ``"bpr"`` (:func:`bpr_loss`
+            with one negative per row drawn uniformly from item ids ``1..num_items-1``, as RecBole's uniform
+            sampler, which also skips the user's own items; needs ``candidate_features=["item_id"]``).
         mask_duplicates: mask in-batch repeats of a query's positive item.
         logq_correction: the weight of the sampling-bias correction (``logits - logq_correction * log_q``; 0: off).
             On MovieLens-100K it more than doubles recall@10 (BENCHMARKS.md).
         dense_lr: Adam's learning rate (MLPs).
         table_lr, table_eps: row-wise Adagrad's (tables).
-        ks: the cut-offs of recall/NDCG.
+        table_weight_decay: row-wise Adagrad's L2 penalty on the rows a batch touches (0: none).
+        ks: the cut-offs of the metrics.
 
     Example::
 
@@ -335,8 +400,17 @@ class TwoTowerModule(RecLightningModule):
         table_lr: float = 0.05,
         table_eps: float = 1e-8,
         ks: list[int] = [10, 50],  # noqa: B006
+        normalize: bool = True,
+        loss: TwoTowerLoss = "softmax",
+        table_weight_decay: float = 0.0,
     ) -> None:
         super().__init__()
+        check_choice(type(self).__name__, "loss", loss, TwoTowerLoss)
+        if loss == "bpr" and list(candidate_features) != ["item_id"]:
+            raise ValueError(
+                f"TwoTowerModule: loss='bpr' embeds sampled negative item ids alone, so the candidate tower must read "
+                f"item_id only, got candidate_features={list(candidate_features)}. HINT: candidate_features: [item_id]."
+            )
         if num_dense_features:
             raise ValueError(
                 f"TwoTowerModule: the towers read sparse features only, got num_dense_features={num_dense_features}. "
@@ -346,11 +420,21 @@ class TwoTowerModule(RecLightningModule):
             raise ValueError(f"TwoTowerModule: temperature must be > 0, got {temperature}. HINT: e.g. 0.05.")
         self.save_hyperparameters()
         self.model = build_two_tower(
-            sparse_features, embedding_dim, query_layer_sizes, candidate_layer_sizes, candidate_features, shared_tables
+            sparse_features,
+            embedding_dim,
+            query_layer_sizes,
+            candidate_layer_sizes,
+            candidate_features,
+            shared_tables,
+            normalize=normalize,
         )
+        self.num_items = max((f.num_embeddings for f in sparse_features if f.name == "item_id"), default=0)
         self.automatic_optimization = False
         self.val_metrics = RankingMetrics(ks, prefix="val/")
         self.test_metrics = RankingMetrics(ks, prefix="test/")
+        # several positives per query (RecBole's protocol): RecBole's metrics
+        self.val_topk = TopKMetrics(ks, prefix="val/")
+        self.test_topk = TopKMetrics(ks, prefix="test/")
 
     # -- what the towers compute -------------------------------------------------------------------------
     def forward(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,9 +443,16 @@ class TwoTowerModule(RecLightningModule):
 
     def loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """This rank's share of the global batch's in-batch softmax loss (see :func:`in_batch_softmax_loss`), with
-        the logQ correction when ``logq_correction`` is on (the batch's ``candidate_log_q``)."""
+        the logQ correction when ``logq_correction`` is on (the batch's ``candidate_log_q``); or, with
+        ``loss="bpr"``, this rank's mean :func:`bpr_loss` against uniformly drawn negatives."""
         q, c = self(batch)
         item_ids = batch["candidate"]["item_id"].values()
+        if self.hparams.loss == "bpr":
+            negative_ids = torch.randint(1, self.num_items, item_ids.shape, device=item_ids.device)
+            negatives = self.model.candidate_tower(
+                KeyedJaggedTensor.from_lengths_sync(["item_id"], negative_ids, torch.ones_like(negative_ids).int())
+            )
+            return bpr_loss(q, c, negatives, self.hparams.temperature)
         log_q = None
         if self.hparams.logq_correction:
             if "candidate_log_q" not in batch:
@@ -388,45 +479,82 @@ class TwoTowerModule(RecLightningModule):
 
     # -- Lightning hooks ---------------------------------------------------------------------------------
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        opt_dense, opt_tables = cast("list[LightningOptimizer]", self.optimizers())  # configure_optimizers' two
-        opt_dense.zero_grad()
-        opt_tables.zero_grad()
+        optimizers = self.optimizers()  # configure_optimizers': [Adam (MLPs), tables], or the tables' alone (no MLP)
+        *dense, opt_tables = cast(
+            "list[LightningOptimizer]", optimizers if isinstance(optimizers, list) else [optimizers]
+        )
+        for opt in (*dense, opt_tables):
+            opt.zero_grad()
         loss = self.loss(batch)
         self.manual_backward(loss)
-        opt_dense.step()
+        for opt in dense:
+            opt.step()
         # The tables were updated inside the backward pass (fused row-wise Adagrad); this step only runs what the
         # strategy keeps outside FBGEMM (tables on a non-fused kernel). Stepped directly, so that Lightning's
-        # `global_step` (and `max_steps`) counts training steps, not two optimizer steps per batch.
-        opt_tables.optimizer.step()
+        # `global_step` (and `max_steps`) counts training steps, not two optimizer steps per batch; without an MLP it
+        # is the one step, through Lightning (which counts it).
+        if dense:
+            opt_tables.optimizer.step()
+        else:
+            opt_tables.step()
         # the mean over ranks is the global batch's mean loss
         self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=True, batch_size=batch["query"].stride())
         return loss.detach()
 
-    def _evaluate(self, batch: Mapping[str, Any], metrics: RankingMetrics) -> None:
+    def topk_positives(self, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(query embeddings, top-k hit matrix, positive counts)`` of an evaluation batch with several positives
+        per query (``positive_ids``/``positive_lengths``): RecBole's full ranking (:func:`topk_hits`, ``k =
+        max(ks)``) of ``batch["candidate"]`` (the catalogue, item id = column), ``exclude_ids`` at ``-inf``."""
+        q = self.model.query_tower(batch["query"])
+        scores = q @ self.model.candidate_tower(batch["candidate"]).T
+        hits, num_positives = topk_hits(
+            scores,
+            batch["positive_ids"],
+            batch["positive_lengths"],
+            max(self.hparams.ks),
+            batch["exclude_ids"],
+            batch["exclude_lengths"],
+        )
+        return q, hits, num_positives
+
+    def _evaluate(self, batch: Mapping[str, Any], metrics: RankingMetrics, topk: TopKMetrics) -> None:
+        if "positive_ids" in batch:
+            _, hits, num_positives = self.topk_positives(batch)
+            topk.update(hits, num_positives)
+            return
         _, rank = self.rank_targets(batch)
         metrics.update(rank)
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        self._evaluate(batch, self.val_metrics)
+        self._evaluate(batch, self.val_metrics, self.val_topk)
 
     def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
-        self._evaluate(batch, self.test_metrics)
+        self._evaluate(batch, self.test_metrics, self.test_topk)
+
+    @staticmethod
+    def _computed(metrics: RankingMetrics, topk: TopKMetrics) -> dict[str, torch.Tensor]:
+        """The values of whichever metrics the epoch's batches fed (every rank evaluates the same batch format)."""
+        used = topk if bool(topk.count > 0) else metrics
+        values = used.compute()
+        used.reset()
+        return values
 
     def on_validation_epoch_end(self) -> None:
-        self.log_dict(
-            self.val_metrics.compute(), prog_bar=True, sync_dist=True
-        )  # already exact over ranks: the mean keeps it
-        self.val_metrics.reset()
+        # already exact over ranks (summed states): the mean keeps it
+        self.log_dict(self._computed(self.val_metrics, self.val_topk), prog_bar=True, sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
-        self.log_dict(self.test_metrics.compute(), sync_dist=True)
-        self.test_metrics.reset()
+        self.log_dict(self._computed(self.test_metrics, self.test_topk), sync_dist=True)
 
     def predict_step(
         self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0
     ) -> dict[str, torch.Tensor]:
         """Training-format batch: ``{"query", "candidate", "score"}`` (embeddings and their dot products);
-        evaluation-format batch: ``{"query", "target", "rank"}``."""
+        evaluation-format batch: ``{"query", "target", "rank"}``, or with several positives per query
+        ``{"query", "hits", "num_positives"}`` (:meth:`topk_positives`)."""
+        if "positive_ids" in batch:
+            q, hits, num_positives = self.topk_positives(batch)
+            return {"query": q, "hits": hits, "num_positives": num_positives}
         if "target" in batch:
             q, rank = self.rank_targets(batch)
             return {"query": q, "target": batch["target"], "rank": rank}
@@ -452,10 +580,15 @@ class TwoTowerModule(RecLightningModule):
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         tables = {id(p) for p in self.table_parameters()}
         dense = [p for p in self.parameters() if id(p) not in tables]
-        return [
-            torch.optim.Adam(dense, lr=self.hparams.dense_lr),
-            RowWiseAdagrad(self.table_parameters(), lr=self.hparams.table_lr, eps=self.hparams.table_eps),
-        ]
+        table_opt = RowWiseAdagrad(
+            self.table_parameters(),
+            lr=self.hparams.table_lr,
+            eps=self.hparams.table_eps,
+            weight_decay=self.hparams.table_weight_decay,
+        )
+        if not dense:  # no MLP (matrix factorisation): Adam would refuse an empty parameter list
+            return [table_opt]
+        return [torch.optim.Adam(dense, lr=self.hparams.dense_lr), table_opt]
 
     def configure_embedding_optimizer(self) -> EmbeddingOptimizer | None:
         return None  # derived from the RowWiseAdagrad above (fused row-wise Adagrad, same lr and eps)
