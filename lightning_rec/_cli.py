@@ -327,7 +327,7 @@ def _index_datamodule(config: str | None, data_dir: str | None) -> Any:
     import yaml  # type: ignore[import-untyped]  # PyYAML (LightningCLI's dependency) ships no stubs
 
     if config is None:
-        from lightning_rec.data import MovieLensRetrievalDataModule
+        from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule
 
         return MovieLensRetrievalDataModule(data_dir or "data/ml-100k")
     found = shipped_config(config) if not os.path.exists(config) else None

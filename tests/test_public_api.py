@@ -42,6 +42,7 @@ PUBLIC_PACKAGES = (
     "lightning_rec.data",
     "lightning_rec.integrations",
     "lightning_rec.models",
+    "lightning_rec.retrieval",
     "lightning_rec.serving",
     "lightning_rec.testing",
 )

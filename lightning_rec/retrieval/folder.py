@@ -3,7 +3,7 @@
 
     OUT/index.faiss     the FAISS index (row i = the i-th catalogue item), inner product
     OUT/item_ids.npy    int64, row -> item id
-    OUT/manifest.json   {"format": "lightning_rec.index", "version": 1, "checkpoint": {"path", "global_step", "epoch",
+    OUT/manifest.json   {"format": "lightning_rec.retrieval.index", "version": 1, "checkpoint": {"path", "global_step", "epoch",
                         "id", "run"}, "global_step", "run" (the checkpoint's, again), "model", "part", "devices",
                         "num_items", "dim", "metric", "kind", "params", "faiss", "created",
                         "files": {name: {"sha256", "size"}}}
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 INDEX_FILE, ITEM_IDS_FILE, MANIFEST_FILE = "index.faiss", "item_ids.npy", "manifest.json"
-INDEX_FORMAT, INDEX_VERSION = "lightning_rec.index", 1
+INDEX_FORMAT, INDEX_VERSION = "lightning_rec.retrieval.index", 1  # the module that writes it
 _FAISS_HINT = "pip install 'lightning-rec[retrieval]' (it installs faiss-cpu)"
 
 

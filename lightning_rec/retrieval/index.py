@@ -226,7 +226,7 @@ def embed_catalogue(
     ranks and loaded from ``checkpoint`` in place, in catalogue order, on rank 0 (``None`` on the other ranks)."""
     import lightning as L
 
-    from lightning_rec import RecShardStrategy
+    from lightning_rec._strategy.recshard import RecShardStrategy
 
     n = catalogue.item_ids.numel()
     gather = _Embeddings()
@@ -337,7 +337,7 @@ def build_index(
     checkpoint = Path(checkpoint)
     module, info = _module_from_checkpoint(checkpoint, model_class)
     if datamodule is None:
-        from lightning_rec.data import MovieLensRetrievalDataModule
+        from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule
 
         datamodule = MovieLensRetrievalDataModule()
     tower = module.inference_module("candidate")

@@ -70,7 +70,8 @@ class Retriever:
         allow_other_checkpoint: bool = False,
         verify: bool = True,
     ) -> None:
-        from lightning_rec.serving import inference_spec, load_inference, load_pt2
+        from lightning_rec.serving.artifact import inference_spec, load_inference
+        from lightning_rec.serving.pt2 import load_pt2
 
         self.index = index if isinstance(index, LoadedIndex) else load_index(index, verify=verify)
         path = Path(query_model)
@@ -108,7 +109,7 @@ class Retriever:
         order, extra features ignored) or the package's own arguments ``(values, lengths[, weights])``."""
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        from lightning_rec.serving import serving_inputs
+        from lightning_rec.serving.artifact import serving_inputs
 
         args = serving_inputs(self.spec, request) if isinstance(request, KeyedJaggedTensor) else tuple(request)
         with torch.inference_mode():
