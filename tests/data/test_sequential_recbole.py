@@ -207,3 +207,29 @@ def test_full_softmax_loss_is_mean_ce_over_trained_positions() -> None:
             logits = hidden[row, t] @ catalog[1:].T  # id 0 is never ranked
             terms.append(torch.logsumexp(logits, 0) - logits[targets[row, t] - 1])
     assert got.item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-6)
+
+
+def test_gru4rec_is_recboles_forward() -> None:
+    """GRU4Rec's hidden states and last state equal RecBole's ``GRU4Rec.forward`` (embedding, GRU without biases,
+    dense, gathered at ``item_seq_len - 1``) run on each row alone, unpadded: padding never reaches a row."""
+    from torchrec import EmbeddingCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from lightning_rec.config import SEQUENCE_FEATURES
+    from lightning_rec.models.sequential import GRU4Rec
+
+    torch.manual_seed(0)
+    net = GRU4Rec(20, embedding_dim=8, max_len=5, hidden_size=6).eval()
+    net.item_ec = EmbeddingCollection(tables=net.item_ec.embedding_configs(), device=torch.device("cpu"))
+    rows = [[3, 4, 5], [7], [1, 2, 3, 4, 5]]
+    lengths = torch.tensor([len(r) for r in rows] + [0] * 9)  # history, then empty target/negatives/catalog
+    kjt = KeyedJaggedTensor(keys=list(SEQUENCE_FEATURES), values=torch.tensor(sum(rows, [])), lengths=lengths)
+    with torch.no_grad():
+        out = net(kjt)
+        table = net.item_ec.embeddings["t_item"].weight
+        for i, r in enumerate(rows):
+            states, _ = net.encoder.gru(table[torch.tensor(r)].unsqueeze(0))
+            want = net.encoder.dense(states[0])
+            assert torch.allclose(out["hidden"][i, : len(r)], want, atol=1e-6)
+            assert torch.allclose(out["last"][i], want[-1], atol=1e-6)
+    assert net.encoder.gru.bias is False and net.encoder.gru.hidden_size == 6
