@@ -14,6 +14,12 @@ the same; an empty batch adds nothing and still counts as a rank).
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,7 @@ from torch.utils.data import DataLoader
 from torchrec.distributed.test_utils.test_model import ModelInput
 
 from tests.helpers.dist import run_ranks
+from tests.helpers.side_by_side import selected, side_by_side
 from tests.strategy.test_torchrec_models import (
     LR,
     MIXED_PLAN,
@@ -225,25 +232,41 @@ data:
 """
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("stream", [False, True])
-def test_an_odd_row_count_trains_row_wise_tables_through_the_cli_on_two_ranks(tmp_path, stream):
-    """2,001 training rows (the ranks' last batches differ by a row), 301 validation rows: before the padded all-gather,
-    gloo refused the row-wise backward at the epoch's last batch."""
-    import subprocess
-    import sys
-
-    _click_log(tmp_path / "train.csv", 2001, seed=1)
-    _click_log(tmp_path / "val.csv", 301, seed=2)
-    config = tmp_path / "clicks.yaml"
-    config.write_text(CONFIG.format(train=tmp_path / "train.csv", val=tmp_path / "val.csv", stream=str(stream).lower()))
-    out = subprocess.run(
+def _fit_click_log(work: Path, stream: bool, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``lightning-rec fit`` of :data:`CONFIG` on 2,001 training and 301 validation rows of a click log in ``work``."""
+    _click_log(work / "train.csv", 2001, seed=1)
+    _click_log(work / "val.csv", 301, seed=2)
+    config = work / "clicks.yaml"
+    config.write_text(CONFIG.format(train=work / "train.csv", val=work / "val.csv", stream=str(stream).lower()))
+    return subprocess.run(
         [sys.executable, "-m", "lightning_rec", "fit", "--config", str(config)],
         capture_output=True,
         text=True,
-        cwd=tmp_path,
+        cwd=work,
         timeout=400,
+        env=env,
     )
+
+
+@pytest.fixture(scope="module")
+def click_log_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[bool, Future]]:
+    """The CLI jobs of :func:`_fit_click_log` (read in memory, streamed) this session tests, side by side
+    (tests/helpers/side_by_side.py: each job's ranks import one after the other, on one core)."""
+    env = dict(os.environ)  # read here, not in the jobs' threads while a test may be changing it
+    streams = selected(request, "test_an_odd_row_count_trains_row_wise_tables_through_the_cli_on_two_ranks", "stream")
+    jobs = {s: partial(_fit_click_log, tmp_path_factory.mktemp(f"clicks_stream_{s}"), s, env) for s in streams}
+    with side_by_side(jobs) as runs:
+        yield runs
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_odd_row_count_trains_row_wise_tables_through_the_cli_on_two_ranks(click_log_runs, stream):
+    """2,001 training rows (the ranks' last batches differ by a row), 301 validation rows: before the padded all-gather,
+    gloo refused the row-wise backward at the epoch's last batch."""
+    out = click_log_runs[stream].result()
     assert out.returncode == 0, out.stderr[-4000:]
     assert "Traceback" not in out.stderr and "invalid tensor size" not in out.stderr
 
