@@ -9,6 +9,7 @@ CTR                 :class:`DeepFMNN`            :class:`DeepFMModule`          
 CTR                 :class:`LogisticRegression`  :class:`LogisticRegressionModule`           ``recbole_parity/lr.yaml``
 retrieval           :class:`TwoTower`            :class:`TwoTowerModule`                     ``movielens_two_tower.yaml``
 next item           :class:`SASRec`              :class:`SequentialRecModule`                ``movielens_sasrec.yaml``
+next item           :class:`GRU4Rec`             :class:`SequentialRecModule` (``gru``)      ``recbole_parity/gru4rec.yaml``
 ==================  ===========================  ==========================================  ===============================
 """
 
@@ -19,13 +20,14 @@ from lightning_rec.models.logistic_regression import (
     LogisticRegressionModule,
     build_logistic_regression,
 )
-from lightning_rec.models.sequential import SASRec, SequentialRecModule
+from lightning_rec.models.sequential import GRU4Rec, SASRec, SequentialRecModule
 from lightning_rec.models.two_tower import TwoTower, TwoTowerModule, build_two_tower
 
 __all__ = [
     "DLRMModule",
     "DeepFMModule",
     "DeepFMNN",
+    "GRU4Rec",
     "LogisticRegression",
     "LogisticRegressionModule",
     "SASRec",
