@@ -3,8 +3,8 @@ served by the query tower's ``.pt2`` package and that index (:class:`lightning_r
 MovieLens-100K.
 
 One two-tower model is trained briefly in this process and saved once (module fixture); every case reads that
-checkpoint. The query tower is compiled once (AOTInductor), and the catalogue is indexed on 2 ranks through the CLI
-in real processes once.
+checkpoint. The query tower's ``.pt2`` package is the session's (tests/helpers/zoo_packages.py: compiled once for the
+serving tests too), and the catalogue is indexed on 2 ranks through the CLI in real processes once.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from lightning_rec.retrieval import Retriever, build_index, index_params, load_i
 from lightning_rec.retrieval.folder import INDEX_FILE, ITEM_IDS_FILE, MANIFEST_FILE, faiss_module
 from lightning_rec.retrieval.index import _slices
 from lightning_rec.serving import export_inference
+from tests.helpers import zoo_two_tower
 from tests.helpers.data import movielens_dir
 from tests.helpers.dist import in_this_process
+from tests.helpers.zoo_packages import zoo_checkpoint, zoo_package
 
 pytest.importorskip("faiss", reason="the `retrieval` extra (faiss-cpu) is not installed")
 
@@ -127,46 +129,57 @@ def test_flat_index_holds_the_candidate_tower_and_a_manifest_tied_to_the_checkpo
 
 
 @pytest.mark.dist
-def test_retriever_answers_as_the_eager_model_and_exact_search(trained) -> None:
-    """The query tower's .pt2 package (fp32 tables) + the flat index answer each test user's top 10, their seen items
-    excluded, as the eager towers' brute-force scores do."""
-    work = trained["work"]
-    with in_this_process(work):
-        export_inference(work / "ckpt", work / "query.pt2", part="query", table_dtype="fp32")
-    retriever = Retriever(work / "query.pt2", work / "flat")
-    n = 200
-    request = trained["rows"].query(torch.arange(n))
-    top = retriever(request, k=10, exclude=trained["exclude"][:n])
-    expected_ids, expected_scores = _brute_force(
-        trained["queries"][:n], trained["catalogue"], trained["items"], trained["exclude"][:n], 10
-    )
+def test_retriever_answers_as_the_eager_model_and_exact_search(trained, tmp_path_factory, tmp_path) -> None:
+    """The query tower's .pt2 package (fp32 tables) + the flat index of the same checkpoint answer each test user's
+    top 10, their seen items excluded, as the eager towers' brute-force scores do.
+
+    The package is the session's two-tower query package (tests/helpers/zoo_packages.py: the zoo's two-tower trained
+    2 steps, compiled once for tests/test_serving_pt2.py and tests/test_serving_inputs.py too); its checkpoint is
+    indexed here."""
+    ckpt = zoo_checkpoint(zoo_two_tower.CASE, None, 2, tmp_path_factory)
+    package, _ = zoo_package(ckpt, "query")
+    with in_this_process(tmp_path):
+        build_index(ckpt, tmp_path / "flat", datamodule=trained["dm"])
+    retriever = Retriever(package, tmp_path / "flat")
+    eager = TwoTowerModule.load_from_checkpoint(ckpt).eval()
+    n, rows, exclude = 200, trained["rows"], trained["exclude"][:200]
+    request = rows.query(torch.arange(n))
+    with torch.no_grad():
+        queries, catalogue = (
+            eager.model.query_tower(request),
+            eager.model.candidate_tower(rows.candidate(trained["items"])),
+        )
+    top = retriever(request, k=10, exclude=exclude)
+    expected_ids, expected_scores = _brute_force(queries, catalogue, trained["items"], exclude, 10)
     torch.testing.assert_close(top.scores, expected_scores, atol=1e-5, rtol=0)
     # the same items, where the scores are not tied within the package's rounding
     distinct = (expected_scores[:, :-1] - expected_scores[:, 1:]).abs() > 1e-5
     clear = distinct.all(dim=1)
     assert clear.sum() > n * 0.9
     assert torch.equal(top.item_ids[clear], expected_ids[clear])
-    assert not any(set(t) & set(e) for t, e in zip(top.item_ids.tolist(), trained["exclude"][:n]))
+    assert not any(set(t) & set(e) for t, e in zip(top.item_ids.tolist(), exclude))
     # the package's own arguments answer the same
     args = (request.values(), request.lengths().long(), request.weights())
-    torch.testing.assert_close(retriever(args, k=10, exclude=trained["exclude"][:n]).scores, top.scores)
+    torch.testing.assert_close(retriever(args, k=10, exclude=exclude).scores, top.scores)
 
     # the TorchScript artifact of the same tower serves the same answers
-    with in_this_process(work):
-        export_inference(work / "ckpt", work / "query.pt", part="query", table_dtype="fp32", format="torchscript")
-    scripted = Retriever(work / "query.pt", work / "flat")(request, k=10, exclude=trained["exclude"][:n])
+    with in_this_process(tmp_path):
+        export_inference(ckpt, tmp_path / "query.pt", part="query", table_dtype="fp32", format="torchscript")
+    scripted = Retriever(tmp_path / "query.pt", tmp_path / "flat")(request, k=10, exclude=exclude)
     torch.testing.assert_close(scripted.scores, top.scores, atol=1e-5, rtol=0)
     assert torch.equal(scripted.item_ids[clear], top.item_ids[clear])
 
-    # an index of another save of the model is refused by name
-    other = work / "other_index"
-    shutil.copytree(work / "flat", other)
+    # an index of another checkpoint save is refused by name, unless allowed; one of another width always
+    other = tmp_path / "other_save"
+    shutil.copytree(tmp_path / "flat", other)
     manifest = json.loads((other / MANIFEST_FILE).read_text())
     manifest["checkpoint"]["id"] = "0" * 64
     (other / MANIFEST_FILE).write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match="from checkpoint step 30 .* and the index from step 30 .*do not match"):
-        Retriever(work / "query.pt2", other)
-    assert Retriever(work / "query.pt2", other, allow_other_checkpoint=True)(request, k=3).item_ids.shape == (n, 3)
+    with pytest.raises(ValueError, match="from checkpoint step 2 .* and the index from step 2 .*do not match"):
+        Retriever(package, other)
+    assert Retriever(package, other, allow_other_checkpoint=True)(request, k=3).item_ids.shape == (n, 3)
+    with pytest.raises(ValueError, match="embeds queries in 8 dimensions and the index holds 16"):
+        Retriever(package, trained["work"] / "flat", allow_other_checkpoint=True)
 
 
 @pytest.mark.dist
