@@ -80,13 +80,28 @@ def test_the_proven_harmless_filters_can_be_turned_off_by_the_environment():
     import os
     import subprocess
     import sys
+    from functools import partial
+
+    from tests.helpers.side_by_side import side_by_side
 
     script = (
         "import warnings; warnings.simplefilter('default'); import lightning_rec; "
         "warnings.warn('`torch.distributed.reduce_scatter_tensor` is deprecated', FutureWarning)"
     )
-    for value, shown in (("1", True), ("", False)):
-        env = {**os.environ, "LIGHTNING_REC_ALL_WARNINGS": value}
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert ("reduce_scatter_tensor` is deprecated" in out.stderr) is shown, (value, out.stderr[-2000:])
+    cases = {"1": True, "": False}  # LIGHTNING_REC_ALL_WARNINGS -> the warning shown
+    jobs = {
+        value: partial(
+            subprocess.run,
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "LIGHTNING_REC_ALL_WARNINGS": value},
+            timeout=120,
+        )
+        for value in cases
+    }
+    with side_by_side(jobs) as runs:  # both at once: each process spends its time importing, on one core
+        for value, shown in cases.items():
+            out = runs[value].result()
+            assert out.returncode == 0, out.stderr
+            assert ("reduce_scatter_tensor` is deprecated" in out.stderr) is shown, (value, out.stderr[-2000:])
