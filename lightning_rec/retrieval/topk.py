@@ -64,6 +64,7 @@ _U_FP32 = 2.0**-24
 _FLUSHED = 2.0**-126  # the smallest normal float32/bfloat16: below it, bf16 dot-product units flush to zero
 _EMPTY = torch.iinfo(torch.int64).max  # the id of an empty slot while streaming (sorts after every real id)
 _SEGMENT = 256  # items per segment of a screen row whose maximum is checked (see StreamingTopK._block)
+_KEY = 2**40  # exclusions are kept as query * _KEY + item
 _MAX_NORM_PRODUCT = 2.0**60  # |q| |c| above this could overflow the screen (bf16 and fp32 end near 2^128)
 
 
@@ -221,7 +222,7 @@ class StreamingTopK:
         *,
         exclude_ids: Tensor | None = None,
         exclude_lengths: Tensor | None = None,
-        query_block: int = 512,
+        query_block: int = 1024,
         item_block: int = 4096,
     ) -> None:
         if k < 1 or query_block < 1 or item_block < 1:
@@ -238,8 +239,11 @@ class StreamingTopK:
         self._scores = torch.full((q, k), -math.inf, dtype=torch.float64)
         self._ids = torch.full((q, k), _EMPTY, dtype=torch.int64)
         self._alpha = screen_error_bound(self.dim)
-        self._ex_item, self._ex_query = self._exclusions(exclude_ids, exclude_lengths, q)
-        self._filling = [True] * math.ceil(q / query_block)  # query blocks with a query short of k items
+        self._excluded = self._exclusions(exclude_ids, exclude_lengths, q)
+        blocks = math.ceil(q / query_block)
+        self._filling = [True] * blocks  # query blocks with a query short of k items
+        self._positive: list[bool | None] = [None] * blocks  # query blocks whose thresholds are all > 0 (None: unknown)
+        self._buffer = torch.empty(0, dtype=torch.bfloat16)  # the screen of a whole block, reused (no page faults)
         self._cmax = 0.0
         self._thr = torch.full((q,), -math.inf)
         self._thr_bits = torch.zeros(q, dtype=torch.int16)
@@ -247,10 +251,10 @@ class StreamingTopK:
         self.rescored = 0  # pairs rescored exactly (the screen's survivors)
 
     @staticmethod
-    def _exclusions(ids: Tensor | None, lengths: Tensor | None, q: int) -> tuple[Tensor, Tensor]:
-        """The excluded (item, query) pairs, sorted by item."""
+    def _exclusions(ids: Tensor | None, lengths: Tensor | None, q: int) -> Tensor:
+        """The excluded (query, item) pairs as sorted keys ``query * 2^40 + item``."""
         if ids is None and lengths is None:
-            return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+            return torch.empty(0, dtype=torch.long)
         if ids is None or lengths is None:
             raise ValueError("StreamingTopK: give both exclude_ids and exclude_lengths, or neither.")
         ids, lengths = ids.reshape(-1).long(), lengths.reshape(-1).long()
@@ -259,9 +263,9 @@ class StreamingTopK:
                 f"StreamingTopK: exclude_lengths must hold {q} counts (one per query) >= 0 summing to the "
                 f"{ids.numel()} exclude_ids, got {lengths.numel()} counts summing to {int(lengths.sum())}."
             )
-        rows = torch.repeat_interleave(torch.arange(q), lengths)
-        item, order = torch.sort(ids, stable=True)
-        return item, rows[order]
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < _KEY):
+            raise ValueError(f"StreamingTopK: exclude_ids must be item ids in [0, 2^40), got {int(ids.min())}.")
+        return torch.unique(torch.repeat_interleave(torch.arange(q), lengths) * _KEY + ids)
 
     def add(self, items: Tensor, first_id: int) -> None:
         """Score a chunk of the catalogue: ``items[i]`` is item ``first_id + i``.
@@ -284,22 +288,26 @@ class StreamingTopK:
         n = c32.shape[0]
         if not n:
             return
+        if first_id < 0 or first_id + n > _KEY:
+            raise ValueError(f"StreamingTopK: item ids must be in [0, 2^40), got {first_id}..{first_id + n - 1}.")
         q = self._q32.shape[0]
         # One margin for the chunk (its largest item norm): the thresholds change only where a merge raised a k-th
         # score, so they are computed once here and refreshed for the merged queries alone.
         self._cmax = float(norms.max())
         self._refresh(torch.arange(q))
-        lo, hi = (int(i) for i in torch.searchsorted(self._ex_item, torch.tensor([first_id, first_id + n])))
-        ex_item, ex_query = self._ex_item[lo:hi] - first_id, self._ex_query[lo:hi]
+        full = (self.query_block, self.item_block)
+        if self._buffer.shape != full:
+            self._buffer = torch.empty(full, dtype=torch.bfloat16)
         for c0 in range(0, n, self.item_block):
             c1 = min(n, c0 + self.item_block)
-            a, b = (int(i) for i in torch.searchsorted(ex_item, torch.tensor([c0, c1])))
-            block_ex = (ex_query[a:b], ex_item[a:b] - c0)
             for q0 in range(0, q, self.query_block):
                 q1 = min(q, q0 + self.query_block)
-                screen = torch.mm(self._qbf[q0:q1], cbf[c0:c1].T)
+                if (q1 - q0, c1 - c0) == full:
+                    screen = torch.mm(self._qbf[q0:q1], cbf[c0:c1].T, out=self._buffer)
+                else:
+                    screen = torch.mm(self._qbf[q0:q1], cbf[c0:c1].T)
                 self.screened += screen.numel()
-                self._block(screen, q0, q1, c32[c0:c1], first_id + c0, block_ex)
+                self._block(screen, q0, q1, c32[c0:c1], first_id + c0)
 
     def _threshold(self, rows: Tensor) -> Tensor:
         """The float32 screen threshold of the queries ``rows``: the k-th exact score so far minus the screen's
@@ -315,37 +323,37 @@ class StreamingTopK:
         """Recompute the thresholds of the queries ``rows`` (after their k-th score rose, or for a new chunk)."""
         thr = self._threshold(rows)
         self._thr[rows] = thr
+        for b in torch.unique(rows // self.query_block).tolist():
+            self._positive[b] = None
         # The int16 bits of the least bf16 number >= thr (for thr > 0, where bits order as the numbers do).
         up = thr.bfloat16()
         self._thr_bits[rows] = up.view(torch.int16) + (up.float() < thr).to(torch.int16)
 
-    def _block(self, screen: Tensor, q0: int, q1: int, c32: Tensor, first_id: int, ex: tuple[Tensor, Tensor]) -> None:
-        """Take one ``(queries q0:q1) x (items c32)`` screen block into the running top-k."""
-        ex_query, ex_item = ex
-        if ex_query.numel():
-            mine = (ex_query >= q0) & (ex_query < q1)
-            screen[ex_query[mine] - q0, ex_item[mine]] = -math.inf
-        if self._filling[q0 // self.query_block]:
+    def _block(self, screen: Tensor, q0: int, q1: int, c32: Tensor, first_id: int) -> None:
+        """Take one ``(queries q0:q1) x (items c32)`` screen block into the running top-k (excluded items are
+        screened too, and dropped before their rescore: they are few, the blocks many)."""
+        block = q0 // self.query_block
+        if self._filling[block]:
             empty = self._scores[q0:q1, -1] == -math.inf
             if bool(empty.any()):
                 # No k-th score yet (the first block, or too few items so far): the screen's own k best of the
                 # block are rescored first, which gives these queries a threshold for the rest of the block.
                 rows = empty.nonzero().squeeze(1)
                 best, cols = screen[rows].topk(min(self.k, screen.shape[1]), dim=1)
-                rows = rows.repeat_interleave(cols.shape[1])
-                keep = best.reshape(-1) > -math.inf  # an excluded item never enters
-                rows, cols = rows[keep], cols.reshape(-1)[keep]
+                rows, cols = rows.repeat_interleave(cols.shape[1]), cols.reshape(-1)
                 self._rescore(q0 + rows, cols, c32, first_id)
                 screen[rows, cols] = -math.inf  # taken: not again below
             else:
-                self._filling[q0 // self.query_block] = False
+                self._filling[block] = False
         thr = self._thr[q0:q1]
         # The maxima of short segments of each row, not of the whole row: only the segments that reach a threshold
         # are read again, which keeps the work of the early blocks (low thresholds, many rows reaching) small.
         width = screen.shape[1]
         seg = _SEGMENT if width % _SEGMENT == 0 else width
         segments = screen.view(q1 - q0, width // seg, seg)
-        if bool((thr > 0).all()):
+        if self._positive[block] is None:
+            self._positive[block] = bool((thr > 0).all())
+        if self._positive[block]:
             # Positive bf16 numbers order as their bits read as int16 (negative ones and -inf read negative), and an
             # int16 maximum runs some 20x faster than a bf16 one: compare with the bits of the least bf16 >= thr.
             bits = segments.view(torch.int16).amax(2)
@@ -357,13 +365,18 @@ class StreamingTopK:
         rows, which = reach.nonzero().unbind(1)  # row-major: rows ascending
         part = segments[rows, which]
         i, j = (part >= thr[rows].unsqueeze(1)).nonzero().unbind(1)
-        keep = part[i, j] > -math.inf  # excluded, or taken above (a query still filling has threshold -inf)
+        keep = part[i, j] > -math.inf  # taken above (a query still filling has threshold -inf)
         i, j = i[keep], j[keep]
         self._rescore(q0 + rows[i], which[i] * seg + j, c32, first_id)
 
     def _rescore(self, rows: Tensor, cols: Tensor, c32: Tensor, first_id: int) -> None:
         """Exact float64 scores of the pairs (query ``rows[i]``, item ``cols[i]`` of ``c32``), merged into the
         running top-k (``rows`` ascending)."""
+        if self._excluded.numel():
+            keys = rows * _KEY + (cols + first_id)
+            at = torch.searchsorted(self._excluded, keys).clamp(max=self._excluded.numel() - 1)
+            keep = self._excluded[at] != keys
+            rows, cols = rows[keep], cols[keep]
         if not rows.numel():
             return
         self.rescored += rows.numel()
@@ -477,7 +490,7 @@ def catalogue_topk(
     exclude_lengths: Tensor | None = None,
     chunk_rows: int = 65536,
     group: Any = None,
-    query_block: int = 512,
+    query_block: int = 1024,
     item_block: int = 4096,
 ) -> ExactTopK:
     """The exact top ``k`` of every query over a catalogue whose rows are spread over the ranks.
