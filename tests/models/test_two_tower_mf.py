@@ -16,7 +16,7 @@ from lightning_rec import RecShardStrategy
 from lightning_rec._pretrained import load_rows
 from lightning_rec.data.movielens_retrieval import MovieLensRetrievalDataModule
 from lightning_rec.models import TwoTowerModule
-from lightning_rec.models.two_tower import bpr_loss
+from lightning_rec.models.retrieval_losses import bpr_loss
 from tests.helpers.data import movielens_dir
 from tests.helpers.dist import in_this_process
 from tests.test_topk_metrics import recbole_metrics
