@@ -8,12 +8,14 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from lightning_rec.testing import shell_env
 from tests.helpers.dist import REPO, launch
+from tests.helpers.side_by_side import side_by_side
 
 pytestmark = pytest.mark.dist
 
@@ -44,12 +46,15 @@ def _records(out: Path, strategy: str):
 
 @pytest.fixture(scope="module")
 def ddp_and_recshard(tmp_path_factory) -> Path:
-    """The script run once with Lightning's ddp and once with recshard (``<dir>/<strategy>/``)."""
+    """The script run once with Lightning's ddp and once with recshard (``<dir>/<strategy>/``), side by side: each
+    job's ranks import one after the other, on one core (tests/helpers/side_by_side.py)."""
     root = tmp_path_factory.mktemp("scripts")
-    for strategy in ("ddp", "recshard"):
-        # recshard as a user starts it, OMP_NUM_THREADS unset; ddp with it set (its rank 1 would spin otherwise).
-        proc = _plain(root / strategy, strategy, omp_threads="1" if strategy == "ddp" else None)
-        assert (root / strategy / f"{strategy}.rank1.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    # recshard as a user starts it, OMP_NUM_THREADS unset; ddp with it set (its rank 1 would spin otherwise).
+    jobs = {s: partial(_plain, root / s, s, omp_threads="1" if s == "ddp" else None) for s in ("ddp", "recshard")}
+    with side_by_side(jobs) as runs:
+        for strategy, run in runs.items():
+            proc = run.result()
+            assert (root / strategy / f"{strategy}.rank1.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return root
 
 
