@@ -10,12 +10,17 @@ import subprocess
 import sys
 import textwrap
 import types
+from collections.abc import Iterator
+from concurrent.futures import Future
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_rec import _forkserver
 from lightning_rec.testing import shell_env
+from tests.helpers.side_by_side import selected, side_by_side
 
 # A user's own dataset and DataModule, as written in a notebook cell or a script: the class lives in __main__.
 _USER_DATA = """
@@ -90,12 +95,83 @@ def same(a, b):
 """
 
 
-def _run(args: list[str], cwd, script: str | None = None) -> str:
+def _run(args: list[str], cwd, script: str | None = None, env: dict[str, str] | None = None) -> str:
     out = subprocess.run(
-        [sys.executable, *args], input=script, cwd=cwd, capture_output=True, text=True, env=shell_env(), timeout=300
+        [sys.executable, *args],
+        input=script,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env or shell_env(),
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout
+
+
+_FORKED = _USER_DATA + textwrap.dedent("""
+    import os
+    from multiprocessing import forkserver
+    from lightning_rec.data import batch_loader
+
+    forkserver.ensure_running()  # the parent's, as a kernel's library might start it
+    pid = os.fork()
+    if pid == 0:
+        dataset = Data(batch_size=64).split("val")  # the package's class: the fork server's, if it could
+        rows = [b.labels.tolist() for b in batch_loader(dataset, 64, num_workers=2)]
+        os._exit(0 if rows == [b.labels.tolist() for b in batch_loader(dataset, 64)] else 3)
+    print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    """)
+# The user scripts the tests below run, by test: (the script's file name, "-" for standard input; its text).
+_SCRIPTS = {
+    "test_a_dataset_class_in_a_script_read_from_standard_input_trains_with_workers": (
+        "-",
+        _USER_DATA + _MODEL + "\nprint('same', same(fit(2, 1), fit(0, 1)))\n",
+    ),
+    "test_a_script_without_a_main_guard_starts_its_workers": (
+        "unguarded.py",
+        _USER_DATA
+        + textwrap.dedent("""
+            from lightning_rec.data import batch_loader
+            data = Data(batch_size=64)
+            rows = [b.labels.tolist() for b in batch_loader(data.split("train"), 64, num_workers=2)]
+            print("same", rows == [b.labels.tolist() for b in batch_loader(data.split("train"), 64)])
+            """),
+    ),
+    "test_a_process_forked_after_multiprocessings_own_fork_server_started_starts_its_workers": (
+        "forked.py",
+        f"if __name__ == '__main__':\n{textwrap.indent(_FORKED, '    ')}",
+    ),
+}
+
+
+def _run_script(name: str, text: str, cwd: Path, env: dict[str, str]) -> str:
+    """``python <name>`` (``python -`` with the text on standard input) in ``cwd``: its output."""
+    if name == "-":
+        return _run(["-"], cwd, text, env)
+    (cwd / name).write_text(text)
+    return _run([name], cwd, env=env)
+
+
+@pytest.fixture(scope="module")
+def scripts(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
+    """The scripts of :data:`_SCRIPTS` whose tests this session runs, each in a folder of its own, side by side
+    (tests/helpers/side_by_side.py: each is one process, mostly importing, on one core)."""
+    env = shell_env()  # read here, not in the jobs' threads while a test may be changing os.environ
+    jobs = {
+        test: partial(_run_script, name, text, tmp_path_factory.mktemp("script"), env)
+        for test, (name, text) in _SCRIPTS.items()
+        if selected(request, test)
+    }
+    with side_by_side(jobs) as runs:
+        yield runs
+
+
+@pytest.fixture
+def script(request: pytest.FixtureRequest, scripts: dict[str, Future]) -> Future:
+    """This test's script (:data:`_SCRIPTS`): ``.result()`` waits for its output (and fails the test unless it
+    exited 0)."""
+    return scripts[request.node.originalname]
 
 
 def test_what_a_fork_server_child_could_not_get_starts_as_pytorch_would(monkeypatch):
@@ -123,45 +199,23 @@ def test_package_datasets_still_come_from_the_fork_server(monkeypatch):
 
 
 @pytest.mark.dist
-def test_a_dataset_class_in_a_script_read_from_standard_input_trains_with_workers(tmp_path):
+def test_a_dataset_class_in_a_script_read_from_standard_input_trains_with_workers(script):
     """``python - < train.py`` with the dataset class in the script: two workers train the same weights as none."""
-    script = _USER_DATA + _MODEL + "\nprint('same', same(fit(2, 1), fit(0, 1)))\n"
-    assert _run(["-"], tmp_path, script).split()[-2:] == ["same", "True"]
+    assert script.result().split()[-2:] == ["same", "True"]
 
 
 @pytest.mark.dist
-def test_a_script_without_a_main_guard_starts_its_workers(tmp_path):
+def test_a_script_without_a_main_guard_starts_its_workers(script):
     """On Linux PyTorch's workers start from a script without ``if __name__ == "__main__":`` (they are forked); a
     child of the fork server would run the script again and start workers from a worker."""
-    script = _USER_DATA + textwrap.dedent("""
-        from lightning_rec.data import batch_loader
-        data = Data(batch_size=64)
-        rows = [b.labels.tolist() for b in batch_loader(data.split("train"), 64, num_workers=2)]
-        print("same", rows == [b.labels.tolist() for b in batch_loader(data.split("train"), 64)])
-        """)
-    (tmp_path / "unguarded.py").write_text(script)
-    assert _run(["unguarded.py"], tmp_path).split()[-2:] == ["same", "True"]
+    assert script.result().split()[-2:] == ["same", "True"]
 
 
 @pytest.mark.dist
-def test_a_process_forked_after_multiprocessings_own_fork_server_started_starts_its_workers(tmp_path):
+def test_a_process_forked_after_multiprocessings_own_fork_server_started_starts_its_workers(script):
     """A fork server started by multiprocessing itself (not through this package) in a parent: a forked child cannot
     reach it (``ChildProcessError``), so its loaders' workers start as PyTorch's would."""
-    script = _USER_DATA + textwrap.dedent("""
-        import os
-        from multiprocessing import forkserver
-        from lightning_rec.data import batch_loader
-
-        forkserver.ensure_running()  # the parent's, as a kernel's library might start it
-        pid = os.fork()
-        if pid == 0:
-            dataset = Data(batch_size=64).split("val")  # the package's class: the fork server's, if it could
-            rows = [b.labels.tolist() for b in batch_loader(dataset, 64, num_workers=2)]
-            os._exit(0 if rows == [b.labels.tolist() for b in batch_loader(dataset, 64)] else 3)
-        print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-        """)
-    (tmp_path / "forked.py").write_text(f"if __name__ == '__main__':\n{textwrap.indent(script, '    ')}")
-    assert _run(["forked.py"], tmp_path).split()[-3:] == ["child", "exit", "0"]
+    assert script.result().split()[-3:] == ["child", "exit", "0"]
 
 
 @pytest.mark.dist
