@@ -13,6 +13,7 @@ import runpy
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from lightning_rec.testing import QUIET_TRAINER, shell_env
 from tests.helpers import user_scenarios, zoo_deepfm, zoo_dlrm, zoo_two_tower
 from tests.helpers.dist import run_ranks
 from tests.helpers.serving import serve_fresh
+from tests.helpers.side_by_side import side_by_side
 from tests.helpers.user_models import REORDERING_PLAN, ValuesModel, samples, to_batch
 from tests.helpers.zoo import ZooCase, seeded_module
 
@@ -353,16 +355,27 @@ def test_a_script_trained_model_exports_from_the_shell(tmp_path):
     env = shell_env()
     out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    cli = [str(Path(sys.executable).with_name("lightning-rec")), "export", "ckpts/last.ckpt", "model.pt"]
-    cli += ["--format", "inference", "--table-dtype", "fp32"]
-    out = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert (
-        "Model was defined in the script that trained it" in out.stderr and "--model-class script.Model" in out.stderr
-    )
-    assert not (tmp_path / "model.pt").exists()
-    out = subprocess.run([*cli, "--model-class", "train.Model"], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+    export = [str(Path(sys.executable).with_name("lightning-rec")), "export", "ckpts/last.ckpt"]
+    torchscript, named = ["--format", "inference", "--table-dtype", "fp32"], ["--model-class", "train.Model"]
+    exports = {
+        "refused": [*export, "refused.pt", *torchscript],
+        "model.pt": [*export, "model.pt", *torchscript, *named],
+        "model.pt2": [*export, "model.pt2", "--format", "pt2", "--table-dtype", "fp32", *named],
+    }
+    run = partial(subprocess.run, cwd=tmp_path, capture_output=True, text=True, env=env)
+    # The three exports side by side (tests/helpers/side_by_side.py): each is one process importing, then tracing or
+    # compiling, on one core; they read the checkpoint and write files of their own.
+    with side_by_side({name: partial(run, command) for name, command in exports.items()}) as done:
+        out = done["refused"].result()
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert (
+            "Model was defined in the script that trained it" in out.stderr
+            and "--model-class script.Model" in out.stderr
+        )
+        assert not (tmp_path / "refused.pt").exists()
+        out = done["model.pt"].result()
+        assert out.returncode == 0, out.stderr[-3000:]
+        pt2_out = done["model.pt2"].result()
     assert "forward(dense_features[B, 3], values, lengths)" in out.stdout
     script = runpy.run_path(str(tmp_path / "train.py"))
     model = script["Model"].load_from_checkpoint(tmp_path / "ckpts" / "last.ckpt").eval()
@@ -373,9 +386,7 @@ def test_a_script_trained_model_exports_from_the_shell(tmp_path):
     (got,) = serve_fresh([(tmp_path / "model.pt", [serving_inputs(spec, batch["sparse"], batch["dense"])])], tmp_path)
     assert torch.equal(got, want), (got - want).abs().max()
     # The same from a .pt2 package (torch.export + AOTInductor): to 1e-6.
-    cli[3:6] = ["model.pt2", "--format", "pt2"]
-    out = subprocess.run([*cli, "--model-class", "train.Model"], cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert pt2_out.returncode == 0, pt2_out.stderr[-3000:]
     package = load_pt2(tmp_path / "model.pt2")
     got = package(*serving_inputs(package.spec, batch["sparse"], batch["dense"]))
     assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
