@@ -69,7 +69,7 @@ def synthetic_rows(ids: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
     """Rows ``ids`` of the synthetic catalogue: float32 uniform in [-1, 1) on a 2^-23 grid, a function of (seed,
     row, column) alone."""
     counter = ids.long().unsqueeze(1) * dim + torch.arange(dim) + seed * 0x51ED27
-    bits = _mix(counter) >> 40 & 0xFFFFFF
+    bits = (_mix(counter) >> 16) & 0xFFFFFF  # not the top bits: the last xor-shift leaves the sign bit 0
     return bits.float() / 2.0**23 - 1.0
 
 
