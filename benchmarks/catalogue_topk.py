@@ -142,7 +142,7 @@ def rank_main(rank: int, world_size: int, out_dir: str, **cfg: Any) -> dict[str,
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-    from lightning_rec._planner.sharders import EBCSharder
+    from lightning_rec import EBCSharder
     from lightning_rec.metrics import TopKMetrics
     from lightning_rec.retrieval.topk import ExactTopK, catalogue_topk, ebc_lookup, merge_topk, row_range
     from lightning_rec.testing.reference import reference_dmp

@@ -215,7 +215,7 @@ def two_rank_topk(rank: int, world_size: int, out_dir: Path) -> dict[str, Any]:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-    from lightning_rec._planner.sharders import EBCSharder
+    from lightning_rec import EBCSharder
     from lightning_rec.testing.reference import reference_dmp
 
     dist.init_process_group("gloo")
