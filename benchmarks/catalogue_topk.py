@@ -144,7 +144,7 @@ def rank_main(rank: int, world_size: int, out_dir: str, **cfg: Any) -> dict[str,
 
     from lightning_rec import EBCSharder
     from lightning_rec.metrics import TopKMetrics
-    from lightning_rec.retrieval.topk import ExactTopK, catalogue_topk, ebc_lookup, merge_topk, row_range
+    from lightning_rec.retrieval import ExactTopK, catalogue_topk, ebc_lookup, merge_topk, row_range
     from lightning_rec.testing.reference import reference_dmp
 
     torch.set_num_threads(1)  # one core per rank (2 ranks on the 2-core machine)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_rec.metrics import TopKMetrics, topk_hits
-from lightning_rec.retrieval.topk import (
+from lightning_rec.retrieval import (
     ExactTopK,
     StreamingTopK,
     catalogue_topk,

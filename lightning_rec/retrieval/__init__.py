@@ -16,15 +16,8 @@ See docs/retrieval.md.
 from lightning_rec.retrieval.folder import LoadedIndex, load_index
 from lightning_rec.retrieval.index import KINDS, Catalogue, IndexKind, build_index, catalogue_of, index_params
 from lightning_rec.retrieval.retriever import Retriever, TopK, search_index
-from lightning_rec.retrieval.topk import (
-    ExactTopK,
-    StreamingTopK,
-    catalogue_topk,
-    ebc_lookup,
-    merge_topk,
-    row_range,
-    screen_error_bound,
-)
+from lightning_rec.retrieval.sharded_topk import catalogue_topk, ebc_lookup, row_range
+from lightning_rec.retrieval.topk import ExactTopK, StreamingTopK, merge_topk, screen_error_bound
 
 __all__ = [
     "KINDS",
