@@ -295,6 +295,9 @@ def test_search_leaves_out_excluded_items_and_pads_a_small_catalogue() -> None:
     assert search_index(index, torch.tensor([[1.0, 0.0]]), k=1, exclude=[[10]]).item_ids.tolist() == [[20]]
     with pytest.raises(ValueError, match="exclude holds 1 lists for 2 queries"):
         search_index(index, torch.zeros(2, 2), exclude=[[]])
+    for wrong in (torch.zeros(2, 3), torch.zeros(2)):  # another width, or one vector without its batch dimension
+        with pytest.raises(ValueError, match=r"queries must be \(B, 2\) for this index of 2-wide vectors"):
+            search_index(index, wrong)
 
 
 def test_the_command_answers_help_with_its_options(capsys) -> None:

@@ -142,6 +142,11 @@ def search_index(
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}.")
+    if queries.dim() != 2 or queries.shape[1] != index.index.d:
+        raise ValueError(
+            f"queries must be (B, {index.index.d}) for this index of {index.index.d}-wide vectors, got "
+            f"{tuple(queries.shape)}. HINT: embed them with the query tower of the checkpoint the index was built from."
+        )
     if exclude is not None and len(exclude) != queries.shape[0]:
         raise ValueError(f"exclude holds {len(exclude)} lists for {queries.shape[0]} queries; give one per query.")
     ntotal = int(index.index.ntotal)
